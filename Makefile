@@ -1,0 +1,28 @@
+# Two commands do all set-up on a fresh machine:
+#   make quickstart   install, then run the main job on its embedded default (CPU)
+#   make test         install, then run the test suite
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+
+.PHONY: setup quickstart test test-gpu clean
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	# The CPU wheel of torch first: a later unpinned request must not pull a CUDA build.
+	$(PIP) install -q torch==2.13.0
+	DS_BUILD_OPS=0 $(PIP) install -q -e '.[dev]'
+	touch $@
+
+setup: $(VENV)/.installed
+
+quickstart: setup
+	$(VENV)/bin/harness info jobs/quickstart.yaml
+
+test: setup
+	$(PY) -m pytest -q
+
+clean:
+	rm -rf $(VENV) .pytest_cache

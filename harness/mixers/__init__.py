@@ -1,0 +1,45 @@
+"""The seven linear-time token mixers, by name. `MIXERS[name]` is the layer class."""
+
+from __future__ import annotations
+
+from dataclasses import fields
+from typing import Any, Mapping
+
+from harness.mixers.base import Mixer, MixerOptions, MixerShape, MixerState
+from harness.mixers.deltanet import DeltaNet
+from harness.mixers.gated_deltanet import GatedDeltaNet
+from harness.mixers.gla import GLA
+from harness.mixers.kda import KDA
+from harness.mixers.linear_attn import LinearAttention
+from harness.mixers.mlstm import MLSTM
+from harness.mixers.retnet import RetNet
+
+MIXERS: dict[str, type[Mixer]] = {
+    cls.name: cls for cls in (LinearAttention, RetNet, GLA, DeltaNet, GatedDeltaNet, KDA, MLSTM)
+}
+
+
+def mixer_class(name: str) -> type[Mixer]:
+    if name not in MIXERS:
+        raise ValueError(f"unknown mixer '{name}'; valid mixers: {', '.join(MIXERS)}")
+    return MIXERS[name]
+
+
+def mixer_options(name: str, options: Mapping[str, Any] | None = None) -> MixerOptions:
+    """Build and check a mixer's options; unknown keys raise ValueError listing the allowed ones."""
+    cls = mixer_class(name).Options
+    allowed = {f.name: f for f in fields(cls)}
+    unknown = sorted(set(options or {}) - set(allowed))
+    if unknown:
+        listing = "; ".join(f"{n} ({f.metadata.get('help', '')})" for n, f in allowed.items())
+        raise ValueError(f"unknown option(s) {', '.join(unknown)} for mixer '{name}'. Allowed: {listing}")
+    return cls(**dict(options or {}))
+
+
+def describe_options(name: str) -> list[tuple[str, Any, str]]:
+    """(option, default, description) for each option of a mixer."""
+    return [(f.name, f.default, f.metadata.get("help", "")) for f in fields(mixer_class(name).Options)]
+
+
+__all__ = ["MIXERS", "Mixer", "MixerOptions", "MixerShape", "MixerState", "mixer_class", "mixer_options",
+           "describe_options"]

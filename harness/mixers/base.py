@@ -1,0 +1,265 @@
+"""What every token mixer shares: shapes, options, Q/K/V/O projections, weight transfer, decoding state.
+
+A mixer replaces one softmax-attention block. It keeps the teacher's head layout (num_heads query heads
+of head_dim each) so the teacher's Q, K, V, O projections fit; grouped K/V heads are expanded so that
+student head j takes teacher KV head j // n_rep (the order of transformers' `repeat_kv`).
+Subclasses add their own parameters and implement `_mix` (recurrence over q, k, v) and `_output`
+(gate/norm before o_proj).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from harness.mixers.kernels import resolve_backend
+
+
+@dataclass
+class MixerShape:
+    """The teacher attention's geometry, which the student mixer keeps."""
+
+    hidden_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    attention_bias: bool = False
+
+    @property
+    def n_rep(self) -> int:
+        return self.num_heads // self.num_kv_heads
+
+    @classmethod
+    def from_config(cls, config: Any) -> "MixerShape":
+        heads = config.num_attention_heads
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+        return cls(
+            hidden_size=config.hidden_size,
+            num_heads=heads,
+            num_kv_heads=getattr(config, "num_key_value_heads", None) or heads,
+            head_dim=head_dim,
+            attention_bias=bool(getattr(config, "attention_bias", False)),
+        )
+
+
+@dataclass
+class MixerOptions:
+    """Options every mixer takes; subclasses add their own fields (each with a description)."""
+
+    rope: bool = field(default=False, metadata={"help": "Apply the teacher's rotary embedding to q and k."})
+    chunk_size: int = field(default=64, metadata={"help": "Chunk length of the PyTorch chunkwise form."})
+    backend: str = field(
+        default="auto", metadata={"help": "auto (kernel on CUDA, else reference), kernel or reference."}
+    )
+
+    def __post_init__(self) -> None:
+        if self.backend not in ("auto", "kernel", "reference"):
+            raise ValueError(f"backend='{self.backend}' is not one of auto, kernel, reference")
+        if self.chunk_size < 1:
+            raise ValueError(f"chunk_size={self.chunk_size} must be >= 1")
+
+
+@dataclass
+class MixerState:
+    """Decoding state of one mixer layer: the recurrent state and, with short convolutions, the conv tail."""
+
+    recurrent: Any = None
+    conv: Optional[torch.Tensor] = None
+
+    def map(self, fn) -> "MixerState":
+        def apply(x):
+            if isinstance(x, torch.Tensor):
+                return fn(x)
+            if isinstance(x, (tuple, list)):
+                return type(x)(apply(y) for y in x)
+            return x
+
+        return MixerState(apply(self.recurrent), apply(self.conv))
+
+
+class Mixer(nn.Module):
+    """Base class: projections, rope, weight transfer, backend choice. Input/output `[B, T, hidden]`."""
+
+    name: ClassVar[str]
+    Options: ClassVar[type[MixerOptions]] = MixerOptions
+
+    def __init__(self, shape: MixerShape, options: MixerOptions, layer_idx: int = 0):
+        super().__init__()
+        self.shape, self.options, self.layer_idx = shape, options, layer_idx
+        inner = shape.num_heads * shape.head_dim
+        self.q_proj = nn.Linear(shape.hidden_size, inner, bias=shape.attention_bias)
+        self.k_proj = nn.Linear(shape.hidden_size, inner, bias=shape.attention_bias)
+        self.v_proj = nn.Linear(shape.hidden_size, inner, bias=shape.attention_bias)
+        self.o_proj = nn.Linear(inner, shape.hidden_size, bias=False)
+
+    # ---------------------------------------------------------------- forward
+    def forward(
+        self,
+        x: torch.Tensor,
+        *,
+        position_embeddings: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
+        state: Optional[MixerState] = None,
+        use_cache: bool = False,
+    ) -> tuple[torch.Tensor, Optional[MixerState]]:
+        """x `[B, T, hidden]` -> (y `[B, T, hidden]`, new state if use_cache else None)."""
+        q, k, v, conv_state = self.project_qkv(x, state, use_cache)
+        if self.options.rope:
+            if position_embeddings is None:
+                raise ValueError(f"{self.name}: rope=True needs position_embeddings from the model")
+            q, k = apply_rope(q, k, *position_embeddings)
+        prior = state.recurrent if state is not None else None
+        o, recurrent = self._mix(x, q, k, v, prior, self.backend_for(x))
+        y = self.o_proj(self._output(x, o).flatten(2).to(x.dtype))
+        return y, (MixerState(recurrent, conv_state) if use_cache else None)
+
+    def project_qkv(self, x, state: Optional[MixerState], use_cache: bool):
+        """q, k, v `[B, T, H, D]` and the new conv state (None for mixers without a short convolution)."""
+        return self._heads(self.q_proj(x)), self._heads(self.k_proj(x)), self._heads(self.v_proj(x)), None
+
+    def _mix(self, x, q, k, v, prior, backend: str):
+        raise NotImplementedError
+
+    def _output(self, x: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
+        """Per-head output `[B, T, H, D]` -> what o_proj consumes (gates/norms go here). Default: identity."""
+        return o
+
+    def backend_for(self, x: torch.Tensor) -> str:
+        return resolve_backend(self.options.backend, x.device)
+
+    def _heads(self, t: torch.Tensor) -> torch.Tensor:
+        return t.unflatten(-1, (self.shape.num_heads, self.shape.head_dim))
+
+    # ---------------------------------------------------------------- weight transfer
+    @torch.no_grad()
+    def transfer_from_attention(self, attn: nn.Module) -> None:
+        """Copy the teacher attention's Q, K, V, O (K and V expanded from the KV heads) bit for bit."""
+        s = self.shape
+        self.q_proj.weight.copy_(attn.q_proj.weight)
+        self.o_proj.weight.copy_(attn.o_proj.weight)
+        for name in ("k_proj", "v_proj"):
+            src = getattr(attn, name)
+            dst = getattr(self, name)
+            dst.weight.copy_(expand_kv(src.weight, s.num_kv_heads, s.n_rep))
+            if dst.bias is not None:
+                dst.bias.copy_(expand_kv(src.bias, s.num_kv_heads, s.n_rep))
+        if self.q_proj.bias is not None:
+            self.q_proj.bias.copy_(attn.q_proj.bias)
+
+    def reset_new_parameters(self) -> None:
+        """Initialise the parameters the teacher does not have, as the mixer's authors do."""
+
+    @classmethod
+    def new_parameter_names(cls) -> tuple[str, ...]:
+        """Parameter-name prefixes that are not copied from the teacher."""
+        return ()
+
+
+def expand_kv(weight: torch.Tensor, num_kv_heads: int, n_rep: int) -> torch.Tensor:
+    """`[KVH * D, ...]` -> `[KVH * n_rep * D, ...]`: student head j gets teacher KV head j // n_rep."""
+    head_dim = weight.shape[0] // num_kv_heads
+    per_head = weight.reshape(num_kv_heads, head_dim, *weight.shape[1:])
+    return per_head.repeat_interleave(n_rep, dim=0).reshape(num_kv_heads * n_rep * head_dim, *weight.shape[1:])
+
+
+def apply_rope(q, k, cos, sin):
+    """Rotary embedding on `[B, T, H, D]` q and k with transformers' (cos, sin) of shape `[B, T, D]`."""
+    cos, sin = cos.unsqueeze(2).to(q.dtype), sin.unsqueeze(2).to(q.dtype)
+
+    def rotate(x):
+        x1, x2 = x.chunk(2, dim=-1)
+        return torch.cat((-x2, x1), dim=-1)
+
+    return q * cos + rotate(q) * sin, k * cos + rotate(k) * sin
+
+
+def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    return x * torch.rsqrt((x.float() * x.float()).sum(-1, keepdim=True) + eps).to(x.dtype)
+
+
+class HeadRMSNorm(nn.Module):
+    """RMSNorm over each head's last dim, optionally gated: norm(o) * act(gate) (fla's FusedRMSNormGated)."""
+
+    def __init__(self, head_dim: int, eps: float = 1e-5, activation: Optional[str] = None):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(head_dim))
+        self.eps, self.activation = eps, activation
+
+    def forward(self, o: torch.Tensor, gate: Optional[torch.Tensor] = None) -> torch.Tensor:
+        y = F.rms_norm(o.float(), (o.shape[-1],), self.weight.float(), self.eps)
+        if gate is not None:
+            act = F.silu if self.activation == "silu" else torch.sigmoid
+            y = y * act(gate.float())
+        return y.to(o.dtype)
+
+
+class ShortConv(nn.Module):
+    """Depthwise causal convolution with SiLU over `[B, T, C]` (fla's ShortConvolution), with a decoding tail.
+
+    The state is the last `kernel_size - 1` inputs `[B, C, kernel_size - 1]`.
+    """
+
+    def __init__(self, channels: int, kernel_size: int = 4, bias: bool = False):
+        super().__init__()
+        self.conv = nn.Conv1d(channels, channels, kernel_size, groups=channels, bias=bias)
+        self.kernel_size = kernel_size
+
+    def forward(self, x: torch.Tensor, tail: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+        xt = x.transpose(1, 2)  # [B, C, T]
+        if tail is None:
+            tail = xt.new_zeros(xt.shape[0], xt.shape[1], self.kernel_size - 1)
+        padded = torch.cat([tail.to(xt.dtype), xt], dim=-1)
+        y = F.conv1d(padded, self.conv.weight, self.conv.bias, groups=xt.shape[1])
+        return F.silu(y).transpose(1, 2), padded[..., -(self.kernel_size - 1):]
+
+
+def run_gated_delta(q, k, v, g, beta, *, scale: float, prior, backend: str, chunk_size: int):
+    """Dispatch the gated-delta recurrence (docs/RECURRENCES.md): one step when decoding a single token,
+    fla's kernel on the kernel backend, else the PyTorch chunkwise form. Returns (o `[B,T,H,V]`, state)."""
+    from harness.mixers import kernels, recurrence
+
+    if q.shape[1] == 1 and prior is not None:
+        o, state = recurrence.step_gated_delta(
+            q[:, 0], k[:, 0], v[:, 0], None if g is None else g[:, 0], None if beta is None else beta[:, 0],
+            scale=scale, state=prior,
+        )
+        return o.unsqueeze(1), state
+    if backend == "kernel":
+        return kernels.kernel_gated_delta(q, k, v, g, beta, scale=scale, initial_state=prior)
+    return recurrence.chunk_gated_delta(q, k, v, g, beta, scale=scale, initial_state=prior, chunk_size=chunk_size)
+
+
+class ConvMixer(Mixer):
+    """A mixer with fla's short causal convolution (+SiLU) on q, k and v (DeltaNet, Gated DeltaNet, KDA)."""
+
+    def __init__(self, shape: MixerShape, options, layer_idx: int = 0):
+        super().__init__(shape, options, layer_idx)
+        if options.short_conv:
+            self.qkv_conv = ShortConv(3 * shape.num_heads * shape.head_dim, options.conv_size)
+
+    def project_qkv(self, x, state, use_cache):
+        qkv = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)
+        tail = None
+        if self.options.short_conv:
+            qkv, tail = self.qkv_conv(qkv, state.conv if state is not None else None)
+        else:
+            qkv = F.silu(qkv)
+        q, k, v = (self._heads(t) for t in qkv.chunk(3, dim=-1))
+        return q, k, v, tail
+
+
+@dataclass
+class ConvOptions(MixerOptions):
+    short_conv: bool = field(default=True, metadata={"help": "Short causal convolution (+SiLU) on q, k, v."})
+    conv_size: int = field(default=4, metadata={"help": "Kernel size of the short convolution."})
+
+
+def mamba_dt_bias(n: int, dt_min: float = 1e-3, dt_max: float = 0.1, floor: float = 1e-4) -> torch.Tensor:
+    """Inverse-softplus of dt ~ LogUniform(dt_min, dt_max): the Mamba2 / Gated DeltaNet / KDA dt_bias init."""
+    import math
+
+    dt = torch.exp(torch.rand(n) * (math.log(dt_max) - math.log(dt_min)) + math.log(dt_min)).clamp(min=floor)
+    return dt + torch.log(-torch.expm1(-dt))

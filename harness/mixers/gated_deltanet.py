@@ -1,0 +1,49 @@
+"""Gated DeltaNet (Yang et al., 2025): S_t = exp(g_t) (I - b_t k_t k_t^T) S_{t-1} + b_t k_t v_t^T with a scalar
+gate per head g_t = -exp(A_log) softplus(W_a x_t + dt_bias) (Mamba2-style init), b_t = sigmoid(W_b x_t),
+short convolutions, L2-normalised q and k, and a per-head RMSNorm with a swish output gate."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from harness.mixers.base import ConvMixer, ConvOptions, HeadRMSNorm, l2norm, mamba_dt_bias, run_gated_delta
+
+
+class GatedDeltaNet(ConvMixer):
+    name = "gated_deltanet"
+    Options = ConvOptions
+
+    def __init__(self, shape, options, layer_idx=0):
+        super().__init__(shape, options, layer_idx)
+        h, inner = shape.num_heads, shape.num_heads * shape.head_dim
+        self.a_proj = nn.Linear(shape.hidden_size, h, bias=False)
+        self.b_proj = nn.Linear(shape.hidden_size, h, bias=False)
+        self.A_log = nn.Parameter(torch.log(torch.empty(h).uniform_(0, 16)))
+        self.dt_bias = nn.Parameter(mamba_dt_bias(h))
+        self.g_proj = nn.Linear(shape.hidden_size, inner, bias=False)
+        self.o_norm = HeadRMSNorm(shape.head_dim, activation="silu")
+
+    def _mix(self, x, q, k, v, prior, backend):
+        g = -self.A_log.float().exp() * F.softplus(self.a_proj(x).float() + self.dt_bias.float())
+        beta = torch.sigmoid(self.b_proj(x).float())
+        return run_gated_delta(l2norm(q), l2norm(k), v, g, beta, scale=self.shape.head_dim**-0.5, prior=prior,
+                               backend=backend, chunk_size=self.options.chunk_size)
+
+    def _output(self, x, o):
+        return self.o_norm(o, self._heads(self.g_proj(x)))
+
+    def reset_new_parameters(self) -> None:
+        for lin in (self.a_proj, self.b_proj, self.g_proj):
+            nn.init.normal_(lin.weight, std=0.02)
+        with torch.no_grad():
+            self.A_log.copy_(torch.log(torch.empty_like(self.A_log).uniform_(0, 16)))
+            self.dt_bias.copy_(mamba_dt_bias(self.dt_bias.numel()))
+        nn.init.ones_(self.o_norm.weight)
+        if self.options.short_conv:
+            self.qkv_conv.conv.reset_parameters()
+
+    @classmethod
+    def new_parameter_names(cls):
+        return ("a_proj", "b_proj", "A_log", "dt_bias", "g_proj", "o_norm", "qkv_conv")

@@ -1,0 +1,52 @@
+"""Gated Linear Attention (Yang et al., 2024): S_t = Diag(exp g_t) S_{t-1} + k_t v_t^T with a data-dependent
+per-channel gate g_t = logsigmoid(W2 W1 x_t + b) / 16 (low-rank, as in fla), per-head RMSNorm and a swish
+output gate."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch.nn.functional as F
+from torch import nn
+
+from harness.mixers.base import HeadRMSNorm, Mixer, MixerOptions, run_gated_delta
+
+
+@dataclass
+class GLAOptions(MixerOptions):
+    gate_low_rank_dim: int = field(default=16, metadata={"help": "Rank of the forget-gate projection."})
+    gate_logit_normalizer: float = field(default=16.0, metadata={"help": "g = logsigmoid(.) / this."})
+
+
+class GLA(Mixer):
+    name = "gla"
+    Options = GLAOptions
+
+    def __init__(self, shape, options, layer_idx=0):
+        super().__init__(shape, options, layer_idx)
+        inner = shape.num_heads * shape.head_dim
+        self.gk_proj = nn.Sequential(
+            nn.Linear(shape.hidden_size, options.gate_low_rank_dim, bias=False),
+            nn.Linear(options.gate_low_rank_dim, inner, bias=True),
+        )
+        self.g_proj = nn.Linear(shape.hidden_size, inner, bias=False)
+        self.o_norm = HeadRMSNorm(shape.head_dim, activation="silu")
+
+    def _mix(self, x, q, k, v, prior, backend):
+        g = self._heads(F.logsigmoid(self.gk_proj(x).float()) / self.options.gate_logit_normalizer)
+        return run_gated_delta(q, k, v, g, None, scale=self.shape.head_dim**-0.5, prior=prior, backend=backend,
+                               chunk_size=self.options.chunk_size)
+
+    def _output(self, x, o):
+        return self.o_norm(o, self._heads(self.g_proj(x)))
+
+    def reset_new_parameters(self) -> None:
+        for lin in (*self.gk_proj, self.g_proj):
+            nn.init.normal_(lin.weight, std=0.02)
+            if lin.bias is not None:
+                nn.init.zeros_(lin.bias)
+        nn.init.ones_(self.o_norm.weight)
+
+    @classmethod
+    def new_parameter_names(cls):
+        return ("gk_proj", "g_proj", "o_norm")

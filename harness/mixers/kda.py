@@ -1,0 +1,53 @@
+"""Kimi Delta Attention (Kimi Team, 2025): the delta rule with a per-channel gate,
+S_t = (I - b_t k_t k_t^T) Diag(exp g_t) S_{t-1} + b_t k_t v_t^T, g_t = -exp(A_log_h) softplus(W_f x_t + dt_bias)
+with a low-rank W_f, short convolutions, L2-normalised q and k, and a per-head RMSNorm with a sigmoid output
+gate from a low-rank projection (fla's KimiDeltaAttention with expand_v=1)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from harness.mixers.base import ConvMixer, ConvOptions, HeadRMSNorm, l2norm, mamba_dt_bias, run_gated_delta
+
+
+class KDA(ConvMixer):
+    name = "kda"
+    Options = ConvOptions
+
+    def __init__(self, shape, options, layer_idx=0):
+        super().__init__(shape, options, layer_idx)
+        h, d, inner = shape.num_heads, shape.head_dim, shape.num_heads * shape.head_dim
+        self.f_proj = nn.Sequential(nn.Linear(shape.hidden_size, d, bias=False), nn.Linear(d, inner, bias=False))
+        self.b_proj = nn.Linear(shape.hidden_size, h, bias=False)
+        self.A_log = nn.Parameter(torch.log(torch.empty(h).uniform_(1, 16)))
+        self.dt_bias = nn.Parameter(mamba_dt_bias(inner))
+        self.g_proj = nn.Sequential(nn.Linear(shape.hidden_size, d, bias=False), nn.Linear(d, inner, bias=True))
+        self.o_norm = HeadRMSNorm(d, activation="sigmoid")
+
+    def _mix(self, x, q, k, v, prior, backend):
+        f = self._heads(self.f_proj(x).float() + self.dt_bias.float())
+        g = -self.A_log.float().exp()[:, None] * F.softplus(f)
+        beta = torch.sigmoid(self.b_proj(x).float())
+        return run_gated_delta(l2norm(q), l2norm(k), v, g, beta, scale=self.shape.head_dim**-0.5, prior=prior,
+                               backend=backend, chunk_size=self.options.chunk_size)
+
+    def _output(self, x, o):
+        return self.o_norm(o, self._heads(self.g_proj(x)))
+
+    def reset_new_parameters(self) -> None:
+        for lin in (*self.f_proj, self.b_proj, *self.g_proj):
+            nn.init.normal_(lin.weight, std=0.02)
+            if lin.bias is not None:
+                nn.init.zeros_(lin.bias)
+        with torch.no_grad():
+            self.A_log.copy_(torch.log(torch.empty_like(self.A_log).uniform_(1, 16)))
+            self.dt_bias.copy_(mamba_dt_bias(self.dt_bias.numel()))
+        nn.init.ones_(self.o_norm.weight)
+        if self.options.short_conv:
+            self.qkv_conv.conv.reset_parameters()
+
+    @classmethod
+    def new_parameter_names(cls):
+        return ("f_proj", "b_proj", "A_log", "dt_bias", "g_proj", "o_norm", "qkv_conv")

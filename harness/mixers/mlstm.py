@@ -1,0 +1,71 @@
+"""xLSTM's mLSTM (Beck et al., 2024; the xLSTM-7B layer): matrix memory with an exponential input gate and a
+sigmoid forget gate, max-stabilised, h_t = C_t^T q_t / max(|n_t^T q_t|, exp(-m_t)); then a per-head
+LayerNorm and a sigmoid output gate. Gate init as xLSTM-7B: zero gate weights, input bias -10, forget bias
+linspace(3, 6) over heads, gate pre-activations soft-capped at 15."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from harness.mixers.base import Mixer, MixerOptions
+
+
+@dataclass
+class MLSTMOptions(MixerOptions):
+    gate_soft_cap: float = field(default=15.0, metadata={"help": "cap * tanh(x / cap) on gate pre-activations."})
+    eps: float = field(default=1e-6, metadata={"help": "Added to the mLSTM denominator."})
+
+
+class MLSTM(Mixer):
+    name = "mlstm"
+    Options = MLSTMOptions
+
+    def __init__(self, shape, options, layer_idx=0):
+        super().__init__(shape, options, layer_idx)
+        h, inner = shape.num_heads, shape.num_heads * shape.head_dim
+        self.igate = nn.Linear(shape.hidden_size, h, bias=True)
+        self.fgate = nn.Linear(shape.hidden_size, h, bias=True)
+        self.ogate = nn.Linear(shape.hidden_size, inner, bias=False)
+        self.norm_weight = nn.Parameter(torch.ones(inner))
+        self.reset_new_parameters()
+
+    def _soft_cap(self, x: torch.Tensor) -> torch.Tensor:
+        cap = self.options.gate_soft_cap
+        return cap * torch.tanh(x / cap)
+
+    def _mix(self, x, q, k, v, prior, backend):
+        from harness.mixers import kernels, recurrence
+
+        i = self._soft_cap(self.igate(x).float())
+        f = self._soft_cap(self.fgate(x).float())
+        scale, eps = self.shape.head_dim**-0.5, self.options.eps
+        if q.shape[1] == 1 and prior is not None:
+            h, state = recurrence.step_mlstm(q[:, 0], k[:, 0], v[:, 0], i[:, 0], f[:, 0], scale=scale, state=prior,
+                                             eps=eps)
+            return h.unsqueeze(1), state
+        if backend == "kernel":
+            return kernels.kernel_mlstm(q, k, v, i, f, scale=scale, initial_state=prior, eps=eps)
+        return recurrence.chunk_mlstm(q, k, v, i, f, scale=scale, initial_state=prior,
+                                      chunk_size=self.options.chunk_size, eps=eps)
+
+    def _output(self, x, o):
+        normed = F.layer_norm(o.float(), (o.shape[-1],), eps=1e-6)
+        normed = normed * self._heads(self.norm_weight.float())
+        return (torch.sigmoid(self._heads(self.ogate(x).float())) * normed).to(o.dtype)
+
+    def reset_new_parameters(self) -> None:
+        with torch.no_grad():
+            nn.init.zeros_(self.igate.weight)
+            self.igate.bias.fill_(-10.0)
+            nn.init.zeros_(self.fgate.weight)
+            self.fgate.bias.copy_(torch.linspace(3.0, 6.0, self.fgate.bias.numel()))
+            nn.init.normal_(self.ogate.weight, std=(2 / (5 * self.shape.hidden_size)) ** 0.5)  # xLSTM small_init
+            self.norm_weight.fill_(1.0)
+
+    @classmethod
+    def new_parameter_names(cls):
+        return ("igate", "fgate", "ogate", "norm_weight")

@@ -1,0 +1,36 @@
+"""RetNet retention (Sun et al., 2023): S_t = gamma_h S_{t-1} + k_t v_t^T with a fixed per-head decay
+gamma_h = 1 - 2^(-5-h), then a per-head RMSNorm and a swish output gate (fla's MultiScaleRetention)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from harness.mixers.base import HeadRMSNorm, Mixer, run_gated_delta
+
+
+class RetNet(Mixer):
+    name = "retnet"
+
+    def __init__(self, shape, options, layer_idx=0):
+        super().__init__(shape, options, layer_idx)
+        inner = shape.num_heads * shape.head_dim
+        self.g_proj = nn.Linear(shape.hidden_size, inner, bias=False)
+        self.o_norm = HeadRMSNorm(shape.head_dim, activation="silu")
+
+    def _mix(self, x, q, k, v, prior, backend):
+        heads = torch.arange(self.shape.num_heads, dtype=torch.float32, device=x.device)
+        g = torch.log1p(-torch.pow(2.0, -5.0 - heads)).expand(*x.shape[:2], -1)
+        return run_gated_delta(q, k, v, g, None, scale=self.shape.head_dim**-0.5, prior=prior, backend=backend,
+                               chunk_size=self.options.chunk_size)
+
+    def _output(self, x, o):
+        return self.o_norm(o, self._heads(self.g_proj(x)))
+
+    def reset_new_parameters(self) -> None:
+        nn.init.normal_(self.g_proj.weight, std=0.02)
+        nn.init.ones_(self.o_norm.weight)
+
+    @classmethod
+    def new_parameter_names(cls):
+        return ("g_proj", "o_norm")

@@ -1,0 +1,242 @@
+"""The student: the teacher's network with every attention block replaced by a linear-time mixer.
+
+`HarnessConfig` / `HarnessForCausalLM` are ordinary transformers classes registered with the Auto* factories
+when `harness` is imported, so a saved student loads with `AutoModelForCausalLM.from_pretrained(dir)`
+(no remote code). Decoding keeps one `MixerState` per layer in a `RecurrentCache`: prefill runs the chunked
+form once, then each new token is one recurrent step; memory does not grow with the context.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+from huggingface_hub.dataclasses import strict
+from torch import nn
+from transformers import AutoConfig, AutoModelForCausalLM, GenerationMixin, LlamaConfig, PreTrainedModel
+from transformers.cache_utils import Cache
+from transformers.modeling_outputs import ModelOutput
+from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm, LlamaRotaryEmbedding
+
+from harness.mixers import Mixer, MixerShape, MixerState, mixer_class, mixer_options
+
+
+@strict
+class HarnessConfig(LlamaConfig):
+    """A Llama config plus the mixer that replaces attention (and its options)."""
+
+    model_type = "harness_student"
+    mixer: str = "gated_deltanet"
+    mixer_options: dict | None = None
+
+
+class RecurrentCache(Cache):
+    """Per-layer mixer states for generation, behind transformers' Cache interface."""
+
+    is_compileable = False
+
+    def __init__(self, num_layers: int = 0) -> None:
+        super().__init__(layers=[])
+        self.states: list[Optional[MixerState]] = [None] * num_layers
+        self.seen_tokens = 0
+
+    def __len__(self) -> int:
+        return len(self.states)
+
+    def get_seq_length(self, layer_idx: int | None = 0, *args, **kwargs) -> int:
+        return self.seen_tokens
+
+    def get_max_cache_shape(self, *args, **kwargs) -> int:
+        return -1
+
+    def get_mask_sizes(self, *args, **kwargs):  # no attention mask is built for recurrent layers
+        return self.seen_tokens + 1, 0
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        self.states = [s.map(lambda t: t.index_select(0, beam_idx.to(t.device))) if s else s for s in self.states]
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        self.states = [s.map(lambda t: t.repeat_interleave(repeats, 0)) if s else s for s in self.states]
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        self.reorder_cache(indices)
+
+    def state_bytes(self) -> int:
+        """Memory held by the states: constant in the context length."""
+        return sum(_tensor_bytes(s) for s in self.states if s is not None)
+
+
+def _tensor_bytes(state: MixerState) -> int:
+    sizes: list[int] = []
+    state.map(lambda t: sizes.append(t.numel() * t.element_size()) or t)
+    return sum(sizes)
+
+
+@dataclass
+class StudentOutput(ModelOutput):
+    """Causal-LM output; the cache is exposed under both names transformers versions read."""
+
+    loss: Optional[torch.Tensor] = None
+    logits: Optional[torch.Tensor] = None
+    past_key_values: Optional[RecurrentCache] = None
+    cache: Optional[RecurrentCache] = None
+
+
+class StudentBlock(nn.Module):
+    """A teacher decoder layer with its attention replaced: x + mixer(norm(x)), then x + mlp(norm(x))."""
+
+    def __init__(self, config: HarnessConfig, layer_idx: int):
+        super().__init__()
+        options = mixer_options(config.mixer, config.mixer_options)
+        self.input_layernorm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.mixer: Mixer = mixer_class(config.mixer)(MixerShape.from_config(config), options, layer_idx)
+        self.post_attention_layernorm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.mlp = LlamaMLP(config)
+
+    def forward(self, hidden, position_embeddings=None, state=None, use_cache=False):
+        mixed, state = self.mixer(self.input_layernorm(hidden), position_embeddings=position_embeddings,
+                                  state=state, use_cache=use_cache)
+        hidden = hidden + mixed
+        return hidden + self.mlp(self.post_attention_layernorm(hidden)), state
+
+
+class HarnessPreTrainedModel(PreTrainedModel):
+    config_class = HarnessConfig
+    base_model_prefix = "model"
+    supports_gradient_checkpointing = True
+    _no_split_modules = ["StudentBlock"]
+
+
+class HarnessModel(HarnessPreTrainedModel):
+    def __init__(self, config: HarnessConfig):
+        super().__init__(config)
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, config.pad_token_id)
+        self.layers = nn.ModuleList(StudentBlock(config, i) for i in range(config.num_hidden_layers))
+        self.norm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        uses_rope = bool((config.mixer_options or {}).get("rope", False))
+        self.rotary_emb = LlamaRotaryEmbedding(config) if uses_rope else None
+        self.gradient_checkpointing = False
+        self.post_init()
+
+    def forward(self, input_ids=None, inputs_embeds=None, cache: Optional[RecurrentCache] = None,
+                use_cache: bool = False) -> torch.Tensor:
+        hidden = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
+        rope = None
+        if self.rotary_emb is not None:
+            start = cache.seen_tokens if cache is not None else 0
+            positions = torch.arange(start, start + hidden.shape[1], device=hidden.device)[None]
+            rope = self.rotary_emb(hidden, positions.expand(hidden.shape[0], -1))
+        for i, block in enumerate(self.layers):
+            prior = cache.states[i] if cache is not None else None
+            if self.gradient_checkpointing and self.training:
+                hidden, state = self._gradient_checkpointing_func(block.__call__, hidden, rope, prior, use_cache)
+            else:
+                hidden, state = block(hidden, rope, prior, use_cache)
+            if use_cache:
+                cache.states[i] = state
+        if use_cache:
+            cache.seen_tokens += hidden.shape[1]
+        return self.norm(hidden)
+
+
+class HarnessForCausalLM(HarnessPreTrainedModel, GenerationMixin):
+    _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
+
+    def __init__(self, config: HarnessConfig):
+        super().__init__(config)
+        self.model = HarnessModel(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.post_init()
+
+    @classmethod
+    def _supports_default_dynamic_cache(cls) -> bool:
+        return False  # our layers keep recurrent states, not key/value caches
+
+    def get_input_embeddings(self):
+        return self.model.embed_tokens
+
+    def set_input_embeddings(self, value):
+        self.model.embed_tokens = value
+
+    def forward(self, input_ids=None, attention_mask=None, inputs_embeds=None, labels=None,
+                past_key_values=None, cache=None, use_cache: Optional[bool] = None, logits_to_keep: int = 0,
+                **kwargs: Any) -> StudentOutput:
+        """Logits for every position (or the last `logits_to_keep`). `attention_mask` must be all ones:
+        left padding would leak pad tokens into the recurrent state (evaluate at batch 1 instead)."""
+        if attention_mask is not None and not bool(attention_mask.all()):
+            raise ValueError("HarnessForCausalLM does not support padding masks; run unpadded or at batch 1.")
+        state = cache if cache is not None else past_key_values
+        use_cache = bool(use_cache) or state is not None
+        if use_cache and state is None:
+            state = RecurrentCache(self.config.num_hidden_layers)
+        hidden = self.model(input_ids, inputs_embeds, state, use_cache)
+        keep = slice(-logits_to_keep, None) if logits_to_keep else slice(None)
+        logits = self.lm_head(hidden[:, keep])
+        loss = None
+        if labels is not None:
+            loss = nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten(),
+                                               ignore_index=-100)
+        out = StudentOutput(loss=loss, logits=logits)
+        if use_cache:  # set after construction: transformers >= 5.2x renames the kwargs in __init__
+            out["past_key_values"] = out["cache"] = state
+        return out
+
+    def prepare_inputs_for_generation(self, input_ids, past_key_values=None, cache=None, attention_mask=None,
+                                      inputs_embeds=None, use_cache=True, **kwargs):
+        state = cache if cache is not None else past_key_values
+        seen = state.seen_tokens if isinstance(state, RecurrentCache) else 0
+        inputs = {"input_ids": input_ids[:, seen:], "use_cache": use_cache, "attention_mask": attention_mask}
+        if inputs_embeds is not None and seen == 0:
+            inputs = {"inputs_embeds": inputs_embeds, "use_cache": use_cache}
+        inputs["cache"] = state
+        return inputs
+
+
+AutoConfig.register(HarnessConfig.model_type, HarnessConfig, exist_ok=True)
+AutoModelForCausalLM.register(HarnessConfig, HarnessForCausalLM, exist_ok=True)
+
+
+# ---------------------------------------------------------------- building from a teacher
+
+
+def build_student(teacher: Any, mixer: str, **options: Any) -> HarnessForCausalLM:
+    """A student of `teacher` (a `harness.teacher.Teacher` or a Llama-style causal LM) with `mixer` layers.
+
+    Embeddings, norms, MLPs and the (tied) head are copied; each mixer gets the teacher attention's
+    Q, K, V, O (K/V expanded over the query heads) and authors' initialisation for its new parameters.
+    """
+    model = teacher if isinstance(teacher, nn.Module) else teacher.model
+    mixer_options(mixer, options)  # validates before anything is built
+    config = student_config(model.config, mixer, options)
+    dtype = next(model.parameters()).dtype
+    student = HarnessForCausalLM(config).to(dtype)
+    copy_teacher_weights(model, student)
+    return student
+
+
+def student_config(teacher_config: Any, mixer: str, options: dict[str, Any]) -> HarnessConfig:
+    fields = {k: v for k, v in teacher_config.to_dict().items() if k in HarnessConfig.__dataclass_fields__}
+    for drop in ("model_type", "architectures", "quantization_config", "transformers_version", "dtype"):
+        fields.pop(drop, None)
+    return HarnessConfig(**fields, mixer=mixer, mixer_options=dict(options), architectures=["HarnessForCausalLM"])
+
+
+@torch.no_grad()
+def copy_teacher_weights(teacher: nn.Module, student: HarnessForCausalLM) -> None:
+    tm, sm = teacher.model, student.model
+    sm.embed_tokens.load_state_dict(tm.embed_tokens.state_dict())
+    sm.norm.load_state_dict(tm.norm.state_dict())
+    if not student.config.tie_word_embeddings:
+        student.lm_head.load_state_dict(teacher.lm_head.state_dict())
+    for t_layer, s_layer in zip(tm.layers, sm.layers):
+        s_layer.input_layernorm.load_state_dict(t_layer.input_layernorm.state_dict())
+        s_layer.post_attention_layernorm.load_state_dict(t_layer.post_attention_layernorm.state_dict())
+        s_layer.mlp.load_state_dict(t_layer.mlp.state_dict())
+        s_layer.mixer.transfer_from_attention(t_layer.self_attn)
+        s_layer.mixer.reset_new_parameters()
+
+
+def count_parameters(model: nn.Module) -> int:
+    """Distinct parameters (tied weights counted once)."""
+    return sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())

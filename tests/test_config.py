@@ -1,0 +1,90 @@
+"""Job config: defaults, YAML + overrides, clear errors (exit code 2 from the CLI), the step plan."""
+
+from __future__ import annotations
+
+import pytest
+
+from harness.cli import main
+from harness.config import ConfigError, JobConfig, load_job, plan_stages
+from tests.tiny import tiny_llama
+
+
+@pytest.fixture()
+def tiny_dir(tmp_path):
+    tiny_llama().save_pretrained(tmp_path / "teacher")
+    return str(tmp_path / "teacher")
+
+
+@pytest.fixture()
+def job_file(tmp_path, tiny_dir):
+    path = tmp_path / "job.yaml"
+    path.write_text(f"name: t\nteacher:\n  source: {tiny_dir}\nbudget:\n  total_tokens: 10000000\n")
+    return path
+
+
+def test_yaml_and_overrides_merge(job_file):
+    job = load_job(job_file, ["student.mixer=gla", "stages.distill.lr=3e-4", "student.options.rope=true"])
+    assert job.name == "t" and job.student.mixer == "gla"
+    assert job.stages.distill.lr == pytest.approx(3e-4)
+    assert job.student.options == {"rope": True}
+    assert job.output_dir == "runs/t"
+
+
+def test_every_field_has_a_description():
+    from dataclasses import fields, is_dataclass
+
+    def walk(node, prefix=""):
+        for f in fields(node):
+            assert f.metadata.get("help"), f"{prefix}{f.name} has no description"
+            value = getattr(node, f.name)
+            if is_dataclass(value):
+                walk(value, f"{prefix}{f.name}.")
+
+    walk(JobConfig())
+
+
+@pytest.mark.parametrize(
+    "override, needle",
+    [
+        (["student.mixr=gla"], "Unknown key 'student.mixr'.*Allowed keys under 'student': mixer, options"),
+        (["stages.distill.lr=fast"], "Bad value for 'stages.distill.lr'"),
+        (["student.mixer=mamba"], "Unknown mixer 'mamba'.*linear_attn, retnet, gla, deltanet, gated_deltanet, kda, mlstm"),
+        (["student.options.expand_v=2"], "unknown option.*expand_v.*Allowed"),
+        (["teacher.source=/nonexistent/model"], "does not exist"),
+        (["budget.split=[0.5,0.5,0.5]"], "sum to 1"),
+        (["budget.total_tokens=1000"], "fewer than one optimizer step"),
+        (["stages.align_mixer.schedule=linear"], "Allowed: wsd, cosine, constant"),
+        (["student.mixer"], "not of the form key=value"),
+    ],
+)
+def test_bad_input_gives_clear_error(job_file, override, needle):
+    with pytest.raises(ConfigError, match=needle):
+        load_job(job_file, override)
+
+
+def test_cli_exits_2_with_one_paragraph(job_file, capsys):
+    assert main(["info", str(job_file), "student.mixer=mamba"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: Unknown mixer 'mamba'") and err.count("\n") == 1
+
+
+def test_missing_job_file_exits_2(capsys):
+    assert main(["info", "no/such/job.yaml"]) == 2
+    assert "does not exist" in capsys.readouterr().err
+
+
+def test_step_plan_arithmetic(job_file):
+    job = load_job(job_file, ["data.seq_len=128", "deepspeed.world_size=2", "stages.distill.grad_accum=4",
+                              "stages.distill.micro_batch_size=2"])
+    plans = {p.stage: p for p in plan_stages(job)}
+    d = plans["distill"]
+    assert d.tokens_per_step == 2 * 2 * 4 * 128
+    assert d.steps == int(10_000_000 * 0.921) // d.tokens_per_step
+    assert d.tokens == d.steps * d.tokens_per_step
+    assert plans["align_mixer"].steps == int(10_000_000 * 0.026) // (2 * 8 * 128)
+
+
+def test_info_prints_counts_and_plan(job_file, capsys):
+    assert main(["info", str(job_file), "student.mixer=kda"]) == 0
+    out = capsys.readouterr().out
+    assert "teacher:" in out and "student (kda):" in out and "distill" in out

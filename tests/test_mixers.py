@@ -1,0 +1,103 @@
+"""Every mixer layer: chunked form == one-token recurrence (outputs and gradients), GQA expansion, options."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from harness.mixers import MIXERS, MixerShape, mixer_class, mixer_options
+from harness.mixers.base import expand_kv
+
+SHAPE = MixerShape(hidden_size=48, num_heads=6, num_kv_heads=2, head_dim=8)
+
+
+def make_mixer(name: str, seed: int = 0, **options):
+    torch.manual_seed(seed)
+    mixer = mixer_class(name)(SHAPE, mixer_options(name, {"backend": "reference", "chunk_size": 16, **options}))
+    mixer.reset_new_parameters()
+    # make every new parameter matter: gates far from their (often saturated) initial values
+    with torch.no_grad():
+        for n, p in mixer.named_parameters():
+            if not n.startswith(("q_proj", "k_proj", "v_proj", "o_proj")):
+                p.add_(0.3 * torch.randn_like(p))
+    return mixer
+
+
+def step_by_step(mixer, x):
+    """Run the layer one token at a time, carrying its state."""
+    state, outs = None, []
+    for t in range(x.shape[1]):
+        y, state = mixer(x[:, t : t + 1], state=state, use_cache=True)
+        outs.append(y)
+    return torch.cat(outs, dim=1), state
+
+
+@pytest.mark.parametrize("name", list(MIXERS))
+def test_chunked_equals_recurrent_outputs_and_gradients(name):
+    mixer = make_mixer(name)
+    x = torch.randn(2, 37, SHAPE.hidden_size)  # 37: not a multiple of the chunk size
+    y_chunk, _ = mixer(x)
+    grads_chunk = torch.autograd.grad(y_chunk.square().sum(), list(mixer.parameters()), allow_unused=True)
+    y_step, _ = step_by_step(mixer, x)
+    grads_step = torch.autograd.grad(y_step.square().sum(), list(mixer.parameters()), allow_unused=True)
+    torch.testing.assert_close(y_chunk, y_step, rtol=1e-4, atol=1e-5)
+    for (pname, _), gc, gs in zip(mixer.named_parameters(), grads_chunk, grads_step):
+        assert (gc is None) == (gs is None), pname
+        if gc is not None:
+            rel = ((gc - gs).norm() / gs.norm()).item()
+            assert rel < 1e-4, f"{name}: gradient of {pname} differs by {rel:.2e} (relative norm)"
+
+
+@pytest.mark.parametrize("name", list(MIXERS))
+def test_prefill_then_steps_equals_one_pass(name):
+    """Prefill with the chunked form, then decode step by step: the generation path."""
+    mixer = make_mixer(name, seed=1)
+    x = torch.randn(1, 29, SHAPE.hidden_size)
+    with torch.no_grad():
+        full, _ = mixer(x)
+        head, state = mixer(x[:, :20], use_cache=True)
+        tail = []
+        for t in range(20, 29):
+            y, state = mixer(x[:, t : t + 1], state=state, use_cache=True)
+            tail.append(y)
+    torch.testing.assert_close(torch.cat([head, *tail], dim=1), full, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("name", list(MIXERS))
+def test_bf16_runs_close_to_fp32(name):
+    mixer = make_mixer(name, seed=2)
+    x = torch.randn(1, 24, SHAPE.hidden_size)
+    with torch.no_grad():
+        ref, _ = mixer(x)
+        low, _ = mixer.to(torch.bfloat16)(x.to(torch.bfloat16))
+    assert low.dtype == torch.bfloat16
+    rel = (low.float() - ref).norm() / ref.norm()
+    assert rel < 5e-2, rel
+
+
+@pytest.mark.parametrize("name", list(MIXERS))
+def test_rope_requires_position_embeddings(name):
+    mixer = make_mixer(name, seed=3, rope=True)
+    x = torch.randn(1, 8, SHAPE.hidden_size)
+    with pytest.raises(ValueError, match="position_embeddings"):
+        mixer(x)
+
+
+def test_expand_kv_maps_student_head_j_to_teacher_head_j_div_nrep():
+    kv_heads, n_rep, d, c = 3, 3, 4, 5
+    w = torch.arange(kv_heads * d * c, dtype=torch.float32).reshape(kv_heads * d, c)
+    out = expand_kv(w, kv_heads, n_rep).reshape(kv_heads * n_rep, d, c)
+    teacher = w.reshape(kv_heads, d, c)
+    for j in range(kv_heads * n_rep):
+        assert torch.equal(out[j], teacher[j // n_rep])
+
+
+def test_unknown_option_lists_allowed():
+    with pytest.raises(ValueError, match="Allowed: .*short_conv"):
+        mixer_options("gated_deltanet", {"expand_v": 2})
+    with pytest.raises(ValueError, match="valid mixers: linear_attn, retnet, gla, deltanet, gated_deltanet, kda, mlstm"):
+        mixer_options("mamba", {})
+
+
+def test_mixer_names_are_the_seven():
+    assert list(MIXERS) == ["linear_attn", "retnet", "gla", "deltanet", "gated_deltanet", "kda", "mlstm"]

@@ -1,0 +1,131 @@
+"""Students built from tiny GQA teachers: weight transfer, HF save/load, recurrent generation."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+import harness
+from harness.mixers import MIXERS
+from harness.student import RecurrentCache, count_parameters
+from tests.tiny import tiny_llama
+
+
+@pytest.fixture(scope="module")
+def teacher():
+    return tiny_llama(num_layers=2, hidden=64, heads=4, kv_heads=2)
+
+
+def randomize_new_parameters(student):
+    """Gates away from their init so that tests see every parameter."""
+    torch.manual_seed(5)
+    with torch.no_grad():
+        for layer in student.model.layers:
+            for n, p in layer.mixer.named_parameters():
+                if not n.startswith(("q_proj", "k_proj", "v_proj", "o_proj")):
+                    p.add_(0.2 * torch.randn_like(p))
+
+
+@pytest.mark.parametrize("name", list(MIXERS))
+def test_weight_transfer_copies_bit_for_bit(teacher, name):
+    student = harness.build_student(teacher, name, backend="reference")
+    n_rep = teacher.config.num_attention_heads // teacher.config.num_key_value_heads
+    d = teacher.config.head_dim
+    assert torch.equal(student.model.embed_tokens.weight, teacher.model.embed_tokens.weight)
+    assert torch.equal(student.model.norm.weight, teacher.model.norm.weight)
+    assert student.lm_head.weight.data_ptr() == student.model.embed_tokens.weight.data_ptr()  # tied
+    for t, s in zip(teacher.model.layers, student.model.layers):
+        for norm in ("input_layernorm", "post_attention_layernorm"):
+            assert torch.equal(getattr(s, norm).weight, getattr(t, norm).weight)
+        for proj in ("gate_proj", "up_proj", "down_proj"):
+            assert torch.equal(getattr(s.mlp, proj).weight, getattr(t.mlp, proj).weight)
+        assert torch.equal(s.mixer.q_proj.weight, t.self_attn.q_proj.weight)
+        assert torch.equal(s.mixer.o_proj.weight, t.self_attn.o_proj.weight)
+        for proj in ("k_proj", "v_proj"):
+            sw = getattr(s.mixer, proj).weight.view(-1, d, t.self_attn.q_proj.in_features)
+            tw = getattr(t.self_attn, proj).weight.view(-1, d, t.self_attn.q_proj.in_features)
+            for j in range(sw.shape[0]):
+                assert torch.equal(sw[j], tw[j // n_rep]), f"{proj} head {j}"
+
+
+@pytest.mark.parametrize("name", list(MIXERS))
+def test_save_load_gives_identical_logits(teacher, name, tmp_path):
+    student = harness.build_student(teacher, name, backend="reference")
+    randomize_new_parameters(student)
+    ids = torch.randint(3, 97, (2, 21))
+    with torch.no_grad():
+        before = student(ids).logits
+    student.save_pretrained(tmp_path)
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path)
+    assert type(loaded).__name__ == "HarnessForCausalLM"
+    assert loaded.config.mixer == name
+    with torch.no_grad():
+        after = loaded(ids).logits
+    assert torch.equal(before, after)
+
+
+@pytest.mark.parametrize("name", list(MIXERS))
+def test_greedy_generate_with_state_equals_repeated_full_forwards(teacher, name):
+    student = harness.build_student(teacher, name, backend="reference").eval()
+    randomize_new_parameters(student)
+    prompt = torch.randint(3, 97, (1, 13))
+    new = 12
+    with torch.no_grad():
+        out = student.generate(prompt, max_new_tokens=new, do_sample=False, min_new_tokens=new,
+                               pad_token_id=0, eos_token_id=None)
+        ids = prompt
+        for _ in range(new):
+            nxt = student(ids).logits[:, -1].argmax(-1, keepdim=True)
+            ids = torch.cat([ids, nxt], dim=1)
+    assert out.shape[1] == prompt.shape[1] + new
+    assert torch.equal(out, ids)
+
+
+def test_rope_student_generates_consistently(teacher):
+    student = harness.build_student(teacher, "gla", backend="reference", rope=True).eval()
+    randomize_new_parameters(student)
+    prompt = torch.randint(3, 97, (1, 9))
+    with torch.no_grad():
+        out = student.generate(prompt, max_new_tokens=6, do_sample=False, pad_token_id=0, eos_token_id=None)
+        ids = prompt
+        for _ in range(6):
+            ids = torch.cat([ids, student(ids).logits[:, -1:].argmax(-1)], dim=1)
+    assert torch.equal(out, ids)
+
+
+def test_decoding_state_does_not_grow_with_context(teacher):
+    student = harness.build_student(teacher, "gated_deltanet", backend="reference").eval()
+    cache = RecurrentCache(student.config.num_hidden_layers)
+    sizes = []
+    with torch.no_grad():
+        student(torch.randint(3, 97, (1, 8)), cache=cache, use_cache=True)
+        for _ in range(3):
+            student(torch.randint(3, 97, (1, 40)), cache=cache, use_cache=True)
+            sizes.append(cache.state_bytes())
+    assert cache.seen_tokens == 8 + 3 * 40
+    assert len(set(sizes)) == 1 and sizes[0] > 0
+
+
+def test_padding_mask_is_refused(teacher):
+    student = harness.build_student(teacher, "retnet", backend="reference")
+    ids = torch.randint(3, 97, (2, 5))
+    mask = torch.ones_like(ids)
+    mask[0, 0] = 0
+    with pytest.raises(ValueError, match="padding"):
+        student(ids, attention_mask=mask)
+
+
+def test_parameter_count_adds_only_the_new_parameters(teacher):
+    student = harness.build_student(teacher, "deltanet")
+    attn = teacher.model.layers[0].self_attn
+    kv_extra = 2 * (attn.q_proj.out_features - attn.k_proj.out_features) * attn.k_proj.in_features
+    new = sum(p.numel() for n, p in student.named_parameters() if ".mixer." in n and not any(
+        k in n for k in ("q_proj", "k_proj", "v_proj", "o_proj")))
+    layers = teacher.config.num_hidden_layers
+    assert count_parameters(student) == count_parameters(teacher) + layers * kv_extra + new
+
+
+def test_unknown_mixer_is_refused_before_building(teacher):
+    with pytest.raises(ValueError, match="valid mixers"):
+        harness.build_student(teacher, "transformer")
