@@ -1,0 +1,513 @@
+"""GPU kernel path of the recurrences in docs/RECURRENCES.md: fla.ops for the gated-delta family, mlstm_kernels
+for the mLSTM. CUDA only; the PyTorch reference (harness.mixers.recurrence) is the oracle.
+
+Nothing here imports fla, triton or mlstm_kernels at module import time: this module is imported on CPU
+machines (CI) where triton does not exist. The kernel libraries are imported inside the functions.
+
+Conventions found in fla 0.6.0 (fla/ops/*/chunk.py) and mlstm_kernels 2.0.6, which this module adapts to:
+
+- Layout: fla takes `[B, T, H, D]` (our layout; `head_first` is gone in 0.6.0); states `[B, H, K, V]`
+  (`state_v_first=False`, the default), final states always float32. mlstm_kernels takes `[B, H, T, D]`,
+  gates `[B, H, T]`, m `[B, H, 1]`; we transpose and reshape.
+- Decay g: natural-log decay (`S <- exp(g) S`); fla multiplies by 1/ln2 itself (RCP_LN2 inside
+  `chunk_local_cumsum`) and works in log2 internally. We pass our g as is (float32, values <= 0).
+  Per-head g is `[B, T, H]` (simple_gla, gated_delta_rule), per-channel g is `[B, T, H, K]` (gla, kda).
+  KDA and GDN are called with `use_gate_in_kernel=False` (g is the final log decay, no in-kernel
+  `-exp(A_log) * softplus(.)`), `use_beta_sigmoid_in_kernel=False` (beta already in (0, 1)),
+  `use_qk_l2norm_in_kernel=False` (the layer normalises q and k), `safe_gate=False` (our gates are not
+  bounded below).
+- scale: every fla op applies `scale` to q inside (o = scale * S^T q), as the contract does; pass it.
+  mlstm_kernels' triton_limit_chunk always uses scale = K^-0.5 (its autograd Function calls the backward
+  without qk_scale), so q is pre-multiplied by scale * sqrt(K) when the requested scale differs.
+- Sequence length: fla's chunk ops accept any T (they mask the last partial chunk). mlstm_kernels asserts
+  T % chunk_size == 0, so we pad T at the end (see `kernel_mlstm`).
+- dtypes: fla's chunk_delta_rule refuses float32 q/k/v; kernels run in 16-bit. We compute in v's dtype when
+  it is bf16/fp16, else in bf16 (a float32 caller gets float32 outputs back, computed in bf16; use the
+  reference backend for a true float32 recurrence). g is float32; beta is passed in its own dtype; initial
+  states are cast to float32 (gla and kda assert it).
+- Known GPU trap (fla 0.6.0 on Hopper with triton >= 3.4, < 3.7.1, i.e. the H200's triton 3.6):
+  fla's gated `chunk_bwd_dqkwg` raises "produces incorrect results ... install tilelang" unless its TileLang
+  backend takes the call. TileLang accepts it for gated_delta_rule, but not for simple_gla with a
+  per-head g, whose backward keeps its states in float32 (the TileLang verifier wants h.dtype == q.dtype).
+  So on such a machine, when gradients are needed, per-head g without beta is routed through chunk_gla (g
+  broadcast over K), and gated_delta_rule without a usable TileLang through chunk_kda (g broadcast over K).
+  A constant per-head decay (RetNet: g is an expanded `[H]` tensor with zero batch/time strides and no
+  gradient) goes through chunk_simple_gla's `g_gamma` (fla's chunk_retention path), which that guard
+  does not cover. Caution: the miscompile behind the guard (fla issue #640) is reported at BK = 64, which is
+  what K = 64 heads give, and the g_gamma and g=None branches of that kernel have the same transposed dot;
+  tests/gpu/test_kernels.py and scripts/gpu_kernel_report.py check every route against the reference. If one
+  is wrong on a machine, switch it with HARNESS_FLA_ROUTES="case=route" (cases and routes below).
+- mLSTM gradients: mlstm_kernels' backward (triton_limit_chunk, like native_custbw) does not differentiate
+  the normaliser max(|n^T q~|, exp(-m)); exact only behind the layer's per-head LayerNorm (see kernel_mlstm).
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import math
+import os
+import warnings
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+BACKENDS = ("auto", "kernel", "reference")
+
+# ----------------------------------------------------------------------------------------------------------
+# availability and backend choice
+
+
+class KernelUnavailable(RuntimeError):
+    """The GPU kernel path cannot run here; the message names what is missing."""
+
+
+_KERNEL_MODULES = {
+    # what each kernel family needs importable (in order: the first failure is the reason reported)
+    "fla": ("triton", "fla.ops"),
+    "mlstm": ("triton", "mlstm_kernels.torch.chunkwise.triton_limit_chunk"),
+}
+
+
+@functools.lru_cache(maxsize=None)
+def _import_error(module: str) -> Optional[str]:
+    """None if `module` imports, else '<module> not importable: <error>'."""
+    try:
+        importlib.import_module(module)
+    except Exception as exc:  # ImportError, but also e.g. a RuntimeError raised by a library's import
+        return f"{module} not importable: {exc}"
+    return None
+
+
+def kernel_unavailable_reason(which: str = "fla") -> Optional[str]:
+    """Why the kernels of family `which` ('fla', 'mlstm' or 'all') cannot run here, or None if they can."""
+    families = tuple(_KERNEL_MODULES) if which == "all" else (which,)
+    for fam in families:
+        if fam not in _KERNEL_MODULES:
+            raise ValueError(f"unknown kernel family '{fam}'; valid: {', '.join(_KERNEL_MODULES)}, all")
+    if not torch.cuda.is_available():
+        return "CUDA is not available (torch.cuda.is_available() is False)"
+    for fam in families:
+        for module in _KERNEL_MODULES[fam]:
+            err = _import_error(module)
+            if err is not None:
+                return err
+    return None
+
+
+def kernels_available(which: str = "fla") -> bool:
+    """True when CUDA is present and the kernel libraries (triton + fla by default) import."""
+    return kernel_unavailable_reason(which) is None
+
+
+def _require(which: str, *tensors: torch.Tensor, fn: str) -> None:
+    for t in tensors:
+        if t is not None and t.device.type != "cuda":
+            raise KernelUnavailable(
+                f"{fn} needs CUDA tensors, got a tensor on '{t.device}'; use the reference backend "
+                "(harness.mixers.recurrence) on this device")
+    reason = kernel_unavailable_reason(which)
+    if reason is not None:
+        raise KernelUnavailable(f"{fn}: GPU kernels unavailable: {reason}. Use backend='reference'.")
+
+
+_warned: set[str] = set()
+
+
+def _warn_once(key: str, message: str) -> None:
+    if key not in _warned:
+        _warned.add(key)
+        warnings.warn(message, RuntimeWarning, stacklevel=3)
+
+
+def resolve_backend(requested: str, device) -> str:
+    """'auto' | 'kernel' | 'reference' -> 'kernel' or 'reference' for tensors on `device`.
+
+    auto: the kernels on a CUDA device where they import, else the reference. kernel: the kernels, or a
+    ValueError saying why they cannot run on `device`. reference: the PyTorch reference.
+    """
+    if requested not in BACKENDS:
+        raise ValueError(f"backend='{requested}' is not one of {', '.join(BACKENDS)}")
+    if requested == "reference":
+        return "reference"
+    dev = torch.device(device) if device is not None else torch.device("cpu")
+    if dev.type != "cuda":
+        if requested == "kernel":
+            raise ValueError(
+                f"backend='kernel' is impossible on device '{dev}': the fla / mlstm_kernels kernels are "
+                f"Triton and run on CUDA only. Choose one of {', '.join(BACKENDS)}: 'auto' or 'reference' here.")
+        return "reference"
+    reason = kernel_unavailable_reason("fla")
+    if reason is None:
+        return "kernel"
+    if requested == "kernel":
+        raise ValueError(
+            f"backend='kernel' is impossible on device '{dev}': {reason}. Choose one of "
+            f"{', '.join(BACKENDS)}: 'auto' (falls back to the reference) or 'reference'.")
+    _warn_once("auto-fallback", f"backend='auto' on {dev} uses the PyTorch reference: {reason}")
+    return "reference"
+
+
+# ----------------------------------------------------------------------------------------------------------
+# shared helpers
+
+def _compute_dtype(v: torch.Tensor) -> torch.dtype:
+    return v.dtype if v.dtype in (torch.bfloat16, torch.float16) else torch.bfloat16
+
+
+def _needs_grad(*tensors) -> bool:
+    return torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in tensors)
+
+
+@functools.lru_cache(maxsize=None)
+def _gated_bwd_blocked() -> bool:
+    """fla refuses (raises in backward) the triton gated chunk_bwd_dqkwg on this machine (Hopper, triton in
+    [3.4.0, 3.7.1)) unless its TileLang backend takes the call."""
+    from fla.utils import IS_NVIDIA_HOPPER, TRITON_ABOVE_3_4_0, TRITON_ABOVE_3_7_1
+
+    return bool(IS_NVIDIA_HOPPER and TRITON_ABOVE_3_4_0 and not TRITON_ABOVE_3_7_1)
+
+
+@functools.lru_cache(maxsize=None)
+def _tilelang_usable() -> bool:
+    """fla's dispatch will hand chunk_bwd_dqkwg to TileLang (installed, nvcc found, enabled)."""
+    if os.environ.get("FLA_DISABLE_BACKEND_DISPATCH") == "1":
+        return False
+    try:
+        from fla.ops.common.backends.tilelang import CommonTileLangBackend
+    except Exception:
+        return False
+    return bool(CommonTileLangBackend.is_available() and CommonTileLangBackend().is_enabled())
+
+
+def kernel_environment() -> dict:
+    """Versions and the routing-relevant facts of this machine (for reports)."""
+    info: dict = {"torch": torch.__version__, "cuda": torch.cuda.is_available()}
+    if torch.cuda.is_available():
+        info["device"] = torch.cuda.get_device_name(0)
+        info["capability"] = list(torch.cuda.get_device_capability(0))
+    for mod in ("triton", "fla", "mlstm_kernels", "tilelang"):
+        try:
+            info[mod] = getattr(importlib.import_module(mod), "__version__", "?")
+        except Exception as exc:
+            info[mod] = f"unavailable ({exc})"
+    info["reason_fla"] = kernel_unavailable_reason("fla")
+    info["reason_mlstm"] = kernel_unavailable_reason("mlstm")
+    if info["reason_fla"] is None:
+        info["gated_bwd_blocked"] = _gated_bwd_blocked()
+        info["tilelang_usable"] = _tilelang_usable()
+    info["route_overrides"] = os.environ.get("HARNESS_FLA_ROUTES", "")
+    return info
+
+
+# ----------------------------------------------------------------------------------------------------------
+# gated-delta family -> fla.ops
+
+# Cases of (g, beta), and the fla route taken by default for each:
+#   none           g None,                 beta None  -> simple_gla (g=None: linear attention, no normaliser)
+#   head_const     g [B,T,H] constant*,    beta None  -> simple_gla_gamma (g_gamma = g[0, 0], RetNet)
+#   head           g [B,T,H],              beta None  -> simple_gla, or gla on a gated-bwd-blocked machine
+#   channel        g [B,T,H,K],            beta None  -> gla
+#   delta          g None,                 beta [B,T,H] -> delta_rule
+#   head_delta     g [B,T,H],              beta [B,T,H] -> gated_delta_rule, or kda if blocked w/o TileLang
+#   channel_delta  g [B,T,H,K],            beta [B,T,H] -> kda
+# (* an expanded tensor: zero strides over B and T, and no gradient needed for g.)
+# Override per case with HARNESS_FLA_ROUTES="case=route,case=route" (e.g. "head_const=gla").
+GATED_DELTA_CASES = ("none", "head_const", "head", "channel", "delta", "head_delta", "channel_delta")
+ROUTES = ("simple_gla", "simple_gla_gamma", "gla", "delta_rule", "gated_delta_rule", "kda")
+_ROUTE_ACCEPTS = {  # route -> (g kinds it can take, whether it takes beta)
+    "simple_gla": ({"none", "head"}, False),
+    "simple_gla_gamma": ({"head_const"}, False),
+    "gla": ({"none", "head", "channel"}, False),
+    "delta_rule": ({"none"}, True),
+    "gated_delta_rule": ({"none", "head"}, True),
+    "kda": ({"none", "head", "channel"}, True),
+}
+
+
+def _is_constant_per_head(g: torch.Tensor) -> bool:
+    B, T = g.shape[:2]
+    return (B == 1 or g.stride(0) == 0) and (T == 1 or g.stride(1) == 0)
+
+
+def gated_delta_case(g: Optional[torch.Tensor], beta: Optional[torch.Tensor]) -> str:
+    """Which (g, beta) case of the table above a call is."""
+    if g is None:
+        kind = "none"
+    elif g.dim() == 3:
+        kind = "head_const" if (beta is None and _is_constant_per_head(g) and not _needs_grad(g)) else "head"
+    elif g.dim() == 4:
+        kind = "channel"
+    else:
+        raise ValueError(f"g must be [B, T, H] or [B, T, H, K], got shape {tuple(g.shape)}")
+    if beta is None:
+        return kind
+    return {"none": "delta", "head": "head_delta", "channel": "channel_delta"}[kind]
+
+
+def _route_overrides() -> dict[str, str]:
+    spec = os.environ.get("HARNESS_FLA_ROUTES", "").strip()
+    out: dict[str, str] = {}
+    for item in filter(None, (s.strip() for s in spec.split(","))):
+        case, _, route = item.partition("=")
+        case, route = case.strip(), route.strip()
+        if case not in GATED_DELTA_CASES or route not in ROUTES:
+            raise ValueError(f"HARNESS_FLA_ROUTES item '{item}': case must be one of {', '.join(GATED_DELTA_CASES)}"
+                             f" and route one of {', '.join(ROUTES)}")
+        out[case] = route
+    return out
+
+
+def select_gated_delta_route(q, k, v, g=None, beta=None, initial_state=None) -> str:
+    """The fla route `kernel_gated_delta` takes for these arguments on this machine."""
+    case = gated_delta_case(g, beta)
+    override = _route_overrides().get(case)
+    if override is not None:
+        return override
+    grad = _needs_grad(q, k, v, g, beta, initial_state)
+    if case == "none":
+        return "simple_gla"
+    if case == "head_const":
+        return "simple_gla_gamma"
+    if case == "head":
+        return "gla" if (grad and _gated_bwd_blocked()) else "simple_gla"
+    if case == "channel":
+        return "gla"
+    if case == "delta":
+        return "delta_rule"
+    if case == "head_delta":
+        if grad and _gated_bwd_blocked() and not _tilelang_usable():
+            _warn_once("gdn-kda", "fla's gated backward is blocked on this GPU/triton and TileLang is not usable; "
+                       "gated_deltanet runs through chunk_kda with g broadcast over K (same recurrence, slower). "
+                       "Install tilelang (with nvcc) or triton >= 3.7.1 for chunk_gated_delta_rule.")
+            return "kda"
+        return "gated_delta_rule"
+    return "kda"
+
+
+def _check_gated_delta(q, k, v, g, beta, initial_state) -> None:
+    if q.dim() != 4 or q.shape != k.shape:
+        raise ValueError(f"q and k must both be [B, T, H, K]; got {tuple(q.shape)} and {tuple(k.shape)}")
+    B, T, H, K = q.shape
+    if v.dim() != 4 or tuple(v.shape[:3]) != (B, T, H):
+        raise ValueError(f"v must be [B, T, H, V] = [{B}, {T}, {H}, V]; got {tuple(v.shape)}")
+    if T == 0:
+        raise ValueError("empty sequence (T == 0)")
+    if g is not None and tuple(g.shape) not in ((B, T, H), (B, T, H, K)):
+        raise ValueError(f"g must be [B, T, H] or [B, T, H, K] = {[B, T, H, K]}; got {tuple(g.shape)}")
+    if beta is not None and tuple(beta.shape) != (B, T, H):
+        raise ValueError(f"beta must be [B, T, H] = {[B, T, H]}; got {tuple(beta.shape)}")
+    if initial_state is not None and tuple(initial_state.shape) != (B, H, K, v.shape[-1]):
+        raise ValueError(f"initial_state must be [B, H, K, V] = {[B, H, K, v.shape[-1]]}; "
+                         f"got {tuple(initial_state.shape)}")
+    if (beta is not None or (g is not None and g.dim() == 4)) and K > 256:
+        raise ValueError(f"fla's delta-rule / kda / gla kernels support K <= 256; got K={K}")
+
+
+def run_gated_delta_route(route: str, q, k, v, g=None, beta=None, *, scale: float, initial_state=None,
+                          output_final_state: bool = True):
+    """Run one named fla route (see ROUTES); `kernel_gated_delta` picks the route, tests pin one."""
+    if route not in ROUTES:
+        raise ValueError(f"unknown route '{route}'; valid: {', '.join(ROUTES)}")
+    _check_gated_delta(q, k, v, g, beta, initial_state)
+    _require("fla", q, k, v, g, beta, initial_state, fn="kernel_gated_delta")
+    kinds, takes_beta = _ROUTE_ACCEPTS[route]
+    kind = "none" if g is None else ("channel" if g.dim() == 4 else "head")
+    if route == "simple_gla_gamma":
+        if not (g is not None and g.dim() == 3 and _is_constant_per_head(g)):
+            raise ValueError("route simple_gla_gamma needs a constant per-head g (expanded [H] -> [B, T, H])")
+        if _needs_grad(g):
+            raise ValueError("route simple_gla_gamma gives no gradient to g; g must not require grad")
+        kind = "head_const"
+    if kind not in kinds or takes_beta != (beta is not None):
+        raise ValueError(f"route '{route}' cannot take g={kind} with beta={'given' if beta is not None else 'None'}")
+
+    out_dtype = v.dtype
+    dt = _compute_dtype(v)
+    B, T, H, K = q.shape
+    q, k, v = (t.to(dt).contiguous() for t in (q, k, v))
+    h0 = None if initial_state is None else initial_state.to(torch.float32).contiguous()
+    if g is not None and route != "simple_gla_gamma":
+        g = g.to(torch.float32)
+        if route in ("gla", "kda") and g.dim() == 3:
+            g = g.unsqueeze(-1).expand(B, T, H, K)  # the per-head decay on every key channel
+        g = g.contiguous()
+    if g is None and route in ("gla", "kda"):
+        g = q.new_zeros(B, T, H, K, dtype=torch.float32)
+    if g is None and route == "gated_delta_rule":
+        g = q.new_zeros(B, T, H, dtype=torch.float32)
+    if beta is not None:
+        beta = beta.contiguous()
+    common = dict(scale=float(scale), initial_state=h0, output_final_state=output_final_state)
+
+    if route == "simple_gla":
+        from fla.ops.simple_gla import chunk_simple_gla
+
+        o, ht = chunk_simple_gla(q, k, v, g=g, **common)
+    elif route == "simple_gla_gamma":
+        from fla.ops.simple_gla import chunk_simple_gla
+
+        g_gamma = g[0, 0].detach().to(torch.float32).contiguous()  # [H] natural-log decays
+        o, ht = chunk_simple_gla(q, k, v, g=None, g_gamma=g_gamma, **common)
+    elif route == "gla":
+        from fla.ops.gla import chunk_gla
+
+        o, ht = chunk_gla(q, k, v, g=g, **common)
+    elif route == "delta_rule":
+        from fla.ops.delta_rule import chunk_delta_rule
+
+        o, ht = chunk_delta_rule(q, k, v, beta, use_qk_l2norm_in_kernel=False, **common)
+    elif route == "gated_delta_rule":
+        from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+
+        o, ht = chunk_gated_delta_rule(q, k, v, g, beta, use_qk_l2norm_in_kernel=False,
+                                       use_beta_sigmoid_in_kernel=False, **common)
+    else:  # kda
+        from fla.ops.kda import chunk_kda
+
+        o, ht = chunk_kda(q, k, v, g, beta, use_qk_l2norm_in_kernel=False, use_gate_in_kernel=False,
+                          use_beta_sigmoid_in_kernel=False, safe_gate=False, **common)
+    return o.to(out_dtype), ht
+
+
+def kernel_gated_delta(q, k, v, g=None, beta=None, *, scale: float, initial_state=None,
+                       output_final_state: bool = True):
+    """The gated-delta recurrence of docs/RECURRENCES.md through fla.ops -> (o `[B,T,H,V]`, final `[B,H,K,V]`).
+
+    q, k `[B, T, H, K]`, v `[B, T, H, V]`, g None | `[B, T, H]` | `[B, T, H, K]` (natural-log decay <= 0),
+    beta None | `[B, T, H]`, initial_state None | `[B, H, K, V]`. o has v's dtype; the final state is float32
+    (None when output_final_state is False). Gradients flow to q, k, v, g, beta and initial_state, including
+    through the final state. Raises KernelUnavailable off CUDA or without fla/triton.
+    """
+    _check_gated_delta(q, k, v, g, beta, initial_state)
+    _require("fla", q, k, v, g, beta, initial_state, fn="kernel_gated_delta")
+    route = select_gated_delta_route(q, k, v, g, beta, initial_state)
+    try:
+        return run_gated_delta_route(route, q, k, v, g, beta, scale=scale, initial_state=initial_state,
+                                     output_final_state=output_final_state)
+    except RuntimeError as exc:
+        if "tilelang" in str(exc).lower() or "#640" in str(exc):
+            raise RuntimeError(f"{exc}\n[harness] fla refused route '{route}' on this GPU/triton. tilelang (with a "
+                               "usable nvcc) or triton >= 3.7.1 lifts it; or set HARNESS_FLA_ROUTES to another route "
+                               "(see harness.mixers.kernels), or use backend='reference'.") from exc
+        raise
+
+
+# ----------------------------------------------------------------------------------------------------------
+# mLSTM -> mlstm_kernels chunkwise--triton_limit_chunk
+
+MLSTM_KERNEL = "chunkwise--triton_limit_chunk"
+# Padding gates: logsigmoid(+1e4) is exactly 0.0 in float32 (exp(-1e4) underflows to 0), so a padded token
+# does not decay C, n or m; with i = -1e4 (far below any real input gate; the layer soft-caps at +-15),
+# m = max(logf + m_prev, i) = m_prev exactly and exp(i - m) = 0, so it writes nothing (its k, v are 0 too).
+MLSTM_PAD_GATE = 1.0e4
+
+
+def kernel_mlstm(q, k, v, i, f, *, scale: float, initial_state=None, output_final_state: bool = True,
+                 eps: float = 1e-6, chunk_size: int = 64):
+    """The mLSTM of docs/RECURRENCES.md through mlstm_kernels' chunkwise--triton_limit_chunk.
+
+    q, k `[B, T, H, K]`, v `[B, T, H, V]`, i, f `[B, T, H]` gate pre-activations, initial_state None |
+    (C `[B, H, K, V]`, n `[B, H, K]`, m `[B, H]`). Returns (h `[B, T, H, V]` in v's dtype, (C, n, m) float32),
+    the state None when output_final_state is False.
+
+    - T need not be a multiple of chunk_size: the sequence is padded at the end with q = k = v = 0,
+      f = +1e4 (log forget gate exactly 0) and i = -1e4 (no write, m unchanged), and the padded outputs are
+      dropped, so h and the final (C, n, m) are those of the unpadded sequence, exactly.
+    - scale: the kernel fixes scale = K^-0.5; q is pre-multiplied by scale * sqrt(K) when they differ.
+    - Gradients come from mlstm_kernels' hand-written backward (the same algorithm as its native_custbw),
+      which does not differentiate the normaliser max(|n^T q~|, exp(-m)) + eps: it treats it as a constant
+      ("it cancels out in the forward in the groupnorm"). So dq, dk, di, df (dv is exact) equal the true
+      gradients only when h goes through a per-(token, head) scale-invariant norm, as the mLSTM layer's
+      head-wise LayerNorm is; of raw h they are off by ~100%. C0 gets its gradient; n0 and m0 get zeros
+      (n0's true gradient after the norm is ~0, m0's is not). Gradients arriving at the final (C, n, m) are
+      not supported (ignored for n and m, wrong gate gradients for C): backward through them raises.
+    """
+    if q.dim() != 4 or q.shape != k.shape:
+        raise ValueError(f"q and k must both be [B, T, H, K]; got {tuple(q.shape)} and {tuple(k.shape)}")
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+    if v.dim() != 4 or tuple(v.shape[:3]) != (B, T, H):
+        raise ValueError(f"v must be [B, T, H, V] = [{B}, {T}, {H}, V]; got {tuple(v.shape)}")
+    if tuple(i.shape) != (B, T, H) or tuple(f.shape) != (B, T, H):
+        raise ValueError(f"i and f must be [B, T, H] = {[B, T, H]}; got {tuple(i.shape)} and {tuple(f.shape)}")
+    if T == 0:
+        raise ValueError("empty sequence (T == 0)")
+    if chunk_size < 16 or chunk_size & (chunk_size - 1):
+        raise ValueError(f"chunk_size must be a power of 2 >= 16; got {chunk_size}")
+    state = tuple(initial_state) if initial_state is not None else None
+    if state is not None:
+        if len(state) != 3:
+            raise ValueError("initial_state must be (C, n, m)")
+        want = ((B, H, K, V), (B, H, K), (B, H))
+        for name, t, shp in zip("Cnm", state, want):
+            if t is not None and tuple(t.shape) != shp:
+                raise ValueError(f"initial {name} must be {list(shp)}; got {tuple(t.shape)}")
+    _require("mlstm", q, k, v, i, f, *(state or ()), fn="kernel_mlstm")
+    from mlstm_kernels.torch.chunkwise.triton_limit_chunk import mlstm_chunkwise__limit_chunk
+
+    # autocast off: the kernel's custom_fwd would otherwise re-cast every input (gates included) to its
+    # autocast_kernel_dtype; we cast q, k, v ourselves and keep the gates in float32.
+    with torch.autocast("cuda", enabled=False):
+        h, last = _mlstm_padded(mlstm_chunkwise__limit_chunk, q, k, v, i, f, scale=scale, state=state, eps=eps,
+                                chunk_size=chunk_size, dtype=_compute_dtype(v))
+    if not output_final_state:
+        return h, None
+    _refuse_state_grads(last)
+    return h, last
+
+
+def _refuse_state_grads(state) -> None:
+    """Make a backward pass through the kernel's final mLSTM state fail loudly instead of going wrong."""
+    if not torch.is_grad_enabled():
+        return
+
+    def refuse(grad):
+        # autograd hands unused outputs of the kernel's Function zero gradients: only real ones are refused
+        if grad is None or not bool(grad.any()):
+            return grad
+        raise RuntimeError(
+            "kernel_mlstm: a gradient reached the final mLSTM state (C, n, m); mlstm_kernels' backward ignores it "
+            "for n and m and gets the gate gradients wrong for C. Detach the state (state passing without "
+            "backprop through it), or use backend='reference'.")
+
+    for t in state:
+        if t.requires_grad:
+            t.register_hook(refuse)
+
+
+def _mlstm_padded(kernel, q, k, v, i, f, *, scale, state, eps, chunk_size, dtype):
+    """Layout, scale and padding around an mlstm_kernels chunkwise function `kernel` (same signature as
+    mlstm_chunkwise__limit_chunk); the CPU tests run it with mlstm_kernels' native chunkwise."""
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+    out_dtype = v.dtype
+    factor = float(scale) * math.sqrt(K)
+    if abs(factor - 1.0) > 1e-9:
+        q = q.float() * factor
+    qh, kh, vh = (t.to(dtype).transpose(1, 2) for t in (q, k, v))  # [B, H, T, D]
+    ih, fh = (t.to(torch.float32).transpose(1, 2) for t in (i, f))  # [B, H, T]
+    pad = (-T) % chunk_size
+    if pad:
+        qh, kh, vh = (F.pad(t, (0, 0, 0, pad)) for t in (qh, kh, vh))
+        ih = F.pad(ih, (0, pad), value=-MLSTM_PAD_GATE)
+        fh = F.pad(fh, (0, pad), value=MLSTM_PAD_GATE)
+    qh, kh, vh, ih, fh = (t.contiguous() for t in (qh, kh, vh, ih, fh))
+    c0 = n0 = m0 = None
+    if state is not None:
+        c0, n0, m0 = state
+        c0 = (c0 if c0 is not None else q.new_zeros(B, H, K, V)).to(torch.float32).contiguous()
+        n0 = (n0 if n0 is not None else q.new_zeros(B, H, K)).to(torch.float32).contiguous()
+        m0 = (m0 if m0 is not None else q.new_zeros(B, H)).to(torch.float32).reshape(B, H, 1).contiguous()
+    h, (c, n, m) = kernel(qh, kh, vh, ih, fh, c_initial=c0, n_initial=n0, m_initial=m0, return_last_states=True,
+                          eps=eps, chunk_size=chunk_size, autocast_kernel_dtype=dtype)
+    h = h[:, :, :T].transpose(1, 2).to(out_dtype).contiguous()
+    return h, (c, n, m.reshape(B, H))
+
+
+__all__ = [
+    "BACKENDS", "GATED_DELTA_CASES", "KernelUnavailable", "MLSTM_KERNEL", "ROUTES", "gated_delta_case",
+    "kernel_environment", "kernel_gated_delta", "kernel_mlstm", "kernel_unavailable_reason", "kernels_available",
+    "resolve_backend", "run_gated_delta_route", "select_gated_delta_route",
+]

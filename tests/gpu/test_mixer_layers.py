@@ -1,0 +1,81 @@
+"""On CUDA: every mixer layer's kernel path (bf16) matches its PyTorch reference (fp32), outputs and gradients,
+at the SmolLM2 head layouts and sequence 2048. Skipped without CUDA."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from harness.mixers import MIXERS, MixerShape, mixer_class, mixer_options
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+LAYOUTS = {
+    "135M": MixerShape(hidden_size=576, num_heads=9, num_kv_heads=3, head_dim=64),
+    "1.7B": MixerShape(hidden_size=2048, num_heads=32, num_kv_heads=32, head_dim=64),
+}
+# The kernel runs in bf16, so its error against the fp32 reference is compared with the error of the PyTorch
+# reference itself run in bf16 (the bf16 floor): the kernel may not be much worse than that (docs/KERNELS.md).
+FLOOR_FACTOR, FLOOR_SLACK = 2.0, 2e-3
+
+
+def within_floor(kernel_err: float, floor_err: float) -> bool:
+    return kernel_err <= FLOOR_FACTOR * floor_err + FLOOR_SLACK
+
+
+def rel(a, b):
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
+def run(layer, x):
+    x = x.detach().requires_grad_(True)
+    y, _ = layer(x)
+    y.float().square().mean().backward()
+    return y, x.grad
+
+
+@pytest.mark.parametrize("layout, seq", [("135M", 2048), ("135M", 1000), ("1.7B", 2048)])
+@pytest.mark.parametrize("name", list(MIXERS))
+def test_kernel_layer_matches_reference(name, layout, seq):
+    shape = LAYOUTS[layout]
+    torch.manual_seed(0)
+    kernel = mixer_class(name)(shape, mixer_options(name, {"backend": "kernel"}))
+    kernel.reset_new_parameters()
+    with torch.no_grad():
+        for proj in (kernel.q_proj, kernel.k_proj, kernel.v_proj, kernel.o_proj):
+            proj.weight.normal_(0, shape.hidden_size**-0.5)
+    ref = mixer_class(name)(shape, mixer_options(name, {"backend": "reference"}))
+    ref.load_state_dict(kernel.state_dict())
+    floor = mixer_class(name)(shape, mixer_options(name, {"backend": "reference"}))
+    floor.load_state_dict(kernel.state_dict())
+    kernel, ref, floor = kernel.cuda().bfloat16(), ref.cuda().float(), floor.cuda().bfloat16()
+    x = torch.randn(2, seq, shape.hidden_size, device="cuda", dtype=torch.bfloat16)
+    yk, dxk = run(kernel, x)
+    yr, dxr = run(ref, x.float())
+    yf, dxf = run(floor, x)
+    assert rel(yk, yr) < 2e-2 and within_floor(rel(yk, yr), rel(yf, yr))
+    assert within_floor(rel(dxk, dxr), rel(dxf, dxr))
+    ref_params, floor_params = dict(ref.named_parameters()), dict(floor.named_parameters())
+    for n, p in kernel.named_parameters():
+        assert p.grad is not None and torch.isfinite(p.grad).all(), n
+        assert within_floor(rel(p.grad, ref_params[n].grad), rel(floor_params[n].grad, ref_params[n].grad)), n
+
+
+@pytest.mark.parametrize("name", list(MIXERS))
+def test_kernel_prefill_state_continues_with_reference_steps(name):
+    """The kernel's final state is the reference's state: decoding after a kernel prefill stays right."""
+    shape = LAYOUTS["135M"]
+    torch.manual_seed(0)
+    layer = mixer_class(name)(shape, mixer_options(name, {"backend": "kernel"})).cuda().float()
+    layer.reset_new_parameters()
+    x = torch.randn(1, 200, shape.hidden_size, device="cuda")
+    with torch.no_grad():
+        layer.options.backend = "reference"
+        full, _ = layer(x)
+        layer.options.backend = "kernel"
+        _, state = layer(x[:, :192], use_cache=True)
+        steps = []
+        for t in range(192, 200):
+            y, state = layer(x[:, t : t + 1], state=state, use_cache=True)
+            steps.append(y)
+    assert rel(torch.cat(steps, 1), full[:, 192:]) < 1e-2
