@@ -1,0 +1,239 @@
+"""Losses: MSE alignment; the chunked stage-3 loss against a direct full-logits computation (values and
+gradients), its KL convention, and its memory (live tensor bytes counted through a dispatch mode)."""
+
+from __future__ import annotations
+
+import weakref
+from typing import Callable, Optional
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+from harness import losses
+from harness.losses import alignment_mse, distill_loss
+
+
+def direct_distill(
+    hs: Tensor, ht: Tensor, ws: Tensor, wt: Tensor, labels: Tensor, *, ce_weight: float, kl_weight: float,
+    temperature: float, loss_mask: Optional[Tensor] = None,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """The stage-3 loss written out: full [B, T, V] fp32 logits, shift, log_softmax, sum p (log p - log q)."""
+    s = (hs.float() @ ws.float().T)[:, :-1]
+    t = (ht.float() @ wt.float().T)[:, :-1]
+    y = labels[:, 1:]
+    keep = y != -100
+    if loss_mask is not None:
+        keep &= loss_mask[:, 1:].bool()
+    ce = F.cross_entropy(s[keep], y[keep], reduction="sum") / keep.sum()
+    log_q = F.log_softmax(s / temperature, dim=-1)
+    log_p = F.log_softmax(t / temperature, dim=-1)
+    kl_tok = (log_p.exp() * (log_p - log_q)).sum(-1)
+    kl = kl_tok[keep].sum() / keep.sum() * temperature**2
+    return ce_weight * ce + kl_weight * kl, ce, kl
+
+
+def make_inputs(b=2, t=9, cs=16, ct=12, v=37, seed=0, dtype=torch.float32):
+    g = torch.Generator().manual_seed(seed)
+    hs = torch.randn(b, t, cs, generator=g).to(dtype).requires_grad_()
+    ht = torch.randn(b, t, ct, generator=g).to(dtype)
+    ws = (torch.randn(v, cs, generator=g) / cs**0.5).to(dtype).requires_grad_()
+    wt = (torch.randn(v, ct, generator=g) / ct**0.5).to(dtype)
+    labels = torch.randint(0, v, (b, t), generator=g)
+    labels[0, 4] = labels[-1, 7] = -100
+    return hs, ht, ws, wt, labels
+
+
+def _grads(loss: Tensor, *tensors: Tensor) -> tuple[Tensor, ...]:
+    return torch.autograd.grad(loss, tensors)
+
+
+@pytest.mark.parametrize("chunk", [1, 5, 7, 64])  # 14 predicted tokens: 7 divides, 5 does not, 64 > n
+@pytest.mark.parametrize("tau", [1.0, 2.0])
+def test_chunked_equals_direct_values_and_grads(chunk, tau):
+    hs, ht, ws, wt, labels = make_inputs()
+    kw = dict(ce_weight=0.7, kl_weight=1.3, temperature=tau)
+    out = distill_loss(hs, ht, ws, wt, labels, chunk_tokens=chunk, **kw)
+    ref_total, ref_ce, ref_kl = direct_distill(hs, ht, ws, wt, labels, **kw)
+    assert out.tokens == 14  # 2 x 8 predicted positions, minus the 2 ignored targets
+    torch.testing.assert_close(out.ce, ref_ce.detach(), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(out.kl, ref_kl.detach(), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(out.total.detach(), ref_total.detach(), rtol=1e-5, atol=1e-6)
+    assert not out.ce.requires_grad and not out.kl.requires_grad
+    for got, want in zip(_grads(out.total, hs, ws), _grads(ref_total, hs, ws)):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("weights", [(1.0, 0.0), (0.0, 1.0)])
+def test_each_term_alone(weights):
+    hs, ht, ws, wt, labels = make_inputs(seed=1)
+    kw = dict(ce_weight=weights[0], kl_weight=weights[1], temperature=2.0)
+    out = distill_loss(hs, ht, ws, wt, labels, chunk_tokens=4, **kw)
+    ref_total, _, _ = direct_distill(hs, ht, ws, wt, labels, **kw)
+    torch.testing.assert_close(out.total.detach(), ref_total.detach(), rtol=1e-5, atol=1e-6)
+    for got, want in zip(_grads(out.total, hs, ws), _grads(ref_total, hs, ws)):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-6)
+
+
+def test_loss_mask_equals_ignored_labels_and_matches_direct():
+    hs, ht, ws, wt, labels = make_inputs(seed=2)
+    mask = torch.ones_like(labels, dtype=torch.bool)
+    mask[:, :5] = False  # e.g. a prompt: its tokens are not targets
+    kw = dict(ce_weight=1.0, kl_weight=1.0, temperature=1.0)
+    masked = distill_loss(hs, ht, ws, wt, labels, loss_mask=mask, chunk_tokens=3, **kw)
+    as_labels = distill_loss(hs, ht, ws, wt, labels.masked_fill(~mask, -100), chunk_tokens=3, **kw)
+    ref_total, ref_ce, ref_kl = direct_distill(hs, ht, ws, wt, labels, loss_mask=mask, **kw)
+    assert masked.tokens == as_labels.tokens == 7  # targets at positions 5..8, minus labels[1, 7] = -100
+    torch.testing.assert_close(masked.total, as_labels.total)
+    torch.testing.assert_close(masked.kl, ref_kl.detach(), rtol=1e-5, atol=1e-6)
+    for got, want in zip(_grads(masked.total, hs, ws), _grads(ref_total, hs, ws)):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("tau", [1.0, 2.0])
+def test_kl_zero_for_identical_models_positive_otherwise(tau):
+    hs, _, ws, _, labels = make_inputs(ct=16)
+    same = distill_loss(hs, hs.detach(), ws, ws.detach(), labels, ce_weight=1, kl_weight=1, temperature=tau)
+    assert abs(same.kl.item()) < 1e-6
+    other = distill_loss(hs, hs.detach() * 1.5, ws, ws.detach(), labels, ce_weight=1, kl_weight=1,
+                         temperature=tau)
+    assert other.kl.item() > 1e-3
+
+
+def test_kl_is_averaged_per_token_and_scaled_by_tau_squared():
+    hs, ht, ws, wt, labels = make_inputs(b=1, t=12)
+    labels[0, 0] = -100  # so position T-1 of the doubled row (which predicts labels[0, 0]) is ignored too
+    kw = dict(ce_weight=1.0, kl_weight=1.0, chunk_tokens=5)
+    once = distill_loss(hs, ht, ws, wt, labels, temperature=2.0, **kw)
+    twice = distill_loss(torch.cat([hs, hs], 1), torch.cat([ht, ht], 1), ws, wt, torch.cat([labels, labels], 1),
+                         temperature=2.0, **kw)
+    assert twice.tokens == 2 * once.tokens
+    torch.testing.assert_close(twice.kl, once.kl)
+    torch.testing.assert_close(twice.ce, once.ce)
+    # tau^2 times the per-token KL of the softened distributions, as written in the direct version
+    s, t = (hs @ ws.T)[0, :-1] / 2, (ht @ wt.T)[0, :-1] / 2
+    keep = labels[0, 1:] != -100
+    per_token = F.kl_div(F.log_softmax(s, -1), F.log_softmax(t, -1), log_target=True, reduction="none").sum(-1)
+    torch.testing.assert_close(once.kl, 4 * per_token[keep].mean().detach(), rtol=1e-5, atol=1e-6)
+
+
+def test_bf16_inputs_and_vocab_blocks_match_fp32(monkeypatch):
+    monkeypatch.setattr(losses, "VOCAB_BLOCK", 8)  # 37 rows: blocks of 8 with a remainder of 5
+    hs, ht, ws, wt, labels = make_inputs(seed=3, dtype=torch.bfloat16)
+    kw = dict(ce_weight=1.0, kl_weight=1.0, temperature=2.0)
+    out = distill_loss(hs, ht, ws, wt, labels, chunk_tokens=4, **kw)
+    ref_total, _, _ = direct_distill(hs, ht, ws, wt, labels, **kw)  # fp32 math on the same bf16 values
+    torch.testing.assert_close(out.total.detach(), ref_total.detach(), rtol=1e-5, atol=1e-6)
+    g_hs, g_ws = _grads(out.total, hs, ws)
+    r_hs, r_ws = _grads(ref_total, hs, ws)
+    assert g_hs.dtype == g_ws.dtype == torch.bfloat16
+    torch.testing.assert_close(g_hs.float(), r_hs.float(), rtol=1e-2, atol=1e-4)
+    torch.testing.assert_close(g_ws.float(), r_ws.float(), rtol=1e-2, atol=1e-4)
+
+
+def test_grad_output_scales_and_frozen_or_no_grad_cases():
+    hs, ht, ws, wt, labels = make_inputs(seed=4)
+    kw = dict(ce_weight=1.0, kl_weight=0.5, temperature=1.0, chunk_tokens=6)
+    g1 = _grads(distill_loss(hs, ht, ws, wt, labels, **kw).total, hs, ws)
+    g3 = _grads(distill_loss(hs, ht, ws, wt, labels, **kw).total / 3, hs, ws)
+    for a, b in zip(g1, g3):
+        torch.testing.assert_close(b, a / 3)
+    frozen_head = distill_loss(hs, ht, ws.detach(), wt, labels, **kw)
+    torch.testing.assert_close(_grads(frozen_head.total, hs)[0], g1[0])
+    with torch.no_grad():
+        out = distill_loss(hs, ht, ws, wt, labels, **kw)
+    assert not out.total.requires_grad
+
+
+def test_no_counted_token_gives_zero():
+    hs, ht, ws, wt, labels = make_inputs()
+    out = distill_loss(hs, ht, ws, wt, torch.full_like(labels, -100), ce_weight=1, kl_weight=1, temperature=1)
+    assert out.tokens == 0 and out.total.item() == 0.0
+    assert all(g.abs().sum() == 0 for g in _grads(out.total, hs, ws))
+
+
+def test_rejects_mismatched_shapes():
+    hs, ht, ws, wt, labels = make_inputs()
+    with pytest.raises(ValueError, match="heads"):
+        distill_loss(hs, ht, ws, wt[:-1], labels, ce_weight=1, kl_weight=1, temperature=1)
+    with pytest.raises(ValueError, match="labels"):
+        distill_loss(hs, ht, ws, wt, labels[:, :-1], ce_weight=1, kl_weight=1, temperature=1)
+
+
+def test_alignment_mse_is_fp32_mean_over_everything():
+    g = torch.Generator().manual_seed(0)
+    pred, target = torch.randn(2, 5, 8, generator=g), torch.randn(2, 5, 8, generator=g)
+    torch.testing.assert_close(alignment_mse(pred, target), ((pred - target) ** 2).mean())
+    low = alignment_mse(pred.bfloat16(), target.bfloat16())
+    assert low.dtype == torch.float32
+    torch.testing.assert_close(low, ((pred.bfloat16().float() - target.bfloat16().float()) ** 2).mean())
+    with pytest.raises(ValueError):
+        alignment_mse(pred, target[:, :1])  # no silent broadcasting
+
+
+# ------------------------------------------------------------------ memory
+
+
+class LiveBytes(TorchDispatchMode):
+    """Peak bytes of tensor storages allocated by ops run inside the mode (autograd's included) while they
+    are alive. Outputs that alias an input (views, in-place ops) allocate nothing and are not counted.
+    Deterministic: storages are freed by reference counting, seen through weakref finalizers."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.live = self.peak = 0
+        self._seen: dict[int, weakref.finalize] = {}
+
+    def _free(self, key: int, nbytes: int) -> None:
+        self.live -= nbytes
+        self._seen.pop(key, None)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        inputs = {t.untyped_storage().data_ptr() for t in tree_leaves((args, kwargs)) if isinstance(t, Tensor)}
+        for t in tree_leaves(out):
+            if not isinstance(t, Tensor):
+                continue
+            storage = t.untyped_storage()
+            key, nbytes = storage.data_ptr(), storage.nbytes()
+            if nbytes == 0 or key in inputs or key in self._seen:
+                continue
+            self._seen[key] = weakref.finalize(storage, self._free, key, nbytes)
+            self.live += nbytes
+            self.peak = max(self.peak, self.live)
+        return out
+
+
+def peak_bytes(fn: Callable[[], None]) -> int:
+    mode = LiveBytes()
+    with mode:
+        fn()
+    return mode.peak
+
+
+def test_peak_memory_is_per_chunk_not_per_batch():
+    b, t, c, v, chunk = 2, 512, 32, 4096, 64
+    hs, ht, ws, wt, labels = make_inputs(b=b, t=t, cs=c, ct=c, v=v)
+    kw = dict(ce_weight=1.0, kl_weight=1.0, temperature=2.0)
+    logits_bytes = b * t * v * 4  # 16 MiB: one fp32 [B*T, V] tensor
+
+    def chunked(hs=hs, ht=ht, labels=labels):
+        distill_loss(hs, ht, ws, wt, labels, chunk_tokens=chunk, **kw).total.backward()
+
+    def direct():
+        direct_distill(hs, ht, ws, wt, labels, **kw)[0].backward()
+
+    p_direct, p_chunk = peak_bytes(direct), peak_bytes(chunked)
+    # longer input: only [n, C]-sized terms may grow, by far less than one more [n, V] logits tensor
+    hs2, ht2 = torch.cat([hs, hs], 1).detach().requires_grad_(), torch.cat([ht, ht], 1)
+    p_chunk_2t = peak_bytes(lambda: chunked(hs2, ht2, torch.cat([labels, labels], 1)))
+    print(f"logits {logits_bytes / 2**20:.1f} MiB; peak direct {p_direct / 2**20:.1f} MiB, chunked "
+          f"{p_chunk / 2**20:.1f} MiB, chunked at 2T {p_chunk_2t / 2**20:.1f} MiB")
+    assert p_direct > 4 * logits_bytes
+    per_chunk = chunk * v * 4
+    assert p_chunk < 6 * per_chunk + 2 * v * c * 4 + 16 * b * t * c * 4
+    assert p_chunk < p_direct / 10
+    assert p_chunk_2t - p_chunk < 16 * b * t * c * 4 < logits_bytes / 4
