@@ -1,0 +1,464 @@
+"""Checkpoints that never lose work: atomic, verified, pruned, multi-process aware.
+
+Layout of one stage's checkpoint directory (`root`)::
+
+    root/step-00000100/          a complete checkpoint (whatever the writer put there)
+    root/step-00000100/manifest.json   step, tokens, meta, time, world_size, {file: {size, sha256}}
+    root/latest                  text: the name of the newest complete checkpoint (for people and tools)
+    root/COMPLETE.json           the stage's final marker (`mark_complete`)
+    root/.tmp-*                  a save in progress, or one a crash interrupted (ignored, then removed)
+
+A save fills `root/.tmp-step-{step}-{random}`, writes the manifest last, fsyncs, and renames the directory
+to `root/step-{step}` in one `os.rename`, so a `step-*` directory either is complete or was never renamed.
+`latest_valid` trusts nothing it has not checked: it scans `step-*` newest first, and skips (with a
+`CheckpointWarning` naming it) any whose manifest is missing or whose files do not match it.
+
+Under torch.distributed every rank calls `save` (and `latest_valid`, `mark_complete`) together: rank 0 picks
+the temporary directory and broadcasts its name, every rank's `writer` fills it (DeepSpeed ZeRO-3 writes one
+shard per rank), the ranks hash the files between them, and rank 0 writes the manifest and renames. All
+ranks must see `root` on one shared file system.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import random
+import re
+import secrets
+import shutil
+import socket
+import time
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Literal, Optional
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+MANIFEST = "manifest.json"
+COMPLETE = "COMPLETE.json"
+LATEST = "latest"
+TMP_PREFIX = ".tmp-"
+_STEP_RE = re.compile(r"^step-(\d{8,})$")
+_CHUNK = 8 << 20
+
+Verify = Literal["size", "sha256"]
+
+
+class CheckpointError(RuntimeError):
+    """A save failed (on any rank); the previous checkpoints are untouched."""
+
+
+class CheckpointWarning(UserWarning):
+    """A checkpoint was skipped (corrupt or incomplete) or moved aside."""
+
+
+@dataclass(frozen=True)
+class CheckpointInfo:
+    """A complete checkpoint as its manifest describes it."""
+
+    path: Path
+    step: int
+    tokens: int
+    meta: dict[str, Any] = field(default_factory=dict)
+    time: float = 0.0
+    world_size: int = 1
+    files: dict[str, dict[str, Any]] = field(default_factory=dict)
+
+
+# ----------------------------------------------------------------------------------------- distributed
+
+
+def _dist_on() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def _rank() -> int:
+    return dist.get_rank() if _dist_on() else 0
+
+
+def _broadcast(obj: Any, collective: bool) -> Any:
+    """Rank 0's `obj` on every rank (identity when not collective)."""
+    if not collective:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def _all_gather(obj: Any, collective: bool) -> list[Any]:
+    if not collective:
+        return [obj]
+    out: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def _on_all(fn: Callable[[], Any], collective: bool, what: str) -> list[Any]:
+    """Run `fn` on every rank; return every rank's result, or raise CheckpointError on all ranks if any failed.
+
+    Failures are gathered rather than raised at once so that no rank is left waiting in a collective.
+    """
+    result, err = None, None
+    try:
+        result = fn()
+    except Exception as e:
+        if not collective:
+            raise CheckpointError(f"{what} failed: {type(e).__name__}: {e}") from e
+        err = f"{type(e).__name__}: {e}"
+    gathered = _all_gather((result, err), collective)
+    failed = [f"rank {r}: {e}" for r, (_, e) in enumerate(gathered) if e]
+    if failed:
+        raise CheckpointError(f"{what} failed: " + "; ".join(failed))
+    return [r for r, _ in gathered]
+
+
+def _on_rank0(fn: Callable[[], Any], collective: bool, what: str) -> Any:
+    """Run `fn` on rank 0 only; every rank gets its result, or raises CheckpointError if it failed."""
+    result, err = None, None
+    if not collective or dist.get_rank() == 0:
+        try:
+            result = fn()
+        except Exception as e:
+            if not collective:
+                raise CheckpointError(f"{what} failed: {type(e).__name__}: {e}") from e
+            err = f"{type(e).__name__}: {e}"
+    result, err = _broadcast((result, err), collective)
+    if err:
+        raise CheckpointError(f"{what} failed: rank 0: {err}")
+    return result
+
+
+# ----------------------------------------------------------------------------------------- file helpers
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def atomic_write_text(path: Path, text: str) -> None:
+    """Write `text` to `path` so that readers see the old or the new content, never a mix."""
+    tmp = path.with_name(f".{path.name}.partial-{secrets.token_hex(4)}")
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    _fsync_dir(path.parent)
+
+
+def file_digest(path: Path, sha256: bool = True, fsync: bool = False) -> dict[str, Any]:
+    """Size (and sha256) of a file; with `fsync`, also forces its data to disk."""
+    entry: dict[str, Any] = {"size": path.stat().st_size}
+    if sha256 or fsync:
+        h = hashlib.sha256()
+        with open(path, "rb") as f:
+            if sha256:
+                while chunk := f.read(_CHUNK):
+                    h.update(chunk)
+            if fsync:
+                os.fsync(f.fileno())
+        if sha256:
+            entry["sha256"] = h.hexdigest()
+    return entry
+
+
+def _list_files(directory: Path) -> list[str]:
+    """Every regular file under `directory` except the manifest, as sorted posix paths relative to it."""
+    return sorted(
+        p.relative_to(directory).as_posix()
+        for p in directory.rglob("*")
+        if p.is_file() and not p.is_symlink() and p.relative_to(directory).as_posix() != MANIFEST
+    )
+
+
+def _step_of(path: Path) -> Optional[int]:
+    m = _STEP_RE.match(path.name)
+    return int(m.group(1)) if m and path.is_dir() else None
+
+
+def _remove_dir(path: Path) -> None:
+    """Delete a directory by first renaming it to a `.tmp-` name, so a crash never leaves half a `step-*`."""
+    doomed = path.with_name(f"{TMP_PREFIX}delete-{path.name}-{secrets.token_hex(4)}")
+    os.rename(path, doomed)
+    shutil.rmtree(doomed, ignore_errors=True)
+
+
+def read_manifest(path: Path) -> CheckpointInfo:
+    """Parse `path/manifest.json` (raises OSError/ValueError/KeyError when missing or malformed)."""
+    m = json.loads((path / MANIFEST).read_text())
+    return CheckpointInfo(
+        path=path,
+        step=int(m["step"]),
+        tokens=int(m["tokens"]),
+        meta=dict(m.get("meta", {})),
+        time=float(m.get("time", 0.0)),
+        world_size=int(m.get("world_size", 1)),
+        files=dict(m["files"]),
+    )
+
+
+def verify_checkpoint(path: Path, verify: Verify = "size") -> Optional[str]:
+    """None if `path` is a complete checkpoint whose files match its manifest, else what is wrong."""
+    try:
+        info = read_manifest(path)
+    except FileNotFoundError:
+        return "no manifest.json (never completed)"
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        return f"unreadable manifest.json ({e})"
+    for rel, want in info.files.items():
+        f = path / rel
+        if not f.is_file():
+            return f"missing file {rel}"
+        size = f.stat().st_size
+        if size != want["size"]:
+            return f"{rel} has {size} bytes, manifest says {want['size']}"
+        if verify == "sha256" and "sha256" in want:
+            if file_digest(f, sha256=True)["sha256"] != want["sha256"]:
+                return f"{rel} does not match its sha256"
+    return None
+
+
+# ----------------------------------------------------------------------------------------- manager
+
+
+class CheckpointManager:
+    """Atomic, verified checkpoints of one stage under `root`, keeping the newest `keep_last`.
+
+    Every method that changes the directory (and `latest_valid`) is collective when torch.distributed is
+    initialised (override with `collective=`): all ranks must call it in the same order.
+    """
+
+    def __init__(self, root: Path | str, keep_last: int = 2, hash_files: bool = True) -> None:
+        if keep_last < 1:
+            raise ValueError(f"keep_last must be >= 1 (got {keep_last}): the newest checkpoint is never pruned")
+        self.root = Path(root)
+        self.keep_last = keep_last
+        self.hash_files = hash_files
+
+    # -- paths
+
+    def step_dir(self, step: int) -> Path:
+        return self.root / f"step-{step:08d}"
+
+    def step_dirs(self) -> list[tuple[int, Path]]:
+        """All `step-*` directories (complete or not), oldest first."""
+        if not self.root.is_dir():
+            return []
+        found = ((_step_of(p), p) for p in self.root.iterdir())
+        return sorted((s, p) for s, p in found if s is not None)
+
+    # -- save
+
+    def save(
+        self,
+        step: int,
+        tokens: int,
+        writer: Callable[[Path], None],
+        meta: Optional[dict[str, Any]] = None,
+        collective: Optional[bool] = None,
+    ) -> CheckpointInfo:
+        """Write a checkpoint for `step` atomically and return it (on every rank).
+
+        `writer(tmp_dir)` fills the directory on every rank (e.g. `engine.save_checkpoint(tmp_dir, tag=...)`
+        plus per-rank RNG and data state). A checkpoint already at `step` is replaced; checkpoints at later
+        steps belong to an abandoned future (a resume from an earlier one) and are moved aside to
+        `stale-step-*`, never deleted.
+        """
+        coll = _dist_on() if collective is None else collective
+        rank = dist.get_rank() if coll else 0
+        world = dist.get_world_size() if coll else 1
+
+        def make_tmp() -> Path:
+            self.root.mkdir(parents=True, exist_ok=True)
+            path = self.root / f"{TMP_PREFIX}step-{step:08d}-{secrets.token_hex(4)}"
+            path.mkdir()
+            return path
+
+        tmp: Path = _on_rank0(make_tmp, coll, f"creating the directory for step {step}")
+
+        def fill() -> None:
+            tmp.mkdir(parents=True, exist_ok=True)  # already there on a shared file system
+            writer(tmp)
+
+        def digest_my_share(files: list[str]) -> dict[str, dict[str, Any]]:
+            # Every rank hashes (and fsyncs) its share of the files: a ZeRO-3 checkpoint is large.
+            return {rel: file_digest(tmp / rel, sha256=self.hash_files, fsync=True) for rel in files[rank::world]}
+
+        try:
+            _on_all(fill, coll, f"writing step {step}")
+            files: list[str] = _on_rank0(lambda: _list_files(tmp), coll, f"listing step {step}")
+            shares = _on_all(lambda: digest_my_share(files), coll, f"hashing step {step}")
+            entries = {rel: entry for share in shares for rel, entry in share.items()}
+            return _on_rank0(
+                lambda: self._commit(tmp, step, tokens, meta or {}, world, entries), coll, f"committing step {step}"
+            )
+        finally:
+            if rank == 0:
+                shutil.rmtree(tmp, ignore_errors=True)  # gone already when the commit renamed it
+
+    def _commit(
+        self, tmp: Path, step: int, tokens: int, meta: dict[str, Any], world: int, files: dict[str, Any]
+    ) -> CheckpointInfo:
+        """Rank 0: manifest, fsync, rename, latest pointer, prune."""
+        now = time.time()
+        manifest = {
+            "step": step,
+            "tokens": tokens,
+            "meta": meta,
+            "time": now,
+            "world_size": world,
+            "host": socket.gethostname(),
+            "files": files,
+        }
+        with open(tmp / MANIFEST, "w") as f:
+            json.dump(manifest, f, indent=1, sort_keys=True)
+            f.flush()
+            os.fsync(f.fileno())
+        for d in sorted({(tmp / rel).parent for rel in files} | {tmp}, key=lambda p: -len(p.parts)):
+            _fsync_dir(d)
+
+        for s, p in self.step_dirs():
+            if s > step:
+                stale = p.with_name(f"stale-{p.name}-{secrets.token_hex(4)}")
+                warnings.warn(
+                    f"checkpoint {p} is newer than the step being saved ({step}); moved aside to {stale.name}",
+                    CheckpointWarning,
+                    stacklevel=5,
+                )
+                os.rename(p, stale)
+
+        final = self.step_dir(step)
+        if final.exists():
+            _remove_dir(final)  # a re-save of the same step; the one just written replaces it
+        os.rename(tmp, final)
+        _fsync_dir(self.root)
+        atomic_write_text(self.root / LATEST, final.name + "\n")
+        try:
+            self._prune(step)
+        except OSError as e:  # the new checkpoint is safe; too many old ones is not worth failing for
+            warnings.warn(f"pruning {self.root} failed: {e}", CheckpointWarning, stacklevel=5)
+        return CheckpointInfo(final, step, tokens, meta, now, world, files)
+
+    def _prune(self, newest: int) -> None:
+        complete = [p for s, p in self.step_dirs() if s <= newest and (p / MANIFEST).is_file()]
+        for p in complete[: -self.keep_last]:
+            _remove_dir(p)
+
+    # -- load
+
+    def latest_valid(
+        self, verify: Verify = "size", clean_tmp: bool = True, collective: Optional[bool] = None
+    ) -> Optional[CheckpointInfo]:
+        """The newest checkpoint whose manifest exists and whose files match it, or None.
+
+        Skipped checkpoints raise a `CheckpointWarning` naming them. With `clean_tmp`, leftover `.tmp-*`
+        directories (saves a crash interrupted) are removed: pass False from a process that reads
+        checkpoints while another one may be writing them. Under torch.distributed rank 0 decides and
+        every rank gets the same answer.
+        """
+        coll = _dist_on() if collective is None else collective
+
+        def find() -> Optional[CheckpointInfo]:
+            if clean_tmp:
+                self.clean_tmp()
+            for _, path in reversed(self.step_dirs()):
+                problem = verify_checkpoint(path, verify)
+                if problem is None:
+                    return read_manifest(path)
+                warnings.warn(f"skipping checkpoint {path}: {problem}", CheckpointWarning, stacklevel=4)
+            return None
+
+        return _on_rank0(find, coll, f"finding the latest checkpoint in {self.root}")
+
+    def clean_tmp(self) -> list[Path]:
+        """Remove `.tmp-*` directories left by interrupted saves; returns what was removed."""
+        if not self.root.is_dir():
+            return []
+        removed = [p for p in self.root.iterdir() if p.name.startswith(TMP_PREFIX) and p.is_dir()]
+        for p in removed:
+            shutil.rmtree(p, ignore_errors=True)
+        return removed
+
+    # -- stage completion
+
+    def mark_complete(self, meta: Optional[dict[str, Any]] = None, collective: Optional[bool] = None) -> None:
+        """Write `root/COMPLETE.json` atomically (rank 0), so that a rerun skips this stage."""
+
+        def write() -> None:
+            self.root.mkdir(parents=True, exist_ok=True)
+            atomic_write_text(self.root / COMPLETE, json.dumps({"time": time.time(), "meta": meta or {}}, indent=1))
+
+        _on_rank0(write, _dist_on() if collective is None else collective, f"marking {self.root} complete")
+
+    def is_complete(self) -> bool:
+        return self.complete_meta() is not None
+
+    def complete_meta(self) -> Optional[dict[str, Any]]:
+        """The meta passed to `mark_complete`, or None if the stage has not completed."""
+        try:
+            return dict(json.loads((self.root / COMPLETE).read_text())["meta"])
+        except (OSError, ValueError, KeyError, TypeError):
+            return None
+
+
+# ----------------------------------------------------------------------------------------- RNG state
+
+
+def capture_rng() -> dict[str, Any]:
+    """This process's RNG states (python, numpy, torch CPU, every CUDA device), loadable with weights_only."""
+    kind, keys, pos, has_gauss, gauss = np.random.get_state()
+    state: dict[str, Any] = {
+        "python": random.getstate(),
+        "numpy": {
+            "kind": str(kind),
+            "keys": torch.from_numpy(np.asarray(keys, dtype=np.int64)),
+            "pos": int(pos),
+            "has_gauss": int(has_gauss),
+            "gauss": float(gauss),
+        },
+        "torch": torch.get_rng_state(),
+    }
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def restore_rng(state: dict[str, Any]) -> None:
+    """Restore what `capture_rng` captured (CUDA states only when both sides have CUDA)."""
+    random.setstate(_as_tuple(state["python"]))
+    n = state["numpy"]
+    np.random.set_state((n["kind"], n["keys"].numpy().astype(np.uint32), n["pos"], n["has_gauss"], n["gauss"]))
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def _as_tuple(x: Any) -> Any:
+    """random.setstate needs tuples; a serialiser may hand back lists."""
+    return tuple(_as_tuple(v) for v in x) if isinstance(x, (list, tuple)) else x
+
+
+def rng_path(directory: Path, rank: Optional[int] = None) -> Path:
+    """Where rank `rank` (default: this rank) keeps its RNG state inside a checkpoint directory."""
+    return Path(directory) / f"rng_state_rank{_rank() if rank is None else rank:05d}.pt"
+
+
+def save_rng(directory: Path) -> Path:
+    """Write this rank's RNG state into `directory` (call from a checkpoint writer)."""
+    path = rng_path(directory)
+    torch.save(capture_rng(), path)
+    return path
+
+
+def load_rng(directory: Path) -> None:
+    """Restore this rank's RNG state from a checkpoint directory."""
+    restore_rng(torch.load(rng_path(directory), weights_only=True))

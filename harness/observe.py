@@ -1,0 +1,238 @@
+"""What a long run shows and records: metrics.jsonl, TensorBoard, a progress bar, throughput, MFU.
+
+`RunLogger` writes on rank 0 only; on other ranks every call is a no-op, so the training loop calls it
+unconditionally. Files under `out_dir`:
+
+    metrics.jsonl   one JSON object per `log` call: {"stage", "step", "tokens", "time", <scalars>}
+    tb/             TensorBoard event files, scalars tagged "<stage>/<name>" against the step
+
+Resuming: construct with `start_step` (the step of the checkpoint resumed from) and `start_tokens`.
+metrics.jsonl is then kept, minus every line with step > start_step (those steps are about to be redone),
+so after the run the file holds exactly what an uninterrupted run would have logged (wall-clock fields
+aside). TensorBoard is told the same with `purge_step=start_step + 1` (old event files stay on disk; their
+later steps are hidden). Without `start_step` the run is fresh: metrics.jsonl is started empty and
+TensorBoard hides every earlier event (`purge_step=0`).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import resource
+import sys
+import time
+from collections import deque
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+from tqdm import tqdm
+
+METRICS = "metrics.jsonl"
+
+
+class NonFiniteLoss(FloatingPointError):
+    """The loss became NaN or infinite; the run stops and its last good checkpoint stays the newest."""
+
+    def __init__(self, value: float, step: int, tokens: int) -> None:
+        self.value, self.step, self.tokens = value, step, tokens
+        super().__init__(
+            f"loss is {value} at step {step} ({tokens:,} tokens); stopping without saving, so the last good "
+            f"checkpoint is kept as the newest. Resume from it with a lower learning rate or check the data."
+        )
+
+
+def check_finite(loss: float | torch.Tensor, step: int, tokens: int) -> float:
+    """Return `loss` as a float, or raise `NonFiniteLoss` (the caller must not save after it).
+
+    Under data parallelism the loss differs per rank: reduce it first (or reduce a non-finite flag), so
+    that every rank raises together rather than one rank leaving the others in a collective.
+    """
+    value = float(loss.detach().float().item()) if isinstance(loss, torch.Tensor) else float(loss)
+    if not math.isfinite(value):
+        raise NonFiniteLoss(value, step, tokens)
+    return value
+
+
+# ----------------------------------------------------------------------------------------- throughput
+
+
+def mfu(tokens_per_s: float, flops_per_token: float, peak_flops: float) -> float:
+    """Model FLOPs utilisation: achieved FLOP/s over the hardware's peak FLOP/s (0..1)."""
+    return tokens_per_s * flops_per_token / peak_flops
+
+
+def dense_flops_per_token(n_params: int, training: bool = True) -> float:
+    """The usual 6N (forward + backward) or 2N (forward only) estimate, without attention terms."""
+    return (6.0 if training else 2.0) * n_params
+
+
+def peak_memory_bytes() -> int:
+    """Peak memory of this process: CUDA's max allocated if CUDA is in use, else the peak RSS."""
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        return int(torch.cuda.max_memory_allocated())
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return int(rss if sys.platform == "darwin" else rss * 1024)  # Linux reports KiB, macOS bytes
+
+
+class Throughput:
+    """Tokens/s over a sliding window of `update` calls, and MFU when the FLOP figures are given.
+
+    `update(tokens)` takes the cumulative token count (as the training loop keeps it), so a resumed run
+    measures only what it processes itself.
+    """
+
+    def __init__(
+        self, window: int = 20, flops_per_token: Optional[float] = None, peak_flops: Optional[float] = None
+    ) -> None:
+        if window < 2:
+            raise ValueError("window must hold at least 2 updates")
+        self.flops_per_token = flops_per_token
+        self.peak_flops = peak_flops
+        self._points: deque[tuple[float, int]] = deque(maxlen=window)
+
+    def update(self, tokens: int, now: Optional[float] = None) -> None:
+        self._points.append((time.perf_counter() if now is None else now, int(tokens)))
+
+    @property
+    def tokens_per_s(self) -> float:
+        """0.0 until two updates span some time."""
+        if len(self._points) < 2:
+            return 0.0
+        (t0, n0), (t1, n1) = self._points[0], self._points[-1]
+        return (n1 - n0) / (t1 - t0) if t1 > t0 else 0.0
+
+    @property
+    def mfu(self) -> Optional[float]:
+        if not self.flops_per_token or not self.peak_flops:
+            return None
+        return mfu(self.tokens_per_s, self.flops_per_token, self.peak_flops)
+
+    def summary(self) -> dict[str, float]:
+        """Scalars for a log line: tokens_per_s, mfu (when known), peak_mem_gib."""
+        out = {"tokens_per_s": self.tokens_per_s, "peak_mem_gib": peak_memory_bytes() / 2**30}
+        if (m := self.mfu) is not None:
+            out["mfu"] = m
+        return out
+
+
+# ----------------------------------------------------------------------------------------- logger
+
+
+def _scalar(value: Any) -> float | int | str | bool | None:
+    """A JSON- and TensorBoard-friendly value (tensors and numpy scalars become Python numbers)."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().float().item()
+    if hasattr(value, "item") and callable(value.item):
+        return value.item()
+    return value
+
+
+def _truncate_metrics(path: Path, start_step: Optional[int]) -> None:
+    """Keep the lines with step <= start_step (none for a fresh run); drop a line a crash cut short."""
+    kept: list[str] = []
+    if start_step is not None and path.exists():
+        for line in path.read_text().splitlines():
+            try:
+                if int(json.loads(line)["step"]) <= start_step:
+                    kept.append(line)
+            except (ValueError, KeyError, TypeError):
+                continue
+    tmp = path.with_name(f".{path.name}.partial")
+    tmp.write_text("".join(k + "\n" for k in kept))
+    os.replace(tmp, path)
+
+
+class RunLogger:
+    """Rank-0 logging of one stage: metrics.jsonl (one flushed line per call), TensorBoard, tqdm bar."""
+
+    def __init__(
+        self,
+        out_dir: Path | str,
+        stage: str,
+        rank: int = 0,
+        total_tokens: int = 0,
+        enabled_tensorboard: bool = True,
+        start_step: Optional[int] = None,
+        start_tokens: int = 0,
+        show_progress: bool = True,
+        throughput: Optional[Throughput] = None,
+    ) -> None:
+        self.out_dir = Path(out_dir)
+        self.stage = stage
+        self.rank = rank
+        self.enabled = rank == 0
+        self.throughput = throughput or Throughput()
+        self._file = None
+        self._tb = None
+        self.bar = tqdm(
+            total=total_tokens or None,
+            initial=start_tokens,
+            unit="tok",
+            unit_scale=True,
+            desc=stage,
+            dynamic_ncols=True,
+            mininterval=1.0 if sys.stderr.isatty() else 60.0,  # a Slurm log is not a terminal: fewer lines
+            disable=not (self.enabled and show_progress),
+        )
+        if not self.enabled:
+            return
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        _truncate_metrics(self.metrics_path, start_step)
+        self._file = open(self.metrics_path, "a")
+        if enabled_tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            purge = 0 if start_step is None else start_step + 1  # hides older runs' events at >= purge
+            self._tb = SummaryWriter(log_dir=str(self.out_dir / "tb"), purge_step=purge)
+
+    @property
+    def metrics_path(self) -> Path:
+        return self.out_dir / METRICS
+
+    def log(self, step: int, tokens: int, **scalars: Any) -> None:
+        """Record `scalars` at `step` / `tokens` and advance the bar to `tokens` (no-op off rank 0).
+
+        Unless given, tokens_per_s and peak_mem_gib (and mfu) come from the logger's `Throughput`, which
+        starts measuring at the first call (so model set-up does not count; that call reports 0 tok/s).
+        """
+        if not self.enabled:
+            return
+        self.throughput.update(tokens)
+        values = {k: _scalar(v) for k, v in {**self.throughput.summary(), **scalars}.items()}
+        record = {"stage": self.stage, "step": int(step), "tokens": int(tokens), "time": time.time(), **values}
+        assert self._file is not None
+        self._file.write(json.dumps(record) + "\n")
+        self._file.flush()
+        if self._tb is not None:
+            for name, v in values.items():
+                if isinstance(v, (int, float)) and not isinstance(v, bool):
+                    self._tb.add_scalar(f"{self.stage}/{name}", v, global_step=step)
+            self._tb.add_scalar(f"{self.stage}/tokens", tokens, global_step=step)
+            self._tb.flush()
+        self.bar.update(max(0, int(tokens) - self.bar.n))
+        postfix = {"tok/s": f"{values['tokens_per_s']:.3g}"}
+        if isinstance(values.get("loss"), (int, float)):
+            postfix = {"loss": f"{values['loss']:.4g}", **postfix}
+        self.bar.set_postfix(postfix, refresh=False)
+
+    def write(self, message: str) -> None:
+        """Print a line above the progress bar (rank 0 only)."""
+        if self.enabled:
+            tqdm.write(message)
+
+    def close(self) -> None:
+        self.bar.close()
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+        if self._tb is not None:
+            self._tb.close()
+            self._tb = None
+
+    def __enter__(self) -> "RunLogger":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
