@@ -140,6 +140,38 @@ class DeepSpeedConfig:
 
 
 @dataclass
+class RunConfig:
+    device: str = described("auto", "Where stages run: auto (cuda when available, else cpu), cpu or cuda.")
+    layer_groups: int = described(
+        0, "Layer groups of stages 1 and 2 (one process each, run in parallel); 0: one per GPU, or 2 on a CPU."
+    )
+    parallel_groups: int = described(
+        0, "Layer-group processes run at once by `harness run`; 0: one per GPU, or 2 on a CPU."
+    )
+    processes: int = described(
+        0, "Data-parallel processes of stage 3 under `harness run`; 0: one per GPU, or 1 on a CPU."
+    )
+    checkpoint_every_tokens: int = described(
+        0, "Write a checkpoint every N tokens of a stage (and always at its end); 0: only at the end."
+    )
+    keep_last: int = described(2, "Checkpoints kept per stage (older ones are deleted).")
+    log_every_steps: int = described(10, "Optimizer steps between metric log lines.")
+    validate_every_steps: int = described(0, "Stage 3 validation loss every N steps (and at the end); 0: end only.")
+
+
+@dataclass
+class EvalConfig:
+    tasks: list[str] = described(
+        help="lm-eval tasks the evaluation job runs on the final student.",
+        factory=lambda: ["piqa", "arc_easy", "arc_challenge", "hellaswag", "winogrande", "lambada_openai", "mmlu"],
+    )
+    niah_lengths: list[int] = described(
+        help="Needle-in-a-haystack context lengths (tokens).", factory=lambda: [256, 512, 1024, 2048, 4096, 8192]
+    )
+    limit: Optional[int] = described(None, "Examples per benchmark task (lm-eval --limit); null: all.")
+
+
+@dataclass
 class JobConfig:
     name: str = described("job", "Run name, used in output paths and logs.")
     output_dir: str = described("runs/${name}", "Directory for checkpoints, logs and the exported student.")
@@ -150,6 +182,8 @@ class JobConfig:
     budget: BudgetConfig = described(help="Token budget and its split over the stages.", factory=BudgetConfig)
     stages: StagesConfig = described(help="Per-stage optimisation settings.", factory=StagesConfig)
     deepspeed: DeepSpeedConfig = described(help="DeepSpeed configuration files.", factory=DeepSpeedConfig)
+    run: RunConfig = described(help="Processes, devices, checkpoints and logging of a run.", factory=RunConfig)
+    eval: EvalConfig = described(help="What the evaluation job does with the final student.", factory=EvalConfig)
 
 
 def load_job(path: str | Path | None, overrides: list[str] = ()) -> JobConfig:
@@ -262,6 +296,7 @@ def validate(job: JobConfig) -> None:
     for stage in STAGES:
         _check_stage(f"stages.{stage}", getattr(job.stages, stage))
     _check_positive("deepspeed.world_size", job.deepspeed.world_size)
+    _check_run(job.run)
     d = job.stages.distill
     if d.ce_weight < 0 or d.kl_weight < 0 or d.ce_weight + d.kl_weight == 0:
         raise ConfigError(
@@ -312,6 +347,15 @@ def _check_stage(key: str, stage: StageConfig) -> None:
             raise ConfigError(f"{key}.{name}={value} must lie in [0, 1].")
     if stage.warmup_fraction + (stage.decay_fraction if stage.schedule == "wsd" else 0) > 1:
         raise ConfigError(f"{key}: warmup_fraction + decay_fraction exceed 1.")
+
+
+def _check_run(run: RunConfig) -> None:
+    _check_choice("run.device", run.device, ("auto", "cpu", "cuda"))
+    for name in ("layer_groups", "parallel_groups", "processes", "checkpoint_every_tokens", "validate_every_steps"):
+        if getattr(run, name) < 0:
+            raise ConfigError(f"run.{name}={getattr(run, name)} must be >= 0 (0 picks the default).")
+    _check_positive("run.keep_last", run.keep_last)
+    _check_positive("run.log_every_steps", run.log_every_steps)
 
 
 def _check_data(data: DataConfig) -> None:

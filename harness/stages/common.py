@@ -1,0 +1,120 @@
+"""What every stage shares: the run directory layout, layer ranges and groups, device choice, the job's teacher.
+
+Run directory (job.output_dir):
+
+    align_mixer/layers-00-03/   stage 1, one folder per layer group: checkpoints/, metrics.jsonl, tb/,
+                                weights.safetensors (the group's trained parameters), COMPLETE.json
+    align_hidden/layers-00-03/  stage 2, the same
+    merged/                     the student assembled from the stage-2 groups (Hugging Face format)
+    distill/                    stage 3: checkpoints/, metrics.jsonl, tb/, COMPLETE.json
+    student/                    the final student (Hugging Face format)
+    eval.yaml                   the evaluation job spec for the final student
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+
+from harness.config import ConfigError, JobConfig
+
+PER_LAYER_STAGES = ("align_mixer", "align_hidden")
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def run_dir(job: JobConfig) -> Path:
+    return Path(job.output_dir)
+
+
+def group_name(layers: list[int]) -> str:
+    return f"layers-{layers[0]:02d}-{layers[-1]:02d}"
+
+
+def group_dir(job: JobConfig, stage: str, layers: list[int]) -> Path:
+    if stage not in PER_LAYER_STAGES:
+        raise ValueError(f"stage '{stage}' is not a per-layer stage ({', '.join(PER_LAYER_STAGES)})")
+    return run_dir(job) / stage / group_name(layers)
+
+
+def parse_layers(spec: str, num_layers: int) -> list[int]:
+    """'0-9' / '3' / '0-3,8-9' -> sorted layer indices, each checked against the teacher's depth."""
+    layers: set[int] = set()
+    try:
+        for part in filter(None, (p.strip() for p in spec.split(","))):
+            lo, _, hi = part.partition("-")
+            start, end = int(lo), int(hi) if hi else int(lo)
+            if end < start:
+                raise ValueError
+            layers.update(range(start, end + 1))
+    except ValueError:
+        raise ConfigError(f"--layers '{spec}' is not a layer range: use e.g. 0-9, 4 or 0-3,8-9.") from None
+    if not layers:
+        raise ConfigError(f"--layers '{spec}' names no layer.")
+    outside = sorted(x for x in layers if x < 0 or x >= num_layers)
+    if outside:
+        raise ConfigError(
+            f"--layers '{spec}' names layer(s) {outside} outside the model: the student has {num_layers} layers "
+            f"(0-{num_layers - 1})."
+        )
+    return sorted(layers)
+
+
+def layer_groups(num_layers: int, groups: int) -> list[list[int]]:
+    """Split layers 0..num_layers-1 into `groups` contiguous groups of near-equal size."""
+    groups = max(1, min(groups, num_layers))
+    base, extra = divmod(num_layers, groups)
+    out, start = [], 0
+    for g in range(groups):
+        size = base + (1 if g < extra else 0)
+        out.append(list(range(start, start + size)))
+        start += size
+    return out
+
+
+def resolve_device(job: JobConfig) -> torch.device:
+    want = job.run.device
+    if want == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("run.device=cuda but no CUDA device is visible; use run.device=cpu or auto.")
+    if want == "cpu" or (want == "auto" and not torch.cuda.is_available()):
+        return torch.device("cpu")
+    return torch.device("cuda", torch.cuda.current_device())
+
+
+def default_count(configured: int, cpu_default: int) -> int:
+    """A run.* count where 0 means: one per visible GPU, or `cpu_default` without GPUs."""
+    if configured:
+        return configured
+    return torch.cuda.device_count() or cpu_default
+
+
+def num_student_layers(job: JobConfig) -> int:
+    from harness.teacher import teacher_config
+
+    n = teacher_config(job.teacher.source).num_hidden_layers
+    return min(n, job.teacher.num_layers) if job.teacher.num_layers else n
+
+
+def load_job_teacher(job: JobConfig, device: Optional[torch.device] = None, up_to_layer: Optional[int] = None):
+    """The job's teacher, truncated to teacher.num_layers (and further to layers < up_to_layer when a layer
+    group needs only a prefix), frozen, in teacher.dtype, on `device`."""
+    from harness.teacher import load_teacher
+
+    teacher = load_teacher(job.teacher.source, dtype=DTYPES[job.teacher.dtype])
+    keep = job.teacher.num_layers or teacher.num_layers
+    if up_to_layer is not None:
+        keep = min(keep, up_to_layer)
+    truncate(teacher.model, keep)
+    if device is not None:
+        teacher.model.to(device)
+    return teacher
+
+
+def truncate(model: Any, num_layers: int) -> None:
+    """Keep the first `num_layers` decoder layers of a Llama-style model (its config follows)."""
+    if num_layers < len(model.model.layers):
+        model.model.layers = model.model.layers[:num_layers]
+        model.config.num_hidden_layers = num_layers
+        if getattr(model.config, "layer_types", None):
+            model.config.layer_types = model.config.layer_types[:num_layers]
