@@ -74,6 +74,56 @@ def build_parser() -> argparse.ArgumentParser:
     prepare.add_argument("--embedded-only", action="store_true", help="Only build the embedded corpus.")
     prepare.set_defaults(handler=cmd_data_prepare)
 
+    run = sub.add_parser(
+        "run", help="Run every stage of a job on this machine (skips finished stages, resumes interrupted ones).",
+        description="Stage 1 (mixer alignment) and stage 2 (hidden-state alignment) as parallel layer-group "
+        "processes, the merge, then stage 3 (distillation, DeepSpeed ZeRO-3, deepspeed.world_size processes). "
+        "Finished stages are skipped and an interrupted one resumes from its newest valid checkpoint, so after a "
+        "crash re-run the same command. Ends with the student in Hugging Face format and eval.yaml in the run "
+        "directory (output_dir).",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="example:\n  harness run jobs/quickstart.yaml\n  harness run jobs/quickstart.yaml student.mixer=gla "
+        "output_dir=runs/quickstart-gla",
+    )
+    _add_job_args(run)
+    run.set_defaults(handler=cmd_run)
+
+    stage = sub.add_parser("stage", help="Run one stage (or one layer group of it) in this process.",
+                           description="One stage of the pipeline; `harness run` calls these.")
+    stage_sub = stage.add_subparsers(title="stages", metavar="STAGE")
+    for name, text in (("align-mixer", "Stage 1: per-layer mixer-output alignment (MSE) for a layer group."),
+                       ("align-hidden", "Stage 2: per-layer hidden-state alignment (MSE) for a layer group.")):
+        p = stage_sub.add_parser(name, help=text, description=text + " Resumes from its newest valid checkpoint.",
+                                 formatter_class=argparse.RawDescriptionHelpFormatter,
+                                 epilog=f"example:\n  harness stage {name} jobs/quickstart.yaml --layers 0-1")
+        _add_job_args(p)
+        p.add_argument("--layers", required=True, help="Layer group, e.g. 0-9 or 0-3,8 (0-based).")
+        p.set_defaults(handler=cmd_stage_align, stage=name.replace("-", "_"))
+    merge = stage_sub.add_parser("merge", help="Assemble the student from the stage-2 layer groups.",
+                                 description="Assemble the student from the stage-2 layer groups (run_dir/merged).")
+    _add_job_args(merge)
+    merge.set_defaults(handler=cmd_stage_merge)
+    dist = stage_sub.add_parser(
+        "distill", help="Stage 3: end-to-end distillation (CE + KL) under DeepSpeed ZeRO-3.",
+        description="Stage 3 in this process; start it under torchrun/deepspeed/srun for several processes "
+        "(deepspeed.world_size must match). Resumes from its newest valid checkpoint.",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="example:\n  torchrun --standalone --nproc_per_node 2 -m harness.cli stage distill JOB "
+        "deepspeed.world_size=2",
+    )
+    _add_job_args(dist)
+    dist.set_defaults(handler=cmd_stage_distill)
+
+    export = sub.add_parser(
+        "export", help="Write a consolidated Hugging Face student from a stage-3 checkpoint.",
+        description="Consolidate a stage-3 checkpoint (a run_dir/distill/checkpoints/step-* directory, written by "
+        "any number of ranks) into a Hugging Face student directory.",
+    )
+    export.add_argument("checkpoint", help="A stage-3 checkpoint directory (step-*).")
+    export.add_argument("out", help="Output directory for the student.")
+    export.add_argument("--merged", help="The run's merged student (for the config); default: RUN_DIR/merged.")
+    export.set_defaults(handler=cmd_export)
+
     mixers = sub.add_parser("mixers", help="List the seven mixers and their options.",
                             description="List the mixers and each one's options with defaults and descriptions.")
     mixers.set_defaults(handler=cmd_mixers)
@@ -98,7 +148,8 @@ def cmd_info(args: argparse.Namespace) -> int:
     print("\n# parameters")
     print(f"  teacher: {teacher_n:,}")
     print(f"  student ({job.student.mixer}): {student_n:,}")
-    print("\n# stage plan (tokens per step = world_size x micro_batch_size x grad_accum x seq_len)")
+    print("\n# stage plan (tokens per step = micro_batch_size x grad_accum x seq_len, x deepspeed.world_size "
+          "for distill; every layer group of stages 1-2 sees its stage's tokens)")
     print(f"  {'stage':<14}{'tokens':>16}{'tokens/step':>14}{'steps':>10}{'warmup':>8}")
     for p in plan_stages(job):
         print(f"  {p.stage:<14}{p.tokens:>16,}{p.tokens_per_step:>14,}{p.steps:>10,}{p.warmup_steps:>8,}")
@@ -117,6 +168,63 @@ def cmd_data_prepare(args: argparse.Namespace) -> int:
     tokenizer = load_tokenizer(job.teacher.source)
     max_positions = teacher_config(job.teacher.source).max_position_embeddings
     print(prepare_summary(job, tokenizer, max_positions=max_positions))
+    return 0
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    from harness.config import load_job
+    from harness.launch.local import StageFailed, run_pipeline
+
+    job = load_job(args.job, args.overrides)
+    try:
+        student = run_pipeline(job, args.job, args.overrides)
+    except StageFailed as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 1
+    print(f"[harness] done: student in {student}, evaluation spec in {student.parent / 'eval.yaml'}")
+    return 0
+
+
+def cmd_stage_align(args: argparse.Namespace) -> int:
+    from harness.config import load_job
+    from harness.stages.align import align_group
+    from harness.stages.common import num_student_layers, parse_layers
+
+    job = load_job(args.job, args.overrides)
+    layers = parse_layers(args.layers, num_student_layers(job))
+    print(align_group(job, args.stage, layers))
+    return 0
+
+
+def cmd_stage_merge(args: argparse.Namespace) -> int:
+    from harness.config import load_job
+    from harness.stages.merge import merge_student
+
+    print(merge_student(load_job(args.job, args.overrides)))
+    return 0
+
+
+def cmd_stage_distill(args: argparse.Namespace) -> int:
+    from harness.config import load_job
+    from harness.stages.distill import distill
+
+    print(distill(load_job(args.job, args.overrides)))
+    return 0
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from harness.stages.distill import export_checkpoint
+
+    ckpt = Path(args.checkpoint)
+    merged = Path(args.merged) if args.merged else ckpt.parents[2] / "merged"
+    if not (ckpt / "manifest.json").is_file():
+        raise ConfigError(f"'{ckpt}' is not a complete stage-3 checkpoint (no manifest.json); pick a "
+                          "run_dir/distill/checkpoints/step-* directory.")
+    if not (merged / "config.json").is_file():
+        raise ConfigError(f"No merged student at '{merged}' to take the config from; pass --merged.")
+    print(export_checkpoint(ckpt, Path(args.out), merged))
     return 0
 
 

@@ -136,7 +136,10 @@ class StagesConfig:
 class DeepSpeedConfig:
     student_config: str = described("ds_configs/zero3.json", "DeepSpeed config file for the student.")
     teacher_config: str = described("ds_configs/zero3_teacher.json", "DeepSpeed config file for the teacher.")
-    world_size: int = described(1, "Data-parallel processes assumed by `harness info`'s step plan.")
+    world_size: int = described(
+        1, "Data-parallel processes of stage 3 (GPUs, or CPU processes); the per-layer stages run one process "
+        "per layer group. The token-to-step plan and the data slices follow it."
+    )
 
 
 @dataclass
@@ -147,9 +150,6 @@ class RunConfig:
     )
     parallel_groups: int = described(
         0, "Layer-group processes run at once by `harness run`; 0: one per GPU, or 2 on a CPU."
-    )
-    processes: int = described(
-        0, "Data-parallel processes of stage 3 under `harness run`; 0: one per GPU, or 1 on a CPU."
     )
     checkpoint_every_tokens: int = described(
         0, "Write a checkpoint every N tokens of a stage (and always at its end); 0: only at the end."
@@ -351,7 +351,7 @@ def _check_stage(key: str, stage: StageConfig) -> None:
 
 def _check_run(run: RunConfig) -> None:
     _check_choice("run.device", run.device, ("auto", "cpu", "cuda"))
-    for name in ("layer_groups", "parallel_groups", "processes", "checkpoint_every_tokens", "validate_every_steps"):
+    for name in ("layer_groups", "parallel_groups", "checkpoint_every_tokens", "validate_every_steps"):
         if getattr(run, name) < 0:
             raise ConfigError(f"run.{name}={getattr(run, name)} must be >= 0 (0 picks the default).")
     _check_positive("run.keep_last", run.keep_last)
@@ -406,15 +406,17 @@ class StagePlan:
 def plan_stages(job: JobConfig) -> list[StagePlan]:
     """Per-stage token budget and optimizer steps.
 
-    Stages 1 and 2 train layer groups in parallel: every group sees the stage's whole token budget.
-    A step consumes world_size x micro_batch_size x grad_accum x seq_len tokens; the stage's token
-    count is rounded down to whole steps (what is actually trained is reported, not the request).
+    Stages 1 and 2 train layer groups in parallel, one process each: every group sees the stage's whole
+    token budget, and a step consumes micro_batch_size x grad_accum x seq_len tokens. A stage-3 step
+    consumes deepspeed.world_size times that. A stage's token count is rounded down to whole steps (what
+    is actually trained is reported, not the request).
     """
     plans = []
     for stage, fraction in zip(STAGES, job.budget.split):
         cfg: StageConfig = getattr(job.stages, stage)
         requested = cfg.tokens if cfg.tokens is not None else int(job.budget.total_tokens * fraction)
-        per_step = job.deepspeed.world_size * cfg.micro_batch_size * cfg.grad_accum * job.data.seq_len
+        world = job.deepspeed.world_size if stage == "distill" else 1
+        per_step = world * cfg.micro_batch_size * cfg.grad_accum * job.data.seq_len
         steps = requested // per_step
         plans.append(StagePlan(stage, steps * per_step if steps else requested, per_step, steps,
                                int(steps * cfg.warmup_fraction)))

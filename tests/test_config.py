@@ -81,7 +81,7 @@ def test_step_plan_arithmetic(job_file):
     assert d.tokens_per_step == 2 * 2 * 4 * 128
     assert d.steps == int(10_000_000 * 0.921) // d.tokens_per_step
     assert d.tokens == d.steps * d.tokens_per_step
-    assert plans["align_mixer"].steps == int(10_000_000 * 0.026) // (2 * 8 * 128)
+    assert plans["align_mixer"].steps == int(10_000_000 * 0.026) // (8 * 128)  # one process per layer group
 
 
 def test_info_prints_counts_and_plan(job_file, capsys):

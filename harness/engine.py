@@ -1,0 +1,135 @@
+"""DeepSpeed set-up for stage 3: process group, ZeRO-3 configs, the student and teacher engines, export.
+
+The same code runs on GPUs (nccl, bf16) and on CPUs (gloo, fp32), as CI runs it. CPU pitfalls handled here
+(see DESIGN.md): DeepSpeed's shared-memory all-reduce JIT build is skipped, the optimizer is torch's AdamW
+(`torch_adam`, no FusedAdam build), and the process group gets a finite timeout.
+"""
+
+from __future__ import annotations
+
+import copy
+import importlib
+import json
+import os
+import socket
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+import torch
+from torch import nn
+
+from harness.config import ConfigError, JobConfig, StageConfig
+
+NO_DECAY = ("bias", "norm", "A_log", "dt_bias", "norm_weight")
+
+
+def setup_distributed(device: torch.device, timeout_s: int = 1800) -> tuple[int, int]:
+    """Join (or create, for a plain single process) the process group; returns (rank, world_size)."""
+    if device.type == "cpu":
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    if "RANK" not in os.environ:  # a plain `python` run: a one-process group on a free port
+        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
+                          MASTER_PORT=str(_free_port()))
+    import deepspeed
+
+    # ZeRO does not need DeepSpeed's shm all-reduce, whose JIT C++ build costs 30-120 s on first use
+    importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda *a, **k: None
+    if not torch.distributed.is_initialized():
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        deepspeed.init_distributed(dist_backend=backend, timeout=timedelta(seconds=timeout_s),
+                                   auto_mpi_discovery=False)
+    if device.type == "cuda":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    return torch.distributed.get_rank(), torch.distributed.get_world_size()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def read_ds_config(path: str) -> dict[str, Any]:
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"DeepSpeed config '{path}' does not exist (deepspeed.student_config / teacher_config).")
+    return json.loads(p.read_text())
+
+
+def student_ds_config(job: JobConfig, stage: StageConfig, world: int, bf16: bool) -> dict[str, Any]:
+    """The student's DeepSpeed config: the file's ZeRO settings with the job's batch, LR, clipping, precision."""
+    cfg = copy.deepcopy(read_ds_config(job.deepspeed.student_config))
+    cfg["train_micro_batch_size_per_gpu"] = stage.micro_batch_size
+    cfg["gradient_accumulation_steps"] = stage.grad_accum
+    cfg["train_batch_size"] = stage.micro_batch_size * stage.grad_accum * world
+    cfg["gradient_clipping"] = stage.grad_clip
+    cfg["bf16"] = {"enabled": bf16}
+    opt = cfg.setdefault("optimizer", {"type": "AdamW", "params": {}})
+    opt.setdefault("params", {}).update(lr=stage.lr, weight_decay=stage.weight_decay)
+    return cfg
+
+
+def teacher_ds_config(job: JobConfig, stage: StageConfig, world: int, bf16: bool) -> dict[str, Any]:
+    cfg = copy.deepcopy(read_ds_config(job.deepspeed.teacher_config))
+    cfg["train_micro_batch_size_per_gpu"] = stage.micro_batch_size
+    cfg["gradient_accumulation_steps"] = 1
+    cfg["train_batch_size"] = stage.micro_batch_size * world
+    cfg["bf16"] = {"enabled": bf16}
+    cfg.pop("optimizer", None)
+    return cfg
+
+
+def param_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
+    """AdamW groups: no decay on biases, norms and the recurrent gates' decay parameters."""
+    decay, no_decay = [], []
+    for name, p in model.named_parameters():
+        if p.requires_grad:
+            (no_decay if any(k in name for k in NO_DECAY) else decay).append(p)
+    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+
+
+def student_engine(model: nn.Module, config: dict[str, Any], scheduler: Callable):
+    import deepspeed
+
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=param_groups(model, _weight_decay(config)),
+                                      config=config, lr_scheduler=scheduler)
+    return engine
+
+
+def teacher_engine(model: nn.Module, config: dict[str, Any]):
+    """The teacher as a ZeRO-3 inference engine: sharded parameters, no optimizer, eval mode."""
+    import deepspeed
+
+    for p in model.parameters():
+        p.requires_grad_(False)
+    engine, *_ = deepspeed.initialize(model=model, config=config)
+    engine.eval()
+    return engine
+
+
+def _weight_decay(config: dict[str, Any]) -> float:
+    return float(config.get("optimizer", {}).get("params", {}).get("weight_decay", 0.0))
+
+
+def gathered(params: list[nn.Parameter]):
+    """Context in which ZeRO-3-partitioned `params` hold their full data (a collective: every rank enters)."""
+    import deepspeed
+
+    return deepspeed.zero.GatheredParameters(params, modifier_rank=None)
+
+
+def consolidated_state_dict(checkpoint_dir: Path, tag: str, prefix: str = "") -> dict[str, torch.Tensor]:
+    """fp32 weights of a ZeRO checkpoint (any number of ranks), with `prefix` stripped from the names."""
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    state = get_fp32_state_dict_from_zero_checkpoint(str(checkpoint_dir), tag=tag)
+    return {k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)}
+
+
+def device_for(rank_device: Optional[str] = None) -> torch.device:
+    if rank_device:
+        return torch.device(rank_device)
+    if torch.cuda.is_available():
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+    return torch.device("cpu")

@@ -1,0 +1,127 @@
+"""`harness run`: every stage in order on this machine, as separate processes, skipping finished work.
+
+Stages 1 and 2 run one process per layer group (run.layer_groups), run.parallel_groups at a time, each pinned
+to one GPU when there are GPUs; then the merge; then stage 3 as deepspeed.world_size processes under torchrun
+(gloo on CPU, nccl on GPUs). Every stage resumes from its newest valid checkpoint, so re-running the same
+command after a crash continues where it stopped. Each process's output goes to run_dir/logs/.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Optional
+
+from harness.config import JobConfig
+from harness.stages.common import (PER_LAYER_STAGES, default_count, group_dir, group_name, layer_groups,
+                                   num_student_layers, run_dir)
+
+
+class StageFailed(RuntimeError):
+    """A stage process exited with an error; the message names its log."""
+
+
+def cli_command(*args: str) -> list[str]:
+    return [sys.executable, "-m", "harness.cli", *args]
+
+
+def job_args(job_path: Optional[str], overrides: list[str]) -> list[str]:
+    return ([job_path] if job_path else []) + list(overrides)
+
+
+def run_pipeline(job: JobConfig, job_path: str, overrides: list[str]) -> Path:
+    """Run stages 1-3 (skipping complete ones) and return the final student's directory."""
+    out = run_dir(job)
+    (out / "logs").mkdir(parents=True, exist_ok=True)
+    n_layers = num_student_layers(job)
+    groups = layer_groups(n_layers, default_count(job.run.layer_groups, 2))
+    for stage in PER_LAYER_STAGES:
+        run_groups(job, stage, groups, job_path, overrides)
+    _run_logged(cli_command("stage", "merge", *job_args(job_path, overrides)), out / "logs" / "merge.log", "merge")
+    run_distill(job, job_path, overrides)
+    return out / "student"
+
+
+def run_groups(job: JobConfig, stage: str, groups: list[list[int]], job_path: str, overrides: list[str]) -> None:
+    """One process per unfinished layer group, at most run.parallel_groups at a time."""
+    todo = [g for g in groups if not (group_dir(job, stage, g) / "checkpoints" / "COMPLETE.json").exists()]
+    done = len(groups) - len(todo)
+    print(f"[harness] {stage}: {len(groups)} layer groups, {done} already complete", flush=True)
+    gpus = _gpus()
+    slots = default_count(job.run.parallel_groups, 2)
+    running: list[tuple[subprocess.Popen, list[int], Path, Optional[str]]] = []
+    while todo or running:
+        free_gpus = [g for g in gpus if g not in {r[3] for r in running}]
+        while todo and len(running) < slots and (not gpus or free_gpus):
+            layers = todo.pop(0)
+            gpu = free_gpus.pop(0) if gpus else None
+            log = run_dir(job) / "logs" / f"{stage}-{group_name(layers)}.log"
+            spec = f"{layers[0]}-{layers[-1]}"
+            cmd = cli_command("stage", stage.replace("_", "-"), *job_args(job_path, overrides), "--layers", spec)
+            running.append((_spawn(cmd, log, gpu), layers, log, gpu))
+        time.sleep(0.5)
+        for item in list(running):
+            proc, layers, log, _ = item
+            if proc.poll() is None:
+                continue
+            running.remove(item)
+            if proc.returncode != 0:
+                for other in running:
+                    other[0].terminate()
+                raise StageFailed(f"{stage} layers {layers[0]}-{layers[-1]} failed (exit {proc.returncode}); "
+                                  f"see {log}:\n{_tail(log)}")
+            print(f"[harness] {stage} layers {layers[0]}-{layers[-1]} done", flush=True)
+
+
+def run_distill(job: JobConfig, job_path: str, overrides: list[str]) -> None:
+    if (run_dir(job) / "distill" / "checkpoints" / "COMPLETE.json").exists():
+        print("[harness] distill: already complete", flush=True)
+        return
+    world = job.deepspeed.world_size
+    args = ["stage", "distill", *job_args(job_path, overrides)]
+    if world == 1:
+        cmd = cli_command(*args)
+    else:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world}",
+               "-m", "harness.cli", *args]
+    print(f"[harness] distill on {world} process(es): {' '.join(cmd)}", flush=True)
+    env = dict(os.environ)
+    if not _gpus():
+        env["DS_ACCELERATOR"] = "cpu"
+    result = subprocess.run(cmd, env=env)
+    if result.returncode != 0:
+        raise StageFailed(f"distill failed (exit {result.returncode}); its output is above, metrics in "
+                          f"{run_dir(job) / 'distill'}")
+
+
+def _gpus() -> list[str]:
+    import torch
+
+    return [str(i) for i in range(torch.cuda.device_count())]
+
+
+def _spawn(cmd: list[str], log: Path, gpu: Optional[str]) -> subprocess.Popen:
+    env = dict(os.environ)
+    if gpu is not None:
+        env["CUDA_VISIBLE_DEVICES"] = gpu
+    handle = open(log, "a")
+    handle.write(f"$ {' '.join(cmd)}\n")
+    handle.flush()
+    return subprocess.Popen(cmd, stdout=handle, stderr=subprocess.STDOUT, env=env)
+
+
+def _run_logged(cmd: list[str], log: Path, what: str) -> None:
+    proc = _spawn(cmd, log, None)
+    if proc.wait() != 0:
+        raise StageFailed(f"{what} failed (exit {proc.returncode}); see {log}:\n{_tail(log)}")
+    print(f"[harness] {what} done", flush=True)
+
+
+def _tail(log: Path, lines: int = 15) -> str:
+    try:
+        return "\n".join(log.read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return "(no log)"
