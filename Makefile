@@ -20,9 +20,13 @@ setup: $(VENV)/.installed
 
 quickstart: setup
 	$(VENV)/bin/harness info jobs/quickstart.yaml
+	$(VENV)/bin/harness run jobs/quickstart.yaml
 
 test: setup
 	$(PY) -m pytest -q
+
+test-gpu: setup
+	$(PY) -m pytest -q tests/gpu
 
 clean:
 	rm -rf $(VENV) .pytest_cache

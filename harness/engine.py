@@ -12,6 +12,7 @@ import importlib
 import json
 import os
 import socket
+import warnings
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, Callable, Optional
@@ -31,6 +32,9 @@ def setup_distributed(device: torch.device, timeout_s: int = 1800) -> tuple[int,
     if "RANK" not in os.environ:  # a plain `python` run: a one-process group on a free port
         os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
                           MASTER_PORT=str(_free_port()))
+    # DeepSpeed 0.19 calls collectives torch 2.13 marks deprecated, once per step: keep the logs readable
+    warnings.filterwarnings("ignore", message=r".*(all_gather_into_tensor|reduce_scatter_tensor)` is deprecated",
+                            category=FutureWarning)
     import deepspeed
 
     # ZeRO does not need DeepSpeed's shm all-reduce, whose JIT C++ build costs 30-120 s on first use

@@ -16,8 +16,7 @@ from pathlib import Path
 from typing import Optional
 
 from harness.config import JobConfig
-from harness.stages.common import (PER_LAYER_STAGES, default_count, group_dir, group_name, layer_groups,
-                                   num_student_layers, run_dir)
+from harness.stages.common import PER_LAYER_STAGES, default_count, group_name, layer_groups, num_student_layers, run_dir
 
 
 class StageFailed(RuntimeError):
@@ -47,7 +46,9 @@ def run_pipeline(job: JobConfig, job_path: str, overrides: list[str]) -> Path:
 
 def run_groups(job: JobConfig, stage: str, groups: list[list[int]], job_path: str, overrides: list[str]) -> None:
     """One process per unfinished layer group, at most run.parallel_groups at a time."""
-    todo = [g for g in groups if not (group_dir(job, stage, g) / "checkpoints" / "COMPLETE.json").exists()]
+    from harness.stages.align import group_complete
+
+    todo = [g for g in groups if not group_complete(job, stage, g)]
     done = len(groups) - len(todo)
     print(f"[harness] {stage}: {len(groups)} layer groups, {done} already complete", flush=True)
     gpus = _gpus()

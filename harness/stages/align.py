@@ -1,0 +1,433 @@
+"""Stages 1 and 2: per-layer alignment of a layer group to the teacher's activations (one process per group).
+
+Stage 1 (align_mixer): the student mixer of layer l reads the teacher's normalised input to layer l
+(`attn_input`) and is trained to output the teacher's attention output before the residual (`attn_output`,
+o_proj's output). Only mixer parameters exist in the group, so only they train.
+Stage 2 (align_hidden): the student block l (norms + mixer + MLP), initialised from the teacher's norms and
+MLP and the stage-1 mixer of layer l, reads the teacher's h_l (`hidden_in`) and is trained to output h_{l+1}
+(`hidden_out`). The whole block trains.
+
+Loss: `alignment_mse` per layer, the mean over batch, tokens and hidden features (fp32). The optimised
+objective is the *sum* of the group's per-layer losses, so that layer l's gradient is that of its own loss
+whatever the group holds; the logged `loss` is their mean.
+
+Group independence: a group's results depend only on its layers, not on how the model was cut into groups.
+- Every group reads the same data in the same order (the stage's whole stream, rank 0 of world 1).
+- Gradients are clipped per layer: each layer's parameters are clipped separately to stage.grad_clip
+  (a norm over the whole group would couple layers, and the result would depend on the grouping).
+- New mixer parameters of layer l (gates, decays, short convolutions) are drawn by
+  `reset_new_parameters()` with torch seeded by `layer_seed(job.seed, l)`. This is what `build_student`
+  gives for that layer with the same RNG state; build_student itself draws all layers from one stream,
+  whose position at layer l depends on the depth of the (truncated) teacher, i.e. on the grouping.
+So groups [0, 1] and [2, 3] give bit-for-bit the weights of group [0..3] (on CPU).
+
+Run-directory files of a group (`group_dir(job, stage, layers)`): checkpoints/step-*/state.pt, metrics.jsonl,
+tb/, weights.safetensors (the group's parameters under their student names, float32) and COMPLETE.json.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import secrets
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+from torch import nn
+
+from harness.checkpoint import CheckpointInfo, CheckpointManager, capture_rng, file_digest, restore_rng
+from harness.config import ConfigError, JobConfig
+from harness.losses import alignment_mse
+from harness.mixers import Mixer, MixerShape, mixer_class, mixer_options
+from harness.observe import RunLogger, check_finite
+from harness.schedule import build_scheduler
+from harness.stages.common import (DTYPES, PER_LAYER_STAGES, group_dir, load_job_teacher, num_student_layers,
+                                   resolve_device, run_dir)
+from harness.student import StudentBlock, student_config
+from harness.teacher import capture_activations
+
+WEIGHTS = "weights.safetensors"
+STATE = "state.pt"
+# How the error messages tell the user to produce a missing stage (the CLI's spelling).
+STAGE_COMMAND = "harness stage {stage} JOB --layers {layers}"
+KINDS = {"align_mixer": ("attn_input", "attn_output"), "align_hidden": ("hidden_in", "hidden_out")}
+NO_DECAY_NAMES = ("A_log", "dt_bias")
+_LAYER_KEY = re.compile(r"^model\.layers\.(\d+)\.")
+
+__all__ = ["align_group", "check_group", "group_complete", "find_group_weights", "missing_layers", "missing_error",
+           "read_layer_tensors", "init_mixer", "layer_seed", "STAGE_COMMAND", "WEIGHTS"]
+
+
+# ------------------------------------------------------------------------------------------ groups on disk
+
+
+def check_group(job: JobConfig, stage: str, layers: list[int]) -> list[int]:
+    """The sorted layers of a group, or ConfigError: stage 1 or 2, a contiguous range inside the student."""
+    if stage not in PER_LAYER_STAGES:
+        raise ConfigError(f"Stage '{stage}' is not a per-layer stage; use one of {', '.join(PER_LAYER_STAGES)}.")
+    chosen = sorted(set(int(l) for l in layers))
+    if not chosen:
+        raise ConfigError(f"A layer group of {stage} needs at least one layer.")
+    n = num_student_layers(job)
+    outside = [l for l in chosen if not 0 <= l < n]
+    if outside:
+        raise ConfigError(f"Layer(s) {outside} of the {stage} group are outside the model: the student has {n} "
+                          f"layers (0-{n - 1}).")
+    if chosen != list(range(chosen[0], chosen[-1] + 1)):
+        raise ConfigError(f"A layer group must be a contiguous range (its folder is named by its first and last "
+                          f"layer); got {chosen}. Run one group per range instead.")
+    return chosen
+
+
+def group_complete(job: JobConfig, stage: str, layers: list[int]) -> bool:
+    """Whether the group finished: COMPLETE.json and weights.safetensors in its folder."""
+    gdir = group_dir(job, stage, layers)
+    return CheckpointManager(gdir).is_complete() and (gdir / WEIGHTS).is_file()
+
+
+def find_group_weights(job: JobConfig, stage: str) -> dict[int, Path]:
+    """layer -> the weights.safetensors of a complete `stage` group holding that layer's keys.
+
+    Groups are found by their files' keys, not their names, so a later stage may be grouped differently.
+    When several complete groups hold a layer (the run was regrouped), the most recently completed wins.
+    """
+    found: dict[int, tuple[float, Path]] = {}
+    root = run_dir(job) / stage
+    for gdir in sorted(root.glob("layers-*")) if root.is_dir() else []:
+        done_at = _complete_time(gdir)
+        if done_at is None or not (gdir / WEIGHTS).is_file():
+            continue
+        with safe_open(gdir / WEIGHTS, framework="pt") as f:
+            held = {int(m.group(1)) for k in f.keys() if (m := _LAYER_KEY.match(k))}
+        for layer in held:
+            if layer in found and found[layer][1] != gdir / WEIGHTS:
+                warnings.warn(f"layer {layer} of {stage} is in {found[layer][1]} and {gdir / WEIGHTS}; "
+                              "using the most recently completed", stacklevel=2)
+            if layer not in found or done_at >= found[layer][0]:
+                found[layer] = (done_at, gdir / WEIGHTS)
+    return {layer: path for layer, (_, path) in sorted(found.items())}
+
+
+def missing_layers(job: JobConfig, stage: str, layers: list[int]) -> list[int]:
+    """The layers of `layers` that no complete `stage` group holds."""
+    have = find_group_weights(job, stage)
+    return [l for l in layers if l not in have]
+
+
+def missing_error(stage: str, missing: list[int], needed_by: str) -> ConfigError:
+    spans = _spans(missing)
+    return ConfigError(
+        f"{needed_by} needs the {stage} weights of layer(s) {missing}, which no complete {stage} group holds. "
+        f"Run {stage} for them first, e.g. `{STAGE_COMMAND.format(stage=stage.replace('_', '-'), layers=spans)}`."
+    )
+
+
+def _spans(layers: list[int]) -> str:
+    """[0, 1, 2, 5] -> '0-2,5' (the --layers spelling)."""
+    out, start = [], None
+    for i, l in enumerate(layers):
+        start = l if start is None else start
+        if i + 1 == len(layers) or layers[i + 1] != l + 1:
+            out.append(f"{start}-{l}" if l != start else f"{l}")
+            start = None
+    return ",".join(out)
+
+
+def _complete_time(gdir: Path) -> Optional[float]:
+    try:
+        return float(json.loads((gdir / "COMPLETE.json").read_text())["time"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def read_layer_tensors(path: Path, prefix: str) -> dict[str, torch.Tensor]:
+    """Tensors of a safetensors file whose names start with `prefix`, with the prefix stripped."""
+    with safe_open(path, framework="pt") as f:
+        return {k[len(prefix):]: f.get_tensor(k) for k in f.keys() if k.startswith(prefix)}
+
+
+# ------------------------------------------------------------------------------------------ building
+
+
+def layer_seed(seed: int, layer: int) -> int:
+    """The torch seed under which layer `layer`'s new mixer parameters are drawn."""
+    return seed * 100_003 + layer
+
+
+def init_mixer(teacher_layer: nn.Module, config: Any, layer: int, seed: int) -> Mixer:
+    """Layer `layer`'s stage-1 mixer: the teacher attention's Q/K/V/O, new parameters drawn under
+    `layer_seed(seed, layer)` (fp32). Equals build_student's mixer for that layer given the same RNG state
+    at its reset_new_parameters(), which redraws every parameter the teacher lacks."""
+    options = mixer_options(config.mixer, config.mixer_options)
+    mixer = mixer_class(config.mixer)(MixerShape.from_config(config), options, layer).float()
+    mixer.transfer_from_attention(teacher_layer.self_attn)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(layer_seed(seed, layer))
+        mixer.reset_new_parameters()
+    return mixer
+
+
+def init_block(stage1: dict[int, Path], teacher_layer: nn.Module, config: Any, layer: int) -> StudentBlock:
+    """Layer `layer`'s stage-2 block: the teacher's norms and MLP, the stage-1 mixer from `stage1[layer]`
+    (see find_group_weights), in fp32."""
+    if layer not in stage1:
+        raise missing_error("align_mixer", [layer], f"align_hidden (layer {layer})")
+    block = StudentBlock(config, layer).float()
+    for name in ("input_layernorm", "post_attention_layernorm", "mlp"):
+        getattr(block, name).load_state_dict(getattr(teacher_layer, name).state_dict())
+    mixer_state = read_layer_tensors(stage1[layer], f"model.layers.{layer}.mixer.")
+    result = block.mixer.load_state_dict(mixer_state, strict=False)
+    if result.missing_keys or result.unexpected_keys:
+        raise ConfigError(f"{stage1[layer]} does not match the {config.mixer} mixer of layer {layer} (missing "
+                          f"{result.missing_keys}, unexpected {result.unexpected_keys}); was stage 1 run with "
+                          "another student.mixer or student.options?")
+    return block
+
+
+def build_group(job: JobConfig, stage: str, layers: list[int], teacher: Any, config: Any) -> nn.ModuleDict:
+    """str(layer) -> the module that trains for that layer (a Mixer in stage 1, a StudentBlock in stage 2);
+    `config` is the student's HarnessConfig."""
+    t_layers = teacher.model.model.layers
+    if stage == "align_mixer":
+        return nn.ModuleDict({str(l): init_mixer(t_layers[l], config, l, job.seed) for l in layers})
+    stage1 = find_group_weights(job, "align_mixer")
+    return nn.ModuleDict({str(l): init_block(stage1, t_layers[l], config, l) for l in layers})
+
+
+def student_state_dict(group: nn.ModuleDict, stage: str) -> dict[str, torch.Tensor]:
+    """The group's tensors under their names in HarnessForCausalLM (contiguous CPU copies)."""
+    sub = ".mixer." if stage == "align_mixer" else "."
+    return {f"model.layers.{key}{sub}{name}": t.detach().to("cpu").contiguous()
+            for key, module in group.items() for name, t in module.state_dict().items()}
+
+
+def param_groups(group: nn.ModuleDict, weight_decay: float) -> list[dict[str, Any]]:
+    """AdamW groups per layer: decay on matrices, none on norms, biases, A_log and dt_bias."""
+    out = []
+    for key, module in group.items():
+        decay, plain = [], []
+        for name, p in module.named_parameters():
+            skip = p.ndim < 2 or "norm" in name or name.rsplit(".", 1)[-1] in NO_DECAY_NAMES
+            (plain if skip else decay).append(p)
+        out += [{"params": ps, "weight_decay": wd, "layer": int(key)}
+                for ps, wd in ((decay, weight_decay), (plain, 0.0)) if ps]
+    return out
+
+
+# ------------------------------------------------------------------------------------------ training
+
+
+def layer_loss(module: nn.Module, stage: str, acts: Any, layer: int, rope: Any = None) -> torch.Tensor:
+    """alignment_mse of one layer's module on the teacher's activations (fp32 scalar)."""
+    src, dst = KINDS[stage]
+    x = getattr(acts, src)[layer].float()
+    y, _ = module(x, position_embeddings=rope) if stage == "align_mixer" else module(x, rope)
+    return alignment_mse(y, getattr(acts, dst)[layer])
+
+
+def backward_layers(group: nn.ModuleDict, stage: str, acts: Any, rope: Any, scale: float,
+                    autocast: Any = contextlib.nullcontext()) -> dict[int, torch.Tensor]:
+    """Backward of scale x each layer's loss, one layer at a time (its graph is freed before the next, and
+    layer l's gradient is that of its own loss); the forward runs under `autocast`. Returns the unscaled,
+    detached losses."""
+    out = {}
+    for key, module in group.items():
+        with autocast:
+            loss = layer_loss(module, stage, acts, int(key), rope)
+        (loss * scale).backward()
+        out[int(key)] = loss.detach()
+    return out
+
+
+def clip_per_layer(group: nn.ModuleDict, max_norm: float) -> dict[int, float]:
+    """Clip each layer's gradients separately (max_norm 0: no clipping); returns the pre-clip norms."""
+    limit = max_norm if max_norm > 0 else float("inf")
+    return {int(k): float(torch.nn.utils.clip_grad_norm_(m.parameters(), limit)) for k, m in group.items()}
+
+
+def _rope_fn(config: Any, device: torch.device):
+    """position_embeddings for a [B, T] batch when the mixer uses RoPE (positions 0..T-1, as the teacher's)."""
+    if not (config.mixer_options or {}).get("rope", False):
+        return lambda ids: None
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+    rotary = LlamaRotaryEmbedding(config).to(device)
+
+    def rope(ids: torch.Tensor):
+        pos = torch.arange(ids.shape[1], device=device)[None].expand(ids.shape[0], -1)
+        return rotary(torch.empty(0, device=device, dtype=torch.float32), pos)
+
+    return rope
+
+
+def _write_weights(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> None:
+    tmp = path.with_name(f".{path.name}.partial-{secrets.token_hex(4)}")
+    save_file(tensors, str(tmp), metadata=metadata)
+    os.replace(tmp, path)
+
+
+@dataclass
+class _Run:
+    """What one group's training holds; `losses` are the last step's per-layer losses."""
+
+    job: JobConfig
+    stage: str
+    layers: list[int]
+    gdir: Path
+    teacher: Any
+    group: nn.ModuleDict
+    optimizer: torch.optim.Optimizer
+    scheduler: Any
+    loader: Any
+    ckpts: CheckpointManager
+    identity: dict[str, Any]
+    step: int = 0
+    losses: dict[int, float] = field(default_factory=dict)
+
+
+def align_group(job: JobConfig, stage: str, layers: list[int], *, device: Optional[torch.device] = None,
+                stop_after_steps: Optional[int] = None) -> Path:
+    """Train one layer group of stage `stage` ('align_mixer' or 'align_hidden'); return its folder.
+
+    Resumes from the group's newest valid checkpoint (exactly: same weights and losses as an uninterrupted
+    run) and returns at once if the group is complete. The optimiser is AdamW (betas 0.9/0.95, no decay on
+    norms, biases, A_log, dt_bias) on the stage's LR schedule; the loss is the sum of the per-layer MSEs
+    (each the mean over batch, tokens and features) and gradients are clipped per layer (module docstring).
+    Stage 2 raises ConfigError naming the layers stage 1 has not produced. A non-finite loss raises
+    NonFiniteLoss before the optimizer step, with no checkpoint written after the last good one.
+    `stop_after_steps` (tests): return without completing after that many optimizer steps of this call.
+    """
+    layers = check_group(job, stage, layers)
+    gdir = group_dir(job, stage, layers)
+    if group_complete(job, stage, layers):
+        return gdir
+    if stage == "align_hidden" and (missing := missing_layers(job, "align_mixer", layers)):
+        raise missing_error("align_mixer", missing, f"align_hidden for layers {_spans(layers)}")
+    run = _setup(job, stage, layers, gdir, device or resolve_device(job))
+    resumed = _restore(run)
+    if not _train(run, resumed, stop_after_steps):
+        return gdir
+    _finish(run)
+    return gdir
+
+
+def _setup(job: JobConfig, stage: str, layers: list[int], gdir: Path, device: torch.device) -> _Run:
+    """The teacher prefix, this stage's loader (rank 0 of 1), the group's modules, optimizer and schedule."""
+    from harness.data import prepare_job_corpus
+
+    cfg = getattr(job.stages, stage)
+    teacher = load_job_teacher(job, device, up_to_layer=layers[-1] + 1)
+    if teacher.tokenizer is None:
+        raise ConfigError(f"teacher.source='{job.teacher.source}' has no tokenizer files; the data needs one.")
+    corpus = prepare_job_corpus(job, teacher.tokenizer, max_positions=teacher.config.max_position_embeddings)
+    loader = corpus.stage_stream(stage, job).loader(0, 1, cfg.micro_batch_size, cfg.grad_accum)
+    # One process per group: the step count is the stream's, = plan_stages' when deepspeed.world_size is 1.
+    total_steps = loader.steps
+    torch.manual_seed(job.seed)
+    config = student_config(teacher.model.config, job.student.mixer, dict(job.student.options))
+    group = build_group(job, stage, layers, teacher, config).to(device).train()
+    optimizer = torch.optim.AdamW(param_groups(group, cfg.weight_decay), lr=cfg.lr, betas=(0.9, 0.95))
+    identity = {"stage": stage, "layers": layers, "mixer": job.student.mixer,
+                "options": dict(job.student.options), "total_steps": total_steps}
+    return _Run(job, stage, layers, gdir, teacher, group, optimizer, build_scheduler(optimizer, cfg, total_steps),
+                loader, CheckpointManager(gdir / "checkpoints", keep_last=job.run.keep_last), identity)
+
+
+def _restore(run: _Run) -> Optional[CheckpointInfo]:
+    """Load the newest valid checkpoint (weights, optimizer, schedule, data position, RNG), if any."""
+    latest = run.ckpts.latest_valid(collective=False)
+    if latest is None:
+        return None
+    _check_identity(latest.meta, run.identity, run.gdir)
+    state = torch.load(latest.path / STATE, map_location="cpu", weights_only=True)
+    run.group.load_state_dict(state["model"])
+    run.optimizer.load_state_dict(state["optimizer"])
+    run.scheduler.load_state_dict(state["scheduler"])
+    run.loader.load_state_dict(state["data"])
+    restore_rng(state["rng"])
+    run.step, run.losses = latest.step, {int(k): v for k, v in latest.meta.get("losses", {}).items()}
+    return latest
+
+
+def _save(run: _Run) -> None:
+    def writer(path: Path) -> None:
+        torch.save({"model": run.group.state_dict(), "optimizer": run.optimizer.state_dict(),
+                    "scheduler": run.scheduler.state_dict(), "data": run.loader.state_dict(), "rng": capture_rng()},
+                   path / STATE)
+
+    meta = {**run.identity, "losses": {str(l): v for l, v in run.losses.items()}}
+    run.ckpts.save(run.step, run.loader.tokens_consumed, writer, meta=meta, collective=False)
+
+
+def _train(run: _Run, resumed: Optional[CheckpointInfo], stop_after_steps: Optional[int]) -> bool:
+    """Train to the end of the stage; checkpoints every run.checkpoint_every_tokens tokens and at the end.
+    False when stopped early by `stop_after_steps`."""
+    job, cfg = run.job, getattr(run.job.stages, run.stage)
+    device = next(run.group.parameters()).device
+    total_steps = run.identity["total_steps"]
+    rope = _rope_fn(student_config(run.teacher.model.config, job.student.mixer, dict(job.student.options)), device)
+    dtype = DTYPES[job.teacher.dtype]
+    autocast = (torch.autocast("cuda", dtype=dtype) if device.type == "cuda" and dtype != torch.float32
+                else contextlib.nullcontext())
+    every, done_here, saved_at = job.run.checkpoint_every_tokens, 0, run.step if resumed else -1
+    name = f"{run.stage}/{run.gdir.name}"
+    with RunLogger(run.gdir, stage=name, total_tokens=run.loader.tokens_total,
+                   start_step=resumed.step if resumed else None, start_tokens=run.loader.tokens_consumed) as log:
+        if resumed:
+            log.write(f"{name}: resuming from {resumed.path} (step {run.step}/{total_steps})")
+        while run.step < total_steps:
+            lr, tokens_before = run.scheduler.get_last_lr()[0], run.loader.tokens_consumed
+            sums = dict.fromkeys(run.layers, 0.0)
+            for _ in range(cfg.grad_accum):
+                ids = next(run.loader)["input_ids"].to(device)
+                acts = capture_activations(run.teacher.model, ids, layers=run.layers, kinds=KINDS[run.stage])
+                for l, v in backward_layers(run.group, run.stage, acts, rope(ids), 1 / cfg.grad_accum,
+                                            autocast).items():
+                    sums[l] += float(v)
+            run.losses = {l: v / cfg.grad_accum for l, v in sums.items()}
+            mean = check_finite(sum(run.losses.values()) / len(run.losses), run.step + 1,
+                               run.loader.tokens_consumed)
+            norms = clip_per_layer(run.group, cfg.grad_clip)
+            run.optimizer.step()
+            run.scheduler.step()
+            run.optimizer.zero_grad(set_to_none=True)
+            run.step, done_here, tokens = run.step + 1, done_here + 1, run.loader.tokens_consumed
+            if run.step % job.run.log_every_steps == 0 or run.step == total_steps:
+                log.log(run.step, tokens, loss=mean, lr=lr, **{f"loss/layer_{l:02d}": v for l, v in run.losses.items()},
+                        **{f"grad_norm/layer_{l:02d}": v for l, v in norms.items()})
+            if every and tokens // every > tokens_before // every:
+                _save(run)
+                saved_at = run.step
+            if stop_after_steps is not None and done_here >= stop_after_steps:
+                return False
+        if saved_at != run.step:
+            _save(run)
+    return True
+
+
+def _finish(run: _Run) -> None:
+    """weights.safetensors (atomically), then COMPLETE.json with the final losses."""
+    path = run.gdir / WEIGHTS
+    _write_weights(path, {k: v.float() for k, v in student_state_dict(run.group, run.stage).items()},
+                   {"stage": run.stage, "layers": _spans(run.layers), "mixer": run.job.student.mixer})
+    CheckpointManager(run.gdir).mark_complete({
+        **run.identity, "losses": {str(l): v for l, v in run.losses.items()},
+        "loss": sum(run.losses.values()) / len(run.losses), "tokens": run.loader.tokens_consumed,
+        "steps": run.step, "weights": WEIGHTS, "sha256": file_digest(path)["sha256"],
+    }, collective=False)
+
+
+def _check_identity(saved: dict[str, Any], now: dict[str, Any], gdir: Path) -> None:
+    """Refuse to resume a checkpoint written under another mixer, options, layers or step count."""
+    changed = [k for k, v in now.items() if k in saved and saved[k] != v]
+    if changed:
+        detail = "; ".join(f"{k}: saved {saved[k]!r}, now {now[k]!r}" for k in changed)
+        raise ConfigError(f"The checkpoints in {gdir / 'checkpoints'} were written by a different run ({detail}). "
+                          "Use the job that wrote them, another output_dir, or delete that folder to start over.")

@@ -1,0 +1,101 @@
+"""Assemble the student from the stage-2 layer groups: run_dir/merged (Hugging Face format) + MERGE.json.
+
+The student is built from the (teacher.num_layers-truncated) teacher by `build_student` (torch seeded by
+job.seed), so embeddings, final norm and head are the teacher's; every decoder layer is then replaced by the
+stage-2 weights that hold it (found by their keys, whatever the grouping). It is saved in float32, whatever
+teacher.dtype, so that the fp32 weights the groups trained are kept exactly.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from harness.checkpoint import file_digest
+from harness.config import ConfigError, JobConfig
+from harness.stages.align import find_group_weights, missing_error, read_layer_tensors
+from harness.stages.common import load_job_teacher, num_student_layers, run_dir
+from harness.student import HarnessForCausalLM, build_student
+
+MERGED = "merged"
+MERGE_JSON = "MERGE.json"
+
+__all__ = ["merge_student", "merged_dir", "MERGED", "MERGE_JSON"]
+
+
+def merged_dir(job: JobConfig) -> Path:
+    return run_dir(job) / MERGED
+
+
+def merge_student(job: JobConfig) -> Path:
+    """Build run_dir/merged from the complete stage-2 groups and return it (at once if it already exists).
+
+    Raises ConfigError naming the layers no complete align_hidden group holds. Written atomically: a temporary
+    sibling folder (model, tokenizer, MERGE.json with each group file's sha256) renamed into place.
+    """
+    dest = merged_dir(job)
+    if (dest / MERGE_JSON).is_file():
+        return dest
+    n = num_student_layers(job)
+    files = {l: p for l, p in find_group_weights(job, "align_hidden").items() if l < n}
+    missing = [l for l in range(n) if l not in files]
+    if missing:
+        raise missing_error("align_hidden", missing, "merge")
+    teacher = load_job_teacher(job, torch.device("cpu"))
+    torch.manual_seed(job.seed)
+    student = build_student(teacher, job.student.mixer, **dict(job.student.options)).float()
+    load_layers(student, files)
+    groups = sorted(set(files.values()))
+    record = {
+        "time": time.time(), "num_layers": n, "mixer": job.student.mixer, "options": dict(job.student.options),
+        "teacher": job.teacher.source,
+        "groups": [{"file": str(p.relative_to(run_dir(job))), "layers": [l for l, q in files.items() if q == p],
+                    "sha256": file_digest(p)["sha256"]} for p in groups],
+    }
+    _save_atomically(student, teacher.tokenizer, record, dest)
+    return dest
+
+
+def load_layers(student: HarnessForCausalLM, files: dict[int, Path]) -> None:
+    """Copy layer l's tensors from files[l] into `student`; raise if any layer tensor is left uncovered."""
+    params = student.state_dict()
+    for layer, path in files.items():
+        prefix = f"model.layers.{layer}."
+        tensors = read_layer_tensors(path, prefix)
+        want = {k[len(prefix):] for k in params if k.startswith(prefix)}
+        if set(tensors) != want:
+            raise ConfigError(f"{path} does not hold exactly the tensors of student layer {layer} (missing "
+                              f"{sorted(want - set(tensors))}, unexpected {sorted(set(tensors) - want)}); was stage "
+                              "2 run with another student.mixer or student.options?")
+        with torch.no_grad():
+            for name, t in tensors.items():
+                params[prefix + name].copy_(t)
+    covered = {int(m.group(1)) for k in params if (m := re.match(r"model\.layers\.(\d+)\.", k))}
+    if covered - set(files):
+        raise ConfigError(f"student layers {sorted(covered - set(files))} have no stage-2 weights")
+
+
+def _save_atomically(student: HarnessForCausalLM, tokenizer, record: dict, dest: Path) -> None:
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    if dest.exists():  # a folder without MERGE.json is not ours to trust (an interrupted copy): replace it
+        shutil.rmtree(dest)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.tmp-", dir=dest.parent))
+    try:
+        student.save_pretrained(tmp)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(tmp)
+        (tmp / MERGE_JSON).write_text(json.dumps(record, indent=1))
+        tmp.chmod(0o755)
+        os.rename(tmp, dest)
+    except OSError:
+        if not (dest / MERGE_JSON).is_file():  # another process merged first: keep its folder
+            raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)

@@ -1,0 +1,306 @@
+"""Stages 1 and 2 (per-layer alignment of layer groups) and the merge, on a tiny random Llama teacher (CPU).
+
+Run directories: A trains stage 1 as one group [0..3] and stage 2 as [0,1] + [2,3]; B the other way round.
+Grouping must not matter, so A and B must hold the same weights, bit for bit.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from harness.checkpoint import CheckpointWarning
+from harness.config import ConfigError, load_job
+from harness.mixers import MIXERS
+from harness.observe import NonFiniteLoss
+from harness.stages import align as align_mod
+from harness.stages.align import WEIGHTS, align_group, init_mixer, layer_seed
+from harness.stages.common import group_dir
+from harness.stages.merge import MERGE_JSON, merge_student
+from harness.student import build_student, student_config
+from tests.tiny import tiny_llama
+
+EOS = "<|endoftext|>"
+WORDS = ("the of and to in a is that for it as was with be by on not he this are or his from at which but have an "
+         "river city music history science garden window mountain language teacher market winter summer village "
+         "library station engine theory painting harbour forest kingdom island bridge century").split()
+STEPS = 24  # optimizer steps per group and stage, each of 2 micro-batches x 2 sequences x 32 tokens
+
+
+@pytest.fixture(scope="module")
+def teacher_dir(tmp_path_factory) -> Path:
+    """A 4-layer random Llama whose vocabulary is a tiny BPE tokenizer's, saved with that tokenizer."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tk = Tokenizer(models.BPE())
+    tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tk.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=320, special_tokens=[EOS],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tk.train_from_iterator(_documents(200, seed=9), trainer)
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=tk, eos_token=EOS)
+    path = tmp_path_factory.mktemp("teacher")
+    tiny_llama(num_layers=4, hidden=32, heads=4, kv_heads=2, vocab=len(tokenizer), tie=True).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+def _documents(n: int, seed: int) -> list[str]:
+    rng = random.Random(seed)
+    return [" ".join(rng.choice(WORDS) for _ in range(rng.randint(10, 80))) + "." for _ in range(n)]
+
+
+@pytest.fixture(scope="module")
+def corpus_file(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("corpus") / "docs.jsonl"
+    path.write_text("".join(json.dumps({"text": d}) + "\n" for d in _documents(300, seed=1)))
+    return path
+
+
+@pytest.fixture(scope="module")
+def make_job(teacher_dir, corpus_file, tmp_path_factory):
+    cache = tmp_path_factory.mktemp("cache")
+
+    def make(out: Path, *extra: str):
+        per_step = 2 * 2 * 32
+        return load_job(None, [
+            f"teacher.source={teacher_dir}", f"data.source={corpus_file}", "data.seq_len=32",
+            "data.validation_tokens=256", f"data.cache_dir={cache}", "data.num_proc=1", f"output_dir={out}",
+            "budget.total_tokens=4096", "run.device=cpu", "run.log_every_steps=1", "seed=3",
+            *(f"stages.{s}.{k}={v}" for s in ("align_mixer", "align_hidden")
+              for k, v in (("micro_batch_size", 2), ("grad_accum", 2), ("tokens", STEPS * per_step),
+                           ("lr", 1e-2), ("weight_decay", 0.01), ("grad_clip", 0.5))),
+            *extra])
+
+    return make
+
+
+@pytest.fixture(scope="module")
+def runs(make_job, tmp_path_factory):
+    """Two run directories trained with different groupings (see the module docstring)."""
+    a, b = make_job(tmp_path_factory.mktemp("A")), make_job(tmp_path_factory.mktemp("B"))
+    align_group(a, "align_mixer", [0, 1, 2, 3])
+    for g in ([0, 1], [2, 3]):
+        align_group(b, "align_mixer", g)
+        align_group(a, "align_hidden", g)
+    align_group(b, "align_hidden", [0, 1, 2, 3])
+    return a, b
+
+
+def weights(job, stage, layers) -> dict[str, torch.Tensor]:
+    return load_file(group_dir(job, stage, layers) / WEIGHTS)
+
+
+def metrics(job, stage, layers) -> list[dict]:
+    lines = (group_dir(job, stage, layers) / "metrics.jsonl").read_text().splitlines()
+    keep = ("loss", "lr", "grad_norm", "step")  # not the wall-clock fields
+    return [{k: v for k, v in json.loads(x).items() if k.startswith(keep) or k == "tokens"} for x in lines]
+
+
+def teacher_model(job):
+    from harness.stages.common import load_job_teacher
+
+    return load_job_teacher(job, torch.device("cpu")).model
+
+
+# ------------------------------------------------------------------------------------------ training
+
+
+def held_out_losses(job, stage: str, layers: list[int], trained: dict | None = None) -> dict[int, float]:
+    """Per-layer MSE on 8 validation sequences, of the group's initial modules or of `trained` weights."""
+    from harness.data import prepare_job_corpus
+    from harness.stages.common import load_job_teacher
+    from harness.teacher import capture_activations
+
+    teacher = load_job_teacher(job, torch.device("cpu"))
+    group = align_mod.build_group(job, stage, layers, teacher, student_config(teacher.config, job.student.mixer, {}))
+    for key, module in group.items():
+        prefix = f"model.layers.{key}." + ("mixer." if stage == "align_mixer" else "")
+        if trained is not None:
+            module.load_state_dict({k[len(prefix):]: v for k, v in trained.items() if k.startswith(prefix)})
+    corpus = prepare_job_corpus(job, teacher.tokenizer, max_positions=512)
+    ids = next(corpus.validation_batches(8))["input_ids"]
+    acts = capture_activations(teacher.model, ids, layers=layers, kinds=align_mod.KINDS[stage])
+    with torch.no_grad():
+        return {l: float(align_mod.layer_loss(group[str(l)], stage, acts, l)) for l in layers}
+
+
+@pytest.mark.parametrize("stage", ["align_mixer", "align_hidden"])
+def test_alignment_reduces_every_layers_mse(runs, stage):
+    _, b = runs
+    layers = [0, 1, 2, 3]
+    before = held_out_losses(b, stage, layers)
+    after = held_out_losses(b, stage, layers, {**weights(b, stage, [0, 1]), **weights(b, stage, [2, 3])}
+                            if stage == "align_mixer" else weights(b, stage, layers))
+    assert all(after[l] < before[l] for l in layers), (before, after)
+    assert sum(after.values()) < 0.8 * sum(before.values()), (before, after)
+    rows = metrics(b, stage, [0, 1] if stage == "align_mixer" else layers)
+    assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
+    last = rows[-1]
+    names = [k for k in last if k.startswith("loss/layer_")]
+    assert last["loss"] == pytest.approx(sum(last[k] for k in names) / len(names))
+    assert all(k.replace("loss", "grad_norm") in last for k in names) and last["lr"] > 0
+
+
+def test_groups_train_only_their_layers(runs):
+    a, _ = runs
+    teacher = teacher_model(a)
+    student = build_student(teacher, a.student.mixer)
+    names = set(student.state_dict())
+    w1, w2 = weights(a, "align_mixer", [0, 1, 2, 3]), weights(a, "align_hidden", [2, 3])
+    # stage 1: exactly the mixers of its layers; stage 2: exactly its layers' blocks
+    assert set(w1) == {k for k in names if ".mixer." in k}
+    assert set(w2) == {k for k in names if k.startswith(("model.layers.2.", "model.layers.3."))}
+    assert all(v.dtype == torch.float32 for v in w1.values())
+    t = teacher.model.layers[1].self_attn
+    assert not torch.equal(w1["model.layers.1.mixer.q_proj.weight"], t.q_proj.weight)  # it trained
+    # stage 2 starts from stage 1's mixer and the teacher's MLP, and trains the whole block
+    assert not torch.equal(w2["model.layers.2.mlp.up_proj.weight"], teacher.model.layers[2].mlp.up_proj.weight)
+    assert not torch.equal(w2["model.layers.2.mixer.q_proj.weight"], w1["model.layers.2.mixer.q_proj.weight"])
+    summary = json.loads((group_dir(a, "align_hidden", [2, 3]) / "COMPLETE.json").read_text())["meta"]
+    assert summary["steps"] == STEPS and summary["tokens"] == STEPS * 128 and set(summary["losses"]) == {"2", "3"}
+
+
+def test_grouping_does_not_change_the_weights(runs):
+    a, b = runs
+    for stage, whole, parts in (("align_mixer", a, b), ("align_hidden", b, a)):
+        one = weights(whole, stage, [0, 1, 2, 3])
+        split = {**weights(parts, stage, [0, 1]), **weights(parts, stage, [2, 3])}
+        assert set(one) == set(split)
+        for k in one:
+            assert torch.equal(one[k], split[k]), (stage, k)
+        rows_one = metrics(whole, stage, [0, 1, 2, 3])
+        rows_split = metrics(parts, stage, [2, 3])
+        assert [r["loss/layer_03"] for r in rows_one] == [r["loss/layer_03"] for r in rows_split]
+
+
+def test_merge_assembles_the_stage2_weights(runs):
+    a, _ = runs
+    out = merge_student(a)
+    from transformers import AutoModelForCausalLM
+
+    student = AutoModelForCausalLM.from_pretrained(out)
+    state = student.state_dict()
+    for g in ([0, 1], [2, 3]):
+        for k, v in weights(a, "align_hidden", g).items():
+            assert torch.equal(state[k], v), k
+    teacher = teacher_model(a)
+    assert torch.equal(state["model.embed_tokens.weight"], teacher.model.embed_tokens.weight)
+    record = json.loads((out / MERGE_JSON).read_text())
+    assert [g["layers"] for g in record["groups"]] == [[0, 1], [2, 3]]
+    assert all(len(g["sha256"]) == 64 for g in record["groups"])
+    assert (out / "tokenizer.json").is_file()
+    mtime = (out / MERGE_JSON).stat().st_mtime_ns
+    assert merge_student(a) == out and (out / MERGE_JSON).stat().st_mtime_ns == mtime  # idempotent
+
+
+def test_mixer_init_is_build_students_for_the_same_rng():
+    teacher = tiny_llama(num_layers=3, hidden=32, heads=4, kv_heads=2, vocab=64)
+    for name in MIXERS:
+        student = build_student(teacher, name)
+        config = student_config(teacher.config, name, {})
+        for l in range(3):
+            mine = init_mixer(teacher.model.layers[l], config, l, seed=7)
+            theirs = student.model.layers[l].mixer
+            torch.manual_seed(layer_seed(7, l))
+            theirs.reset_new_parameters()
+            ref = theirs.state_dict()
+            assert all(torch.equal(v, ref[k]) for k, v in mine.state_dict().items()), (name, l)
+
+
+def test_rope_mixer_trains_and_merges(make_job, tmp_path):
+    job = make_job(tmp_path, "student.options.rope=true", "teacher.num_layers=1",
+                   *(f"stages.{s}.tokens=256" for s in ("align_mixer", "align_hidden")))
+    for stage in ("align_mixer", "align_hidden"):
+        align_group(job, stage, [0])
+    from transformers import AutoModelForCausalLM
+
+    student = AutoModelForCausalLM.from_pretrained(merge_student(job))
+    assert student.config.mixer_options == {"rope": True} and student.config.num_hidden_layers == 1
+    assert torch.isfinite(student(torch.arange(20)[None]).logits).all()
+
+
+# ------------------------------------------------------------------------------------------ resume
+
+
+def test_killed_group_resumes_exactly(runs, make_job, tmp_path):
+    _, b = runs
+    job = make_job(tmp_path, "run.checkpoint_every_tokens=256")  # a checkpoint every 2 steps
+    gdir = align_group(job, "align_mixer", [0, 1], stop_after_steps=3)
+    assert not (gdir / "COMPLETE.json").exists()
+    assert sorted(p.name for p in (gdir / "checkpoints").glob("step-*")) == ["step-00000002"]
+    align_group(job, "align_mixer", [0, 1])
+    ref = weights(b, "align_mixer", [0, 1])
+    got = weights(job, "align_mixer", [0, 1])
+    assert all(torch.equal(got[k], ref[k]) for k in ref)
+    assert metrics(job, "align_mixer", [0, 1]) == metrics(b, "align_mixer", [0, 1])
+
+
+def test_corrupt_newest_checkpoint_falls_back(runs, make_job, tmp_path):
+    _, b = runs
+    job = make_job(tmp_path, "run.checkpoint_every_tokens=256", "run.keep_last=3")
+    gdir = align_group(job, "align_mixer", [2, 3], stop_after_steps=4)
+    newest = gdir / "checkpoints" / "step-00000004" / "state.pt"
+    newest.write_bytes(newest.read_bytes()[:100])
+    with pytest.warns(CheckpointWarning, match="step-00000004"):
+        align_group(job, "align_mixer", [2, 3])
+    ref, got = weights(b, "align_mixer", [2, 3]), weights(job, "align_mixer", [2, 3])
+    assert all(torch.equal(got[k], ref[k]) for k in ref)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert align_group(job, "align_mixer", [2, 3]) == gdir  # complete: returns at once
+
+
+def test_nan_loss_stops_without_a_checkpoint(make_job, tmp_path, monkeypatch):
+    job = make_job(tmp_path, "run.checkpoint_every_tokens=256")
+    calls = {"n": 0}
+    real = align_mod.alignment_mse
+
+    def poisoned(pred, target):
+        calls["n"] += 1
+        loss = real(pred, target)
+        return loss * float("nan") if calls["n"] > 2 * 2 * 2 else loss  # step 3: 2 micro x 2 layers per step
+
+    monkeypatch.setattr(align_mod, "alignment_mse", poisoned)
+    with pytest.raises(NonFiniteLoss, match="step 3"):
+        align_group(job, "align_mixer", [0, 1])
+    gdir = group_dir(job, "align_mixer", [0, 1])
+    assert sorted(p.name for p in (gdir / "checkpoints").glob("step-*")) == ["step-00000002"]
+    assert not (gdir / WEIGHTS).exists() and not (gdir / "COMPLETE.json").exists()
+
+
+# ------------------------------------------------------------------------------------------ errors
+
+
+def test_layers_outside_the_model(make_job, tmp_path):
+    job = make_job(tmp_path)
+    with pytest.raises(ConfigError, match=r"outside the model: the student has 4 layers \(0-3\)"):
+        align_group(job, "align_mixer", [3, 4])
+    with pytest.raises(ConfigError, match="contiguous"):
+        align_group(job, "align_mixer", [0, 2])
+    job2 = make_job(tmp_path, "teacher.num_layers=2")
+    with pytest.raises(ConfigError, match="has 2 layers"):
+        align_group(job2, "align_hidden", [2])
+
+
+def test_stage2_needs_stage1(runs, make_job, tmp_path):
+    job = make_job(tmp_path)
+    with pytest.raises(ConfigError, match=r"layer\(s\) \[0, 1\].*harness stage align-mixer JOB --layers 0-1"):
+        align_group(job, "align_hidden", [0, 1])
+    with pytest.raises(ConfigError, match=r"align_hidden.*\[0, 1, 2, 3\]"):
+        merge_student(job)
+    # a stage-1 group covering only part of the layers: the rest is named
+    (tmp_path / "align_mixer").mkdir()
+    src = group_dir(runs[1], "align_mixer", [2, 3])
+    import shutil
+
+    shutil.copytree(src, group_dir(job, "align_mixer", [2, 3]))
+    with pytest.raises(ConfigError, match=r"layer\(s\) \[1\].*--layers 1`"):
+        align_group(job, "align_hidden", [1, 2])
