@@ -29,8 +29,20 @@ SMALL = ["budget.split=[0.05,0.05,0.9]", "data.validation_tokens=128", "stages.d
          "stages.distill.warmup_fraction=0.2"]
 
 
+def partition_everything(tmp: Path) -> list[str]:
+    """ZeRO-3 configs that shard every parameter (the defaults keep small ones whole, as tiny models' are)."""
+    overrides = []
+    for key in ("student_config", "teacher_config"):
+        cfg = json.loads((REPO / "ds_configs" / f"zero3{'_teacher' if key == 'teacher_config' else ''}.json").read_text())
+        cfg["zero_optimization"]["stage3_param_persistence_threshold"] = 0
+        path = tmp / f"{key}.json"
+        path.write_text(json.dumps(cfg))
+        overrides.append(f"deepspeed.{key}={path}")
+    return overrides
+
+
 def write_job(tmp: Path, out: Path, *overrides: str) -> Path:
-    job = tiny_job(tmp.parent / "setting", out, *SMALL, *overrides, total=1280)
+    job = tiny_job(tmp.parent / "setting", out, *SMALL, *partition_everything(tmp), *overrides, total=1280)
     path = tmp / f"{out.name}.yaml"
     path.write_text(OmegaConf.to_yaml(OmegaConf.structured(job)))
     teacher = load_job_teacher(job)

@@ -41,7 +41,26 @@ def run_pipeline(job: JobConfig, job_path: str, overrides: list[str]) -> Path:
         run_groups(job, stage, groups, job_path, overrides)
     _run_logged(cli_command("stage", "merge", *job_args(job_path, overrides)), out / "logs" / "merge.log", "merge")
     run_distill(job, job_path, overrides)
+    print(loss_summary(job), flush=True)
     return out / "student"
+
+
+def loss_summary(job: JobConfig) -> str:
+    """First and last logged training loss of every stage (and group), from the metrics files."""
+    import json
+
+    lines = ["[harness] losses (first -> last logged):"]
+    for metrics in sorted(run_dir(job).glob("*/*/metrics.jsonl")) + [run_dir(job) / "distill" / "metrics.jsonl"]:
+        if not metrics.is_file():
+            continue
+        rows = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
+        losses = [r["loss"] for r in rows if isinstance(r.get("loss"), (int, float))]
+        val = [r for r in rows if "val_ppl" in r]
+        if losses:
+            where = metrics.parent.relative_to(run_dir(job))
+            extra = f", validation perplexity {val[-1]['val_ppl']:.2f}" if val else ""
+            lines.append(f"  {str(where):<28} {losses[0]:.4f} -> {losses[-1]:.4f} over {len(losses)} log lines{extra}")
+    return "\n".join(lines)
 
 
 def run_groups(job: JobConfig, stage: str, groups: list[list[int]], job_path: str, overrides: list[str]) -> None:

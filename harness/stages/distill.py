@@ -194,8 +194,9 @@ def _validate(job, corpus, s_engine, t_engine, teacher_head, rank, world) -> dic
     for batch in corpus.validation_batches(job.stages.distill.micro_batch_size, rank, world):
         ids = batch["input_ids"].to(s_engine.device)
         labels = ids.masked_fill(~batch["valid"].to(ids.device)[:, None], -100)  # padding rows of the last batch
+        t_hidden = t_engine(ids)  # outside the gather: the teacher's own forward releases its (tied) head
         with gathered([teacher_head]):  # every rank runs every batch: ZeRO-3 gathers are collectives
-            losses = s_engine(ids, t_engine(ids), teacher_head, labels)
+            losses = s_engine(ids, t_hidden, teacher_head, labels)
         n = float(losses.tokens)
         sums += torch.tensor([losses.ce.item() * n, losses.kl.item() * n, n], dtype=torch.float64)
     torch.distributed.all_reduce(sums)
