@@ -111,6 +111,8 @@ def distill(job: JobConfig, *, stop_after_steps: Optional[int] = None) -> Path:
     logger = RunLogger(out, "distill", rank=rank, total_tokens=plan.tokens,
                        start_step=step if step else None, start_tokens=tokens)
     logger.throughput.flops_per_token = _flops_per_token(student, teacher.model)
+    peak = peak_flops(device)
+    logger.throughput.peak_flops = peak * world if peak else None  # MFU over all ranks' tokens
     every = job.run.checkpoint_every_tokens
     next_ckpt = (tokens // every + 1) * every if every else None
     sums = torch.zeros(3, dtype=torch.float64)  # total, ce, kl over this optimizer step's micro-batches
@@ -176,6 +178,21 @@ def _mean_over_ranks(values: torch.Tensor) -> list[float]:
 def _grad_norm(s_engine) -> float:
     norm = s_engine.get_global_grad_norm()
     return float(norm) if norm is not None else float("nan")
+
+
+# bf16 dense matmul peak measured on our GPUs (8192^3 torch.matmul on random data; DESIGN.md)
+MEASURED_PEAK_FLOPS = {"NVIDIA H200": 788e12}
+
+
+def peak_flops(device: torch.device) -> Optional[float]:
+    """Per-device peak FLOP/s for MFU: $HARNESS_PEAK_FLOPS, else the measured figure for this GPU, else None."""
+    import os
+
+    if os.environ.get("HARNESS_PEAK_FLOPS"):
+        return float(os.environ["HARNESS_PEAK_FLOPS"])
+    if device.type == "cuda":
+        return MEASURED_PEAK_FLOPS.get(torch.cuda.get_device_name(device))
+    return None
 
 
 def _flops_per_token(student, teacher) -> float:
