@@ -1,0 +1,62 @@
+"""`harness run` end to end on the tiny CPU setting: all stages, the student loads with transformers, and a
+second run skips everything that is finished."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+from omegaconf import OmegaConf
+from transformers import AutoModelForCausalLM
+
+import harness  # noqa: F401  (registers the student classes)
+from tests.pipeline import tiny_job
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def harness_cli(*args: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    return subprocess.run([sys.executable, "-m", "harness.cli", *args], cwd=REPO, env=env, capture_output=True,
+                          text=True, timeout=900)
+
+
+def test_run_all_stages_then_skip_when_rerun(tmp_path):
+    out = tmp_path / "run"
+    job = tiny_job(tmp_path / "setting", out, "budget.split=[0.1,0.1,0.8]", "run.layer_groups=2",
+                   "run.parallel_groups=2", "data.validation_tokens=128", total=1280)
+    job_path = tmp_path / "job.yaml"
+    job_path.write_text(OmegaConf.to_yaml(OmegaConf.structured(job)))
+
+    first = harness_cli("run", str(job_path))
+    assert first.returncode == 0, first.stdout[-2000:] + first.stderr[-3000:]
+    for stage in ("align_mixer", "align_hidden"):
+        for group in ("layers-00-01", "layers-02-03"):
+            assert (out / stage / group / "weights.safetensors").is_file()
+    assert "losses (first -> last logged)" in first.stdout and "distill" in first.stdout
+    spec = OmegaConf.load(out / "eval.yaml")
+    student = AutoModelForCausalLM.from_pretrained(spec.checkpoint)
+    ids = torch.randint(1, 300, (1, 12))
+    assert torch.isfinite(student(ids).logits).all()
+
+    second = harness_cli("run", str(job_path))
+    assert second.returncode == 0, second.stderr[-3000:]
+    assert "align_mixer: 2 layer groups, 2 already complete" in second.stdout
+    assert "align_hidden: 2 layer groups, 2 already complete" in second.stdout
+    assert "distill: already complete" in second.stdout
+
+
+def test_run_reports_a_failing_group_and_its_log(tmp_path):
+    out = tmp_path / "run"
+    job = tiny_job(tmp_path / "setting", out, "budget.split=[0.1,0.1,0.8]", "run.layer_groups=2", total=1280)
+    job_path = tmp_path / "job.yaml"
+    job_path.write_text(OmegaConf.to_yaml(OmegaConf.structured(job)))
+    # a stage-1 group can not start: its folder is a file
+    (out / "align_mixer").mkdir(parents=True)
+    (out / "align_mixer" / "layers-02-03").write_text("not a directory")
+    result = harness_cli("run", str(job_path))
+    assert result.returncode == 1
+    assert "align_mixer layers 2-3 failed" in result.stderr and "align_mixer-layers-02-03.log" in result.stderr
