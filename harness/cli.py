@@ -32,8 +32,12 @@ def main(argv: Optional[list[str]] = None) -> int:
     except ConfigError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
-    except Exception as err:  # user-facing errors of the data and teacher layers, same contract
-        if type(err).__name__ in ("DataError", "TeacherLoadError", "AssetError"):
+    except Exception as err:  # user-facing errors of the data and teacher layers: the same contract
+        from harness.assets import AssetError
+        from harness.data.errors import DataError
+        from harness.teacher import TeacherLoadError
+
+        if isinstance(err, (DataError, TeacherLoadError, AssetError)):
             print(f"error: {err}", file=sys.stderr)
             return 2
         raise
