@@ -22,7 +22,6 @@ from torch import nn
 
 from harness.config import ConfigError, JobConfig, StageConfig
 
-NO_DECAY = ("bias", "norm", "A_log", "dt_bias", "norm_weight")
 
 
 def setup_distributed(device: torch.device, timeout_s: int = 1800) -> tuple[int, int]:
@@ -84,12 +83,17 @@ def teacher_ds_config(job: JobConfig, stage: StageConfig, world: int, bf16: bool
     return cfg
 
 
+def decays(name: str, param: nn.Parameter) -> bool:
+    """Whether AdamW weight decay applies: to matrices, not to norms, biases, A_log or dt_bias."""
+    return param.ndim >= 2 and "norm" not in name and name.rsplit(".", 1)[-1] not in ("A_log", "dt_bias")
+
+
 def param_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
-    """AdamW groups: no decay on biases, norms and the recurrent gates' decay parameters."""
+    """AdamW groups: decay on matrices only (see `decays`)."""
     decay, no_decay = [], []
     for name, p in model.named_parameters():
         if p.requires_grad:
-            (no_decay if any(k in name for k in NO_DECAY) else decay).append(p)
+            (decay if decays(name, p) else no_decay).append(p)
     return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
 
 

@@ -44,6 +44,7 @@ from torch import nn
 
 from harness.checkpoint import CheckpointInfo, CheckpointManager, capture_rng, file_digest, restore_rng
 from harness.config import ConfigError, JobConfig
+from harness.engine import decays
 from harness.losses import alignment_mse
 from harness.mixers import Mixer, MixerShape, mixer_class, mixer_options
 from harness.observe import RunLogger, check_finite
@@ -58,7 +59,6 @@ STATE = "state.pt"
 # How the error messages tell the user to produce a missing stage (the CLI's spelling).
 STAGE_COMMAND = "harness stage {stage} JOB --layers {layers}"
 KINDS = {"align_mixer": ("attn_input", "attn_output"), "align_hidden": ("hidden_in", "hidden_out")}
-NO_DECAY_NAMES = ("A_log", "dt_bias")
 _LAYER_KEY = re.compile(r"^model\.layers\.(\d+)\.")
 
 __all__ = ["align_group", "check_group", "group_complete", "find_group_weights", "missing_layers", "missing_error",
@@ -214,8 +214,7 @@ def param_groups(group: nn.ModuleDict, weight_decay: float) -> list[dict[str, An
     for key, module in group.items():
         decay, plain = [], []
         for name, p in module.named_parameters():
-            skip = p.ndim < 2 or "norm" in name or name.rsplit(".", 1)[-1] in NO_DECAY_NAMES
-            (plain if skip else decay).append(p)
+            (decay if decays(name, p) else plain).append(p)
         out += [{"params": ps, "weight_decay": wd, "layer": int(key)}
                 for ps, wd in ((decay, weight_decay), (plain, 0.0)) if ps]
     return out
