@@ -118,6 +118,31 @@ def build_parser() -> argparse.ArgumentParser:
     _add_job_args(dist)
     dist.set_defaults(handler=cmd_stage_distill)
 
+    submit = sub.add_parser(
+        "submit", help="Submit the pipeline to Slurm: job arrays per stage with afterok dependencies.",
+        description="Render sbatch scripts from slurm/*.sbatch and submit them: stage 1 as a job array (one task "
+        "per layer group), stage 2 as an array after stage 1, the merge, then stage 3 on --nodes nodes (srun, "
+        "one torchrun per node). Finished stages are left out, so submitting again continues a run. Job ids go "
+        "to RUN_DIR/slurm/jobs.json.",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="example:\n  harness submit jobs/study/smollm2-1.7b-kda-3b.yaml --partition gpu --account proj "
+        "--nodes 1 --gpus-per-node 8 --time 2-00:00:00 --dry-run",
+    )
+    _add_job_args(submit)
+    submit.add_argument("--dry-run", action="store_true", help="Print the scripts and the graph; submit nothing.")
+    submit.add_argument("--partition", help="Slurm partition.")
+    submit.add_argument("--account", help="Slurm account.")
+    submit.add_argument("--time", help="Time limit per job, e.g. 1-00:00:00.")
+    submit.add_argument("--nodes", type=int, default=1, help="Nodes of stage 3 (default 1).")
+    submit.add_argument("--gpus-per-node", type=int, default=0, help="GPUs per node (0: CPU jobs).")
+    submit.add_argument("--cpus-per-task", type=int, default=2, help="CPUs per task (default 2).")
+    submit.add_argument("--mem", help="Memory per node, e.g. 64G.")
+    submit.add_argument("--layers-per-task", type=int, default=0,
+                        help="Layers per array task of stages 1-2 (default: run.layer_groups groups).")
+    submit.add_argument("--sbatch-option", action="append", default=[], metavar="OPT",
+                        help="An extra #SBATCH option, e.g. --sbatch-option=--qos=high (repeatable).")
+    submit.set_defaults(handler=cmd_submit)
+
     export = sub.add_parser(
         "export", help="Write a consolidated Hugging Face student from a stage-3 checkpoint.",
         description="Consolidate a stage-3 checkpoint (a run_dir/distill/checkpoints/step-* directory, written by "
@@ -213,6 +238,25 @@ def cmd_stage_distill(args: argparse.Namespace) -> int:
     from harness.stages.distill import distill
 
     print(distill(load_job(args.job, args.overrides)))
+    return 0
+
+
+def cmd_submit(args: argparse.Namespace) -> int:
+    from harness.config import load_job
+    from harness.launch.slurm import SlurmOptions, dependency_graph, plan_jobs, submit
+
+    job = load_job(args.job, args.overrides)
+    opts = SlurmOptions(partition=args.partition, account=args.account, time=args.time, nodes=args.nodes,
+                        gpus_per_node=args.gpus_per_node, cpus_per_task=args.cpus_per_task, mem=args.mem,
+                        layers_per_task=args.layers_per_task, extra=args.sbatch_option)
+    planned = plan_jobs(job, args.job, args.overrides, opts)
+    if args.dry_run:
+        for p in planned:
+            print(f"# ---- {p.stage}.sbatch\n{p.script}")
+        print("# dependency graph\n" + dependency_graph(planned))
+        return 0
+    ids = submit(job, planned)
+    print("# submitted\n" + "\n".join(f"  {stage}: {jid}" for stage, jid in ids.items()))
     return 0
 
 

@@ -1,0 +1,139 @@
+"""`harness submit`: the pipeline as Slurm jobs with dependencies, rendered from the templates in slurm/.
+
+    align_mixer   job array, one task per layer group
+    align_hidden  job array, afterok on the whole align_mixer array
+    merge         afterok on align_hidden
+    distill       afterok on merge; --nodes N, srun starts one torchrun per node (rendezvous: first node)
+
+Finished stages are left out (their COMPLETE markers), so re-submitting a run submits only what is left.
+The job ids are recorded in RUN_DIR/slurm/jobs.json, the rendered scripts in RUN_DIR/slurm/*.sbatch.
+"""
+
+from __future__ import annotations
+
+import json
+import shlex
+import subprocess
+import sys
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from string import Template
+from typing import Optional
+
+from harness.config import ConfigError, JobConfig
+from harness.stages.common import layer_groups, num_student_layers, run_dir
+
+TEMPLATES = Path(__file__).resolve().parents[2] / "slurm"
+
+
+@dataclass
+class SlurmOptions:
+    """What the cluster needs to know; every field maps to an sbatch option or the launch geometry."""
+
+    partition: Optional[str] = None
+    account: Optional[str] = None
+    time: Optional[str] = None
+    nodes: int = 1
+    gpus_per_node: int = 0
+    cpus_per_task: int = 2
+    mem: Optional[str] = None
+    layers_per_task: int = 0  # 0: one array task per run.layer_groups group
+    extra: list[str] = field(default_factory=list)  # further #SBATCH lines, e.g. "--qos=high"
+
+    def resources(self, gpus: int) -> str:
+        lines = [f"#SBATCH --{k}={v}" for k, v in (("partition", self.partition), ("account", self.account),
+                                                     ("time", self.time), ("mem", self.mem)) if v]
+        if gpus:
+            lines.append(f"#SBATCH --gpus-per-node={gpus}")
+        lines += [f"#SBATCH {opt}" for opt in self.extra]
+        return "\n".join(lines)
+
+
+@dataclass
+class PlannedJob:
+    stage: str
+    script: str
+    depends_on: Optional[str] = None  # the stage whose success this job waits for
+    tasks: int = 1
+
+
+def plan_jobs(job: JobConfig, job_path: str, overrides: list[str], opts: SlurmOptions,
+              python: str = sys.executable, workdir: Optional[Path] = None) -> list[PlannedJob]:
+    """The sbatch scripts of the stages still to run, in dependency order."""
+    from harness.stages.align import group_complete
+    from harness.checkpoint import CheckpointManager
+
+    if opts.nodes < 1 or opts.cpus_per_task < 1 or opts.gpus_per_node < 0 or opts.layers_per_task < 0:
+        raise ConfigError("--nodes and --cpus-per-task must be >= 1, --gpus-per-node and --layers-per-task >= 0.")
+    procs = opts.nodes * max(1, opts.gpus_per_node)
+    if procs != job.deepspeed.world_size:
+        raise ConfigError(
+            f"Stage 3 would run {procs} processes (--nodes {opts.nodes} x {max(1, opts.gpus_per_node)} per node) "
+            f"but deepspeed.world_size={job.deepspeed.world_size}; make them equal (the data slices follow it)."
+        )
+    out = run_dir(job)
+    common = dict(
+        name=job.name, log_dir=str((out / "logs").resolve()), cpus_per_task=opts.cpus_per_task,
+        workdir=shlex.quote(str((workdir or Path.cwd()).resolve())), python=shlex.quote(python),
+        job_args=" ".join(shlex.quote(a) for a in ([str(Path(job_path).resolve())] if job_path else []) + overrides),
+    )
+    n_layers = num_student_layers(job)
+    if opts.layers_per_task:
+        groups = layer_groups(n_layers, -(-n_layers // opts.layers_per_task))
+    else:
+        from harness.stages.common import default_count
+
+        groups = layer_groups(n_layers, default_count(job.run.layer_groups, 2))
+    planned: list[PlannedJob] = []
+    previous: Optional[str] = None
+    for stage in ("align_mixer", "align_hidden"):
+        todo = [g for g in groups if not group_complete(job, stage, g)]
+        if todo:
+            specs = " ".join(f"{g[0]}-{g[-1]}" for g in todo)
+            script = _render("align.sbatch", stage=stage, stage_cli=stage.replace("_", "-"), groups=specs,
+                             last_task=len(todo) - 1, resources=opts.resources(1 if opts.gpus_per_node else 0),
+                             **common)
+            planned.append(PlannedJob(stage, script, previous, len(todo)))
+            previous = stage
+    if previous is not None or not (out / "merged" / "MERGE.json").is_file():
+        planned.append(PlannedJob("merge", _render("merge.sbatch", resources=opts.resources(0), **common), previous))
+        previous = "merge"
+    if not CheckpointManager(out / "distill" / "checkpoints").is_complete():
+        script = _render("distill.sbatch", nodes=opts.nodes, procs_per_node=max(1, opts.gpus_per_node),
+                         port=29500, resources=opts.resources(opts.gpus_per_node), **common)
+        planned.append(PlannedJob("distill", script, previous))
+    return planned
+
+
+def _render(template: str, **values) -> str:
+    return Template((TEMPLATES / template).read_text()).substitute(**values)
+
+
+def dependency_graph(planned: list[PlannedJob]) -> str:
+    lines = []
+    for p in planned:
+        tasks = f" (array of {p.tasks})" if p.tasks > 1 or p.stage.startswith("align") else ""
+        after = f" after {p.depends_on} succeeds" if p.depends_on else " (no dependency)"
+        lines.append(f"  {p.stage}{tasks}{after}")
+    return "\n".join(lines) if lines else "  nothing left to run"
+
+
+def submit(job: JobConfig, planned: list[PlannedJob], sbatch: str = "sbatch") -> dict[str, str]:
+    """sbatch each planned job with afterok on its predecessor; record and return stage -> job id."""
+    folder = run_dir(job) / "slurm"
+    folder.mkdir(parents=True, exist_ok=True)
+    (run_dir(job) / "logs").mkdir(parents=True, exist_ok=True)
+    ids: dict[str, str] = {}
+    for p in planned:
+        path = folder / f"{p.stage}.sbatch"
+        path.write_text(p.script)
+        cmd = [sbatch, "--parsable"]
+        if p.depends_on:
+            cmd += [f"--dependency=afterok:{ids[p.depends_on]}", "--kill-on-invalid-dep=no"]
+        result = subprocess.run(cmd + [str(path)], capture_output=True, text=True)
+        if result.returncode != 0:
+            raise RuntimeError(f"sbatch failed for {p.stage}: {result.stderr.strip()}")
+        ids[p.stage] = result.stdout.strip().split(";")[0]
+    record = {"jobs": ids, "planned": [asdict(p) | {"script": str(folder / f'{p.stage}.sbatch')} for p in planned]}
+    (folder / "jobs.json").write_text(json.dumps(record, indent=1))
+    return ids

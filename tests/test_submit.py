@@ -1,0 +1,91 @@
+"""`harness submit`: the rendered Slurm scripts and their dependency graph (as text), and that --dry-run shows
+exactly what is submitted (sbatch replaced by a recorder here; tests/slurm runs a real Slurm)."""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+from pathlib import Path
+
+import pytest
+from omegaconf import OmegaConf
+
+from harness.cli import main
+from harness.config import ConfigError
+from harness.launch.slurm import SlurmOptions, dependency_graph, plan_jobs, submit
+from tests.pipeline import tiny_job
+
+
+@pytest.fixture()
+def job_and_path(tmp_path):
+    job = tiny_job(tmp_path / "setting", tmp_path / "run", "run.layer_groups=2", "deepspeed.world_size=8")
+    path = tmp_path / "job.yaml"
+    path.write_text(OmegaConf.to_yaml(OmegaConf.structured(job)))
+    return job, path
+
+
+def test_multi_node_rendering_and_graph(job_and_path):
+    job, path = job_and_path
+    opts = SlurmOptions(partition="gpu", account="proj", time="2:00:00", nodes=2, gpus_per_node=4)
+    planned = plan_jobs(job, str(path), ["stages.distill.lr=3e-4"], opts, python="python3")
+    assert [p.stage for p in planned] == ["align_mixer", "align_hidden", "merge", "distill"]
+    align, hidden, merge, distill = (p.script for p in planned)
+    assert "#SBATCH --array=0-1" in align and "GROUPS_=(0-1 2-3)" in align
+    assert "stage align-mixer" in align and "stages.distill.lr=3e-4" in align and '--layers "$LAYERS"' in align
+    assert "#SBATCH --gpus-per-node=1" in align and "#SBATCH --partition=gpu" in align
+    assert "#SBATCH --account=proj" in merge and "stage merge" in merge
+    assert "#SBATCH --nodes=2" in distill and "#SBATCH --gpus-per-node=4" in distill
+    assert "--nnodes=2 --nproc_per_node=4" in distill and "scontrol show hostnames" in distill
+    assert "srun" in distill and 'rdzv_endpoint="$MASTER_ADDR:29500"' in distill
+    graph = dependency_graph(planned)
+    assert "align_hidden (array of 2) after align_mixer succeeds" in graph
+    assert "distill after merge succeeds" in graph
+
+
+def test_world_size_must_match_the_allocation(job_and_path):
+    job, path = job_and_path
+    with pytest.raises(ConfigError, match="deepspeed.world_size=8"):
+        plan_jobs(job, str(path), [], SlurmOptions(nodes=1, gpus_per_node=4))
+
+
+def test_finished_stages_are_left_out(job_and_path):
+    job, path = job_and_path
+    from harness.checkpoint import CheckpointManager
+
+    (Path(job.output_dir) / "merged").mkdir(parents=True)
+    (Path(job.output_dir) / "merged" / "MERGE.json").write_text("{}")
+    for stage in ("align_mixer", "align_hidden"):
+        for group in ("layers-00-01", "layers-02-03"):
+            d = Path(job.output_dir) / stage / group
+            CheckpointManager(d).mark_complete({"steps": 1}, collective=False)
+            (d / "weights.safetensors").write_text("")
+    planned = plan_jobs(job, str(path), [], SlurmOptions(nodes=2, gpus_per_node=4))
+    assert [p.stage for p in planned] == ["distill"] and planned[0].depends_on is None
+
+
+def test_dry_run_shows_what_is_submitted(job_and_path, tmp_path, capsys, monkeypatch):
+    job, path = job_and_path
+    args = ["submit", str(path), "--nodes", "2", "--gpus-per-node", "4", "--partition", "gpu"]
+    assert main(args + ["--dry-run"]) == 0
+    shown = capsys.readouterr().out
+    recorder = tmp_path / "sbatch"
+    calls = tmp_path / "calls.jsonl"
+    recorder.write_text(f"""#!/usr/bin/env python3
+import json, sys
+n = sum(1 for _ in open({str(calls)!r})) if __import__('os').path.exists({str(calls)!r}) else 0
+with open({str(calls)!r}, 'a') as f:
+    f.write(json.dumps({{"argv": sys.argv[1:], "script": open(sys.argv[-1]).read()}}) + "\\n")
+print(100 + n)
+""")
+    recorder.chmod(recorder.stat().st_mode | stat.S_IEXEC)
+    monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
+    assert main(args) == 0
+    records = [json.loads(line) for line in calls.read_text().splitlines()]
+    assert [r["argv"][1:-1] for r in records] == [[], ["--dependency=afterok:100", "--kill-on-invalid-dep=no"],
+                                                  ["--dependency=afterok:101", "--kill-on-invalid-dep=no"],
+                                                  ["--dependency=afterok:102", "--kill-on-invalid-dep=no"]]
+    for r in records:
+        assert r["script"] in shown  # the dry run printed exactly the submitted script
+    saved = json.loads((Path(job.output_dir) / "slurm" / "jobs.json").read_text())
+    assert saved["jobs"] == {"align_mixer": "100", "align_hidden": "101", "merge": "102", "distill": "103"}
