@@ -149,3 +149,26 @@ def test_sigkill_after_checkpoint_then_rerun_equals_uninterrupted(tmp_path):
     assert losses(killed) == losses(whole)
     a, b = student_weights(killed), student_weights(whole)
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_preemption_request_checkpoints_exits_for_requeue_and_resumes(tmp_path, monkeypatch):
+    """What Slurm's early USR1 leads to (harness/preempt.py): checkpoint, exit REQUEUE_EXIT, then resume."""
+    from harness.preempt import REQUEUE_EXIT
+
+    whole = tmp_path / "whole"
+    launch(write_job(tmp_path, whole))
+    out = tmp_path / "preempted"
+    job_path = write_job(tmp_path, out)
+    flag = tmp_path / "preempt-flag"
+    flag.touch()
+    monkeypatch.setenv("HARNESS_PREEMPT_FILE", str(flag))
+    proc = launch(job_path, wait=False)
+    output, _ = proc.communicate(timeout=600)
+    assert proc.returncode == REQUEUE_EXIT, output[-3000:]
+    steps = sorted(p.name for p in (out / "distill" / "checkpoints").glob("step-*"))
+    assert steps == ["step-00000001"] and not (out / "student").exists()
+    flag.unlink()
+    launch(job_path)
+    assert losses(out) == losses(whole)
+    a, b = student_weights(out), student_weights(whole)
+    assert all(torch.equal(a[k], b[k]) for k in a)

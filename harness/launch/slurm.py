@@ -25,6 +25,25 @@ from harness.stages.common import layer_groups, num_student_layers, run_dir
 
 TEMPLATES = Path(__file__).resolve().parents[2] / "slurm"
 
+# Runs COMMAND in the background so that the batch shell can take Slurm's early USR1: it touches the preemption
+# file the training loops watch (harness/preempt.py); a stage that checkpointed and exited with REQUEUE_EXIT
+# is requeued and resumes from that checkpoint (torchrun reports a worker's exit code as its own failure, so
+# a failure after the preemption request counts too).
+REQUEUE_WRAPPER = """export HARNESS_PREEMPT_FILE="{preempt_dir}/preempt-$SLURM_JOB_ID"
+rm -f "$HARNESS_PREEMPT_FILE"
+trap 'touch "$HARNESS_PREEMPT_FILE"' USR1
+{command} &
+child=$!
+while kill -0 "$child" 2>/dev/null; do wait "$child" || true; done
+rc=0; wait "$child" || rc=$?
+if [ "$rc" -eq {requeue_exit} ] || {{ [ "$rc" -ne 0 ] && [ -e "$HARNESS_PREEMPT_FILE" ]; }}; then
+  echo "[harness] preempted: requeueing job $SLURM_JOB_ID"
+  scontrol requeue "$SLURM_JOB_ID"
+  exit 0
+fi
+exit "$rc"
+"""
+
 
 @dataclass
 class SlurmOptions:
@@ -38,6 +57,7 @@ class SlurmOptions:
     cpus_per_task: int = 2
     mem: Optional[str] = None
     layers_per_task: int = 0  # 0: one array task per run.layer_groups group
+    signal_seconds: int = 300  # USR1 this long before the time limit: checkpoint and requeue
     extra: list[str] = field(default_factory=list)  # further #SBATCH lines, e.g. "--qos=high"
 
     def resources(self, gpus: int) -> str:
@@ -72,11 +92,17 @@ def plan_jobs(job: JobConfig, job_path: str, overrides: list[str], opts: SlurmOp
             f"but deepspeed.world_size={job.deepspeed.world_size}; make them equal (the data slices follow it)."
         )
     out = run_dir(job)
-    common = dict(
-        name=job.name, log_dir=str((out / "logs").resolve()), cpus_per_task=opts.cpus_per_task,
-        workdir=shlex.quote(str((workdir or Path.cwd()).resolve())), python=shlex.quote(python),
-        job_args=" ".join(shlex.quote(a) for a in ([str(Path(job_path).resolve())] if job_path else []) + overrides),
-    )
+    job_args = " ".join(shlex.quote(a) for a in ([str(Path(job_path).resolve())] if job_path else []) + overrides)
+    py = shlex.quote(python)
+    common = dict(name=job.name, log_dir=str((out / "logs").resolve()), cpus_per_task=opts.cpus_per_task,
+                  workdir=shlex.quote(str((workdir or Path.cwd()).resolve())), signal_seconds=opts.signal_seconds)
+
+    def launch(command: str) -> str:
+        from harness.preempt import REQUEUE_EXIT
+
+        return REQUEUE_WRAPPER.format(preempt_dir=(out / "slurm").resolve(), command=command,
+                                      requeue_exit=REQUEUE_EXIT)
+
     n_layers = num_student_layers(job)
     if opts.layers_per_task:
         groups = layer_groups(n_layers, -(-n_layers // opts.layers_per_task))
@@ -90,17 +116,24 @@ def plan_jobs(job: JobConfig, job_path: str, overrides: list[str], opts: SlurmOp
         todo = [g for g in groups if not group_complete(job, stage, g)]
         if todo:
             specs = " ".join(f"{g[0]}-{g[-1]}" for g in todo)
-            script = _render("align.sbatch", stage=stage, stage_cli=stage.replace("_", "-"), groups=specs,
-                             last_task=len(todo) - 1, resources=opts.resources(1 if opts.gpus_per_node else 0),
+            command = f'{py} -m harness.cli stage {stage.replace("_", "-")} {job_args} --layers "$LAYERS"'
+            script = _render("align.sbatch", stage=stage, groups=specs, last_task=len(todo) - 1,
+                             resources=opts.resources(1 if opts.gpus_per_node else 0), launch=launch(command),
                              **common)
             planned.append(PlannedJob(stage, script, previous, len(todo)))
             previous = stage
     if previous is not None or not (out / "merged" / "MERGE.json").is_file():
-        planned.append(PlannedJob("merge", _render("merge.sbatch", resources=opts.resources(0), **common), previous))
+        script = _render("merge.sbatch", resources=opts.resources(0),
+                         launch=launch(f"{py} -m harness.cli stage merge {job_args}"), **common)
+        planned.append(PlannedJob("merge", script, previous))
         previous = "merge"
     if not CheckpointManager(out / "distill" / "checkpoints").is_complete():
-        script = _render("distill.sbatch", nodes=opts.nodes, procs_per_node=max(1, opts.gpus_per_node),
-                         port=29500, resources=opts.resources(opts.gpus_per_node), **common)
+        procs = max(1, opts.gpus_per_node)
+        command = (f"srun --kill-on-bad-exit=1 {py} -m torch.distributed.run --nnodes={opts.nodes} "
+                   f"--nproc_per_node={procs} --rdzv_backend=c10d --rdzv_endpoint=\"$MASTER_ADDR:29500\" "
+                   f"--rdzv_id=\"$SLURM_JOB_ID\" -m harness.cli stage distill {job_args}")
+        script = _render("distill.sbatch", nodes=opts.nodes, procs_per_node=procs, port=29500,
+                         resources=opts.resources(opts.gpus_per_node), launch=launch(command), **common)
         planned.append(PlannedJob("distill", script, previous))
     return planned
 

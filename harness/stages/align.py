@@ -44,6 +44,7 @@ from torch import nn
 
 from harness.checkpoint import CheckpointInfo, CheckpointManager, capture_rng, file_digest, restore_rng
 from harness.config import ConfigError, JobConfig
+from harness import preempt
 from harness.engine import decays
 from harness.losses import alignment_mse
 from harness.mixers import Mixer, MixerShape, mixer_class, mixer_options
@@ -309,6 +310,7 @@ def align_group(job: JobConfig, stage: str, layers: list[int], *, device: Option
         return gdir
     if stage == "align_hidden" and (missing := missing_layers(job, "align_mixer", layers)):
         raise missing_error("align_mixer", missing, f"align_hidden for layers {_spans(layers)}")
+    preempt.install_handler()
     run = _setup(job, stage, layers, gdir, device or resolve_device(job))
     resumed = _restore(run)
     if not _train(run, resumed, stop_after_steps):
@@ -404,6 +406,11 @@ def _train(run: _Run, resumed: Optional[CheckpointInfo], stop_after_steps: Optio
             if every and tokens // every > tokens_before // every:
                 _save(run)
                 saved_at = run.step
+            if preempt.requested() and run.step < total_steps:
+                if saved_at != run.step:
+                    _save(run)
+                log.write(f"{name}: preempted at step {run.step}; checkpoint written, exiting to be requeued")
+                raise preempt.Preempted()
             if stop_after_steps is not None and done_here >= stop_after_steps:
                 return False
         if saved_at != run.step:

@@ -19,6 +19,7 @@ from typing import Optional
 import torch
 from torch import nn
 
+from harness import preempt
 from harness.checkpoint import CheckpointManager, load_rng, save_rng
 from harness.config import ConfigError, JobConfig, plan_stages
 from harness.engine import gathered
@@ -74,6 +75,7 @@ def distill(job: JobConfig, *, stop_after_steps: Optional[int] = None) -> Path:
     from harness.student import HarnessForCausalLM
 
     device = resolve_device(job)
+    preempt.install_handler()
     rank, world = engine.setup_distributed(device)
     if world != job.deepspeed.world_size:
         raise ConfigError(
@@ -135,9 +137,15 @@ def distill(job: JobConfig, *, stop_after_steps: Optional[int] = None) -> Path:
             if step % job.run.log_every_steps == 0 or step == plan.steps:
                 logger.log(step, tokens, loss=means[0], ce=means[1], kl=means[2],
                            lr=s_engine.get_lr()[0], grad_norm=_grad_norm(s_engine))
+            saved = False
             if next_ckpt is not None and tokens >= next_ckpt and step < plan.steps:
                 _save(ckpts, s_engine, loader, step, tokens)
-                next_ckpt += every
+                next_ckpt, saved = next_ckpt + every, True
+            if step < plan.steps and preempt.agreed():
+                if not saved:
+                    _save(ckpts, s_engine, loader, step, tokens)
+                logger.write(f"distill: preempted at step {step}; checkpoint written, exiting to be requeued")
+                raise preempt.Preempted()
             if stop_after_steps is not None and step >= stop_after_steps:
                 return out  # tests: a crash after this step
         _save(ckpts, s_engine, loader, step, tokens)

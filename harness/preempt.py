@@ -1,0 +1,55 @@
+"""Preemption: a stage checkpoints and exits with REQUEUE_EXIT when asked, and its Slurm job requeues itself.
+
+Slurm sends the batch script SIGUSR1 some time before the job's limit (`--signal=B:USR1@N`); the script
+touches $HARNESS_PREEMPT_FILE, which every training loop checks once per optimizer step (a file, not a signal,
+because torchrun and srun do not forward SIGUSR1 to the workers). A USR1 that reaches the Python process
+directly does the same. The loop then writes a checkpoint and exits with REQUEUE_EXIT; the batch script sees
+that code and runs `scontrol requeue`, and the requeued job resumes from the checkpoint.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+from pathlib import Path
+
+REQUEUE_EXIT = 85
+_signalled = False
+
+
+def install_handler() -> None:
+    """Treat a SIGUSR1 delivered to this process as a preemption request (main thread only)."""
+
+    def handler(signum, frame):  # noqa: ARG001
+        global _signalled
+        _signalled = True
+
+    try:
+        signal.signal(signal.SIGUSR1, handler)
+    except ValueError:  # not the main thread: the file still works
+        pass
+
+
+def requested() -> bool:
+    """Whether this process should checkpoint and stop (local view; see `agreed`)."""
+    path = os.environ.get("HARNESS_PREEMPT_FILE")
+    return _signalled or bool(path and Path(path).exists())
+
+
+def agreed() -> bool:
+    """`requested()` on any rank, agreed by every rank (a collective under torch.distributed)."""
+    import torch
+
+    flag = requested()
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        t = torch.tensor([int(flag)])
+        torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
+        flag = bool(t.item())
+    return flag
+
+
+class Preempted(SystemExit):
+    """Raised after the checkpoint is written: the process exits with REQUEUE_EXIT."""
+
+    def __init__(self) -> None:
+        super().__init__(REQUEUE_EXIT)
