@@ -143,6 +143,15 @@ def build_parser() -> argparse.ArgumentParser:
                         help="An extra #SBATCH option, e.g. --sbatch-option=--qos=high (repeatable).")
     submit.set_defaults(handler=cmd_submit)
 
+    status = sub.add_parser(
+        "status", help="Show a run's stages: complete or not, tokens done, Slurm states, failed logs.",
+        description="Read a run directory (output_dir): each stage and layer group, complete or in progress with "
+        "the tokens done, the Slurm state of the jobs `harness submit` recorded (with the reason a job waits), "
+        "and the logs of stage processes that failed.",
+    )
+    status.add_argument("run_dir", help="The run directory (the job's output_dir).")
+    status.set_defaults(handler=cmd_status)
+
     export = sub.add_parser(
         "export", help="Write a consolidated Hugging Face student from a stage-3 checkpoint.",
         description="Consolidate a stage-3 checkpoint (a run_dir/distill/checkpoints/step-* directory, written by "
@@ -257,6 +266,18 @@ def cmd_submit(args: argparse.Namespace) -> int:
         return 0
     ids = submit(job, planned)
     print("# submitted\n" + "\n".join(f"  {stage}: {jid}" for stage, jid in ids.items()))
+    return 0
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from harness.launch.status import render
+
+    run = Path(args.run_dir)
+    if not run.is_dir():
+        raise ConfigError(f"Run directory '{run}' does not exist (it is the job's output_dir).")
+    print(render(run))
     return 0
 
 
