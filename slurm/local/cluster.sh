@@ -73,7 +73,11 @@ tails() {
 }
 
 node_state() {  # the node's state as sinfo reports it ("idle", "down*", ...), or nothing
-    SLURM_CONF="$1/slurm.conf" sinfo -h -N -o '%T' 2>/dev/null | head -n1
+    { SLURM_CONF="$1/slurm.conf" sinfo -h -N -o '%T' 2>/dev/null || true; } | head -n1
+}
+
+port_in_use() {  # something listens on TCP port $1 of this host
+    (exec 3<>"/dev/tcp/127.0.0.1/$1") 2>/dev/null
 }
 
 write_conf() {
@@ -140,6 +144,12 @@ cmd_start() {
     # half-running (a crashed daemon): start from a clean slate of processes, keeping the job state
     cmd_stop "$dir" >/dev/null 2>&1 || true
 
+    local port
+    for port in "$ctld_port" "$slurmd_port"; do
+        port_in_use "$port" && die "port $port is in use (another cluster? \`$0 stop DIR\` it, or pick free ports" \
+            "with HARNESS_SLURMCTLD_PORT / HARNESS_SLURMD_PORT)"
+    done
+
     mkdir -p "$dir"/{state,spool,run,log,munge}
     chmod 755 "$dir" "$dir/munge"   # munged refuses a socket dir that is not 755; clients must reach it
 
@@ -165,7 +175,7 @@ cmd_start() {
         tails "$dir"
         die "node $node not idle after 30 s (sinfo state: '${state:-none}'); logs under $dir/log"
     fi
-    log "cluster up in $dir (node $node, $(SLURM_CONF="$dir/slurm.conf" sinfo -h -o '%c CPUs') , slurmctld port $ctld_port)"
+    log "cluster up in $dir (node $node, $(SLURM_CONF="$dir/slurm.conf" sinfo -h -o '%c CPUs'), slurmctld port $ctld_port)"
     print_exports "$dir"
 }
 

@@ -1,0 +1,142 @@
+"""A real single-node Slurm cluster for the tests under tests/slurm, started once per session.
+
+The cluster comes from slurm/local/cluster.sh, in a fresh state directory and on free ports (so it can run
+beside a developer's cluster on the default ports), and is stopped at the end of the session. When the Slurm
+and munge binaries are absent every test here is SKIPPED: install them with `slurm/local/cluster.sh install`
+(CI does), or set HARNESS_SLURM_INSTALL=1 to let this fixture run that install itself (needs root/apt-get).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import socket
+import subprocess
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+CLUSTER_SH = REPO / "slurm" / "local" / "cluster.sh"
+BINARIES = ("sbatch", "squeue", "scontrol", "scancel", "sinfo", "slurmctld", "slurmd", "munged", "mungekey")
+
+
+def _missing_binaries() -> list[str]:
+    path = os.environ.get("PATH", "") + os.pathsep + "/usr/sbin" + os.pathsep + "/sbin"
+    return [b for b in BINARIES if shutil.which(b, path=path) is None]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class SlurmCluster:
+    """A running cluster: `env` is os.environ plus SLURM_CONF, for subprocesses that call sbatch & co."""
+
+    state_dir: Path
+    env: dict[str, str]
+
+    def run(self, *args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(list(args), env=self.env, capture_output=True, text=True, check=check, timeout=30)
+
+    def sbatch(self, *args: str) -> str:
+        """`sbatch --parsable ARGS`: the job id (for an array, the array's job id)."""
+        out = self.run("sbatch", "--parsable", *args).stdout.strip()
+        job_id = out.split(";")[0]
+        assert re.fullmatch(r"\d+", job_id), f"sbatch --parsable printed {out!r}"
+        return job_id
+
+    def jobs(self, job_id: str) -> list[dict[str, str]]:
+        """`scontrol show job -o ID` as one dict per line (an array gives one per task, or one while unsplit)."""
+        proc = self.run("scontrol", "show", "job", "-o", job_id, check=False)
+        if proc.returncode != 0:
+            return []
+        records = []
+        for line in proc.stdout.splitlines():
+            if not line.strip():
+                continue
+            fields = {}
+            for token in line.split():
+                key, sep, value = token.partition("=")
+                if sep:
+                    fields[key] = value
+            records.append(fields)
+        return records
+
+    def states(self, job_id: str) -> list[str]:
+        return [j.get("JobState", "?") for j in self.jobs(job_id)]
+
+    def scancel(self, *job_ids: str) -> None:
+        if job_ids:
+            self.run("scancel", *job_ids, check=False)
+
+    def wait_for(self, what: str, predicate: Callable[[], bool], timeout: float = 25.0, poll: float = 0.2) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if predicate():
+                return
+            time.sleep(poll)
+        squeue = self.run("squeue", "-t", "all", "-o", "%.12i %.10T %.25r %.8M", check=False).stdout
+        raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}\n{squeue}")
+
+    def wait_states(self, job_id: str, done: set[str], timeout: float = 25.0) -> list[str]:
+        """Wait until every record of JOB_ID is in one of DONE's states; returns the states."""
+        self.wait_for(
+            f"job {job_id} in {sorted(done)}",
+            lambda: (s := self.states(job_id)) != [] and all(x in done for x in s),
+            timeout,
+        )
+        return self.states(job_id)
+
+
+@pytest.fixture(scope="session")
+def slurm_cluster() -> SlurmCluster:
+    missing = _missing_binaries()
+    if missing and os.environ.get("HARNESS_SLURM_INSTALL") == "1":
+        subprocess.run(["bash", str(CLUSTER_SH), "install"], check=False, timeout=600)
+        missing = _missing_binaries()
+    if missing:
+        pytest.skip(
+            f"Slurm binaries not found ({', '.join(missing)}): run `slurm/local/cluster.sh install` "
+            "(or set HARNESS_SLURM_INSTALL=1) to run the local-cluster tests"
+        )
+
+    # mkdtemp directly under the temp dir: the munge socket path must stay under the ~108-byte AF_UNIX limit
+    state_dir = Path(tempfile.mkdtemp(prefix="harness-slurm-"))
+    env = dict(os.environ)
+    env.pop("SLURM_CONF", None)
+    env["HARNESS_SLURMCTLD_PORT"] = str(_free_port())
+    env["HARNESS_SLURMD_PORT"] = str(_free_port())
+    env["PATH"] = env.get("PATH", "") + os.pathsep + "/usr/sbin" + os.pathsep + "/sbin"
+    proc = subprocess.run(
+        ["bash", str(CLUSTER_SH), "start", str(state_dir)], env=env, capture_output=True, text=True, timeout=90
+    )
+    if proc.returncode != 0:
+        subprocess.run(["bash", str(CLUSTER_SH), "stop", str(state_dir)], env=env, capture_output=True, timeout=60)
+        pytest.fail(f"cluster.sh start failed (rc {proc.returncode}):\n{proc.stderr}\n{proc.stdout}")
+    for line in proc.stdout.splitlines():
+        m = re.fullmatch(r"export (\w+)=(.*)", line.strip())
+        if m:
+            env[m.group(1)] = m.group(2)
+    assert "SLURM_CONF" in env, proc.stdout
+    try:
+        yield SlurmCluster(state_dir=state_dir, env=env)
+    finally:
+        subprocess.run(["bash", str(CLUSTER_SH), "stop", str(state_dir)], env=env, capture_output=True, timeout=60)
+        shutil.rmtree(state_dir, ignore_errors=True)
+
+
+@pytest.fixture
+def slurm_env(slurm_cluster: SlurmCluster, monkeypatch: pytest.MonkeyPatch) -> SlurmCluster:
+    """The cluster, with SLURM_CONF set in os.environ for code under test that shells out to sbatch itself."""
+    monkeypatch.setenv("SLURM_CONF", slurm_cluster.env["SLURM_CONF"])
+    monkeypatch.setenv("PATH", slurm_cluster.env["PATH"])
+    return slurm_cluster

@@ -1,0 +1,81 @@
+"""`harness submit` against the real single-node Slurm (slurm/local/cluster.sh): the tiny pipeline runs through
+sbatch arrays and dependencies to a student; a failing layer-group task blocks its dependents and
+`harness status` names it; a USR1 before the time limit checkpoints, requeues and resumes."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from omegaconf import OmegaConf
+
+from tests.pipeline import tiny_job
+
+REPO = Path(__file__).resolve().parents[2]
+SETTINGS = ["budget.split=[0.1,0.1,0.8]", "run.layer_groups=2", "data.validation_tokens=128"]
+
+
+def write_job(tmp: Path, name: str, *extra: str) -> tuple[Path, Path]:
+    out = tmp / name
+    job = tiny_job(tmp / "setting", out, *SETTINGS, *extra, total=1280)
+    path = tmp / f"{name}.yaml"
+    path.write_text(OmegaConf.to_yaml(OmegaConf.structured(job)))
+    return path, out
+
+
+def harness(cluster, *args: str) -> subprocess.CompletedProcess:
+    env = {**cluster.env, "PYTHONPATH": str(REPO), "DS_ACCELERATOR": "cpu"}
+    return subprocess.run([sys.executable, "-m", "harness.cli", *args], cwd=REPO, env=env, capture_output=True,
+                          text=True, timeout=300)
+
+
+def submitted(out: Path) -> dict[str, str]:
+    return json.loads((out / "slurm" / "jobs.json").read_text())["jobs"]
+
+
+def test_pipeline_runs_through_arrays_and_dependencies(slurm_cluster, tmp_path):
+    path, out = write_job(tmp_path, "run")
+    result = harness(slurm_cluster, "submit", str(path), "--cpus-per-task", "1")
+    assert result.returncode == 0, result.stderr[-3000:]
+    ids = submitted(out)
+    assert list(ids) == ["align_mixer", "align_hidden", "merge", "distill"]
+    try:
+        slurm_cluster.wait_states(ids["distill"], {"COMPLETED", "FAILED", "CANCELLED"}, timeout=600)
+        for stage, job_id in ids.items():
+            states = slurm_cluster.states(job_id)
+            assert states and all(s == "COMPLETED" for s in states), (stage, states, _logs(out))
+        assert len(slurm_cluster.states(ids["align_mixer"])) == 2  # one task per layer group
+        assert (out / "student" / "config.json").is_file() and (out / "eval.yaml").is_file()
+        status = harness(slurm_cluster, "status", str(out)).stdout
+        assert "distill                      complete" in status and "COMPLETED" in status
+        again = harness(slurm_cluster, "submit", str(path), "--dry-run")
+        assert "nothing left to run" in again.stdout
+    finally:
+        slurm_cluster.scancel(*ids.values())
+
+
+def test_failing_task_blocks_dependents_and_status_names_it(slurm_cluster, tmp_path):
+    path, out = write_job(tmp_path, "broken")
+    (out / "align_mixer").mkdir(parents=True)
+    (out / "align_mixer" / "layers-02-03").write_text("not a directory: this group's task fails")
+    result = harness(slurm_cluster, "submit", str(path), "--cpus-per-task", "1")
+    assert result.returncode == 0, result.stderr[-3000:]
+    ids = submitted(out)
+    try:
+        slurm_cluster.wait_states(ids["align_mixer"], {"COMPLETED", "FAILED"}, timeout=300)
+        assert sorted(slurm_cluster.states(ids["align_mixer"])) == ["COMPLETED", "FAILED"]
+        slurm_cluster.wait_for("align_hidden blocked", lambda: any(
+            j.get("Reason") == "DependencyNeverSatisfied" for j in slurm_cluster.jobs(ids["align_hidden"])), 60)
+        status = harness(slurm_cluster, "status", str(out)).stdout
+        assert "FAILED" in status and "DependencyNeverSatisfied" in status
+        assert "align_mixer-1-" in status  # the failed array task's log
+    finally:
+        slurm_cluster.scancel(*ids.values())
+
+
+def _logs(out: Path) -> str:
+    return "\n".join(f"== {p}\n{p.read_text()[-1500:]}" for p in sorted((out / "logs").glob("*.log")))
