@@ -79,3 +79,35 @@ def test_failing_task_blocks_dependents_and_status_names_it(slurm_cluster, tmp_p
 
 def _logs(out: Path) -> str:
     return "\n".join(f"== {p}\n{p.read_text()[-1500:]}" for p in sorted((out / "logs").glob("*.log")))
+
+
+def test_usr1_before_the_limit_checkpoints_requeues_and_resumes(slurm_cluster, tmp_path):
+    path, out = write_job(tmp_path, "preempted", "budget.total_tokens=5120", "budget.split=[0.025,0.025,0.95]")
+    result = harness(slurm_cluster, "submit", str(path), "--cpus-per-task", "1")
+    assert result.returncode == 0, result.stderr[-3000:]
+    ids = submitted(out)
+    distill = ids["distill"]
+    metrics = out / "distill" / "metrics.jsonl"
+    try:
+        slurm_cluster.wait_for("stage 3 training", lambda: metrics.is_file() and metrics.read_text().count("\n") >= 2,
+                               timeout=400)
+        slurm_cluster.run("scancel", "--signal=USR1", "--batch", distill)
+        # a requeued job waits on BeginTime (~2 min) unless told to start now
+        slurm_cluster.wait_for("the requeue", lambda: _restarts(slurm_cluster, distill) >= 1, timeout=120)
+        deadline = time.monotonic() + 120
+        while slurm_cluster.states(distill) == ["PENDING"] and time.monotonic() < deadline:
+            slurm_cluster.run("scontrol", "update", f"JobId={distill}", "StartTime=now", check=False)
+            time.sleep(1)
+        slurm_cluster.wait_states(distill, {"COMPLETED", "FAILED", "CANCELLED"}, timeout=400)
+        assert slurm_cluster.states(distill) == ["COMPLETED"], _logs(out)
+        log = "\n".join(p.read_text() for p in (out / "logs").glob("distill-*.log"))
+        assert "preempted at step" in log and "requeueing job" in log
+        steps = [json.loads(line)["step"] for line in metrics.read_text().splitlines() if '"loss"' in line]
+        assert steps == list(range(1, len(steps) + 1))  # resumed: no step twice, none skipped
+        assert (out / "student" / "config.json").is_file()
+    finally:
+        slurm_cluster.scancel(*ids.values())
+
+
+def _restarts(cluster, job_id: str) -> int:
+    return max((int(j.get("Restarts", 0)) for j in cluster.jobs(job_id)), default=0)
