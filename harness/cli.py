@@ -128,7 +128,11 @@ def build_parser() -> argparse.ArgumentParser:
         epilog="example:\n  harness submit jobs/study/smollm2-1.7b-kda-3b.yaml --partition gpu --account proj "
         "--nodes 1 --gpus-per-node 8 --time 2-00:00:00 --dry-run",
     )
-    _add_job_args(submit)
+    submit.add_argument("job", nargs="?", help="Job YAML file, e.g. jobs/quickstart.yaml (omit with --resume).")
+    submit.add_argument("overrides", nargs="*", metavar="key=value", help="Dotted overrides, e.g. student.mixer=gla.")
+    submit.add_argument("--resume", metavar="RUN_DIR",
+                        help="Resubmit what is left of an earlier submission (its saved job), cancelling the jobs "
+                        "stuck behind a failure.")
     submit.add_argument("--dry-run", action="store_true", help="Print the scripts and the graph; submit nothing.")
     submit.add_argument("--partition", help="Slurm partition.")
     submit.add_argument("--account", help="Slurm account.")
@@ -254,7 +258,22 @@ def cmd_submit(args: argparse.Namespace) -> int:
     from harness.config import load_job
     from harness.launch.slurm import SlurmOptions, dependency_graph, plan_jobs, submit
 
+    from pathlib import Path
+
+    from harness.launch.slurm import clear_blocked, saved_job_path
+
+    if args.resume:
+        saved = saved_job_path(Path(args.resume))
+        if not saved.is_file():
+            raise ConfigError(f"'{args.resume}' holds no submitted run ({saved} is missing); submit a job file.")
+        args.job = str(saved)
+    elif not args.job:
+        raise ConfigError("harness submit needs a job file, or --resume RUN_DIR.")
     job = load_job(args.job, args.overrides)
+    if args.resume and not args.dry_run:
+        cancelled = clear_blocked(Path(args.resume))
+        if cancelled:
+            print(f"# cancelled {len(cancelled)} pending job(s) of the earlier submission: {' '.join(cancelled)}")
     opts = SlurmOptions(partition=args.partition, account=args.account, time=args.time, nodes=args.nodes,
                         gpus_per_node=args.gpus_per_node, cpus_per_task=args.cpus_per_task, mem=args.mem,
                         layers_per_task=args.layers_per_task, extra=args.sbatch_option)

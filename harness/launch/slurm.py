@@ -151,10 +151,38 @@ def dependency_graph(planned: list[PlannedJob]) -> str:
     return "\n".join(lines) if lines else "  nothing left to run"
 
 
+def saved_job_path(run: Path) -> Path:
+    """The resolved job a submission ran with (what `harness submit --resume RUN_DIR` reads)."""
+    return run / "slurm" / "job.yaml"
+
+
+def clear_blocked(run: Path) -> list[str]:
+    """Before a resume: cancel the recorded jobs still pending (behind a failure, or queued: they are submitted
+    again); refuse while one is running (submitting again would run its stage twice)."""
+    from harness.launch.status import slurm_states
+
+    pending, running = [], []
+    for stage, jobs in slurm_states(run).items():
+        for job_id, state, _ in jobs:
+            if state in ("PENDING", "REQUEUED"):
+                pending.append(job_id)
+            elif state in ("RUNNING", "CONFIGURING", "COMPLETING"):
+                running.append(f"{stage} {job_id} {state}")
+    if running:
+        raise ConfigError(f"Jobs of this run are still running ({'; '.join(running)}): let them finish or scancel "
+                          "them before `harness submit --resume`.")
+    if pending:
+        subprocess.run(["scancel", *pending], capture_output=True)
+    return pending
+
+
 def submit(job: JobConfig, planned: list[PlannedJob], sbatch: str = "sbatch") -> dict[str, str]:
     """sbatch each planned job with afterok on its predecessor; record and return stage -> job id."""
+    from omegaconf import OmegaConf
+
     folder = run_dir(job) / "slurm"
     folder.mkdir(parents=True, exist_ok=True)
+    saved_job_path(run_dir(job)).write_text(OmegaConf.to_yaml(OmegaConf.structured(job)))
     (run_dir(job) / "logs").mkdir(parents=True, exist_ok=True)
     ids: dict[str, str] = {}
     for p in planned:
