@@ -4,6 +4,7 @@ mLSTM layout / scale / padding wrapper (with mlstm_kernels' native chunkwise fun
 
 from __future__ import annotations
 
+import importlib.util
 import math
 import subprocess
 import sys
@@ -59,9 +60,8 @@ def test_cuda_device_with_kernels(monkeypatch):
 
 
 # ------------------------------------------------------------------------------------- availability
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA")
 def test_no_cuda_here_means_unavailable():
-    if torch.cuda.is_available():
-        pytest.skip("this machine has CUDA")
     assert kernels.kernels_available() is False
     assert "CUDA is not available" in kernels.kernel_unavailable_reason()
 
@@ -78,12 +78,8 @@ def test_missing_module_is_named(monkeypatch):
         kernels.kernel_unavailable_reason("nope")
 
 
+@pytest.mark.skipif(importlib.util.find_spec("triton") is not None, reason="triton is installed here")
 def test_triton_missing_reason_on_this_machine(monkeypatch):
-    try:
-        import triton  # noqa: F401
-        pytest.skip("triton is installed here")
-    except ImportError:
-        pass
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     reason = kernels.kernel_unavailable_reason("fla")
     assert reason == "triton not importable: No module named 'triton'"
