@@ -250,6 +250,17 @@ class ConvMixer(Mixer):
         q, k, v = (self._heads(t) for t in qkv.chunk(3, dim=-1))
         return q, k, v, tail
 
+    @torch.no_grad()
+    def _reset_decay_norm_conv(self, a_low: Optional[float] = None) -> None:
+        """The tail every delta-rule mixer's init shares: A_log ~ log U(a_low, 16) and the Mamba2 dt_bias (when
+        the mixer has them), a unit output norm, and the short convolution's default init."""
+        if a_low is not None:
+            self.A_log.copy_(torch.log(torch.empty_like(self.A_log).uniform_(a_low, 16)))
+            self.dt_bias.copy_(mamba_dt_bias(self.dt_bias.numel()))
+        nn.init.ones_(self.o_norm.weight)
+        if self.options.short_conv:
+            self.qkv_conv.conv.reset_parameters()
+
 
 @dataclass
 class ConvOptions(MixerOptions):

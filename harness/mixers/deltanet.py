@@ -28,9 +28,7 @@ class DeltaNet(ConvMixer):
 
     def reset_new_parameters(self) -> None:
         nn.init.normal_(self.b_proj.weight, std=0.02)
-        nn.init.ones_(self.o_norm.weight)
-        if self.options.short_conv:
-            self.qkv_conv.conv.reset_parameters()
+        self._reset_decay_norm_conv()
 
     @classmethod
     def new_parameter_names(cls):

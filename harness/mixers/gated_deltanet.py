@@ -37,12 +37,7 @@ class GatedDeltaNet(ConvMixer):
     def reset_new_parameters(self) -> None:
         for lin in (self.a_proj, self.b_proj, self.g_proj):
             nn.init.normal_(lin.weight, std=0.02)
-        with torch.no_grad():
-            self.A_log.copy_(torch.log(torch.empty_like(self.A_log).uniform_(0, 16)))
-            self.dt_bias.copy_(mamba_dt_bias(self.dt_bias.numel()))
-        nn.init.ones_(self.o_norm.weight)
-        if self.options.short_conv:
-            self.qkv_conv.conv.reset_parameters()
+        self._reset_decay_norm_conv(a_low=0)
 
     @classmethod
     def new_parameter_names(cls):

@@ -41,12 +41,7 @@ class KDA(ConvMixer):
             nn.init.normal_(lin.weight, std=0.02)
             if lin.bias is not None:
                 nn.init.zeros_(lin.bias)
-        with torch.no_grad():
-            self.A_log.copy_(torch.log(torch.empty_like(self.A_log).uniform_(1, 16)))
-            self.dt_bias.copy_(mamba_dt_bias(self.dt_bias.numel()))
-        nn.init.ones_(self.o_norm.weight)
-        if self.options.short_conv:
-            self.qkv_conv.conv.reset_parameters()
+        self._reset_decay_norm_conv(a_low=1)
 
     @classmethod
     def new_parameter_names(cls):
