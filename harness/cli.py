@@ -22,8 +22,10 @@ key=value, e.g.
 
 
 def main(argv: Optional[list[str]] = None) -> int:
+    from harness.eval.cli import rewrite_argv
+
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args = parser.parse_args(rewrite_argv(list(sys.argv[1:] if argv is None else argv)))
     if not getattr(args, "handler", None):
         parser.print_help()
         return 0
@@ -169,6 +171,10 @@ def build_parser() -> argparse.ArgumentParser:
     mixers = sub.add_parser("mixers", help="List the seven mixers and their options.",
                             description="List the mixers and each one's options with defaults and descriptions.")
     mixers.set_defaults(handler=cmd_mixers)
+
+    from harness.eval.cli import add_parsers as add_eval_parsers
+
+    add_eval_parsers(sub)
     return parser
 
 

@@ -160,15 +160,43 @@ class RunConfig:
 
 
 @dataclass
+class NiahConfig:
+    lengths: list[int] = described(
+        help="Prompt lengths in tokens (context + question, chat template included).",
+        factory=lambda: [256, 512, 1024, 2048, 4096, 8192],
+    )
+    depths: list[float] = described(
+        help="Where the needle sits in the prose, as fractions 0.0 (start) .. 1.0 (end).",
+        factory=lambda: [0.0, 0.25, 0.5, 0.75, 1.0],
+    )
+    kinds: list[str] = described(
+        help="Needle kinds: 'passkey' (7 digits), 'uuid', 'kv' (a secret word for a key).",
+        factory=lambda: ["passkey", "uuid", "kv"],
+    )
+    samples: int = described(3, "Samples per (kind, length, depth) cell; each has its own needle and prose.")
+    haystack: str = described(
+        "essays", "The prose: 'essays', 'wikipedia' (both from the embedded RULER data) or a .txt/.jsonl path."
+    )
+    prompt: str = described("auto", "'chat' (the tokenizer's chat template), 'plain', or 'auto' (chat if it has one).")
+
+
+@dataclass
 class EvalConfig:
+    enabled: bool = described(True, "`harness run` ends with the evaluation job (`harness eval RUN/eval.yaml`).")
     tasks: list[str] = described(
-        help="lm-eval tasks the evaluation job runs on the final student.",
+        help="lm-eval tasks (offline: piqa, arc_easy, arc_challenge, hellaswag, winogrande, lambada_openai, "
+        "mmlu; online any lm-eval task name). Empty: no benchmarks.",
         factory=lambda: ["piqa", "arc_easy", "arc_challenge", "hellaswag", "winogrande", "lambada_openai", "mmlu"],
     )
-    niah_lengths: list[int] = described(
-        help="Needle-in-a-haystack context lengths (tokens).", factory=lambda: [256, 512, 1024, 2048, 4096, 8192]
-    )
     limit: Optional[int] = described(None, "Examples per benchmark task (lm-eval --limit); null: all.")
+    batch_size: int = described(8, "lm-eval batch size (right padding is exact for the recurrent students).")
+    niah: NiahConfig = described(help="The needle-in-a-haystack grid; lengths [] skips NIAH.", factory=NiahConfig)
+    perplexity_tokens: Optional[int] = described(
+        262144, "Held-out corpus tokens for perplexity; 0 skips it; null: the whole held-out slice."
+    )
+    teacher: bool = described(
+        True, "Also score the teacher on the same tasks, grid and text (cached per teacher): the recovery baseline."
+    )
 
 
 @dataclass
@@ -297,6 +325,7 @@ def validate(job: JobConfig) -> None:
         _check_stage(f"stages.{stage}", getattr(job.stages, stage))
     _check_positive("deepspeed.world_size", job.deepspeed.world_size)
     _check_run(job.run)
+    check_eval(job.eval)
     d = job.stages.distill
     if d.ce_weight < 0 or d.kl_weight < 0 or d.ce_weight + d.kl_weight == 0:
         raise ConfigError(
@@ -347,6 +376,23 @@ def _check_stage(key: str, stage: StageConfig) -> None:
             raise ConfigError(f"{key}.{name}={value} must lie in [0, 1].")
     if stage.warmup_fraction + (stage.decay_fraction if stage.schedule == "wsd" else 0) > 1:
         raise ConfigError(f"{key}: warmup_fraction + decay_fraction exceed 1.")
+
+
+def check_eval(ev: EvalConfig) -> None:
+    # the same allowed values as harness.eval.niah (not imported: it loads torch)
+    for kind in ev.niah.kinds:
+        _check_choice("eval.niah.kinds", kind, ("passkey", "uuid", "kv"))
+    _check_choice("eval.niah.prompt", ev.niah.prompt, ("auto", "chat", "plain"))
+    for length in ev.niah.lengths:
+        _check_positive("eval.niah.lengths", length)
+    for depth in ev.niah.depths:
+        if not 0.0 <= depth <= 1.0:
+            raise ConfigError(f"Bad depth {depth} in eval.niah.depths: depths are fractions in [0, 1] (50% is 0.5).")
+    _check_positive("eval.niah.samples", ev.niah.samples)
+    _check_positive("eval.batch_size", ev.batch_size)
+    _check_positive("eval.limit", ev.limit, allow_none=True)
+    if ev.perplexity_tokens is not None and ev.perplexity_tokens < 0:
+        raise ConfigError(f"eval.perplexity_tokens={ev.perplexity_tokens} must be >= 0 (0 skips perplexity).")
 
 
 def _check_run(run: RunConfig) -> None:

@@ -53,3 +53,21 @@ class Preempted(SystemExit):
 
     def __init__(self) -> None:
         super().__init__(REQUEUE_EXIT)
+
+
+def exit_when_requested(poll_seconds: float = 2.0) -> None:
+    """For work that saves as it goes (the evaluation job: one line per NIAH sample, one file per task):
+    a daemon thread exits the process with REQUEUE_EXIT as soon as preemption is requested. Only the item in
+    flight is lost; the requeued job resumes after the last saved one."""
+    import threading
+    import time
+
+    install_handler()
+
+    def watch() -> None:
+        while not requested():
+            time.sleep(poll_seconds)
+        print("[harness] preemption requested: exiting for requeue; finished results are saved", flush=True)
+        os._exit(REQUEUE_EXIT)
+
+    threading.Thread(target=watch, name="preempt-watch", daemon=True).start()

@@ -27,7 +27,9 @@ def harness_cli(*args: str) -> subprocess.CompletedProcess:
 def test_run_all_stages_then_skip_when_rerun(tmp_path):
     out = tmp_path / "run"
     job = tiny_job(tmp_path / "setting", out, "budget.split=[0.1,0.1,0.8]", "run.layer_groups=2",
-                   "run.parallel_groups=2", "data.validation_tokens=128", total=1280)
+                   "run.parallel_groups=2", "data.validation_tokens=128", "eval.enabled=true",
+                   "eval.tasks=[piqa]", "eval.limit=2", "eval.niah.lengths=[256]", "eval.niah.depths=[0.5]",
+                   "eval.niah.kinds=[kv]", "eval.niah.samples=1", "eval.perplexity_tokens=64", total=1280)
     job_path = tmp_path / "job.yaml"
     job_path.write_text(OmegaConf.to_yaml(OmegaConf.structured(job)))
 
@@ -37,6 +39,8 @@ def test_run_all_stages_then_skip_when_rerun(tmp_path):
         for group in ("layers-00-01", "layers-02-03"):
             assert (out / stage / group / "weights.safetensors").is_file()
     assert "losses (first -> last logged)" in first.stdout and "distill" in first.stdout
+    assert "# Evaluation:" in first.stdout and "| piqa | acc_norm | 2 |" in first.stdout
+    assert (out / "eval" / "report.json").is_file() and (out / "eval" / "teacher" / "niah.json").is_file()
     spec = OmegaConf.load(out / "eval.yaml")
     student = AutoModelForCausalLM.from_pretrained(spec.checkpoint)
     ids = torch.randint(1, 300, (1, 12))
@@ -47,6 +51,7 @@ def test_run_all_stages_then_skip_when_rerun(tmp_path):
     assert "align_mixer: 2 layer groups, 2 already complete" in second.stdout
     assert "align_hidden: 2 layer groups, 2 already complete" in second.stdout
     assert "distill: already complete" in second.stdout
+    assert "eval: already complete" in second.stdout
 
 
 def test_run_reports_a_failing_group_and_its_log(tmp_path):

@@ -19,7 +19,8 @@ from tests.pipeline import tiny_job
 
 @pytest.fixture()
 def job_and_path(tmp_path):
-    job = tiny_job(tmp_path / "setting", tmp_path / "run", "run.layer_groups=2", "deepspeed.world_size=8")
+    job = tiny_job(tmp_path / "setting", tmp_path / "run", "run.layer_groups=2", "deepspeed.world_size=8",
+                   "eval.enabled=true")
     path = tmp_path / "job.yaml"
     path.write_text(OmegaConf.to_yaml(OmegaConf.structured(job)))
     return job, path
@@ -29,8 +30,8 @@ def test_multi_node_rendering_and_graph(job_and_path):
     job, path = job_and_path
     opts = SlurmOptions(partition="gpu", account="proj", time="2:00:00", nodes=2, gpus_per_node=4)
     planned = plan_jobs(job, str(path), ["stages.distill.lr=3e-4"], opts, python="python3")
-    assert [p.stage for p in planned] == ["align_mixer", "align_hidden", "merge", "distill"]
-    align, hidden, merge, distill = (p.script for p in planned)
+    assert [p.stage for p in planned] == ["align_mixer", "align_hidden", "merge", "distill", "eval"]
+    align, hidden, merge, distill, evaluation = (p.script for p in planned)
     assert "#SBATCH --array=0-1" in align and "GROUPS_=(0-1 2-3)" in align
     assert "stage align-mixer" in align and "stages.distill.lr=3e-4" in align and '--layers "$LAYERS"' in align
     assert "#SBATCH --gpus-per-node=1" in align and "#SBATCH --partition=gpu" in align
@@ -38,9 +39,12 @@ def test_multi_node_rendering_and_graph(job_and_path):
     assert "#SBATCH --nodes=2" in distill and "#SBATCH --gpus-per-node=4" in distill
     assert "--nnodes=2 --nproc_per_node=4" in distill and "scontrol show hostnames" in distill
     assert "srun" in distill and 'rdzv_endpoint="$MASTER_ADDR:29500"' in distill
+    spec = (Path(job.output_dir) / "eval.yaml").resolve()
+    assert f"-m harness.cli eval job {spec}" in evaluation and "#SBATCH --gpus-per-node=1" in evaluation
+    assert "#SBATCH --nodes=1" in evaluation and "--signal=B:USR1@" in evaluation and "--requeue" in evaluation
     graph = dependency_graph(planned)
     assert "align_hidden (array of 2) after align_mixer succeeds" in graph
-    assert "distill after merge succeeds" in graph
+    assert "distill after merge succeeds" in graph and "eval after distill succeeds" in graph
 
 
 def test_world_size_must_match_the_allocation(job_and_path):
@@ -61,7 +65,14 @@ def test_finished_stages_are_left_out(job_and_path):
             CheckpointManager(d).mark_complete({"steps": 1}, collective=False)
             (d / "weights.safetensors").write_text("")
     planned = plan_jobs(job, str(path), [], SlurmOptions(nodes=2, gpus_per_node=4))
-    assert [p.stage for p in planned] == ["distill"] and planned[0].depends_on is None
+    assert [p.stage for p in planned] == ["distill", "eval"] and planned[0].depends_on is None
+    CheckpointManager(Path(job.output_dir) / "distill" / "checkpoints").mark_complete({"steps": 1}, collective=False)
+    planned = plan_jobs(job, str(path), [], SlurmOptions(nodes=2, gpus_per_node=4))
+    assert [p.stage for p in planned] == ["eval"] and planned[0].depends_on is None
+    (Path(job.output_dir) / "eval.yaml").write_text("{}")
+    (Path(job.output_dir) / "eval").mkdir()
+    (Path(job.output_dir) / "eval" / "report.json").write_text("{}")
+    assert plan_jobs(job, str(path), [], SlurmOptions(nodes=2, gpus_per_node=4)) == []
 
 
 def test_dry_run_shows_what_is_submitted(job_and_path, tmp_path, capsys, monkeypatch):
@@ -84,8 +95,10 @@ print(100 + n)
     records = [json.loads(line) for line in calls.read_text().splitlines()]
     assert [r["argv"][1:-1] for r in records] == [[], ["--dependency=afterok:100", "--kill-on-invalid-dep=no"],
                                                   ["--dependency=afterok:101", "--kill-on-invalid-dep=no"],
-                                                  ["--dependency=afterok:102", "--kill-on-invalid-dep=no"]]
+                                                  ["--dependency=afterok:102", "--kill-on-invalid-dep=no"],
+                                                  ["--dependency=afterok:103", "--kill-on-invalid-dep=no"]]
     for r in records:
         assert r["script"] in shown  # the dry run printed exactly the submitted script
     saved = json.loads((Path(job.output_dir) / "slurm" / "jobs.json").read_text())
-    assert saved["jobs"] == {"align_mixer": "100", "align_hidden": "101", "merge": "102", "distill": "103"}
+    assert saved["jobs"] == {"align_mixer": "100", "align_hidden": "101", "merge": "102", "distill": "103",
+                             "eval": "104"}

@@ -2,7 +2,7 @@
 
 Stages 1 and 2 run one process per layer group (run.layer_groups), run.parallel_groups at a time, each pinned
 to one GPU when there are GPUs; then the merge; then stage 3 as deepspeed.world_size processes under torchrun
-(gloo on CPU, nccl on GPUs). Every stage resumes from its newest valid checkpoint, so re-running the same
+(gloo on CPU, nccl on GPUs); then, with eval.enabled, the evaluation job on RUN_DIR/eval.yaml. Every stage resumes from its newest valid checkpoint, so re-running the same
 command after a crash continues where it stopped. Each process's output goes to run_dir/logs/.
 """
 
@@ -42,7 +42,21 @@ def run_pipeline(job: JobConfig, job_path: str, overrides: list[str]) -> Path:
     _run_logged(cli_command("stage", "merge", *job_args(job_path, overrides)), out / "logs" / "merge.log", "merge")
     run_distill(job, job_path, overrides)
     print(loss_summary(job), flush=True)
+    if job.eval.enabled:
+        run_eval(job)
     return out / "student"
+
+
+def run_eval(job: JobConfig) -> None:
+    """The evaluation job on the final student (logs/eval.log); skipped when its report is newer than the spec."""
+    out = run_dir(job)
+    spec, report = out / "eval.yaml", out / "eval" / "report.md"
+    if report.is_file() and report.stat().st_mtime >= spec.stat().st_mtime:
+        print(f"[harness] eval: already complete, report in {report}", flush=True)
+        return
+    print(f"[harness] eval: {spec} (progress in {out / 'logs' / 'eval.log'})", flush=True)
+    _run_logged(cli_command("eval", "job", str(spec)), out / "logs" / "eval.log", "eval")
+    print(report.read_text(), flush=True)
 
 
 def loss_summary(job: JobConfig) -> str:

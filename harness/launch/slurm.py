@@ -4,6 +4,7 @@
     align_hidden  job array, afterok on the whole align_mixer array
     merge         afterok on align_hidden
     distill       afterok on merge; --nodes N, srun starts one torchrun per node (rendezvous: first node)
+    eval          afterok on distill (with eval.enabled): `harness eval job RUN_DIR/eval.yaml` on one GPU
 
 Finished stages are left out (their COMPLETE markers), so re-submitting a run submits only what is left.
 The job ids are recorded in RUN_DIR/slurm/jobs.json, the rendered scripts in RUN_DIR/slurm/*.sbatch.
@@ -135,7 +136,19 @@ def plan_jobs(job: JobConfig, job_path: str, overrides: list[str], opts: SlurmOp
         script = _render("distill.sbatch", nodes=opts.nodes, procs_per_node=procs, port=29500,
                          resources=opts.resources(opts.gpus_per_node), launch=launch(command), **common)
         planned.append(PlannedJob("distill", script, previous))
+        previous = "distill"
+    if job.eval.enabled and not _eval_complete(out):
+        command = f"{py} -m harness.cli eval job {shlex.quote(str((out / 'eval.yaml').resolve()))}"
+        script = _render("eval.sbatch", resources=opts.resources(1 if opts.gpus_per_node else 0),
+                         launch=launch(command), **common)
+        planned.append(PlannedJob("eval", script, previous))
     return planned
+
+
+def _eval_complete(out: Path) -> bool:
+    """The evaluation's report exists and is newer than the spec it was made from."""
+    spec, report = out / "eval.yaml", out / "eval" / "report.json"
+    return spec.is_file() and report.is_file() and report.stat().st_mtime >= spec.stat().st_mtime
 
 
 def _render(template: str, **values) -> str:

@@ -23,6 +23,7 @@ from harness import preempt
 from harness.checkpoint import CheckpointManager, load_rng, save_rng
 from harness.config import ConfigError, JobConfig, plan_stages
 from harness.engine import gathered
+from harness.eval.spec import write_eval_spec
 from harness.losses import DistillLosses, distill_loss
 from harness.observe import RunLogger, check_finite, dense_flops_per_token
 from harness.stages.common import load_job_teacher, resolve_device, run_dir
@@ -264,23 +265,3 @@ def export_checkpoint(checkpoint: Path, dest: Path, merged: Path) -> Path:
     shutil.rmtree(dest, ignore_errors=True)
     tmp.rename(dest)
     return dest
-
-
-def write_eval_spec(job: JobConfig, student_dir: Path) -> Path:
-    """run_dir/eval.yaml: what the evaluation job runs on the final student."""
-    from omegaconf import OmegaConf
-
-    spec = {
-        "checkpoint": str(student_dir.resolve()),
-        "teacher": job.teacher.source,
-        "teacher_num_layers": job.teacher.num_layers,
-        "mixer": job.student.mixer,
-        "tasks": list(job.eval.tasks),
-        "niah_lengths": list(job.eval.niah_lengths),
-        "limit": job.eval.limit,
-        "data": {"source": job.data.source, "seq_len": job.data.seq_len},
-        "output_dir": str((run_dir(job) / "eval").resolve()),
-    }
-    path = run_dir(job) / "eval.yaml"
-    path.write_text(OmegaConf.to_yaml(OmegaConf.create(spec)))
-    return path

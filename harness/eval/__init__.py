@@ -1,0 +1,11 @@
+"""Evaluation of students and teachers: what each module measures.
+
+    spec.py          the evaluation job spec (RUN_DIR/eval.yaml) that stage 3 writes
+    niah.py          needle in a haystack: exact-match retrieval at depth x length, heatmap
+    bench.py         benchmarks through lm-evaluation-harness (offline on local data: benchmark_data.py)
+    perplexity.py    perplexity on the corpus' held-out slice or any text file
+    job.py           `harness eval EVAL.yaml`: all of the above for a student and its teacher, then the report
+    report.py        teacher recovery (student / teacher), NIAH by length, comparisons across runs, plots
+
+Modules import torch, lm-eval and matplotlib lazily where they can, so that `import harness.eval.spec` stays light.
+"""

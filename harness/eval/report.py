@@ -1,0 +1,236 @@
+"""Teacher-recovery reports: one run's student against its teacher, and several runs side by side.
+
+Recovery of a task is the student's score over the teacher's on the same examples (both with the task's primary
+metric, see harness.eval.bench). The average recovery is the mean of the per-task recoveries over the tasks both
+models have; the average scores are plain means. NIAH is compared by length (accuracy over kinds, depths and
+samples) and overall; perplexity is compared as the ratio student / teacher (1.0 = as good as the teacher).
+
+    build_report(student_dir, teacher_dir, ...)  -> report dict  (one run; reads bench/niah/perplexity.json)
+    write_report(report, out)                    -> out/report.json, out/report.md, out/niah_by_length.png
+    compare(reports, out)                        -> out/comparison.{json,md}, recovery.png, niah_by_length.png
+    find_report(path)                            -> the report of RUN_DIR, RUN_DIR/eval or a report.json
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any, Optional
+
+REPORT_FILE = "report.json"
+
+
+def _read(path: Optional[Path]) -> Optional[dict]:
+    return json.loads(path.read_text()) if path is not None and path.is_file() else None
+
+
+def _scores(bench: Optional[dict]) -> dict[str, dict]:
+    return {} if bench is None else {name: entry for name, entry in bench.get("tasks", {}).items()}
+
+
+def _mean(values: list[float]) -> Optional[float]:
+    return sum(values) / len(values) if values else None
+
+
+def task_rows(student: dict[str, dict], teacher: dict[str, dict], order: list[str]) -> dict[str, dict]:
+    """Per task: the primary metric, both scores and the recovery (None where a side is missing or zero)."""
+    names = [t for t in order if t in student or t in teacher]
+    names += sorted(set(student) | set(teacher) - set(names))
+    rows = {}
+    for name in names:
+        s, t = student.get(name), teacher.get(name)
+        s_score, t_score = (s or {}).get("score"), (t or {}).get("score")
+        recovery = s_score / t_score if s_score is not None and t_score else None
+        rows[name] = {"metric": (s or t)["metric"], "student": s_score, "teacher": t_score, "recovery": recovery,
+                      "n": (s or t).get("n")}
+    return rows
+
+
+def average_row(rows: dict[str, dict]) -> dict:
+    both = [r for r in rows.values() if r["student"] is not None and r["teacher"] is not None]
+    return {"tasks": len(both), "student": _mean([r["student"] for r in both]),
+            "teacher": _mean([r["teacher"] for r in both]),
+            "recovery": _mean([r["recovery"] for r in both if r["recovery"] is not None])}
+
+
+def niah_summary(student: Optional[dict], teacher: Optional[dict]) -> Optional[dict]:
+    if student is None and teacher is None:
+        return None
+    pick = lambda r: None if r is None else {"overall": r["overall"], "by_length": r["by_length"]}  # noqa: E731
+    s, t = pick(student), pick(teacher)
+    recovery = s["overall"] / t["overall"] if s and t and t["overall"] else None
+    return {"student": s, "teacher": t, "recovery": recovery}
+
+
+def perplexity_summary(student: Optional[dict], teacher: Optional[dict]) -> Optional[dict]:
+    if student is None and teacher is None:
+        return None
+    s, t = (student or {}).get("ppl"), (teacher or {}).get("ppl")
+    return {"student": s, "teacher": t, "ratio": s / t if s and t else None,
+            "tokens": (student or teacher).get("tokens"), "source": (student or teacher).get("source")}
+
+
+def build_report(student_dir: Path, teacher_dir: Optional[Path], *, label: str, mixer: Optional[str] = None,
+                 tasks: Optional[list[str]] = None, lengths: Optional[list[int]] = None) -> dict:
+    """The recovery report of one student from the result files in student_dir and teacher_dir."""
+    student_dir = Path(student_dir)
+    teacher_dir = Path(teacher_dir) if teacher_dir is not None else None
+    get = lambda d, name: _read(d / name) if d is not None else None  # noqa: E731
+    bench_s, bench_t = get(student_dir, "bench.json"), get(teacher_dir, "bench.json")
+    rows = task_rows(_scores(bench_s), _scores(bench_t), list(tasks or []))
+    return {
+        "label": label, "mixer": mixer,
+        "student_dir": str(student_dir), "teacher_dir": str(teacher_dir) if teacher_dir else None,
+        "limit": (bench_s or bench_t or {}).get("limit"),
+        "tasks": rows, "average": average_row(rows),
+        "niah": niah_summary(get(student_dir, "niah.json"), get(teacher_dir, "niah.json")),
+        "perplexity": perplexity_summary(get(student_dir, "perplexity.json"), get(teacher_dir, "perplexity.json")),
+    }
+
+
+def _fmt(value: Optional[float], pct: bool = False) -> str:
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return "-"
+    return f"{100 * value:.1f}%" if pct else f"{value:.4g}"
+
+
+def markdown(report: dict) -> str:
+    """One run's report as Markdown: tasks, average, NIAH by length, perplexity."""
+    title = report["label"] + (f" ({report['mixer']})" if report.get("mixer") else "")
+    lines = [f"# Evaluation: {title}", ""]
+    if report["tasks"]:
+        limit = report.get("limit")
+        lines += [f"## Benchmarks (lm-eval, {'limit ' + str(limit) if limit else 'all examples'})", "",
+                  "| task | metric | n | student | teacher | recovery |", "|---|---|---|---|---|---|"]
+        for name, r in report["tasks"].items():
+            lines.append(f"| {name} | {r['metric']} | {r['n']} | {_fmt(r['student'])} | {_fmt(r['teacher'])} | "
+                         f"{_fmt(r['recovery'], pct=True)} |")
+        a = report["average"]
+        lines += [f"| **average** ({a['tasks']} tasks) | | | {_fmt(a['student'])} | {_fmt(a['teacher'])} | "
+                  f"**{_fmt(a['recovery'], pct=True)}** |", ""]
+    niah = report.get("niah")
+    if niah:
+        lengths = sorted({int(k) for side in ("student", "teacher") if niah[side] for k in niah[side]["by_length"]})
+        lines += ["## Needle in a haystack (exact match)", "",
+                  "| model | " + " | ".join(str(n) for n in lengths) + " | overall |",
+                  "|---|" + "---|" * (len(lengths) + 1)]
+        for side in ("student", "teacher"):
+            if niah[side]:
+                cells = [_fmt(niah[side]["by_length"].get(str(n)), pct=True) for n in lengths]
+                lines.append(f"| {side} | " + " | ".join(cells) + f" | {_fmt(niah[side]['overall'], pct=True)} |")
+        lines += ["", f"NIAH recovery (overall accuracy, student / teacher): {_fmt(niah['recovery'], pct=True)}", ""]
+    ppl = report.get("perplexity")
+    if ppl:
+        lines += ["## Perplexity (held-out text)", "",
+                  f"student {_fmt(ppl['student'])}, teacher {_fmt(ppl['teacher'])}, ratio {_fmt(ppl['ratio'])} "
+                  f"over {ppl['tokens']} tokens of {ppl['source']}", ""]
+    return "\n".join(lines)
+
+
+def write_report(report: dict, out: Path) -> None:
+    """out/report.json, out/report.md, and out/niah_by_length.png when there are NIAH results."""
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / REPORT_FILE).write_text(json.dumps(report, indent=1))
+    (out / "report.md").write_text(markdown(report))
+    if report.get("niah"):
+        plot_niah_by_length([report], out / "niah_by_length.png")
+
+
+def find_report(path: str | Path) -> dict:
+    """The report.json of RUN_DIR (RUN_DIR/eval/report.json), of an eval folder, or the file itself."""
+    path = Path(path)
+    for candidate in (path, path / REPORT_FILE, path / "eval" / REPORT_FILE):
+        if candidate.is_file():
+            return json.loads(candidate.read_text())
+    raise FileNotFoundError(f"No {REPORT_FILE} in {path} or {path / 'eval'}: run `harness eval {path}/eval.yaml` "
+                            "first.")
+
+
+def _name(report: dict) -> str:
+    return report["label"] + (f" [{report['mixer']}]" if report.get("mixer") else "")
+
+
+def comparison_markdown(reports: list[dict]) -> str:
+    """Several runs: one row per run with per-task recovery, the average, NIAH overall and perplexity ratio."""
+    tasks = list(dict.fromkeys(t for r in reports for t in r["tasks"]))
+    head = ["run"] + tasks + ["average recovery", "NIAH student", "NIAH teacher", "ppl ratio"]
+    lines = ["# Teacher recovery, by run", "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in reports:
+        niah = r.get("niah") or {}
+        cells = [_fmt(r["tasks"].get(t, {}).get("recovery"), pct=True) for t in tasks]
+        cells += [_fmt(r["average"]["recovery"], pct=True),
+                  _fmt((niah.get("student") or {}).get("overall"), pct=True),
+                  _fmt((niah.get("teacher") or {}).get("overall"), pct=True),
+                  _fmt((r.get("perplexity") or {}).get("ratio"))]
+        lines.append(f"| {_name(r)} | " + " | ".join(cells) + " |")
+    lines += ["", "Recovery: student score / teacher score on the same examples; average over the tasks both have.",
+              "NIAH: exact-match accuracy over all lengths, depths, kinds; ppl ratio: student / teacher perplexity.",
+              ""]
+    return "\n".join(lines)
+
+
+def compare(reports: list[dict], out: Path) -> Path:
+    """out/comparison.{json,md}, out/recovery.png and out/niah_by_length.png for several runs."""
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "comparison.json").write_text(json.dumps({"runs": reports}, indent=1))
+    (out / "comparison.md").write_text(comparison_markdown(reports))
+    plot_recovery(reports, out / "recovery.png")
+    if any(r.get("niah") for r in reports):
+        plot_niah_by_length(reports, out / "niah_by_length.png")
+    return out / "comparison.md"
+
+
+def _figure(width: float = 7.0, height: float = 4.0):
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(width, height))
+    FigureCanvasAgg(fig)
+    return fig
+
+
+def plot_recovery(reports: list[dict], path: Path) -> None:
+    """Bars: average recovery per run (mixer), with per-task recoveries as dots."""
+    fig = _figure()
+    ax = fig.add_subplot()
+    for i, r in enumerate(reports):
+        ax.bar(i, 100 * (r["average"]["recovery"] or 0), color="tab:blue", alpha=0.7)
+        per_task = [t["recovery"] for t in r["tasks"].values() if t["recovery"] is not None]
+        ax.scatter([i] * len(per_task), [100 * v for v in per_task], color="black", s=10, zorder=3)
+    ax.axhline(100, color="gray", linestyle="--", linewidth=1)
+    ax.set_xticks(range(len(reports)), [_name(r) for r in reports], rotation=30, ha="right")
+    ax.set_ylabel("teacher recovery (%)")
+    ax.set_title("Average recovery per run (bars), per task (dots)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def plot_niah_by_length(reports: list[dict], path: Path) -> None:
+    """Lines: NIAH accuracy against prompt length per run; the teacher dashed (once per distinct teacher)."""
+    fig = _figure()
+    ax = fig.add_subplot()
+    teachers_drawn: set[str] = set()
+    for r in reports:
+        niah = r.get("niah") or {}
+        for side in ("student", "teacher"):
+            result = niah.get(side)
+            if not result:
+                continue
+            if side == "teacher":
+                if r.get("teacher_dir") in teachers_drawn:
+                    continue
+                teachers_drawn.add(r.get("teacher_dir"))
+            xs = sorted(int(k) for k in result["by_length"])
+            ys = [100 * result["by_length"][str(x)] for x in xs]
+            style = dict(linestyle="--", color="black") if side == "teacher" else {}
+            ax.plot(xs, ys, marker="o", label="teacher" if side == "teacher" else _name(r), **style)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("prompt length (tokens)")
+    ax.set_ylabel("NIAH accuracy (%)")
+    ax.set_ylim(-5, 105)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)

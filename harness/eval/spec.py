@@ -1,0 +1,105 @@
+"""The evaluation job spec (`RUN_DIR/eval.yaml`): what `harness eval EVAL.yaml` runs on one student.
+
+Stage 3 writes it from the job's `eval:` section (`write_eval_spec`), next to the run's resolved job
+(`RUN_DIR/job.yaml`, which the held-out perplexity reads). It is a typed OmegaConf structure like the job
+config, so a hand-written or edited spec is validated the same way (`load_eval_spec`), and it may be
+overridden on the command line (`harness eval RUN/eval.yaml limit=20 niah.lengths=[256,512]`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+from omegaconf import OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from harness.config import ConfigError, EvalConfig, JobConfig, NiahConfig, described
+
+
+@dataclass
+class EvalSpec:
+    label: str = described("student", "Name of the evaluated model in reports (the run name).")
+    checkpoint: str = described("???", "The student: a Hugging Face folder (RUN_DIR/student).")
+    teacher: Optional[str] = described(
+        None, "Teacher source (as in teacher.source) scored as the recovery baseline; null: no teacher."
+    )
+    teacher_num_layers: Optional[int] = described(None, "Keep only the teacher's first N layers (as in training).")
+    mixer: Optional[str] = described(None, "The student's mixer (for reports).")
+    job: Optional[str] = described(None, "The run's resolved job.yaml: its corpus' held-out slice gives perplexity.")
+    output_dir: str = described("???", "Where results go: OUTPUT_DIR/student/, OUTPUT_DIR/report.md, ...")
+    teacher_cache: Optional[str] = described(
+        None, "Where the teacher's results are kept and shared between runs with the same teacher and settings; "
+        "null: OUTPUT_DIR/teacher."
+    )
+    device: str = described("auto", "auto (cuda if available), cpu or cuda.")
+    dtype: str = described("auto", "Weights' dtype for student and teacher: auto (bfloat16 on CUDA, float32 on "
+                           "CPU), float32, bfloat16 or float16.")
+    tasks: list[str] = described(help="lm-eval tasks; empty: no benchmarks.", factory=list)
+    limit: Optional[int] = described(None, "Examples per benchmark task (lm-eval --limit); null: all.")
+    batch_size: int = described(8, "lm-eval batch size.")
+    niah: NiahConfig = described(help="The needle-in-a-haystack grid; lengths [] skips NIAH.", factory=NiahConfig)
+    perplexity_tokens: Optional[int] = described(
+        262144, "Held-out tokens for perplexity; 0 skips it; null: the whole held-out slice."
+    )
+
+
+def spec_from_job(job: JobConfig, student_dir: Path, job_yaml: Optional[Path] = None) -> EvalSpec:
+    """The spec for a finished run's student: the job's `eval:` section plus where things are."""
+    ev: EvalConfig = job.eval
+    out = Path(job.output_dir).resolve() / "eval"
+    return EvalSpec(
+        label=job.name,
+        checkpoint=str(Path(student_dir).resolve()),
+        teacher=job.teacher.source if ev.teacher else None,
+        teacher_num_layers=job.teacher.num_layers,
+        mixer=job.student.mixer,
+        job=str(job_yaml.resolve()) if job_yaml else None,
+        output_dir=str(out),
+        tasks=list(ev.tasks),
+        limit=ev.limit,
+        batch_size=ev.batch_size,
+        niah=NiahConfig(**OmegaConf.to_container(OmegaConf.structured(ev.niah))),
+        perplexity_tokens=ev.perplexity_tokens,
+    )
+
+
+def write_eval_spec(job: JobConfig, student_dir: Path) -> Path:
+    """RUN_DIR/job.yaml (the resolved job) and RUN_DIR/eval.yaml (the spec) for the evaluation job."""
+    run = Path(job.output_dir)
+    job_yaml = run / "job.yaml"
+    job_yaml.write_text(OmegaConf.to_yaml(OmegaConf.structured(job)))
+    path = run / "eval.yaml"
+    path.write_text(OmegaConf.to_yaml(OmegaConf.structured(spec_from_job(job, student_dir, job_yaml))))
+    return path
+
+
+def load_eval_spec(path: str | Path, overrides: Optional[list[str]] = None) -> EvalSpec:
+    """Read and validate an eval spec; ConfigError (one paragraph, exit 2 in the CLI) on bad input."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"Evaluation spec '{path}' does not exist (stage 3 writes RUN_DIR/eval.yaml).")
+    try:
+        merged = OmegaConf.merge(OmegaConf.structured(EvalSpec), OmegaConf.load(path),
+                                 OmegaConf.from_dotlist(list(overrides or [])))
+        spec: EvalSpec = OmegaConf.to_object(merged)
+    except OmegaConfBaseException as err:
+        raise ConfigError(f"Bad evaluation spec {path}: {err}".replace("\n", " ")) from None
+    _validate(spec, path)
+    return spec
+
+
+def _validate(spec: EvalSpec, path: Path) -> None:
+    from harness.config import check_eval  # the same checks as a job's eval: section
+
+    check_eval(EvalConfig(tasks=spec.tasks, limit=spec.limit, batch_size=spec.batch_size, niah=spec.niah,
+                           perplexity_tokens=spec.perplexity_tokens))
+    if spec.device not in ("auto", "cpu", "cuda"):
+        raise ConfigError(f"Bad value '{spec.device}' for device in {path}. Allowed: auto, cpu, cuda.")
+    if spec.dtype not in ("auto", "float32", "bfloat16", "float16"):
+        raise ConfigError(f"Bad value '{spec.dtype}' for dtype in {path}. Allowed: auto, float32, bfloat16, float16.")
+    if not Path(spec.checkpoint).is_dir():
+        raise ConfigError(f"checkpoint '{spec.checkpoint}' in {path} is not a folder (a student in HF format).")
+    if spec.job is not None and not Path(spec.job).is_file():
+        raise ConfigError(f"job '{spec.job}' in {path} does not exist (set job: null to skip perplexity).")

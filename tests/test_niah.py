@@ -1,0 +1,286 @@
+"""Needle in a haystack: exact prompt lengths and needle depths, scoring, resume, and real models end to end."""
+
+from __future__ import annotations
+
+import csv
+import hashlib
+import json
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+import harness
+from harness.data.embedded import embedded_subset_path
+from harness.eval import niah
+from harness.eval.niah import KINDS, NiahGrid, build_sample, is_correct, run_niah, snap_window
+from harness.student import RecurrentCache
+from tests.pipeline import tiny_tokenizer
+from tests.tiny import tiny_llama
+
+# What the needle sentences say, as a reader of the prompt would find them (not niah's own templates' code).
+NEEDLE_PATTERNS = {
+    "passkey": r"The pass key is (\d{7})\. Remember it\. \1 is the pass key\.",
+    "uuid": r"The special magic UUID for [a-z]+-[a-z]+ is: "
+            r"([0-9a-f]{8}-[0-9a-f]{4}-4[0-9a-f]{3}-[0-9a-f]{4}-[0-9a-f]{12})\.",
+    "kv": r"The secret word for [a-z]+-[a-z]+ is ([a-z]+)\.",
+}
+
+
+@pytest.fixture(scope="module")
+def smollm2_tokenizer(smollm2_gguf: Path, smollm2_cache: Path):
+    from harness.teacher import load_tokenizer
+
+    return load_tokenizer(str(smollm2_gguf), cache_dir=smollm2_cache)
+
+
+@pytest.fixture(scope="module")
+def tiny_tok():
+    return tiny_tokenizer()
+
+
+def find_all(haystack: list[int], needle: list[int]) -> list[int]:
+    return [i for i in range(len(haystack) - len(needle) + 1) if haystack[i:i + len(needle)] == needle]
+
+
+# ---------------------------------------------------------------------------------------------- prompts
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_prompt_has_the_requested_length_and_the_needle_sits_at_the_requested_depth(smollm2_tokenizer, kind):
+    tok = smollm2_tokenizer
+    essays = "\n\n".join(json.loads(line)["text"] for line in open(embedded_subset_path("essays")))
+    grid = NiahGrid()
+    for length in (256, 1000, 4096):
+        for depth in (0.0, 0.1, 0.33, 0.5, 0.9, 1.0):
+            s = build_sample(tok, grid, kind, length, depth, index=1)
+            assert len(s.input_ids) == s.context_length == length
+            needle_ids = tok(s.needle.text, add_special_tokens=False).input_ids
+            assert find_all(s.input_ids, needle_ids) == [s.needle_offset]  # there, once, where it says
+            assert re.search(NEEDLE_PATTERNS[kind], tok.decode(needle_ids)).group(1) == s.value
+            prose = s.input_ids[s.haystack_start:s.needle_offset] + s.input_ids[s.needle_offset + len(needle_ids):
+                                                                               s.haystack_end]
+            exact = round(depth * len(prose))
+            moved = s.needle_offset - s.haystack_start - exact
+            assert abs(moved) <= snap_window(len(prose)), (length, depth, moved)
+            assert abs(s.needle_depth - depth) <= max(niah.DEPTH_SNAP, niah.MIN_SNAP_TOKENS / len(prose)) + 1e-9
+            if depth in (0.0, 1.0):
+                assert moved == 0
+            else:  # the needle does not split a word of the prose
+                at = s.needle_offset - s.haystack_start
+                before, after = tok.decode(prose[at - 1:at]), tok.decode(prose[at:at + 1])
+                assert before[-1:].isspace() or after[:1].isspace(), (before, after)
+            # the haystack is real essay prose, and the prompt is the chat template with the question at the end
+            assert tok.decode(prose[:12]).strip() in essays
+            text = tok.decode(s.input_ids)
+            assert text.startswith("<|im_start|>system\n") and "<|im_start|>user\n" + niah.INSTRUCTION in text
+            assert text.endswith(f"{s.needle.question}<|im_end|>\n<|im_start|>assistant\n{s.needle.answer_prefix}")
+
+
+def test_long_prompts_beyond_the_default_grid_are_exact_too(smollm2_tokenizer):
+    s = build_sample(smollm2_tokenizer, NiahGrid(haystack="wikipedia"), "kv", 16384, 0.75, 0)
+    assert s.context_length == 16384
+    assert abs(s.needle_depth - 0.75) <= niah.DEPTH_SNAP
+
+
+def test_plain_prompt_for_a_tokenizer_without_chat_template(tiny_tok, tmp_path):
+    text = tmp_path / "prose.txt"
+    text.write_text(" ".join(["The river ran past the old mill. It was a cold winter."] * 200))
+    grid = NiahGrid(haystack=str(text))
+    s = build_sample(tiny_tok, grid, "passkey", 512, 0.5, 0)
+    assert s.prompt_mode == "plain" and len(s.input_ids) == 512
+    decoded = tiny_tok.decode(s.input_ids)
+    assert decoded.startswith(niah.INSTRUCTION + "The river")
+    assert decoded.endswith("Question: What is the pass key?\nAnswer: The pass key is")
+    # at depth 0.5 of prose made of whole sentences, the needle starts a sentence
+    before = tiny_tok.decode(s.input_ids[:s.needle_offset])
+    assert before.endswith(".") and abs(s.needle_depth - 0.5) <= niah.DEPTH_SNAP
+    with pytest.raises(ValueError, match="needs a tokenizer with a chat template"):
+        build_sample(tiny_tok, NiahGrid(haystack=str(text), prompt="chat"), "passkey", 512, 0.5, 0)
+
+
+def test_samples_are_deterministic_and_differ_between_indices_and_seeds(smollm2_tokenizer):
+    grid = NiahGrid()
+    a = build_sample(smollm2_tokenizer, grid, "uuid", 512, 0.25, 0)
+    assert a == build_sample(smollm2_tokenizer, grid, "uuid", 512, 0.25, 0)
+    assert a.value != build_sample(smollm2_tokenizer, grid, "uuid", 512, 0.25, 1).value
+    assert a.input_ids != build_sample(smollm2_tokenizer, NiahGrid(seed=1), "uuid", 512, 0.25, 0).input_ids
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"kinds": ["needle"]}, r"unknown needle kind 'needle'; choose from \('passkey', 'uuid', 'kv'\)"),
+    ({"depths": [50]}, r"depth 50 is not a fraction in \[0, 1\]"),
+    ({"lengths": [0]}, r"lengths must hold positive integers, got 0"),
+    ({"lengths": [256, 256]}, "duplicates"),
+    ({"prompt": "fancy"}, r"unknown NIAH prompt mode 'fancy'; choose from \('auto', 'chat', 'plain'\)"),
+    ({"haystack": "novels"}, r"unknown NIAH haystack 'novels': use one of \('essays', 'wikipedia'\)"),
+    ({"samples": 0}, "samples must hold positive integers"),
+])
+def test_bad_grid_settings_are_named(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        NiahGrid(**kwargs)
+
+
+def test_too_short_length_says_the_minimum(smollm2_tokenizer):
+    with pytest.raises(ValueError, match=r"NIAH length 64 is too short .* use lengths >= \d+"):
+        build_sample(smollm2_tokenizer, NiahGrid(), "uuid", 64, 0.5, 0)
+    with pytest.raises(ValueError, match="unknown needle kind 'number'"):
+        build_sample(smollm2_tokenizer, NiahGrid(), "number", 256, 0.5, 0)
+
+
+def test_scoring_is_whole_word_match_in_the_answer_line():
+    assert is_correct("4829173", " 4829173.")
+    assert is_correct("4829173", "\n\n  it is 4829173, as said.\nmore")
+    assert is_correct("lantern", " Lantern.")
+    assert is_correct("e3e70682-c209-4cac-a29f-6fbed82c07cd", " E3E70682-C209-4CAC-A29F-6FBED82C07CD")
+    assert not is_correct("4829173", " 48291730")
+    assert not is_correct("4829173", " 14829173")
+    assert not is_correct("lantern", " lanterns")
+    assert not is_correct("4829173", " I do not know.\n4829173")  # only the first non-empty line counts
+    assert not is_correct("4829173", "")
+
+
+# ---------------------------------------------------------------------------------------------- test doubles
+
+
+class Reader:
+    """A `generate()` double that reads the prompt and answers with the needle's value (or not).
+
+    mode: "echo" answers right, "silent" never does, "off_by_one" gives a different number of the same shape,
+    "half" answers right for about half of the samples (by a hash of the value).
+    fail_after: raise after this many calls (an interrupted evaluation).
+    """
+
+    def __init__(self, tokenizer, mode: str = "echo", fail_after: int | None = None):
+        self.tokenizer, self.mode, self.fail_after, self.calls = tokenizer, mode, fail_after, 0
+
+    def generate(self, input_ids: torch.Tensor, attention_mask=None, generation_config=None, **kwargs):
+        assert input_ids.shape[0] == 1 and bool(attention_mask.all())  # batch 1, no padding
+        if self.fail_after is not None and self.calls >= self.fail_after:
+            raise RuntimeError("interrupted")
+        self.calls += 1
+        prompt = self.tokenizer.decode(input_ids[0].tolist())
+        values = [m.group(1) for p in NEEDLE_PATTERNS.values() for m in re.finditer(p, prompt)]
+        assert len(values) == 1, values
+        value = values[0]
+        if self.mode == "silent" or (self.mode == "half" and int(hashlib.sha256(value.encode()).hexdigest(), 16) % 2):
+            answer = " I do not know."
+        elif self.mode == "off_by_one":
+            answer = " " + value[:-1] + str((int(value[-1], 16) + 1) % 10) if value[-1].isdigit() else " " + value + "s"
+        else:
+            answer = f" {value}.\n"
+        new = self.tokenizer(answer, add_special_tokens=False, return_tensors="pt").input_ids
+        return torch.cat([input_ids, new], dim=1)
+
+
+SMALL = dict(lengths=[256, 384], depths=[0.0, 0.5, 1.0], kinds=["passkey", "uuid", "kv"], samples=2)
+
+
+def test_a_reader_of_the_needle_scores_100_and_others_score_0(smollm2_tokenizer, tmp_path):
+    grid = NiahGrid(**SMALL)
+    cells = len(grid.kinds) * len(grid.lengths) * len(grid.depths)
+    right = run_niah(Reader(smollm2_tokenizer), smollm2_tokenizer, grid, tmp_path / "echo", label="echo",
+                     progress=False)
+    assert right["overall"] == 1.0 and all(c["accuracy"] == 1.0 for c in right["cells"])
+    assert right["by_length"] == {"256": 1.0, "384": 1.0} and right["by_kind"] == dict.fromkeys(grid.kinds, 1.0)
+    for mode in ("silent", "off_by_one"):
+        wrong = run_niah(Reader(smollm2_tokenizer, mode), smollm2_tokenizer, grid, tmp_path / mode, label=mode,
+                         progress=False)
+        assert wrong["overall"] == 0.0 and all(c["correct"] == 0 for c in wrong["cells"]), mode
+
+    out = tmp_path / "echo"
+    saved = json.loads((out / "niah.json").read_text())
+    assert saved == right
+    assert set(saved) >= {"label", "grid", "overall", "by_length", "by_kind", "cells"}
+    assert len(saved["cells"]) == cells and saved["grid"]["lengths"] == [256, 384] and saved["label"] == "echo"
+    assert set(saved["cells"][0]) >= {"kind", "length", "depth", "samples", "correct", "accuracy"}
+    assert saved["prompt_mode"] == "chat" and saved["max_position_embeddings"] is None
+    rows = list(csv.DictReader(open(out / "niah.csv")))
+    assert len(rows) == cells and rows[0]["kind"] == "passkey" and float(rows[0]["accuracy"]) == 1.0
+    assert (out / "niah_heatmap.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    records = [json.loads(line) for line in open(out / "niah_cells.jsonl")][1:]
+    assert len(records) == cells * grid.samples and all(r["context_length"] == r["length"] for r in records)
+
+
+def test_an_interrupted_evaluation_resumes_where_it_stopped(smollm2_tokenizer, tmp_path):
+    grid = NiahGrid(**SMALL)
+    total = len(niah.grid_keys(grid))
+    whole = run_niah(Reader(smollm2_tokenizer, "half"), smollm2_tokenizer, grid, tmp_path / "whole", label="m",
+                     progress=False)
+    assert 0.0 < whole["overall"] < 1.0  # a mixed result, so that equality below means something
+
+    out = tmp_path / "resumed"
+    with pytest.raises(RuntimeError, match="interrupted"):
+        run_niah(Reader(smollm2_tokenizer, "half", fail_after=7), smollm2_tokenizer, grid, out, label="m",
+                 progress=False)
+    assert len((out / "niah_cells.jsonl").read_text().splitlines()) == 1 + 7
+    assert not (out / "niah.json").exists()
+    with open(out / "niah_cells.jsonl", "a") as f:  # a crash in the middle of writing a line
+        f.write('{"kind": "passkey", "len')
+    second = Reader(smollm2_tokenizer, "half")
+    assert run_niah(second, smollm2_tokenizer, grid, out, label="m", progress=False) == whole
+    assert second.calls == total - 7  # the finished samples were not recomputed
+    keys = [(r["kind"], r["length"], r["depth"], r["index"])
+            for r in map(json.loads, (out / "niah_cells.jsonl").read_text().splitlines()[1:])]
+    assert len(keys) == len(set(keys)) == total
+
+    third = Reader(smollm2_tokenizer, "half")  # all done: nothing to compute
+    assert run_niah(third, smollm2_tokenizer, grid, out, label="m", progress=False) == whole and third.calls == 0
+    bigger = NiahGrid(**{**SMALL, "lengths": [256, 384, 512]})  # a longer length reuses the others
+    fourth = Reader(smollm2_tokenizer, "half")
+    run_niah(fourth, smollm2_tokenizer, bigger, out, label="m", progress=False)
+    assert fourth.calls == total // 2
+
+
+def test_resuming_with_other_settings_is_refused_unless_overwriting(smollm2_tokenizer, tmp_path):
+    grid = NiahGrid(**{**SMALL, "kinds": ["kv"], "samples": 1})
+    run_niah(Reader(smollm2_tokenizer), smollm2_tokenizer, grid, tmp_path, label="m", progress=False)
+    other = NiahGrid(**{**SMALL, "kinds": ["kv"], "samples": 1, "seed": 3})
+    with pytest.raises(ValueError, match=r"other NIAH settings \(seed: saved 0, now 3\).*overwrite=True"):
+        run_niah(Reader(smollm2_tokenizer), smollm2_tokenizer, other, tmp_path, label="m", progress=False)
+    with pytest.raises(ValueError, match="label: saved 'm', now 'n'"):
+        run_niah(Reader(smollm2_tokenizer), smollm2_tokenizer, grid, tmp_path, label="n", progress=False)
+    again = Reader(smollm2_tokenizer)
+    result = run_niah(again, smollm2_tokenizer, other, tmp_path, label="m", progress=False, overwrite=True)
+    assert again.calls == len(niah.grid_keys(other)) and result["grid"]["seed"] == 3
+
+
+# ---------------------------------------------------------------------------------------------- real models
+
+
+def test_tiny_student_generates_with_its_recurrent_state(tiny_tok, tmp_path, monkeypatch):
+    teacher = tiny_llama(num_layers=2, hidden=64, heads=4, kv_heads=2, vocab=len(tiny_tok), seed=0)
+    student = harness.build_student(teacher, "gated_deltanet", backend="reference").eval()
+    calls: list[tuple[int, object, int]] = []  # (tokens fed, cache, tokens the cache had seen)
+    forward = student.forward
+
+    def spy(input_ids=None, cache=None, **kwargs):
+        calls.append((input_ids.shape[1], cache, cache.seen_tokens if cache is not None else 0))
+        return forward(input_ids=input_ids, cache=cache, **kwargs)
+
+    monkeypatch.setattr(student, "forward", spy)
+    grid = NiahGrid(lengths=[512, 1024], depths=[0.0, 1.0], kinds=["passkey", "kv"], samples=1, max_new_tokens=6)
+    result = run_niah(student, tiny_tok, grid, tmp_path, label="tiny-gdn", progress=False)
+    assert len(result["cells"]) == 8 and 0.0 <= result["overall"] <= 1.0
+    assert result["prompt_mode"] == "plain" and result["max_position_embeddings"] is None
+    assert not any(c["beyond_max_positions"] for c in result["cells"])  # students have no position limit
+    # per sample: one prefill of the whole prompt, then one-token steps on the RecurrentCache it started
+    prefills = [n for n, _, _ in calls if n > 1]
+    assert sorted(prefills) == sorted(c["length"] for c in result["cells"])
+    steps = [(cache, seen) for n, cache, seen in calls if n == 1]
+    assert steps and all(isinstance(cache, RecurrentCache) and seen >= 512 for cache, seen in steps)
+    records = [json.loads(line) for line in open(tmp_path / "niah_cells.jsonl")][1:]
+    assert len(records) == 8 and all(isinstance(r["output"], str) for r in records)
+
+
+def test_real_smollm2_teacher_on_a_small_grid(smollm2_teacher, tmp_path):
+    grid = NiahGrid(lengths=[256, 512], depths=[0.0, 0.5, 1.0], kinds=["passkey", "kv"], samples=1)
+    result = run_niah(smollm2_teacher.model, smollm2_teacher.tokenizer, grid, tmp_path, label="smollm2-135m",
+                      progress=False)
+    print(f"\nSmolLM2-135M-Instruct NIAH: overall {result['overall']:.2f}, by length {result['by_length']}, "
+          f"by kind {result['by_kind']}")
+    assert result["prompt_mode"] == "chat" and result["max_position_embeddings"] == 8192
+    assert len(result["cells"]) == 12 and 0.0 <= result["overall"] <= 1.0
+    records = [json.loads(line) for line in open(tmp_path / "niah_cells.jsonl")][1:]
+    assert all(r["output"].strip() for r in records)  # the teacher answered something each time
