@@ -8,7 +8,9 @@ Run directory (job.output_dir):
     merged/                     the student assembled from the stage-2 groups (Hugging Face format)
     distill/                    stage 3: checkpoints/, metrics.jsonl, tb/, COMPLETE.json
     student/                    the final student (Hugging Face format)
-    eval.yaml                   the evaluation job spec for the final student
+    job.yaml                    the resolved job (the evaluation reads its held-out text)
+    eval.yaml                   the evaluation job spec for the final student (harness/eval/spec.py)
+    eval/                       its results: student/, teacher/, report.md, report.json
 """
 
 from __future__ import annotations

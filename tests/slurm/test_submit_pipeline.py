@@ -37,19 +37,25 @@ def submitted(out: Path) -> dict[str, str]:
     return json.loads((out / "slurm" / "jobs.json").read_text())["jobs"]
 
 
+TINY_EVAL = ["eval.enabled=true", "eval.tasks=[piqa]", "eval.limit=2", "eval.niah.lengths=[256]",
+             "eval.niah.depths=[0.5]", "eval.niah.kinds=[kv]", "eval.niah.samples=1", "eval.perplexity_tokens=64"]
+
+
 def test_pipeline_runs_through_arrays_and_dependencies(slurm_cluster, tmp_path):
-    path, out = write_job(tmp_path, "run")
+    path, out = write_job(tmp_path, "run", *TINY_EVAL)
     result = harness(slurm_cluster, "submit", str(path), "--cpus-per-task", "1")
     assert result.returncode == 0, result.stderr[-3000:]
     ids = submitted(out)
-    assert list(ids) == ["align_mixer", "align_hidden", "merge", "distill"]
+    assert list(ids) == ["align_mixer", "align_hidden", "merge", "distill", "eval"]
     try:
-        slurm_cluster.wait_states(ids["distill"], {"COMPLETED", "FAILED", "CANCELLED"}, timeout=600)
+        slurm_cluster.wait_states(ids["eval"], {"COMPLETED", "FAILED", "CANCELLED"}, timeout=900)
         for stage, job_id in ids.items():
             states = slurm_cluster.states(job_id)
             assert states and all(s == "COMPLETED" for s in states), (stage, states, _logs(out))
         assert len(slurm_cluster.states(ids["align_mixer"])) == 2  # one task per layer group
         assert (out / "student" / "config.json").is_file() and (out / "eval.yaml").is_file()
+        report = json.loads((out / "eval" / "report.json").read_text())  # the evaluation job read eval.yaml
+        assert report["tasks"]["piqa"]["n"] == 2 and report["niah"]["teacher"] is not None
         status = harness(slurm_cluster, "status", str(out)).stdout
         assert "distill                      complete" in status and "COMPLETED" in status
         again = harness(slurm_cluster, "submit", str(path), "--dry-run")
