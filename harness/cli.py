@@ -119,6 +119,18 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _add_job_args(dist)
     dist.set_defaults(handler=cmd_stage_distill)
+    sft = stage_sub.add_parser(
+        "sft", help="Post-training: supervised fine-tuning of the student on chat data (loss on assistant tokens).",
+        description="SFT of RUN_DIR/student (or stages.sft.student) on the chat data of `instructions`, rendered with "
+        "the teacher tokenizer's chat template, CE on assistant tokens only, under DeepSpeed ZeRO-3 like stage 3 "
+        "(deepspeed.world_size processes). Writes RUN_DIR/sft/, RUN_DIR/student-sft/ and RUN_DIR/eval-sft.yaml; "
+        "resumes from its newest valid checkpoint.",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="example:\n  harness stage sft jobs/sft/quick.yaml\n  torchrun --standalone --nproc_per_node 2 -m "
+        "harness.cli stage sft JOB deepspeed.world_size=2",
+    )
+    _add_job_args(sft)
+    sft.set_defaults(handler=cmd_stage_sft)
 
     submit = sub.add_parser(
         "submit", help="Submit the pipeline to Slurm: job arrays per stage with afterok dependencies.",
@@ -173,7 +185,9 @@ def build_parser() -> argparse.ArgumentParser:
     mixers.set_defaults(handler=cmd_mixers)
 
     from harness.eval.cli import add_parsers as add_eval_parsers
+    from harness.perf import add_parser as add_bench_parser
 
+    add_bench_parser(sub)
     add_eval_parsers(sub)
     return parser
 
@@ -257,6 +271,14 @@ def cmd_stage_distill(args: argparse.Namespace) -> int:
     from harness.stages.distill import distill
 
     print(distill(load_job(args.job, args.overrides)))
+    return 0
+
+
+def cmd_stage_sft(args: argparse.Namespace) -> int:
+    from harness.config import load_job
+    from harness.stages.sft import sft
+
+    print(sft(load_job(args.job, args.overrides)))
     return 0
 
 

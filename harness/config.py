@@ -15,7 +15,8 @@ from typing import Any, Optional
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-STAGES = ("align_mixer", "align_hidden", "distill")
+STAGES = ("align_mixer", "align_hidden", "distill")  # the pretraining pipeline; `sft` is a post-training stage
+DISTILL_DATA = ("text", "instructions")
 SCHEDULES = ("wsd", "cosine", "constant")
 DTYPES = ("float32", "bfloat16", "float16")
 
@@ -93,6 +94,37 @@ class DataConfig:
 
 
 @dataclass
+class InstructionsConfig:
+    source: str = described(
+        "embedded",
+        "Chat data for SFT and instruction-aware distillation, conversations as {messages: [{role, content}]}: "
+        "'embedded' (offline: chatterbot-corpus English + chitchat-dataset, fetched from PyPI with pip), "
+        "'embedded:chatterbot' or 'embedded:chitchat', a local .jsonl/.json/.parquet file, folder or glob, a "
+        "Dataset.save_to_disk folder, or 'hub:NAME' for a Hugging Face dataset (e.g. hub:HuggingFaceTB/smoltalk "
+        "with instructions.hub_config=all; needs the hub).",
+    )
+    messages_field: str = described("messages", "Field holding each conversation's list of {role, content} messages.")
+    hub_config: Optional[str] = described(None, "Configuration (subset) of a hub dataset, e.g. 'all' for smoltalk.")
+    split: str = described("train", "Split of a hub dataset or a Dataset.save_to_disk folder.")
+    chat_template: Optional[str] = described(
+        None, "Jinja chat template: null uses the teacher tokenizer's own; 'chatml' a built-in ChatML template "
+        "(<|im_start|>role ... <|im_end|>); or the path of a .jinja file. The assistant turns it renders (content "
+        "and end-of-turn token) are the only tokens with a loss."
+    )
+    seq_len: int = described(
+        2048, "Longest conversation in tokens, template included; longer ones are cut to it. A batch row holds "
+        "one conversation, right-padded to the longest of its micro-batch (never two conversations: the "
+        "recurrent state must not run from one into the next)."
+    )
+    validation_conversations: int = described(
+        256, "Conversations held out (a fixed seeded choice, whatever job.seed) for validation loss; 0: none."
+    )
+    allow_repeat: bool = described(
+        False, "Allow more than one pass over the training conversations when the token budget needs it."
+    )
+
+
+@dataclass
 class BudgetConfig:
     total_tokens: int = described(3_000_000_000, "Token budget of the three stages together.")
     split: list[float] = described(
@@ -121,6 +153,27 @@ class DistillConfig(StageConfig):
     ce_weight: float = described(1.0, "Weight a of the next-token cross-entropy.")
     kl_weight: float = described(1.0, "Weight b of KL(teacher || student), averaged per token.")
     temperature: float = described(1.0, "Softmax temperature tau of the KL term.")
+    data: str = described(
+        "text", "What stage 3 trains on: 'text' (data.source, every token) or 'instructions' (the chat data of "
+        "`instructions`, CE and KL on assistant tokens only: instruction-aware distillation, meant for an "
+        "instruction-tuned teacher). With 'instructions' the budget counts conversation tokens (template included, "
+        "padding not), and the step count follows from the data (`harness info` shows the fewest it can be)."
+    )
+
+
+@dataclass
+class SftConfig(StageConfig):
+    lr: float = described(5e-5, "Peak learning rate.")
+    schedule: str = described("cosine", "Learning-rate schedule: wsd (warmup-stable-decay), cosine or constant.")
+    warmup_fraction: float = described(0.05, "Fraction of the stage's steps spent warming up.")
+    micro_batch_size: int = described(8, "Conversations per device per micro-step (one per row, right-padded).")
+    tokens: Optional[int] = described(
+        None, "Conversation tokens (prompt + assistant, template included, padding not) to train on; training stops "
+        "at the last whole step within it. null: one pass over the training conversations."
+    )
+    student: Optional[str] = described(
+        None, "The student to fine-tune (a Hugging Face folder); null: RUN_DIR/student, what stage 3 wrote."
+    )
 
 
 @dataclass
@@ -130,6 +183,10 @@ class StagesConfig:
         help="Stage 2: per-layer hidden-state alignment (MSE).", factory=lambda: StageConfig(lr=3e-4)
     )
     distill: DistillConfig = described(help="Stage 3: end-to-end distillation (CE + KL).", factory=DistillConfig)
+    sft: SftConfig = described(
+        help="Post-training: supervised fine-tuning of the student on `instructions` (CE on assistant tokens; "
+        "`harness stage sft`).", factory=SftConfig,
+    )
 
 
 @dataclass
@@ -181,6 +238,19 @@ class NiahConfig:
 
 
 @dataclass
+class DuringConfig:
+    tasks: list[str] = described(help="lm-eval tasks of each evaluation along stage 3 (a small subset).",
+                                 factory=lambda: ["piqa", "arc_easy", "hellaswag"])
+    limit: Optional[int] = described(200, "Examples per task in each evaluation along stage 3; null: all.")
+    niah_lengths: list[int] = described(help="NIAH lengths along stage 3 (depths and kinds: eval.niah); [] skips.",
+                                        factory=lambda: [256, 1024, 4096])
+    niah_samples: int = described(1, "NIAH samples per cell along stage 3.")
+    perplexity_tokens: Optional[int] = described(65536, "Held-out tokens for perplexity along stage 3; 0 skips.")
+    keep_snapshots: bool = described(False, "Keep each evaluated snapshot (RUN_DIR/eval/snapshots/) instead of "
+                                     "deleting it once its evaluation is in the history.")
+
+
+@dataclass
 class EvalConfig:
     enabled: bool = described(True, "`harness run` ends with the evaluation job (`harness eval RUN/eval.yaml`).")
     tasks: list[str] = described(
@@ -197,6 +267,12 @@ class EvalConfig:
     teacher: bool = described(
         True, "Also score the teacher on the same tasks, grid and text (cached per teacher): the recovery baseline."
     )
+    every_tokens: int = described(
+        0, "Along stage 3: every N tokens (and at its end) snapshot the student and evaluate it with eval.during "
+        "in a separate process or Slurm job, without stopping training; reports go to RUN_DIR/eval/history.jsonl "
+        "(`harness report` draws them against tokens). 0: off. At least one stage-3 step's tokens."
+    )
+    during: DuringConfig = described(help="The small evaluation run along stage 3.", factory=DuringConfig)
 
 
 @dataclass
@@ -207,6 +283,9 @@ class JobConfig:
     teacher: TeacherConfig = described(help="The teacher model.", factory=TeacherConfig)
     student: StudentConfig = described(help="The student's token mixer.", factory=StudentConfig)
     data: DataConfig = described(help="Training and validation text.", factory=DataConfig)
+    instructions: InstructionsConfig = described(
+        help="Chat-formatted instruction data for SFT and instruction-aware distillation.", factory=InstructionsConfig
+    )
     budget: BudgetConfig = described(help="Token budget and its split over the stages.", factory=BudgetConfig)
     stages: StagesConfig = described(help="Per-stage optimisation settings.", factory=StagesConfig)
     deepspeed: DeepSpeedConfig = described(help="DeepSpeed configuration files.", factory=DeepSpeedConfig)
@@ -326,6 +405,7 @@ def validate(job: JobConfig) -> None:
     _check_positive("deepspeed.world_size", job.deepspeed.world_size)
     _check_run(job.run)
     check_eval(job.eval)
+    _check_every_tokens(job)
     d = job.stages.distill
     if d.ce_weight < 0 or d.kl_weight < 0 or d.ce_weight + d.kl_weight == 0:
         raise ConfigError(
@@ -334,9 +414,12 @@ def validate(job: JobConfig) -> None:
         )
     if d.temperature <= 0:
         raise ConfigError(f"stages.distill.temperature={d.temperature} must be > 0.")
+    _check_choice("stages.distill.data", d.data, DISTILL_DATA)
+    _check_stage("stages.sft", job.stages.sft)
+    _check_instructions(job.instructions)
     _check_teacher_source(job.teacher.source)
     for plan in plan_stages(job):
-        if plan.steps < 1:
+        if plan.steps < 1 and not reads_instructions(job, plan.stage):  # conversation stages: checked on the data
             raise ConfigError(
                 f"Stage {plan.stage} has {plan.tokens} tokens, fewer than one optimizer step needs "
                 f"({plan.tokens_per_step} = world_size {job.deepspeed.world_size} x micro_batch_size x "
@@ -378,6 +461,16 @@ def _check_stage(key: str, stage: StageConfig) -> None:
         raise ConfigError(f"{key}: warmup_fraction + decay_fraction exceed 1.")
 
 
+def _check_every_tokens(job: JobConfig) -> None:
+    every, d = job.eval.every_tokens, job.stages.distill
+    per_step = d.micro_batch_size * d.grad_accum * job.data.seq_len * job.deepspeed.world_size
+    if every < 0 or (every and d.data == "text" and every < per_step):
+        raise ConfigError(
+            f"eval.every_tokens={every} must be 0 (off) or at least one stage-3 step's tokens ({per_step} = "
+            "micro_batch_size x grad_accum x data.seq_len x deepspeed.world_size), so that no step skips one."
+        )
+
+
 def check_eval(ev: EvalConfig) -> None:
     # the same allowed values as harness.eval.niah (not imported: it loads torch)
     for kind in ev.niah.kinds:
@@ -393,6 +486,10 @@ def check_eval(ev: EvalConfig) -> None:
     _check_positive("eval.limit", ev.limit, allow_none=True)
     if ev.perplexity_tokens is not None and ev.perplexity_tokens < 0:
         raise ConfigError(f"eval.perplexity_tokens={ev.perplexity_tokens} must be >= 0 (0 skips perplexity).")
+    for length in ev.during.niah_lengths:
+        _check_positive("eval.during.niah_lengths", length)
+    _check_positive("eval.during.niah_samples", ev.during.niah_samples)
+    _check_positive("eval.during.limit", ev.during.limit, allow_none=True)
 
 
 def _check_run(run: RunConfig) -> None:
@@ -419,6 +516,31 @@ def _check_data(data: DataConfig) -> None:
             parse_source(data.validation_source, "data.validation_source")
     except DataError as err:
         raise ConfigError(str(err)) from None
+
+
+def _check_instructions(ins: InstructionsConfig) -> None:
+    from harness.data.errors import DataError
+    from harness.data.instructions import parse_instruction_source
+
+    _check_positive("instructions.seq_len", ins.seq_len)
+    if ins.seq_len < 2:
+        raise ConfigError(f"instructions.seq_len={ins.seq_len} must be at least 2 (inputs and next-token targets).")
+    if ins.validation_conversations < 0:
+        raise ConfigError(f"instructions.validation_conversations={ins.validation_conversations} must be >= 0.")
+    if not ins.messages_field:
+        raise ConfigError("instructions.messages_field is empty; name the field holding the messages list.")
+    try:
+        parse_instruction_source(ins.source)
+        if ins.chat_template not in (None, "chatml") and not Path(ins.chat_template).expanduser().is_file():
+            raise DataError(f"instructions.chat_template='{ins.chat_template}' is neither 'chatml' nor an existing "
+                            ".jinja file; leave it null to use the tokenizer's own template.")
+    except DataError as err:
+        raise ConfigError(str(err)) from None
+
+
+def reads_instructions(job: JobConfig, stage: str) -> bool:
+    """Whether `stage` trains on the chat data of `instructions` rather than on data.source."""
+    return stage == "sft" or (stage == "distill" and job.stages.distill.data == "instructions")
 
 
 def _check_teacher_source(source: str) -> None:
@@ -455,18 +577,30 @@ def plan_stages(job: JobConfig) -> list[StagePlan]:
     Stages 1 and 2 train layer groups in parallel, one process each: every group sees the stage's whole
     token budget, and a step consumes micro_batch_size x grad_accum x seq_len tokens. A stage-3 step
     consumes deepspeed.world_size times that. A stage's token count is rounded down to whole steps (what
-    is actually trained is reported, not the request).
+    is actually trained is reported, not the request). With stages.distill.data=instructions a stage-3 row
+    is one conversation of at most instructions.seq_len tokens, so the plan is the fewest steps the budget
+    can take (every row full); the stage counts its real steps from the tokenised conversations
+    (harness.data.chat.plan_chat_steps). SFT is planned from its data the same way.
     """
     plans = []
-    for stage, fraction in zip(STAGES, job.budget.split):
+    for stage in STAGES:
         cfg: StageConfig = getattr(job.stages, stage)
-        requested = cfg.tokens if cfg.tokens is not None else int(job.budget.total_tokens * fraction)
+        requested = requested_tokens(job, stage)
         world = job.deepspeed.world_size if stage == "distill" else 1
-        per_step = world * cfg.micro_batch_size * cfg.grad_accum * job.data.seq_len
+        row = job.instructions.seq_len if reads_instructions(job, stage) else job.data.seq_len
+        per_step = world * cfg.micro_batch_size * cfg.grad_accum * row
         steps = requested // per_step
         plans.append(StagePlan(stage, steps * per_step if steps else requested, per_step, steps,
                                int(steps * cfg.warmup_fraction)))
     return plans
+
+
+def requested_tokens(job: JobConfig, stage: str) -> int:
+    """A pipeline stage's token budget as asked: stages.<stage>.tokens, else its share of budget.total_tokens."""
+    cfg: StageConfig = getattr(job.stages, stage)
+    if cfg.tokens is not None:
+        return cfg.tokens
+    return int(job.budget.total_tokens * job.budget.split[STAGES.index(stage)])
 
 
 def to_yaml(job: JobConfig) -> str:

@@ -1,4 +1,4 @@
-"""Training losses: MSE alignment (stages 1 and 2) and chunked CE + KL distillation (stage 3).
+"""Training losses: MSE alignment (stages 1 and 2), chunked CE + KL distillation (stage 3), chunked CE (SFT).
 
 Stage 3 never builds fp32 logits for the whole batch: `distill_loss` takes the final (post-norm) hidden
 states and the two heads' weights, and computes logits, losses and the logits' gradient for
@@ -35,7 +35,7 @@ IGNORE_INDEX = -100
 # Rows of a low-precision head upcast to fp32 at a time, so that no fp32 copy of a whole head exists.
 VOCAB_BLOCK = 8192
 
-__all__ = ["IGNORE_INDEX", "DistillLosses", "alignment_mse", "distill_loss"]
+__all__ = ["IGNORE_INDEX", "DistillLosses", "alignment_mse", "distill_loss", "lm_loss"]
 
 
 def alignment_mse(pred: Tensor, target: Tensor) -> Tensor:
@@ -120,6 +120,43 @@ def distill_loss(
     return DistillLosses(total, ce, kl, int(y.numel()))
 
 
+def lm_loss(
+    hidden: Tensor,
+    lm_head_weight: Tensor,
+    labels: Tensor,
+    *,
+    chunk_tokens: int = 512,
+    loss_mask: Optional[Tensor] = None,
+) -> DistillLosses:
+    """Next-token CE alone (SFT), chunked like `distill_loss`: no teacher, no whole-batch fp32 logits.
+
+    hidden: [B, T, C] final (post-norm) hidden states; lm_head_weight: [V, C]; labels: [B, T] with -100 where
+    no loss is wanted (for SFT: everything but the assistant tokens, and padding); loss_mask as in
+    `distill_loss`. Returns DistillLosses with total = ce = the mean CE over the n counted tokens, kl = 0 and
+    tokens = n; the gradient is computed during the forward call, as in `distill_loss`.
+    """
+    if hidden.dim() != 3 or labels.shape != hidden.shape[:2]:
+        raise ValueError(f"lm_loss: hidden must be [B, T, C] and labels [B, T]; got {tuple(hidden.shape)}, "
+                         f"{tuple(labels.shape)}")
+    if lm_head_weight.dim() != 2 or lm_head_weight.shape[1] != hidden.shape[2]:
+        raise ValueError(f"lm_loss: head {tuple(lm_head_weight.shape)} does not fit hidden width {hidden.shape[2]}")
+    if loss_mask is not None and loss_mask.shape != labels.shape:
+        raise ValueError(f"lm_loss: loss_mask {tuple(loss_mask.shape)} must match labels {tuple(labels.shape)}")
+    if chunk_tokens < 1:
+        raise ValueError(f"chunk_tokens={chunk_tokens} must be >= 1")
+    targets = labels[:, 1:]
+    keep = targets != IGNORE_INDEX
+    if loss_mask is not None:
+        keep = keep & loss_mask[:, 1:].bool()
+    x = hidden[:, :-1][keep]
+    y = targets[keep]
+    need_dx = torch.is_grad_enabled() and x.requires_grad
+    need_dw = torch.is_grad_enabled() and lm_head_weight.requires_grad
+    total, ce, kl = _ChunkedDistill.apply(x, lm_head_weight, None, None, y, 1.0, 0.0, 1.0, int(chunk_tokens),
+                                          need_dx, need_dw)
+    return DistillLosses(total, ce, kl, int(y.numel()))
+
+
 def _check_shapes(hs: Tensor, ht: Tensor, ws: Tensor, wt: Tensor, labels: Tensor, mask: Optional[Tensor]) -> None:
     if hs.dim() != 3 or ht.dim() != 3 or hs.shape[:2] != ht.shape[:2] or labels.shape != hs.shape[:2]:
         raise ValueError(
@@ -169,11 +206,17 @@ def _chunk_losses(
 ) -> tuple[Tensor, Tensor, Optional[Tensor]]:
     """Summed CE and tau^2-scaled KL of one chunk, and d(loss)/d(student logits) if needed.
 
-    s, t: [c, V] fp32 student / teacher logits (both overwritten); y: [c] targets. ce_scale and
-    kl_scale are the weights over the token count. In-place updates keep ~5 [c, V] buffers alive.
+    s, t: [c, V] fp32 student / teacher logits (both overwritten; t None: CE only, KL 0); y: [c] targets.
+    ce_scale and kl_scale are the weights over the token count. In-place updates keep ~5 [c, V] buffers alive.
     """
     lse = torch.logsumexp(s, dim=-1, keepdim=True)
     ce_sum = (lse.squeeze(1) - s.gather(1, y[:, None]).squeeze(1)).sum()
+    if t is None:
+        if not need_grad:
+            return ce_sum, ce_sum.new_zeros(()), None
+        soft = s.sub_(lse).exp_()
+        soft.scatter_add_(1, y[:, None], soft.new_full((soft.shape[0], 1), -1.0))
+        return ce_sum, ce_sum.new_zeros(()), soft.mul_(ce_scale)
     log_p = t.div_(tau)
     log_p -= torch.logsumexp(log_p, dim=-1, keepdim=True)
     log_q = s - lse if tau == 1.0 else s / tau
@@ -193,7 +236,7 @@ def _chunk_losses(
 
 
 class _ChunkedDistill(torch.autograd.Function):
-    """Rows already selected: xs [n, Cs], xt [n, Ct], y [n]. Returns (total, ce, kl) fp32 scalars."""
+    """Rows already selected: xs [n, Cs], xt [n, Ct] (None: CE only), y [n]. Returns (total, ce, kl) fp32 scalars."""
 
     @staticmethod
     def forward(ctx, xs, ws, xt, wt, y, ce_weight, kl_weight, tau, chunk, need_dx, need_dw):
@@ -231,7 +274,7 @@ def _chunked_forward(
     for lo in range(0, n, chunk):
         hi = min(lo + chunk, n)
         xs32 = xs[lo:hi].float()
-        s, t = _logits(xs32, ws), _logits(xt[lo:hi].float(), wt)
+        s, t = _logits(xs32, ws), (None if xt is None else _logits(xt[lo:hi].float(), wt))
         ce_sum, kl_sum, g = _chunk_losses(
             s, t, y[lo:hi], tau, ce_weight / denom, kl_weight / denom, need_dx or need_dw
         )

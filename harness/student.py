@@ -238,5 +238,6 @@ def copy_teacher_weights(teacher: nn.Module, student: HarnessForCausalLM) -> Non
 
 
 def count_parameters(model: nn.Module) -> int:
-    """Distinct parameters (tied weights counted once)."""
-    return sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
+    """Distinct parameters (tied weights counted once), also under ZeRO-3, whose partitioned parameters report
+    numel() 0 (DeepSpeed keeps the full size in `ds_numel`)."""
+    return sum(int(getattr(p, "ds_numel", p.numel())) for p in {id(p): p for p in model.parameters()}.values())

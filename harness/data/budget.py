@@ -6,6 +6,7 @@ start_0 = 0 and start_{k+1} = start_k + n_k, where n_k = the stage's planned tok
 down to whole optimizer steps). Position p reads training sequence perm_e[p mod N] of epoch
 e = p // N (N = training sequences), so slices stay disjoint as long as the total fits in one epoch;
 beyond it the corpus repeats, which needs data.allow_repeat. Counts here are exact, not estimates.
+A stage that trains on the chat data instead (stages.distill.data=instructions) reads no sequence here.
 """
 
 from __future__ import annotations
@@ -113,14 +114,15 @@ class BudgetReport:
 
 def budget_report(job: Any, corpus: Any) -> BudgetReport:
     """Each stage's slice of `corpus`'s training stream under `job`'s budget (see module docstring)."""
-    from harness.config import STAGES, plan_stages
+    from harness.config import STAGES, plan_stages, reads_instructions
 
     seq_len, n = corpus.seq_len, corpus.train.num_sequences
     stages, start = [], 0
     for plan, fraction in zip(plan_stages(job), job.budget.split):
         cfg = getattr(job.stages, plan.stage)
         requested = cfg.tokens if cfg.tokens is not None else int(job.budget.total_tokens * fraction)
-        sequences = plan.steps * plan.tokens_per_step // seq_len
+        # a stage on the chat data (stages.distill.data=instructions) reads nothing of this stream
+        sequences = 0 if reads_instructions(job, plan.stage) else plan.steps * plan.tokens_per_step // seq_len
         last = (start + sequences - 1) // n if sequences else start // n
         stages.append(StageBudget(plan.stage, requested, plan.steps, plan.tokens_per_step, sequences,
                                   sequences * seq_len, start, start // n, last))

@@ -117,9 +117,9 @@ def prepare_job_corpus(job: Any, tokenizer: Any, *, max_positions: int | None = 
 
     Raises DataError when the stages need a repeat and data.allow_repeat is off (unless check=False).
     """
-    from harness.config import plan_stages
+    from harness.config import plan_stages, reads_instructions
 
-    needed = sum(p.steps * p.tokens_per_step for p in plan_stages(job))
+    needed = sum(p.steps * p.tokens_per_step for p in plan_stages(job) if not reads_instructions(job, p.stage))
     corpus = prepare_corpus(job.data, tokenizer, seed=int(job.seed), max_positions=max_positions,
                             stream_tokens=needed, cache_dir=cache_dir)
     if check:

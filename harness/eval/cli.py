@@ -9,7 +9,7 @@ from typing import Any
 
 from harness.config import ConfigError
 
-EVAL_SUBCOMMANDS = ("job", "niah", "bench", "ppl")
+EVAL_SUBCOMMANDS = ("job", "niah", "bench", "ppl", "marks")
 
 EVAL_DESCRIPTION = """\
 Evaluate students and teachers. The evaluation job runs everything a spec asks:
@@ -95,6 +95,16 @@ def add_parsers(sub: Any) -> None:
     ppl.add_argument("--max-tokens", type=int, default=None, help="Score at most this many tokens.")
     ppl.set_defaults(handler=cmd_eval_ppl)
 
+    marks = ev_sub.add_parser("marks", help="Evaluate the snapshots stage 3 marked (eval.every_tokens).",
+                              description="Evaluate every pending snapshot of a run (RUN_DIR/eval/pending) with "
+                              "RUN_DIR/eval-during.yaml and append the reports to RUN_DIR/eval/history.jsonl. "
+                              "Stage 3 starts this itself; run it by hand to finish what a crash left.",
+                              epilog="example:\n  harness eval marks runs/quickstart --wait",
+                              formatter_class=argparse.RawDescriptionHelpFormatter)
+    marks.add_argument("run_dir", help="The run directory.")
+    marks.add_argument("--wait", action="store_true", help="Wait for a running evaluator instead of leaving.")
+    marks.set_defaults(handler=cmd_eval_marks)
+
     report = sub.add_parser("report", help="Teacher-recovery report of one run, or a comparison of several.",
                             description="Read RUN_DIR/eval/report.json (written by the evaluation job) of each run. "
                             "One run: print its report. Several: write comparison.md/json, recovery.png and "
@@ -103,6 +113,9 @@ def add_parsers(sub: Any) -> None:
                             formatter_class=argparse.RawDescriptionHelpFormatter)
     report.add_argument("runs", nargs="+", help="Run directories (or eval folders, or report.json files).")
     report.add_argument("--out", default="reports/comparison", help="Where a comparison of several runs goes.")
+    report.add_argument("--plateau-threshold", type=float, default=None, metavar="GAIN",
+                        help="For runs with an evaluation history: mark where the average recovery gains less "
+                        "than GAIN per 1e9 tokens (e.g. 0.005 = half a point per billion).")
     report.set_defaults(handler=cmd_report)
 
 
@@ -226,19 +239,61 @@ def cmd_eval_ppl(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_eval_marks(args: argparse.Namespace) -> int:
+    from harness.eval.during import evaluate_pending
+
+    run = Path(args.run_dir)
+    if not run.is_dir():
+        raise ConfigError(f"Run directory '{run}' does not exist.")
+    done = evaluate_pending(run, wait=args.wait)
+    print(f"[harness] evaluated snapshots at tokens {done or 'none'}; history: {run / 'eval' / 'history.jsonl'}")
+    return 0
+
+
 def cmd_report(args: argparse.Namespace) -> int:
+    from harness.eval.history import load_histories
     from harness.eval.report import compare, comparison_markdown, find_report, markdown
 
-    reports = []
+    reports, with_history = [], []
     for path in args.runs:
+        has_history = any((Path(path) / sub / "history.jsonl").is_file() for sub in ("eval", "."))
+        with_history += [path] if has_history else []
         try:
             reports.append(find_report(path))
         except FileNotFoundError as err:
-            raise ConfigError(str(err)) from None
-    if len(reports) == 1:
+            if not has_history:
+                raise ConfigError(str(err)) from None
+    if len(reports) == 1 and not with_history:
         print(markdown(reports[0]))
         return 0
-    written = compare(reports, Path(args.out))
-    print(comparison_markdown(reports))
-    print(f"[harness] comparison: {written} (plots: recovery.png, niah_by_length.png)")
+    out = Path(args.out)
+    if len(reports) > 1:
+        written = compare(reports, out)
+        print(comparison_markdown(reports))
+        print(f"[harness] comparison: {written} (plots: recovery.png, niah_by_length.png)")
+    if with_history:
+        print(_history_views(load_histories(with_history), out, args.plateau_threshold))
     return 0
+
+
+def _history_views(histories: dict, out: Path, threshold) -> str:
+    """Curves against tokens (with plateaus) and, across scales, recovery against parameters with alpha."""
+    from harness.eval.curves import curves_report, scale_points, scale_report
+
+    thresholds = None if threshold is None else {"average_recovery": threshold}
+    curves = curves_report(histories, out, thresholds)
+    lines = [f"[harness] curves against tokens in {out}: " + ", ".join(curves["plots"].values())]
+    for name, run in curves["runs"].items():
+        rec = run["metrics"].get("average_recovery")
+        if rec:
+            plateau = rec["plateau"]
+            lines.append(f"  {name}: {len(rec['tokens'])} evaluations, average recovery {rec['values'][-1]:.3f} at "
+                         f"{rec['tokens'][-1]:,} tokens" + (f", plateau from {plateau:,} tokens" if plateau else ""))
+    points = scale_points(histories)
+    if any(len({n for n, _ in p}) >= 2 for p in points.values()):
+        scaling = scale_report(points, out)
+        for mixer, entry in scaling["mixers"].items():
+            fit = entry["fit"]
+            alpha = "-" if fit.get("alpha") is None else f"{fit['alpha']:.3f}"
+            lines.append(f"  scaling {mixer}: alpha {alpha} over {fit.get('n_points')} sizes ({fit.get('reason') or 'ok'})")
+    return "\n".join(lines)

@@ -44,6 +44,9 @@ def run_pipeline(job: JobConfig, job_path: str, overrides: list[str]) -> Path:
     print(loss_summary(job), flush=True)
     if job.eval.enabled:
         run_eval(job)
+    if job.eval.enabled and job.eval.every_tokens:  # the evaluations along stage 3 that are still pending
+        _run_logged(cli_command("eval", "marks", str(out), "--wait"), out / "logs" / "eval-during.log",
+                    "evaluations along stage 3")
     return out / "student"
 
 

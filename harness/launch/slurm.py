@@ -139,6 +139,8 @@ def plan_jobs(job: JobConfig, job_path: str, overrides: list[str], opts: SlurmOp
         previous = "distill"
     if job.eval.enabled and not _eval_complete(out):
         command = f"{py} -m harness.cli eval job {shlex.quote(str((out / 'eval.yaml').resolve()))}"
+        if job.eval.every_tokens:  # then the evaluations along stage 3 still pending
+            command += f" && {py} -m harness.cli eval marks {shlex.quote(str(out.resolve()))} --wait"
         script = _render("eval.sbatch", resources=opts.resources(1 if opts.gpus_per_node else 0),
                          launch=launch(command), **common)
         planned.append(PlannedJob("eval", script, previous))

@@ -18,6 +18,8 @@ def stage_rows(run: Path) -> list[dict]:
     merged = run / "merged" / "MERGE.json"
     rows.append({"stage": "merge", "done": merged.is_file(), "tokens": None})
     rows.append(_progress_row("distill", run / "distill", run / "distill" / "checkpoints" / "COMPLETE.json"))
+    if (run / "sft").is_dir():
+        rows.append(_progress_row("sft", run / "sft", run / "sft" / "checkpoints" / "COMPLETE.json"))
     if (run / "eval.yaml").is_file():
         rows.append({"stage": "eval", "done": (run / "eval" / "report.json").is_file(), "tokens": None})
     return rows

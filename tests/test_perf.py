@@ -1,0 +1,318 @@
+"""`harness bench` on the CPU: FLOP and MFU arithmetic, parameter counts of the SmolLM2 shapes, the phase
+breakdown, the communication measure, and tiny end-to-end step / decode benches (plain, and DeepSpeed ZeRO-3
+with one and two gloo processes) writing JSON with every field."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+from transformers import LlamaForCausalLM
+
+from harness import perf
+from harness.perf import (
+    PHASES,
+    bench_decode,
+    bench_step,
+    build_pair,
+    comm_from_events,
+    count_params,
+    flops_per_token,
+    llama_param_count,
+    mfu,
+    shape_config,
+    summarise_phases,
+)
+
+REPO = Path(__file__).resolve().parents[1]
+
+# Published sizes of the SmolLM2 teachers (tied embeddings counted once).
+SMOLLM2_PARAMS = {"135M": 134_515_008, "360M": 361_821_120, "1.7B": 1_711_376_384}
+
+
+@pytest.fixture
+def one_thread():
+    """Two busy cores shared with other processes: one intra-op thread keeps tiny models fast and steady."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def _meta_pair(shape: str, mixer: str):
+    from harness.student import HarnessForCausalLM, student_config
+
+    cfg = shape_config(shape)
+    with torch.device("meta"):
+        return LlamaForCausalLM(cfg), HarnessForCausalLM(student_config(cfg, mixer, {}))
+
+
+def _subprocess_env() -> dict:
+    return {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO),
+            "CUDA_VISIBLE_DEVICES": ""}
+
+
+# ------------------------------------------------------------------------------------------ arithmetic
+
+
+@pytest.mark.parametrize("shape", list(SMOLLM2_PARAMS))
+def test_teacher_shapes_have_the_smollm2_parameter_counts(shape):
+    cfg = shape_config(shape)
+    teacher, _ = _meta_pair(shape, "linear_attn")
+    assert count_params(teacher) == llama_param_count(cfg) == SMOLLM2_PARAMS[shape]
+
+
+def test_flops_per_token_is_six_student_plus_two_teacher():
+    teacher, student = _meta_pair("135M", "linear_attn")
+    # independent count: linear_attn keeps q, o and expands k, v from 3 to 9 heads of 64 (576 x 384 more each)
+    n_student = SMOLLM2_PARAMS["135M"] + 30 * 2 * 576 * (576 - 192)
+    assert count_params(student) == n_student == 147_786_048
+    assert flops_per_token(count_params(student), count_params(teacher)) == 6 * n_student + 2 * 134_515_008
+    # stage 3's own figure (harness.stages.distill) agrees on unsharded models
+    from harness.stages.distill import _flops_per_token
+
+    assert _flops_per_token(student, teacher) == flops_per_token(n_student, SMOLLM2_PARAMS["135M"])
+
+
+def test_count_params_reads_zero3_partitioned_sizes():
+    """ZeRO-3 leaves partitioned parameters with numel() 0 and the true size in ds_numel."""
+    lin = torch.nn.Linear(4, 3, bias=False)
+    lin.weight.data = torch.empty(0)
+    lin.weight.ds_numel = 12
+    emb = torch.nn.Embedding(5, 2)
+    model = torch.nn.ModuleDict({"a": lin, "b": emb})
+    assert count_params(model) == 12 + 10
+
+
+def test_mfu_arithmetic_on_known_numbers():
+    from harness.observe import mfu as observe_mfu
+
+    fpt = flops_per_token(158_260_188, 134_515_008)  # 135M gated_deltanet student and its teacher
+    assert fpt == 1_218_591_144
+    # 150k tokens/s at 788 TFLOP/s: 150e3 * 1.2186e9 / 788e12 = 23.2%
+    assert mfu(150_000, fpt, 788e12) == pytest.approx(150_000 * fpt / 788e12) == pytest.approx(0.23196, abs=1e-5)
+    assert mfu(150_000, fpt, 788e12) == observe_mfu(150_000, fpt, 788e12)
+    # 8 devices: global tokens/s over 8 peaks
+    assert mfu(8 * 20_000, fpt, 788e12, world=8) == pytest.approx(mfu(20_000, fpt, 788e12))
+    assert mfu(1.0, fpt, None) is None
+
+
+def test_peak_resolution(monkeypatch):
+    cpu = torch.device("cpu")
+    monkeypatch.delenv("HARNESS_PEAK_FLOPS", raising=False)
+    assert perf.resolve_peak(cpu, torch.float32, override=5e12) == (5e12, "--peak-flops")
+    value, source = perf.resolve_peak(cpu, torch.float32)
+    assert value is None and "unknown" in source
+    monkeypatch.setenv("HARNESS_PEAK_FLOPS", "1.5e12")
+    assert perf.resolve_peak(cpu, torch.float32) == (1.5e12, "$HARNESS_PEAK_FLOPS")
+    measured = perf.measure_matmul_peak(cpu, n=128, reps=3)
+    assert measured > 1e6
+
+
+def test_phase_summary_adds_up():
+    steps = [{"teacher_forward": 10.0, "student_forward": 20.0, "loss": 5.0, "backward": 40.0, "optimizer": 5.0,
+              "other": 0.0}, {"teacher_forward": 12.0, "student_forward": 18.0, "loss": 5.0, "backward": 44.0,
+                              "optimizer": 1.0, "other": 0.0}]
+    s = summarise_phases(steps)
+    assert s["sum_ms"] == pytest.approx(80.0)
+    assert s["ms"]["teacher_forward"] == 11.0 and s["ms"]["backward"] == 42.0
+    assert sum(s["pct"].values()) == pytest.approx(100.0)
+    assert s["pct"]["backward"] == pytest.approx(52.5)
+
+
+def test_phase_clock_chains_marks_on_cpu():
+    clock = perf.PhaseClock(torch.device("cpu"))
+    clock.mark("ignored")  # before start: nothing recorded
+    clock.start()
+    for _ in range(2):
+        time.sleep(0.01)
+        clock.mark("teacher_forward")
+        time.sleep(0.02)
+        clock.mark("backward")
+        clock.step_done()
+    steps = clock.steps()
+    assert len(steps) == 2
+    assert all(s["teacher_forward"] >= 9 and s["backward"] >= 19 for s in steps)
+
+
+def _ev(name: str, start: float, end: float, device: bool):
+    from torch.autograd import DeviceType
+
+    return SimpleNamespace(name=name, time_range=SimpleNamespace(start=start, end=end),
+                           device_type=DeviceType.CUDA if device else DeviceType.CPU)
+
+
+def test_comm_from_profiler_events():
+    # GPU: comm kernels 0-100 and 50-150 (union 150 us), compute 0-60 and 120-200 -> exposed 60-120 = 60 us
+    events = [_ev("ncclDevKernel_AllGather_RING_LL", 0, 100, True), _ev("ncclKernel_ReduceScatter", 50, 150, True),
+              _ev("ampere_bf16_gemm", 0, 60, True), _ev("elementwise_kernel", 120, 200, True),
+              _ev("aten::mm", 0, 1000, False)]
+    out = comm_from_events(events, cuda=True, steps=2)
+    assert out["comm_ms"] == pytest.approx(0.150 / 2)
+    assert out["compute_kernel_ms"] == pytest.approx(0.140 / 2)
+    assert out["exposed_ms"] == pytest.approx(0.060 / 2)
+    # CPU: c10d / gloo ops (nested ones not double counted), device events ignored
+    events = [_ev("c10d::_allgather_base_", 0, 30, False), _ev("gloo:all_gather", 5, 25, False),
+              _ev("aten::mm", 30, 90, False), _ev("c10d::allreduce_", 100, 110, False)]
+    out = comm_from_events(events, cuda=False, steps=1)
+    assert out["comm_ms"] == pytest.approx(0.040) and out["comm_events"] == 3
+
+
+def test_targets_apply_to_matching_rows_only():
+    row = {"shape": "135M", "mixer": "gated_deltanet", "dtype": "bfloat16", "seq_len": 2048, "world": 1,
+           "micro_batch": 8, "tokens_per_s": 160_000.0}
+    assert [t["met"] for t in perf.step_targets(row)] == [True]
+    big = {"shape": "1.7B", "mixer": "kda", "dtype": "bfloat16", "seq_len": 2048, "world": 1, "micro_batch": 8,
+           "tokens_per_s": 9_000.0, "mfu": 0.35, "peak_mem_gib": 70.0,
+           "peak_mem_kind": "torch.cuda.max_memory_allocated over warmup + measured steps"}
+    assert [(t["target"].split()[1], t["met"]) for t in perf.step_targets(big)] == [(">=", False), ("peak", True)]
+    assert perf.step_targets({**row, "dtype": "float32"}) == []
+    assert perf.kernel_targets({"layout": "1.7B", "speedup": 6.4})[0]["met"]
+    assert not perf.kernel_targets({"layout": "1.7B", "speedup": 3.0})[0]["met"]
+    assert perf.decode_targets({"shape": "135M", "student_flatness": 1.1})[0]["met"]
+
+
+# ------------------------------------------------------------------------------------ end-to-end benches
+
+STEP_FIELDS = ("shape", "mixer", "engine", "micro_batch", "seq_len", "world", "dtype", "n_student", "n_teacher",
+               "flops_per_token", "tokens_per_step", "step_ms", "tokens_per_s", "tokens_per_s_per_device",
+               "peak_flops_per_device", "peak_flops_source", "mfu", "peak_mem_bytes", "peak_mem_gib",
+               "peak_mem_kind", "breakdown_ms", "breakdown_pct", "breakdown_sum_ms", "comm", "losses_last")
+
+
+def _check_step_row(row: dict, peak: float) -> None:
+    missing = [k for k in STEP_FIELDS if k not in row]
+    assert not missing, missing
+    assert set(row["breakdown_ms"]) == set(PHASES)
+    # the phases are a chain of stamps: they add up to the measured step (wall time / steps)
+    assert row["breakdown_sum_ms"] == pytest.approx(row["step_ms"], rel=0.05)
+    assert row["tokens_per_step"] == row["micro_batch"] * row["seq_len"] * row["grad_accum"] * row["world"]
+    assert row["tokens_per_s"] == pytest.approx(row["tokens_per_step"] / (row["step_ms"] / 1e3), rel=1e-6)
+    assert row["flops_per_token"] == 6 * row["n_student"] + 2 * row["n_teacher"]
+    assert row["mfu"] == pytest.approx(row["tokens_per_s"] * row["flops_per_token"] / (peak * row["world"]))
+    assert row["peak_mem_bytes"] > 0
+    for k in ("total", "ce", "kl"):
+        assert row["losses_last"][k] == row["losses_last"][k]  # finite, not NaN
+
+
+def test_plain_step_bench_on_cpu(one_thread):
+    row = bench_step("tiny", "gated_deltanet", micro_batch=2, seq_len=32, steps=2, warmup=1, device="cpu",
+                     zero3=False, peak_flops=1e12, options={"chunk_size": 16})
+    _check_step_row(row, 1e12)
+    assert row["engine"] == "plain" and row["world"] == 1 and row["comm"]["comm_ms"] == 0.0
+    teacher, student = build_pair("tiny", "gated_deltanet", device="cpu", options={"chunk_size": 16})
+    assert (row["n_student"], row["n_teacher"]) == (count_params(student), count_params(teacher))
+    assert row["breakdown_ms"]["backward"] > 0 and row["breakdown_ms"]["student_forward"] > 0
+
+
+def _run_cli(args: list[str], world: int = 1) -> subprocess.CompletedProcess:
+    if world > 1:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world}",
+               "-m", "harness.perf", *args]
+    else:
+        cmd = [sys.executable, "-m", "harness.perf", *args]
+    proc = subprocess.run(cmd, env=_subprocess_env(), cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    return proc
+
+
+def test_zero3_step_and_decode_bench_write_json(tmp_path):
+    out = tmp_path / "bench.json"
+    proc = _run_cli(["--shape", "tiny", "--mixer", "gla", "--device", "cpu", "--what", "step,decode",
+                     "--micro-batch", "2", "--seq", "32", "--steps", "2", "--warmup", "1", "--peak-flops", "1e12",
+                     "--contexts", "8,32", "--new-tokens", "3", "--option", "chunk_size=16", "--out", str(out)])
+    res = json.loads(out.read_text())
+    meta = res["meta"]
+    for key in ("command", "date", "gpu", "device", "torch", "triton", "fla", "deepspeed", "transformers", "world"):
+        assert key in meta, key
+    assert meta["command"].startswith("harness bench --shape tiny")
+    (row,) = res["step"]
+    _check_step_row(row, 1e12)
+    assert row["engine"] == "zero3" and row["world"] == 1 and row["options"] == {"chunk_size": 16}
+    assert "comm_ms" in row["comm"] and row["comm"]["profiled_steps"] == 2
+    (dec,) = res["decode"]
+    assert [r["context"] for r in dec["rows"]] == [8, 32]
+    for r in dec["rows"]:
+        assert r["student"]["ms_per_token"] > 0 and r["teacher"]["ms_per_token"] > 0
+    md = out.with_suffix(".md").read_text()
+    assert "Stage-3 step" in md and "Decoding" in md and "| tiny | gla | zero3 |" in md
+    assert "tokens/s" in proc.stdout
+
+
+def test_zero3_two_processes(tmp_path):
+    out = tmp_path / "bench2.json"
+    _run_cli(["--shape", "tiny", "--mixer", "linear_attn", "--device", "cpu", "--micro-batch", "2", "--seq", "32",
+              "--steps", "2", "--warmup", "1", "--peak-flops", "1e12", "--profile-steps", "1", "--out", str(out)],
+             world=2)
+    (row,) = json.loads(out.read_text())["step"]
+    _check_step_row(row, 1e12)
+    assert row["world"] == 2 and row["tokens_per_step"] == 2 * 32 * 2
+    assert row["tokens_per_s_per_device"] == pytest.approx(row["tokens_per_s"] / 2)
+    assert row["comm"]["comm_ms"] > 0 and row["comm"]["comm_events"] > 0  # gloo all-gathers between the two
+
+
+def test_decode_bench_per_token_times_and_state_sizes(one_thread):
+    res = bench_decode("tiny", "gated_deltanet", contexts=(32, 8), new_tokens=4, warmup_tokens=1, device="cpu")
+    rows = res["rows"]
+    assert [r["context"] for r in rows] == [8, 32]  # sorted
+    for r in rows:
+        for who in ("student", "teacher"):
+            assert r[who]["ms_per_token"] > 0 and r[who]["tokens_per_s"] > 0 and r[who]["prefill_ms"] > 0
+        assert r["speedup"] == pytest.approx(r["teacher"]["ms_per_token"] / r["student"]["ms_per_token"])
+    # the recurrent state is fixed in size; the KV cache grows with the context
+    assert rows[0]["student"]["state_bytes"] == rows[1]["student"]["state_bytes"] > 0
+    assert rows[1]["teacher"]["state_bytes"] > rows[0]["teacher"]["state_bytes"] > 0
+    assert res["student_flatness"] == pytest.approx(rows[1]["student"]["ms_per_token"] /
+                                                    rows[0]["student"]["ms_per_token"])
+    assert res["teacher_flatness"] is not None
+
+
+# ------------------------------------------------------------------------------------------------- CLI
+
+
+def test_cli_help_and_errors(capsys):
+    with pytest.raises(SystemExit) as exc:
+        perf.main(["--help"])
+    assert exc.value.code == 0
+    text = capsys.readouterr().out
+    assert "MFU" in text and "--micro-batch" in text and "--what" in text and "examples:" in text
+    assert perf.main(["--what", "speed"]) == 2
+    assert perf.main(["--mixer", "transformer"]) == 2
+    assert perf.main(["--shape", "7B"]) == 2
+    if not torch.cuda.is_available():
+        assert perf.main(["--what", "kernels"]) == 2
+    assert "choose from" in capsys.readouterr().err
+
+
+def test_add_parser_wires_a_bench_subcommand():
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="harness")
+    perf.add_parser(parser.add_subparsers())
+    args = parser.parse_args(["bench", "--shape", "1.7B", "--mixer", "kda", "--micro-batch", "8", "--seq", "2048",
+                              "--steps", "20", "--out", "r.json", "--what", "step,kernels,decode"])
+    assert args.handler is perf.run_cli and args.shape == "1.7B" and args.micro_batch == 8
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU refusal")
+def test_kernel_bench_needs_cuda():
+    with pytest.raises(RuntimeError, match="CUDA"):
+        perf.bench_kernels(["135M"], ["gla"])
+
+
+def test_layer_comparison_code_runs_on_cpu(one_thread):
+    """The kernel bench's comparison, with the reference standing in for the kernel (CUDA runs the real one)."""
+    row = perf.compare_layer("gla", "tiny", batch=1, seq=32, reference_reps=1, backend="reference", device="cpu")
+    for key in ("out_rel_err", "dx_rel_err", "max_param_grad_rel_err", "ref_bf16_out_rel_err", "kernel_ms",
+                "reference_bf16_ms", "speedup", "kernel_first_call_s"):
+        assert key in row, key
+    assert row["out_rel_err"] == pytest.approx(row["ref_bf16_out_rel_err"])  # same bf16 path both times
+    assert row["kernel_ms"] > 0 and row["speedup"] == pytest.approx(row["reference_bf16_ms"] / row["kernel_ms"])
+    assert "| gla | tiny |" in perf.kernel_table([row])
