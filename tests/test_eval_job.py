@@ -83,7 +83,7 @@ def test_eval_job_writes_results_and_a_report_whose_ratios_match(run, capsys):
     assert "# Evaluation: tiny-run (gated_deltanet)" in printed and (out / "report.md").read_text() in printed
     student, teacher = out / "student", out / "teacher"
     for side in (student, teacher):
-        for name in ("bench.json", "niah.json", "niah.csv", "niah_heatmap.png", "perplexity.json"):
+        for name in ("bench.json", "niah.json", "niah.csv", "niah_heatmap.png", "perplexity.json", "chat_samples.json"):
             assert (side / name).is_file(), side / name
     bench_s = json.loads((student / "bench.json").read_text())["tasks"]
     bench_t = json.loads((teacher / "bench.json").read_text())["tasks"]
@@ -106,15 +106,17 @@ def test_eval_job_writes_results_and_a_report_whose_ratios_match(run, capsys):
     niah_s = json.loads((student / "niah.json").read_text())
     assert report["niah"]["student"]["by_length"] == niah_s["by_length"] and list(niah_s["by_length"]) == ["256"]
     assert (out / "niah_by_length.png").stat().st_size > 1000
+    chat = json.loads((student / "chat_samples.json").read_text())
+    assert "## Chat samples" in printed and all(sample["prompt"] in printed for sample in chat["samples"])
 
 
 def test_a_rerun_reuses_every_result(run, monkeypatch):
     """After a finished evaluation nothing is recomputed (the same path resumes an interrupted one)."""
     spec = _spec(run)
     eval_job.run_eval_spec(spec, progress=False)
-    kept = ("niah_cells.jsonl", "bench.json", "perplexity.json")  # niah.json and the report are re-summarised
-    before = {p: p.stat().st_mtime_ns for p in (run / "eval").rglob("*") if p.name in kept}
-    assert len(before) == 6
+    kept = ("niah_cells.jsonl", "bench.json", "perplexity.json", "chat_samples.json")  # niah.json, the report:
+    before = {p: p.stat().st_mtime_ns for p in (run / "eval").rglob("*") if p.name in kept}  # re-summarised
+    assert len(before) == 8
 
     def fail(*args, **kwargs):
         raise AssertionError("recomputed")

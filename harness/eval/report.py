@@ -86,6 +86,8 @@ def build_report(student_dir: Path, teacher_dir: Optional[Path], *, label: str, 
         "tasks": rows, "average": average_row(rows),
         "niah": niah_summary(get(student_dir, "niah.json"), get(teacher_dir, "niah.json")),
         "perplexity": perplexity_summary(get(student_dir, "perplexity.json"), get(teacher_dir, "perplexity.json")),
+        "chat_samples": {"student": get(student_dir, "chat_samples.json"),
+                         "teacher": get(teacher_dir, "chat_samples.json")},
     }
 
 
@@ -125,6 +127,11 @@ def markdown(report: dict) -> str:
         lines += ["## Perplexity (held-out text)", "",
                   f"student {_fmt(ppl['student'])}, teacher {_fmt(ppl['teacher'])}, ratio {_fmt(ppl['ratio'])} "
                   f"over {ppl['tokens']} tokens of {ppl['source']}", ""]
+    chat = report.get("chat_samples") or {}
+    if chat.get("student"):
+        from harness.eval.chat_samples import markdown_section
+
+        lines += [markdown_section(chat["student"], chat.get("teacher")), ""]
     return "\n".join(lines)
 
 

@@ -43,6 +43,7 @@ class EvalSpec:
     perplexity_tokens: Optional[int] = described(
         262144, "Held-out tokens for perplexity; 0 skips it; null: the whole held-out slice."
     )
+    chat_samples: bool = described(True, "Greedy answers to a few fixed chat prompts (harness.eval.chat_samples).")
 
 
 def spec_from_job(job: JobConfig, student_dir: Path, job_yaml: Optional[Path] = None) -> EvalSpec:
@@ -62,6 +63,7 @@ def spec_from_job(job: JobConfig, student_dir: Path, job_yaml: Optional[Path] = 
         batch_size=ev.batch_size,
         niah=NiahConfig(**OmegaConf.to_container(OmegaConf.structured(ev.niah))),
         perplexity_tokens=ev.perplexity_tokens,
+        chat_samples=ev.chat_samples,
     )
 
 

@@ -64,6 +64,27 @@ def test_pipeline_runs_through_arrays_and_dependencies(slurm_cluster, tmp_path):
         slurm_cluster.scancel(*ids.values())
 
 
+def test_evaluations_along_stage_3_run_as_their_own_slurm_jobs(slurm_cluster, tmp_path):
+    from harness.eval.history import pending_marks, read_history
+
+    during = ["eval.every_tokens=256", "eval.during.tasks=[]", "eval.during.niah_lengths=[]",
+              "eval.during.perplexity_tokens=64", "eval.tasks=[]", "eval.niah.lengths=[]", "eval.enabled=true",
+              "eval.perplexity_tokens=64"]
+    path, out = write_job(tmp_path, "curve", *during)
+    result = harness(slurm_cluster, "submit", str(path), "--cpus-per-task", "1")
+    assert result.returncode == 0, result.stderr[-3000:]
+    ids = submitted(out)
+    try:
+        slurm_cluster.wait_states(ids["eval"], {"COMPLETED", "FAILED", "CANCELLED"}, timeout=900)
+        assert slurm_cluster.states(ids["eval"]) == ["COMPLETED"], _logs(out)
+        distill_log = "\n".join(p.read_text() for p in (out / "logs").glob("distill-*.log"))
+        assert "evaluation of the snapshot at 256 tokens started (slurm job" in distill_log
+        assert [e["tokens"] for e in read_history(out / "eval")] == [256, 512, 768, 1024], _logs(out)
+        assert not pending_marks(out)
+    finally:
+        slurm_cluster.scancel(*ids.values())
+
+
 def test_failing_task_blocks_dependents_and_status_names_it(slurm_cluster, tmp_path):
     path, out = write_job(tmp_path, "broken")
     (out / "align_mixer").mkdir(parents=True)
