@@ -81,12 +81,12 @@ def build_parser() -> argparse.ArgumentParser:
     prepare.set_defaults(handler=cmd_data_prepare)
 
     run = sub.add_parser(
-        "run", help="Run every stage of a job on this machine (skips finished stages, resumes interrupted ones).",
+        "run", help="Run every stage of a job on this machine, then its evaluation (skips finished work, resumes).",
         description="Stage 1 (mixer alignment) and stage 2 (hidden-state alignment) as parallel layer-group "
         "processes, the merge, then stage 3 (distillation, DeepSpeed ZeRO-3, deepspeed.world_size processes). "
         "Finished stages are skipped and an interrupted one resumes from its newest valid checkpoint, so after a "
-        "crash re-run the same command. Ends with the student in Hugging Face format and eval.yaml in the run "
-        "directory (output_dir).",
+        "crash re-run the same command. Ends with the student in Hugging Face format, eval.yaml, and (with "
+        "eval.enabled) the evaluation of student and teacher: output_dir/eval/report.md.",
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog="example:\n  harness run jobs/quickstart.yaml\n  harness run jobs/quickstart.yaml student.mixer=gla "
         "output_dir=runs/quickstart-gla",
