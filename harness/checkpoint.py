@@ -39,6 +39,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from harness.files import atomic_write_text, fsync_dir
+
 MANIFEST = "manifest.json"
 COMPLETE = "COMPLETE.json"
 LATEST = "latest"
@@ -134,25 +136,6 @@ def _on_rank0(fn: Callable[[], Any], collective: bool, what: str) -> Any:
 
 
 # ----------------------------------------------------------------------------------------- file helpers
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def atomic_write_text(path: Path, text: str) -> None:
-    """Write `text` to `path` so that readers see the old or the new content, never a mix."""
-    tmp = path.with_name(f".{path.name}.partial-{secrets.token_hex(4)}")
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    _fsync_dir(path.parent)
 
 
 def file_digest(path: Path, sha256: bool = True, fsync: bool = False) -> dict[str, Any]:
@@ -324,7 +307,7 @@ class CheckpointManager:
             f.flush()
             os.fsync(f.fileno())
         for d in sorted({(tmp / rel).parent for rel in files} | {tmp}, key=lambda p: -len(p.parts)):
-            _fsync_dir(d)
+            fsync_dir(d)
 
         for s, p in self.step_dirs():
             if s > step:
@@ -340,7 +323,7 @@ class CheckpointManager:
         if final.exists():
             _remove_dir(final)  # a re-save of the same step; the one just written replaces it
         os.rename(tmp, final)
-        _fsync_dir(self.root)
+        fsync_dir(self.root)
         atomic_write_text(self.root / LATEST, final.name + "\n")
         try:
             self._prune(step)

@@ -24,10 +24,11 @@ from __future__ import annotations
 
 import json
 import os
-import secrets
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Iterable, Optional
+
+from harness.files import atomic_write_text, fsync_dir
 
 HISTORY_FILE = "history.jsonl"
 PENDING_DIR = "pending"
@@ -46,23 +47,9 @@ def _is_count(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def _atomic_write_json(path: Path, obj: Any) -> None:
     """Write `obj` as JSON so that readers see the old file, the new one, or none; never a partial one."""
-    tmp = path.with_name(f".{path.name}.partial-{secrets.token_hex(4)}")
-    with open(tmp, "w") as f:
-        f.write(json.dumps(obj, indent=1))
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    _fsync_dir(path.parent)
+    atomic_write_text(path, json.dumps(obj, indent=1))
 
 
 def eval_dir(run_dir: str | Path) -> Path:
@@ -161,7 +148,7 @@ def clear_mark(run_dir: str | Path, tokens: int) -> bool:
         path.unlink()
     except FileNotFoundError:
         return False
-    _fsync_dir(path.parent)
+    fsync_dir(path.parent)
     return True
 
 
@@ -226,7 +213,7 @@ def append_entry(run_eval_dir: str | Path, entry: dict) -> Path:
     finally:
         os.close(fd)  # releases the lock
     if created:
-        _fsync_dir(path.parent)
+        fsync_dir(path.parent)
     return path
 
 
