@@ -268,17 +268,25 @@ def cmd_stage_merge(args: argparse.Namespace) -> int:
 
 def cmd_stage_distill(args: argparse.Namespace) -> int:
     from harness.config import load_job
+    from harness.engine import teardown_distributed
     from harness.stages.distill import distill
 
-    print(distill(load_job(args.job, args.overrides)))
+    try:
+        print(distill(load_job(args.job, args.overrides)))
+    finally:
+        teardown_distributed()
     return 0
 
 
 def cmd_stage_sft(args: argparse.Namespace) -> int:
     from harness.config import load_job
+    from harness.engine import teardown_distributed
     from harness.stages.sft import sft
 
-    print(sft(load_job(args.job, args.overrides)))
+    try:
+        print(sft(load_job(args.job, args.overrides)))
+    finally:
+        teardown_distributed()
     return 0
 
 

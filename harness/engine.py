@@ -24,6 +24,13 @@ from harness.config import ConfigError, JobConfig, StageConfig
 
 
 
+def teardown_distributed() -> None:
+    """Destroy the process group before the interpreter exits: a gloo group left alive can abort the process at
+    shutdown ("terminate called without an active exception", SIGABRT) after all the work is done."""
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+
+
 def setup_distributed(device: torch.device, timeout_s: int = 1800) -> tuple[int, int]:
     """Join (or create, for a plain single process) the process group; returns (rank, world_size)."""
     if device.type == "cpu":
