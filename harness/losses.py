@@ -25,6 +25,7 @@ not fit this loss exactly, so only the PyTorch path exists (it runs on CPU and G
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from typing import NamedTuple, Optional
 
 import torch
@@ -94,8 +95,10 @@ def distill_loss(
     extra memory is about 5 * chunk_tokens * V * 4 bytes (chunk buffers) + V * Cs * 4 (fp32 weight-gradient
     accumulator) + ~12 * n * C bytes (gathered rows, fp32 input gradient); bf16 heads are upcast
     VOCAB_BLOCK rows at a time. Measured on CPU at V=49152, C=2048, chunk 512, n=1023, fwd+bwd: 0.93 GB.
-    On CUDA the fp32 matmuls follow torch's TF32 setting; bf16 values are exact in TF32, so for bf16
-    hidden states and heads TF32 speeds the logits up without changing them.
+    On CUDA, bf16 hidden states and heads give their logits by a bf16 matmul with fp32 accumulation and output
+    (no upcast; the same values as the fp32 matmul of the upcast operands), and the gradient matmuls run on
+    TF32 tensor cores (the fp32 logits' gradient rounded to TF32, ~5e-4 relative): plain fp32 matmuls made this
+    loss 23% of a 135M stage-3 step on an H200 (docs/BENCHMARKS.md).
     """
     _check_shapes(student_hidden, teacher_hidden, lm_head_weight_s, lm_head_weight_t, labels, loss_mask)
     if chunk_tokens < 1:
@@ -181,8 +184,45 @@ def _vocab_blocks(w: Tensor) -> list[slice]:
     return [slice(i, min(i + step, v)) for i in range(0, v, step)]
 
 
-def _logits(x32: Tensor, w: Tensor) -> Tensor:
-    """[c, C] fp32 @ [V, C]^T -> [c, V] fp32 logits."""
+_MM_OUT_DTYPE: dict[str, bool] = {}  # device type -> whether torch.mm(..., out_dtype=float32) runs there
+
+
+def _mm_fp32_out(x: Tensor, w: Tensor) -> Optional[Tensor]:
+    """x [c, C] @ w[V, C]^T of two bf16 / fp16 tensors with fp32 accumulation and output (cuBLAS, tensor cores),
+    or None where torch has no such kernel (CPU) or the dtypes differ. The products of bf16 values are exact in
+    fp32, so this equals the fp32 matmul of the upcast values up to summation order, without upcasting."""
+    if x.dtype != w.dtype or x.dtype not in (torch.bfloat16, torch.float16) or not x.is_cuda:
+        return None
+    if _MM_OUT_DTYPE.get("cuda", True):
+        try:
+            return torch.mm(x, w.T, out_dtype=torch.float32)
+        except (TypeError, RuntimeError, NotImplementedError):
+            _MM_OUT_DTYPE["cuda"] = False
+    return None
+
+
+@contextmanager
+def _tf32_matmuls(device: torch.device):
+    """fp32 matmuls on TF32 tensor cores inside: the logits' gradient (fp32) times a head or the hidden states.
+    The bf16 operands are exact in TF32; the fp32 gradient is rounded to TF32's 10-bit mantissa (~5e-4) where
+    plain fp32 CUDA matmuls run ~15x slower on an H200. Restores the previous setting."""
+    if device.type != "cuda":
+        yield
+        return
+    prev = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = True
+    try:
+        yield
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = prev
+
+
+def _logits(x: Tensor, w: Tensor) -> Tensor:
+    """[c, C] @ [V, C]^T -> [c, V] fp32 logits (x in its own dtype: a bf16 x with a bf16 head never upcasts)."""
+    direct = _mm_fp32_out(x, w)
+    if direct is not None:
+        return direct
+    x32 = x.float()
     if w.dtype == torch.float32:
         return x32 @ w.T
     out = x32.new_empty(x32.shape[0], w.shape[0])
@@ -241,7 +281,7 @@ class _ChunkedDistill(torch.autograd.Function):
     @staticmethod
     def forward(ctx, xs, ws, xt, wt, y, ce_weight, kl_weight, tau, chunk, need_dx, need_dw):
         # Autocast would run the fp32 logit matmuls in bf16.
-        with torch.autocast(device_type=xs.device.type, enabled=False):
+        with torch.autocast(device_type=xs.device.type, enabled=False), _tf32_matmuls(xs.device):
             total, ce, kl, dx, dw = _chunked_forward(xs, ws, xt, wt, y, ce_weight, kl_weight, tau, chunk,
                                                      need_dx, need_dw)
         ctx.grads = (dx, dw)
@@ -273,8 +313,7 @@ def _chunked_forward(
     dw = torch.zeros_like(ws, dtype=torch.float32) if need_dw else None
     for lo in range(0, n, chunk):
         hi = min(lo + chunk, n)
-        xs32 = xs[lo:hi].float()
-        s, t = _logits(xs32, ws), (None if xt is None else _logits(xt[lo:hi].float(), wt))
+        s, t = _logits(xs[lo:hi], ws), (None if xt is None else _logits(xt[lo:hi], wt))
         ce_sum, kl_sum, g = _chunk_losses(
             s, t, y[lo:hi], tau, ce_weight / denom, kl_weight / denom, need_dx or need_dw
         )
@@ -284,7 +323,7 @@ def _chunked_forward(
         if dx is not None:
             dx[lo:hi] = _grad_input(g, ws)
         if dw is not None:
-            dw.addmm_(g.T, xs32)
+            dw.addmm_(g.T, xs[lo:hi].float())
     ce, kl = ce_acc / denom, kl_acc / denom
     total = ce_weight * ce + kl_weight * kl
     return total, ce, kl, dx, dw
