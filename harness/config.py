@@ -159,6 +159,11 @@ class DistillConfig(StageConfig):
         "instruction-tuned teacher). With 'instructions' the budget counts conversation tokens (template included, "
         "padding not), and the step count follows from the data (`harness info` shows the fewest it can be)."
     )
+    gradient_checkpointing: bool = described(
+        False, "Recompute each student block in the backward pass instead of keeping its activations: about one "
+        "more student forward per step for a fraction of the activation memory (what lets the 1.7B student train "
+        "at micro-batch 8 x 2048 in 80 GiB; docs/BENCHMARKS.md)."
+    )
 
 
 @dataclass
@@ -192,7 +197,15 @@ class StagesConfig:
 @dataclass
 class DeepSpeedConfig:
     student_config: str = described("ds_configs/zero3.json", "DeepSpeed config file for the student.")
-    teacher_config: str = described("ds_configs/zero3_teacher.json", "DeepSpeed config file for the teacher.")
+    teacher_config: str = described(
+        "ds_configs/zero3_teacher.json", "DeepSpeed config file for the teacher (used when it is placed 'zero3')."
+    )
+    teacher_placement: str = described(
+        "auto", "How stage 3 holds the frozen teacher: 'zero3' (a ZeRO-3 inference engine from teacher_config: "
+        "sharded over the processes, each layer gathered at every forward), 'replicated' (a plain bf16 copy on "
+        "every device: no gathers, no hooks; faster while it fits) or 'auto' (replicated when its weights take at "
+        "most 10% of one device's memory, e.g. SmolLM2-1.7B's 3.4 GB on an H200, else zero3)."
+    )
     world_size: int = described(
         1, "Data-parallel processes of stage 3 (GPUs, or CPU processes); the per-layer stages run one process "
         "per layer group. The token-to-step plan and the data slices follow it."
@@ -406,6 +419,7 @@ def validate(job: JobConfig) -> None:
     for stage in STAGES:
         _check_stage(f"stages.{stage}", getattr(job.stages, stage))
     _check_positive("deepspeed.world_size", job.deepspeed.world_size)
+    _check_choice("deepspeed.teacher_placement", job.deepspeed.teacher_placement, TEACHER_PLACEMENTS)
     _check_run(job.run)
     check_eval(job.eval)
     _check_every_tokens(job)
@@ -428,6 +442,9 @@ def validate(job: JobConfig) -> None:
                 f"({plan.tokens_per_step} = world_size {job.deepspeed.world_size} x micro_batch_size x "
                 f"grad_accum x seq_len {job.data.seq_len}). Raise budget.total_tokens or shrink the batch."
             )
+
+
+TEACHER_PLACEMENTS = ("auto", "zero3", "replicated")
 
 
 def _check_choice(key: str, value: str, allowed: tuple[str, ...]) -> None:

@@ -123,6 +123,47 @@ def teacher_engine(model: nn.Module, config: dict[str, Any]):
     return engine
 
 
+REPLICATE_FRACTION = 0.10  # 'auto' replicates a teacher whose weights take at most this share of a device
+
+
+def teacher_replicated(placement: str, teacher: nn.Module, device: torch.device, bf16: bool) -> bool:
+    """Whether stage 3 holds the teacher as a plain copy per device (deepspeed.teacher_placement); 'auto' decides
+    by size against this device's memory, and every rank takes the most cautious answer (all ranks must agree:
+    building a ZeRO-3 engine is a collective)."""
+    if placement != "auto":
+        return placement == "replicated"
+    nbytes = sum(p.numel() for p in teacher.parameters()) * (2 if bf16 else 4)
+    if device.type == "cuda":
+        capacity = torch.cuda.get_device_properties(device).total_memory
+    else:
+        capacity = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // max(_world(), 1)
+    fits = torch.tensor([1.0 if nbytes <= REPLICATE_FRACTION * capacity else 0.0], device=device)
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.all_reduce(fits, op=torch.distributed.ReduceOp.MIN)
+    return bool(fits.item())
+
+
+def replicated_teacher(model: nn.Module, device: torch.device, bf16: bool) -> nn.Module:
+    """The teacher as a plain frozen module on this device (bf16 on a GPU): what every rank runs by itself."""
+    for p in model.parameters():
+        p.requires_grad_(False)
+    return model.to(device=device, dtype=torch.bfloat16 if bf16 else torch.float32).eval()
+
+
+def build_teacher(model: nn.Module, job: JobConfig, stage: StageConfig, world: int, device: torch.device,
+                  bf16: bool) -> tuple[nn.Module, str]:
+    """The teacher of stage 3 as placed by deepspeed.teacher_placement -> (callable module, 'replicated'|'zero3')."""
+    if teacher_replicated(job.deepspeed.teacher_placement, model, device, bf16):
+        return replicated_teacher(model, device, bf16), "replicated"
+    return teacher_engine(model, teacher_ds_config(job, stage, world, bf16)), "zero3"
+
+
+def _world() -> int:
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        return torch.distributed.get_world_size()
+    return int(os.environ.get("WORLD_SIZE", 1))
+
+
 def _weight_decay(config: dict[str, Any]) -> float:
     return float(config.get("optimizer", {}).get("params", {}).get("weight_decay", 0.0))
 

@@ -55,6 +55,7 @@ def test_every_field_has_a_description():
         (["budget.total_tokens=1000"], "fewer than one optimizer step"),
         (["stages.align_mixer.schedule=linear"], "Allowed: wsd, cosine, constant"),
         (["student.mixer"], "not of the form key=value"),
+        (["deepspeed.teacher_placement=sharded"], "teacher_placement.*Allowed: auto, zero3, replicated"),
     ],
 )
 def test_bad_input_gives_clear_error(job_file, override, needle):

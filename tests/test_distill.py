@@ -1,5 +1,5 @@
-"""Stage 3 under DeepSpeed ZeRO-3 on CPU: 2 processes match a plain single-process PyTorch run for the same
-global batch; a run killed with SIGKILL after a checkpoint and re-run ends exactly like an uninterrupted one."""
+"""Stage 3 under DeepSpeed on CPU: 2 processes (ZeRO-3 teacher and student; or a ZeRO-2 student with a replicated
+teacher and gradient checkpointing) match a plain single-process PyTorch run for the same global batch; a run killed with SIGKILL after a checkpoint and re-run ends exactly like an uninterrupted one."""
 
 from __future__ import annotations
 
@@ -110,10 +110,21 @@ def plain_run(job_path: Path, micro_batch: int) -> tuple[list[float], dict[str, 
     return history, {k: v.detach().clone() for k, v in student.state_dict().items()}
 
 
-def test_zero3_two_processes_match_plain_single_process(tmp_path):
+PLACEMENTS = {
+    "zero3": ["deepspeed.teacher_placement=zero3"],  # teacher and student sharded, every parameter
+    # the fast path for models that fit: ZeRO-2 student, a teacher copy per process, recomputed blocks
+    "zero2-replicated-ckpt": ["deepspeed.teacher_placement=replicated", "deepspeed.student_config=ds_configs/zero2.json",
+                              "stages.distill.gradient_checkpointing=true"],
+}
+
+
+@pytest.mark.parametrize("placement", list(PLACEMENTS))
+def test_two_processes_match_plain_single_process(tmp_path, placement):
     out = tmp_path / "zero3"
-    job_path = write_job(tmp_path, out, "deepspeed.world_size=2")
-    launch(job_path, world=2)
+    job_path = write_job(tmp_path, out, "deepspeed.world_size=2", *PLACEMENTS[placement])
+    output = launch(job_path, world=2)
+    teacher = "zero3" if placement == "zero3" else "replicated"
+    assert f"distill: teacher {teacher}" in output
     ds_losses = losses(out)
     plain_losses, plain_state = plain_run(job_path, micro_batch=4)
     assert len(ds_losses) == len(plain_losses) >= 5
@@ -172,3 +183,17 @@ def test_preemption_request_checkpoints_exits_for_requeue_and_resumes(tmp_path, 
     assert losses(out) == losses(whole)
     a, b = student_weights(out), student_weights(whole)
     assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_teacher_placement_decision(monkeypatch):
+    from harness import engine
+
+    tiny = torch.nn.Linear(64, 64)
+    cpu = torch.device("cpu")
+    assert engine.teacher_replicated("replicated", tiny, cpu, bf16=False)
+    assert not engine.teacher_replicated("zero3", tiny, cpu, bf16=False)
+    assert engine.teacher_replicated("auto", tiny, cpu, bf16=False)  # 16 KB against the host's memory
+    monkeypatch.setattr(engine, "REPLICATE_FRACTION", 1e-15)
+    assert not engine.teacher_replicated("auto", tiny, cpu, bf16=False)
+    frozen = engine.replicated_teacher(torch.nn.Linear(4, 4), cpu, bf16=False)
+    assert not frozen.training and not any(p.requires_grad for p in frozen.parameters())

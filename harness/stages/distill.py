@@ -1,4 +1,5 @@
-"""Stage 3: end-to-end distillation under DeepSpeed ZeRO-3, teacher and student both sharded.
+"""Stage 3: end-to-end distillation under DeepSpeed ZeRO-3: the student sharded, the teacher sharded too or, while
+it is small against a device (deepspeed.teacher_placement), a frozen copy per device.
 
 loss = ce_weight * CE(next token) + kl_weight * tau^2 * KL(teacher || student at temperature tau), each
 averaged per predicted token (harness.losses.distill_loss: chunked, no whole-batch fp32 logits). The loss of an
@@ -165,6 +166,8 @@ def distill(job: JobConfig, *, stop_after_steps: Optional[int] = None) -> Path:
         raise ConfigError(f"Stage 3 needs the merged student at {merged}: run the per-layer stages and "
                           f"`harness stage merge` first (or `harness run`).")
     student = HarnessForCausalLM.from_pretrained(merged, dtype=torch.float32)
+    if cfg.gradient_checkpointing:
+        student.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     max_positions = teacher.config.max_position_embeddings
     if cfg.data == "instructions":  # the budget as asked: conversation rows are not full rows of seq_len
         data = chat_data(job, "distill", cfg, requested_tokens(job, "distill"), teacher.tokenizer, max_positions,
@@ -183,12 +186,13 @@ def distill(job: JobConfig, *, stop_after_steps: Optional[int] = None) -> Path:
     s_engine = engine.student_engine(model, engine.student_ds_config(job, cfg, world, bf16),
                                      lambda opt: build_scheduler(opt, cfg, steps))
     t_body = TeacherBody(teacher.model)
-    t_engine = engine.teacher_engine(t_body, engine.teacher_ds_config(job, cfg, world, bf16))
+    t_engine, placement = engine.build_teacher(t_body, job, cfg, world, s_engine.device, bf16)
     teacher_head = t_body.teacher.lm_head.weight
 
     step, tokens = resume_checkpoint(ckpts, s_engine, loader)
     logger = RunLogger(out, "distill", rank=rank, total_tokens=data.tokens,
                        start_step=step if step else None, start_tokens=tokens)
+    logger.write(f"distill: teacher {placement} ({job.deepspeed.teacher_placement}), {world} process(es)")
     logger.throughput.flops_per_token = _flops_per_token(student, teacher.model)
     peak = peak_flops(device)
     logger.throughput.peak_flops = peak * world if peak else None  # MFU over all ranks' tokens
