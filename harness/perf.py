@@ -484,6 +484,25 @@ def comm_from_events(events: Iterable[Any], cuda: bool, steps: int) -> dict[str,
     return out
 
 
+def top_ops(averages: Iterable[Any], steps: int, n: int = 25) -> dict[str, Any]:
+    """Where a profiled step's host and device time go, per step: the operators (and DeepSpeed / module hooks
+    named by record_function) with the most self CPU time and the most self device time, and how many operators
+    the host launched (a step whose kernels leave the GPU idle is bound by that count times the per-op cost)."""
+    steps = max(steps, 1)
+    rows = []
+    for a in averages:
+        dev_us = float(getattr(a, "self_device_time_total", 0.0) or getattr(a, "self_cuda_time_total", 0.0) or 0.0)
+        rows.append({"name": a.key, "calls": a.count / steps, "self_cpu_ms": a.self_cpu_time_total / 1e3 / steps,
+                     "self_device_ms": dev_us / 1e3 / steps})
+    aten = [r for r in rows if r["name"].startswith("aten::")]
+    return {
+        "aten_calls_per_step": sum(r["calls"] for r in aten),
+        "self_cpu_ms_per_step": sum(r["self_cpu_ms"] for r in rows),
+        "by_self_cpu": sorted(rows, key=lambda r: -r["self_cpu_ms"])[:n],
+        "by_self_device": sorted(rows, key=lambda r: -r["self_device_ms"])[:n],
+    }
+
+
 # ------------------------------------------------------------------------------------------ step bench
 
 
@@ -506,8 +525,9 @@ def _ds_config_path(path: Optional[str], default: str) -> str:
 
 
 def _build_zero3(model: nn.Module, teacher: nn.Module, cfg: Any, world: int, bf16: bool, steps: int,
-                 student_ds: Optional[str], teacher_ds: Optional[str]) -> _StepParts:
-    """The engines exactly as harness.stages.distill.distill builds them."""
+                 student_ds: Optional[str], teacher_ds: Optional[str],
+                 teacher_placement: str = "auto") -> tuple[_StepParts, str]:
+    """The engines exactly as harness.stages.distill.distill builds them -> (parts, teacher placement)."""
     from harness import engine
     from harness.config import JobConfig
     from harness.schedule import build_scheduler
@@ -516,11 +536,12 @@ def _build_zero3(model: nn.Module, teacher: nn.Module, cfg: Any, world: int, bf1
     job = JobConfig()
     job.deepspeed.student_config = _ds_config_path(student_ds, job.deepspeed.student_config)
     job.deepspeed.teacher_config = _ds_config_path(teacher_ds, job.deepspeed.teacher_config)
+    job.deepspeed.teacher_placement = teacher_placement
     s_engine = engine.student_engine(model, engine.student_ds_config(job, cfg, world, bf16),
                                      lambda opt: build_scheduler(opt, cfg, steps))
     t_body = TeacherBody(teacher)
-    t_engine = engine.teacher_engine(t_body, engine.teacher_ds_config(job, cfg, world, bf16))
-    return _StepParts(s_engine, t_engine, model, t_body.teacher.lm_head.weight)
+    t_engine, placement = engine.build_teacher(t_body, job, cfg, world, s_engine.device, bf16)
+    return _StepParts(s_engine, t_engine, model, t_body.teacher.lm_head.weight), placement
 
 
 def _build_plain(model: nn.Module, teacher: nn.Module, cfg: Any, device: torch.device, dtype: torch.dtype,
@@ -583,7 +604,8 @@ def bench_step(shape: str = "135M", mixer: str = "gated_deltanet", *, micro_batc
                layers: Optional[int] = None, options: Optional[dict] = None,
                student_ds_config: Optional[str] = None, teacher_ds_config: Optional[str] = None,
                peak_flops: Optional[float] = None, measure_peak: bool = False, profile_steps: int = 2,
-               gradient_checkpointing: bool = False, seed: int = 0) -> dict[str, Any]:
+               gradient_checkpointing: bool = False, teacher_placement: str = "auto",
+               seed: int = 0) -> dict[str, Any]:
     """Time `steps` optimizer steps of stage 3 (after `warmup`) for one teacher shape and mixer; see the module
     docstring for what each field means. With zero3, joins (or creates) the process group as stage 3 does
     (`harness.engine.setup_distributed`): under torchrun every rank calls this and the world is the group's.
@@ -610,7 +632,7 @@ def bench_step(shape: str = "135M", mixer: str = "gated_deltanet", *, micro_batc
 
     teacher, student = build_pair(shape, mixer, options=options, source=teacher_source, layers=layers,
                                   device=device, teacher_dtype=dtype, seed=seed)
-    if gradient_checkpointing:  # not what stage 3 does today: an option to see its memory / time trade-off
+    if gradient_checkpointing:  # stages.distill.gradient_checkpointing
         student.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     n_student, n_teacher = count_params(student), count_params(teacher)
     fpt = flops_per_token(n_student, n_teacher)
@@ -626,13 +648,17 @@ def bench_step(shape: str = "135M", mixer: str = "gated_deltanet", *, micro_batc
     model = DistillModel(student, cfg.ce_weight, cfg.kl_weight, cfg.temperature)
     bf16 = dtype == torch.bfloat16
     if zero3:
-        parts = _build_zero3(model, teacher, cfg, world, bf16, micro_steps, student_ds_config, teacher_ds_config)
+        parts, row["teacher_placement"] = _build_zero3(model, teacher, cfg, world, bf16, micro_steps,
+                                                       student_ds_config, teacher_ds_config, teacher_placement)
         dev = parts.s_engine.device
-        row["ds_configs"] = [_ds_config_path(student_ds_config, "ds_configs/zero3.json"),
-                             _ds_config_path(teacher_ds_config, "ds_configs/zero3_teacher.json")]
+        row["engine"] = f"zero{parts.s_engine.zero_optimization_stage()}"  # ZeRO stage of the student's config
+        row["ds_configs"] = [_ds_config_path(student_ds_config, "ds_configs/zero3.json")]
+        if row["teacher_placement"] == "zero3":
+            row["ds_configs"].append(_ds_config_path(teacher_ds_config, "ds_configs/zero3_teacher.json"))
     else:
         parts = _build_plain(model, teacher, cfg, device, dtype, micro_steps)
         dev = device
+        row["teacher_placement"] = "replicated"
     del teacher, student
     clock = PhaseClock(dev)
     handles = _instrument(model, clock)
@@ -682,6 +708,7 @@ def bench_step(shape: str = "135M", mixer: str = "gated_deltanet", *, micro_batc
         row["peak_mem_gib"] = row["peak_mem_bytes"] / GIB
         if zero3 and profile_steps > 0:
             row["comm"] = _profile_comm(parts, batches, dev, cfg.grad_clip, profile_steps)
+            row["top_ops"] = row["comm"].pop("top_ops", None)
         elif not zero3:
             row["comm"] = {"comm_ms": 0.0, "method": "plain engine: one process, no communication"}
     finally:
@@ -697,6 +724,9 @@ def bench_step(shape: str = "135M", mixer: str = "gated_deltanet", *, micro_batc
         "tokens_per_s": tps, "tokens_per_s_per_device": tps / world,
         "peak_flops_per_device": peak, "peak_flops_source": source, "mfu": mfu(tps, fpt, peak, world),
         "breakdown_ms": breakdown["ms"], "breakdown_pct": breakdown["pct"], "breakdown_sum_ms": breakdown["sum_ms"],
+        # kernel time (profiled pass) over the measured step: well below 1 = the host cannot feed the GPU
+        "gpu_busy": (row["comm"]["compute_kernel_ms"] / step_ms
+                     if step_ms > 0 and "compute_kernel_ms" in row.get("comm", {}) else None),
         "notes": [
             "tokens = input tokens (micro_batch x seq_len x grad_accum x world per step)",
             "MFU counts dense FLOPs only: 6 x student params + 2 x teacher params per token",
@@ -724,6 +754,7 @@ def _profile_comm(parts: _StepParts, batches: list[torch.Tensor], dev: torch.dev
         out = comm_from_events(prof.events(), cuda, n)
         out["profiled_step_ms"] = (time.perf_counter() - t0) * 1e3 / n
         out["profiled_steps"] = n
+        out["top_ops"] = top_ops(prof.key_averages(), n)
         return out
     except Exception as err:  # noqa: BLE001 - the profiler pass is auxiliary
         return {"error": f"{type(err).__name__}: {err}"}
@@ -1077,9 +1108,9 @@ def markdown(results: dict[str, Any]) -> str:
     steps = results.get("step") or []
     if steps:
         lines += ["### Stage-3 step", "",
-                  "| shape | mixer | engine | batch x seq x world | tokens/s | MFU | peak GiB | step ms | "
-                  + " | ".join(PHASES) + " | comm ms (exposed) |",
-                  "|---|---|---|---|---|---|---|---|" + "---|" * len(PHASES) + "---|"]
+                  "| shape | mixer | engine | teacher | batch x seq x world | tokens/s | MFU | peak GiB | step ms | "
+                  + " | ".join(PHASES) + " | comm ms (exposed) | GPU busy |",
+                  "|---|---|---|---|---|---|---|---|---|" + "---|" * len(PHASES) + "---|---|"]
         for r in steps:
             if "error" in r:
                 lines.append(f"| {r.get('shape')} | {r.get('mixer')} | error: {r['error'][:100]} |")
@@ -1092,9 +1123,11 @@ def markdown(results: dict[str, Any]) -> str:
                 f"{comm['comm_ms']:.1f}" + (f" ({comm['exposed_ms']:.1f})" if "exposed_ms" in comm else ""))
             m = "-" if r.get("mfu") is None else f"{100 * r['mfu']:.1f}%"
             engine = r["engine"] + ("+ckpt" if r.get("gradient_checkpointing") else "")
-            lines.append(f"| {r['shape']} | {r['mixer']} | {engine} | {r['micro_batch']} x {r['seq_len']} x "
+            busy = "-" if r.get("gpu_busy") is None else f"{100 * r['gpu_busy']:.0f}%"
+            lines.append(f"| {r['shape']} | {r['mixer']} | {engine} | {r.get('teacher_placement', '-')} | "
+                         f"{r['micro_batch']} x {r['seq_len']} x "
                          f"{r['world']} | {r['tokens_per_s']:,.0f} | {m} | {r['peak_mem_gib']:.1f} | "
-                         f"{r['step_ms']:.1f} | {phases} | {comm_s} |")
+                         f"{r['step_ms']:.1f} | {phases} | {comm_s} | {busy} |")
         lines.append("")
     kernels = results.get("kernels") or []
     if kernels:
@@ -1227,6 +1260,9 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
     step.add_argument("--student-ds-config", default=None, help="DeepSpeed config of the student (default "
                       "ds_configs/zero3.json; ds_configs/zero3_offload.json for CPU offload).")
     step.add_argument("--teacher-ds-config", default=None, help="Default ds_configs/zero3_teacher.json.")
+    step.add_argument("--teacher-placement", choices=("auto", "zero3", "replicated"), default="auto",
+                      help="The teacher as stage 3 holds it (deepspeed.teacher_placement): a ZeRO-3 engine, a plain "
+                      "copy per device, or auto (replicated when it takes <= 10%% of a device). Default auto.")
     step.add_argument("--peak-flops", type=float, default=None,
                       help="Per-device peak FLOP/s for MFU (default: $HARNESS_PEAK_FLOPS, the measured figure for "
                       "known GPUs, else measured now on CUDA).")
@@ -1318,7 +1354,8 @@ def run_cli(args: argparse.Namespace, argv: Optional[Sequence[str]] = None) -> i
                           layers=args.layers, options=options, student_ds_config=args.student_ds_config,
                           teacher_ds_config=args.teacher_ds_config, peak_flops=args.peak_flops,
                           measure_peak=args.measure_peak, profile_steps=args.profile_steps,
-                          gradient_checkpointing=args.grad_ckpt, seed=args.seed)
+                          gradient_checkpointing=args.grad_ckpt, teacher_placement=args.teacher_placement,
+                          seed=args.seed)
                 if args.teacher:
                     kw["teacher_source"] = args.teacher
                 try:

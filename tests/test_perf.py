@@ -29,6 +29,7 @@ from harness.perf import (
     mfu,
     shape_config,
     summarise_phases,
+    top_ops,
 )
 
 REPO = Path(__file__).resolve().parents[1]
@@ -236,23 +237,27 @@ def test_zero3_step_and_decode_bench_write_json(tmp_path):
     (row,) = res["step"]
     _check_step_row(row, 1e12)
     assert row["engine"] == "zero3" and row["world"] == 1 and row["options"] == {"chunk_size": 16}
+    assert row["teacher_placement"] == "replicated"  # auto: a tiny teacher is copied, not sharded
     assert "comm_ms" in row["comm"] and row["comm"]["profiled_steps"] == 2
+    ops = row["top_ops"]
+    assert ops["aten_calls_per_step"] > 100 and ops["by_self_cpu"][0]["self_cpu_ms"] > 0
     (dec,) = res["decode"]
     assert [r["context"] for r in dec["rows"]] == [8, 32]
     for r in dec["rows"]:
         assert r["student"]["ms_per_token"] > 0 and r["teacher"]["ms_per_token"] > 0
     md = out.with_suffix(".md").read_text()
-    assert "Stage-3 step" in md and "Decoding" in md and "| tiny | gla | zero3 |" in md
+    assert "Stage-3 step" in md and "Decoding" in md and "| tiny | gla | zero3 | replicated |" in md
     assert "tokens/s" in proc.stdout
 
 
 def test_zero3_two_processes(tmp_path):
     out = tmp_path / "bench2.json"
     _run_cli(["--shape", "tiny", "--mixer", "linear_attn", "--device", "cpu", "--micro-batch", "2", "--seq", "32",
-              "--steps", "2", "--warmup", "1", "--peak-flops", "1e12", "--profile-steps", "1", "--out", str(out)],
-             world=2)
+              "--steps", "2", "--warmup", "1", "--peak-flops", "1e12", "--profile-steps", "1",
+              "--teacher-placement", "zero3", "--out", str(out)], world=2)
     (row,) = json.loads(out.read_text())["step"]
     _check_step_row(row, 1e12)
+    assert row["teacher_placement"] == "zero3" and len(row["ds_configs"]) == 2
     assert row["world"] == 2 and row["tokens_per_step"] == 2 * 32 * 2
     assert row["tokens_per_s_per_device"] == pytest.approx(row["tokens_per_s"] / 2)
     assert row["comm"]["comm_ms"] > 0 and row["comm"]["comm_events"] > 0  # gloo all-gathers between the two
@@ -316,3 +321,26 @@ def test_layer_comparison_code_runs_on_cpu(one_thread):
     assert row["out_rel_err"] == pytest.approx(row["ref_bf16_out_rel_err"])  # same bf16 path both times
     assert row["kernel_ms"] > 0 and row["speedup"] == pytest.approx(row["reference_bf16_ms"] / row["kernel_ms"])
     assert "| gla | tiny |" in perf.kernel_table([row])
+
+
+def test_zero2_student_config_is_labelled_by_its_stage(tmp_path):
+    out = tmp_path / "z2.json"
+    _run_cli(["--shape", "tiny", "--mixer", "deltanet", "--device", "cpu", "--micro-batch", "2", "--seq", "32",
+              "--steps", "1", "--warmup", "1", "--profile-steps", "0", "--student-ds-config", "ds_configs/zero2.json",
+              "--out", str(out)])
+    (row,) = json.loads(out.read_text())["step"]
+    assert row["engine"] == "zero2" and row["ds_configs"][0].endswith("ds_configs/zero2.json")
+    assert "| tiny | deltanet | zero2 | replicated |" in out.with_suffix(".md").read_text()
+
+
+def test_top_ops_ranks_host_and_device_time_per_step():
+    class Avg:  # the fields of torch.autograd.profiler_util.FunctionEventAvg that top_ops reads
+        def __init__(self, key, count, cpu_us, dev_us):
+            self.key, self.count, self.self_cpu_time_total, self.self_device_time_total = key, count, cpu_us, dev_us
+
+    res = top_ops([Avg("aten::mm", 20, 4000.0, 9000.0), Avg("aten::add", 100, 6000.0, 1000.0),
+                   Avg("PreBackwardFunctionForModuleBackward", 10, 2000.0, 0.0)], steps=2, n=2)
+    assert res["aten_calls_per_step"] == 60
+    assert res["self_cpu_ms_per_step"] == pytest.approx(6.0)
+    assert [r["name"] for r in res["by_self_cpu"]] == ["aten::add", "aten::mm"]
+    assert res["by_self_device"][0] == {"name": "aten::mm", "calls": 10, "self_cpu_ms": 2.0, "self_device_ms": 4.5}
