@@ -58,17 +58,24 @@ VARIANTS = {
 # are reductions over K of products of q*dq - k*dk with cancellation and reverse cumulative sums over T, so
 # their relative error is larger -> 4e-2.
 TOL = {"out": 1e-2, "state": 1e-2, "grad": 2e-2, "gate_grad": 4e-2}
+# mlstm_kernels (chunkwise--triton_limit_chunk) at T = 2048, H200, three seeds: h 0.79-1.1e-2, df 4.0-4.3e-2 (all
+# else <= 8.5e-3). Not input rounding: the same kernel on fp32 inputs is no closer (h 1.2-1.6e-2, dq 2.4-4.3e-2),
+# so it is the kernel's own arithmetic; h divides by the normaliser max(|q.n|, exp(-m)), which magnifies it where
+# that is small. Behind the layer's per-head norm the kernel stays within 2x the bf16 floor
+# (tests/gpu/test_mixer_layers.py, docs/KERNELS.md), so these limits document the raw kernel, not a defect.
+CASE_TOL = {"mlstm": {"out": 1.5e-2, "gate_grad": 5e-2}}
 GATE_NAMES = ("g", "beta", "i", "f")
 
 
-def tol_for(name: str) -> float:
+def tol_for(name: str, case: Optional[str] = None) -> float:
+    tol = {**TOL, **CASE_TOL.get(case, {})}
     if name in ("o", "h"):
-        return TOL["out"]
+        return tol["out"]
     if name.startswith("state"):
-        return TOL["state"]
+        return tol["state"]
     if name.startswith("d") and name[1:] in GATE_NAMES:
-        return TOL["gate_grad"]
-    return TOL["grad"]
+        return tol["gate_grad"]
+    return tol["grad"]
 
 
 # ---------------------------------------------------------------------------------------------- inputs
@@ -220,8 +227,8 @@ def compare(x: dict, variant: str = "auto") -> dict:
     return errs
 
 
-def failures(errs: dict) -> dict:
-    return {n: e for n, e in errs.items() if not (e <= tol_for(n))}  # nan fails too
+def failures(errs: dict, case: Optional[str] = None) -> dict:
+    return {n: e for n, e in errs.items() if not (e <= tol_for(n, case))}  # nan fails too
 
 
 # ---------------------------------------------------------------------------------------------- timing
@@ -305,7 +312,7 @@ def measure_errors(out_dir, shapes=tuple(SHAPES), cases=CASES, B: int = 4, Ts=(2
                         x = make_inputs(case, B, T, **dims, seed=seed, device=device)
                         row["route"] = selected_route(x, variant)
                         row["errors"] = compare(x, variant)
-                        row["failed"] = failures(row["errors"])
+                        row["failed"] = failures(row["errors"], case)
                         if timing:
                             row.update(time_case(x, variant, reps))
                     except Exception as exc:  # one failing case must not stop the others

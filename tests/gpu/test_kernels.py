@@ -37,9 +37,9 @@ B = 4
 GRID = [("smollm2-135m", 2048), ("smollm2-135m", 1000), ("smollm2-1.7b", 2048)]
 
 
-def _assert_within(errs: dict, what: str) -> None:
-    bad = R.failures(errs)
-    table = ", ".join(f"{n}={e:.2e} (<= {R.tol_for(n):.0e})" for n, e in errs.items())
+def _assert_within(errs: dict, what: str, case: str) -> None:
+    bad = R.failures(errs, case)
+    table = ", ".join(f"{n}={e:.2e} (<= {R.tol_for(n, case):.1e})" for n, e in errs.items())
     assert not bad, f"{what}: {', '.join(bad)} over tolerance. All: {table}"
 
 
@@ -49,20 +49,22 @@ def test_kernel_matches_reference(case, shape, T):
     """Output, final state and every input gradient of the default kernel route vs the float32 reference."""
     x = R.make_inputs(case, B, T, **R.SHAPES[shape], seed=1)
     errs = R.compare(x)
-    _assert_within(errs, f"{case} {shape} T={T} route={R.selected_route(x, 'auto')}")
+    _assert_within(errs, f"{case} {shape} T={T} route={R.selected_route(x, 'auto')}", case)
 
 
 @pytest.mark.parametrize("case", R.CASES)
 def test_initial_state_is_honoured(case):
     """With a random initial state (T = 1000): matches the reference, including the initial state's gradient,
-    and differs from the run without it."""
+    and differs from the run without it over the first chunk. (Over all 1000 tokens the state's share of
+    linear attention's output is only ~0.6%: the unnormalised sum of k v^T outgrows a N(0, 1) state.)"""
     x = R.make_inputs(case, B, 1000, **R.SHAPES["smollm2-135m"], seed=2, with_state=True)
     errs = R.compare(x)
-    _assert_within(errs, f"{case} with initial state")
+    _assert_within(errs, f"{case} with initial state", case)
     with torch.no_grad():
         with_state, _ = R.run_kernel(x)
         without, _ = R.run_kernel(dict(x, h0=None))
-    assert R.rel_err(with_state, without) > 1e-2, "the initial state did not change the output"
+    # the reference in fp32 puts this at 2.2e-2 (linear_attn) .. 2.5 (deltanet)
+    assert R.rel_err(with_state[:, :64], without[:, :64]) > 1e-2, "the initial state did not change the output"
 
 
 @pytest.mark.parametrize("case", R.CASES)
@@ -86,7 +88,7 @@ def test_state_passing_matches_one_pass(case):
     errs = {"o": R.rel_err(torch.cat([out1, out2], 1), full_out)}
     for n, a, b in zip(("C", "n", "m"), state2, full_state):
         errs[f"state_{n}"] = R.rel_err(a, b)
-    _assert_within(errs, f"{case} split at {cut}")
+    _assert_within(errs, f"{case} split at {cut}", case)
 
 
 @pytest.mark.parametrize("case", ["retnet", "linear_attn", "deltanet", "gated_deltanet"])
@@ -101,7 +103,7 @@ def test_alternative_routes_match_reference(case):
             if "tilelang" in str(exc).lower() or "#640" in str(exc):
                 continue  # e.g. simple_gla with a per-head g: backward refused on Hopper + triton < 3.7.1
             raise
-        _assert_within(errs, f"{case} via {variant}")
+        _assert_within(errs, f"{case} via {variant}", case)
 
 
 def test_route_selection_on_this_machine():
