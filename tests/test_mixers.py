@@ -101,3 +101,20 @@ def test_unknown_option_lists_allowed():
 
 def test_mixer_names_are_the_seven():
     assert list(MIXERS) == ["linear_attn", "retnet", "gla", "deltanet", "gated_deltanet", "kda", "mlstm"]
+
+
+@pytest.mark.parametrize("T", [1, 2, 3, 10])
+def test_short_conv_tail_is_the_last_inputs_and_owns_its_memory(T):
+    from harness.mixers.base import ShortConv
+
+    torch.manual_seed(0)
+    conv = ShortConv(6, kernel_size=4)
+    x = torch.randn(2, T, 6)
+    y, tail = conv(x)
+    y_fused, tail_fused = conv(x, fused=True)  # on a CPU the fused request falls back to PyTorch's conv1d
+    assert torch.equal(y, y_fused) and torch.equal(tail, tail_fused)
+    assert torch.equal(tail, conv.tail_of(x)) and tail.shape == (2, 6, 3)
+    want = torch.cat([torch.zeros(2, 6, 3), x.transpose(1, 2)], -1)[..., -3:]
+    assert torch.equal(tail, want)
+    for t in (tail, conv.tail_of(x)):  # not a view of x or of the padded input
+        assert t.untyped_storage().nbytes() == t.numel() * t.element_size()

@@ -177,7 +177,8 @@ def apply_rope(q, k, cos, sin):
 
 
 def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
-    return x * torch.rsqrt((x.float() * x.float()).sum(-1, keepdim=True) + eps).to(x.dtype)
+    xf = x.float()  # one upcast, not two
+    return x * torch.rsqrt((xf * xf).sum(-1, keepdim=True) + eps).to(x.dtype)
 
 
 class HeadRMSNorm(nn.Module):
@@ -199,7 +200,8 @@ class HeadRMSNorm(nn.Module):
 class ShortConv(nn.Module):
     """Depthwise causal convolution with SiLU over `[B, T, C]` (fla's ShortConvolution), with a decoding tail.
 
-    The state is the last `kernel_size - 1` inputs `[B, C, kernel_size - 1]`.
+    The state is the last `kernel_size - 1` inputs `[B, C, kernel_size - 1]`, a copy of its own (a view of the
+    input would hold the whole prefill's q, k, v in memory for as long as a decoding cache lives).
     """
 
     def __init__(self, channels: int, kernel_size: int = 4, bias: bool = False):
@@ -207,13 +209,30 @@ class ShortConv(nn.Module):
         self.conv = nn.Conv1d(channels, channels, kernel_size, groups=channels, bias=bias)
         self.kernel_size = kernel_size
 
-    def forward(self, x: torch.Tensor, tail: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, x: torch.Tensor, tail: Optional[torch.Tensor] = None,
+                fused: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """-> (SiLU(conv(x)) `[B, T, C]`, the new tail). fused: fla's Triton causal-conv1d (convolution and SiLU in
+        one kernel, on `[B, T, C]` as it is) when x is on a GPU and no tail is carried in; else PyTorch's conv1d."""
+        if fused and tail is None and x.is_cuda:
+            from fla.modules.causal_conv1d import causal_conv1d
+
+            y, _ = causal_conv1d(x, weight=self.conv.weight.squeeze(1), bias=self.conv.bias, activation="silu")
+            return y, self.tail_of(x)
         xt = x.transpose(1, 2)  # [B, C, T]
         if tail is None:
             tail = xt.new_zeros(xt.shape[0], xt.shape[1], self.kernel_size - 1)
         padded = torch.cat([tail.to(xt.dtype), xt], dim=-1)
         y = F.conv1d(padded, self.conv.weight, self.conv.bias, groups=xt.shape[1])
-        return F.silu(y).transpose(1, 2), padded[..., -(self.kernel_size - 1):]
+        return F.silu(y).transpose(1, 2), padded[..., -(self.kernel_size - 1):].clone()
+
+    def tail_of(self, x: torch.Tensor) -> torch.Tensor:
+        """The state after x `[B, T, C]` from a zero state: its last kernel_size - 1 inputs `[B, C, kernel_size - 1]`,
+        zero-padded on the left when T is shorter."""
+        width = self.kernel_size - 1
+        xt = x[:, -width:].transpose(1, 2)
+        if xt.shape[-1] < width:
+            xt = F.pad(xt, (width - xt.shape[-1], 0))
+        return xt.clone()  # a copy: a view would keep the whole [B, T, C] input alive in a decoding cache
 
 
 def run_gated_delta(q, k, v, g, beta, *, scale: float, prior, backend: str, chunk_size: int):
@@ -244,7 +263,8 @@ class ConvMixer(Mixer):
         qkv = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)
         tail = None
         if self.options.short_conv:
-            qkv, tail = self.qkv_conv(qkv, state.conv if state is not None else None)
+            qkv, tail = self.qkv_conv(qkv, state.conv if state is not None else None,
+                                      fused=self.backend_for(x) == "kernel")
         else:
             qkv = F.silu(qkv)
         q, k, v = (self._heads(t) for t in qkv.chunk(3, dim=-1))

@@ -79,3 +79,25 @@ def test_kernel_prefill_state_continues_with_reference_steps(name):
             y, state = layer(x[:, t : t + 1], state=state, use_cache=True)
             steps.append(y)
     assert rel(torch.cat(steps, 1), full[:, 192:]) < 1e-2
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_fused_short_conv_matches_pytorch_conv(dtype):
+    """fla's Triton causal-conv1d (the kernel backend's short convolution) == PyTorch's conv1d + SiLU: output,
+    input and weight gradients, and the decoding tail."""
+    from harness.mixers.base import ShortConv
+
+    torch.manual_seed(0)
+    conv = ShortConv(3 * 576, kernel_size=4).cuda().to(dtype)
+    x = torch.randn(4, 2048, 3 * 576, device="cuda", dtype=dtype)
+    outs = {}
+    for fused in (False, True):
+        xi = x.clone().requires_grad_(True)
+        conv.zero_grad()
+        y, tail = conv(xi, fused=fused)
+        (y.float() * torch.linspace(-1, 1, y.shape[-1], device="cuda")).sum().backward()
+        outs[fused] = (y, xi.grad, conv.conv.weight.grad.clone(), tail)
+    tol = 1e-2 if dtype == torch.bfloat16 else 1e-5
+    for a, b in zip(outs[True][:3], outs[False][:3]):
+        assert rel(a, b) < tol, rel(a, b)
+    assert torch.equal(outs[True][3], outs[False][3])
