@@ -344,3 +344,23 @@ def test_top_ops_ranks_host_and_device_time_per_step():
     assert res["self_cpu_ms_per_step"] == pytest.approx(6.0)
     assert [r["name"] for r in res["by_self_cpu"]] == ["aten::add", "aten::mm"]
     assert res["by_self_device"][0] == {"name": "aten::mm", "calls": 10, "self_cpu_ms": 2.0, "self_device_ms": 4.5}
+
+
+def test_make_shape_teacher_writes_a_loadable_random_teacher(tmp_path, monkeypatch):
+    import importlib.util
+
+    from tests.pipeline import make_setting
+
+    spec = importlib.util.spec_from_file_location("make_shape_teacher", REPO / "scripts" / "make_shape_teacher.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    teacher_dir, _ = make_setting(tmp_path / "setting")  # a 320-token tokenizer
+    with pytest.raises(SystemExit, match="320 tokens, more than the 256 rows"):
+        mod.make_shape_teacher("tiny", str(teacher_dir), tmp_path / "too-small")
+    monkeypatch.setitem(perf.SHAPES, "tiny", {**perf.SHAPES["tiny"], "vocab_size": 320})
+    out = mod.make_shape_teacher("tiny", str(teacher_dir), tmp_path / "random-tiny")
+    from harness.teacher import load_teacher
+
+    t = load_teacher(str(out))
+    assert t.model.config.num_hidden_layers == 2 and t.model.config.hidden_size == 64
+    assert len(t.tokenizer) == len(load_teacher(str(teacher_dir)).tokenizer)

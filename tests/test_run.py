@@ -3,6 +3,7 @@ second run skips everything that is finished."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -39,6 +40,10 @@ def test_run_all_stages_then_skip_when_rerun(tmp_path):
         for group in ("layers-00-01", "layers-02-03"):
             assert (out / stage / group / "weights.safetensors").is_file()
     assert "losses (first -> last logged)" in first.stdout and "distill" in first.stdout
+    timings = [json.loads(line) for line in (out / "logs" / "timings.jsonl").read_text().splitlines()]
+    assert [t["part"] for t in timings] == ["align_mixer", "align_hidden", "merge", "distill", "eval"]
+    assert all(t["seconds"] > 0 for t in timings) and timings[0]["groups"] == 2 and timings[0]["parallel"] == 2
+    assert "[harness] align_mixer: " in first.stdout and " s wall" in first.stdout
     assert "# Evaluation:" in first.stdout and "| piqa | acc_norm | 2 |" in first.stdout
     assert (out / "eval" / "report.json").is_file() and (out / "eval" / "teacher" / "niah.json").is_file()
     spec = OmegaConf.load(out / "eval.yaml")

@@ -3,15 +3,18 @@
 Stages 1 and 2 run one process per layer group (run.layer_groups), run.parallel_groups at a time, each pinned
 to one GPU when there are GPUs; then the merge; then stage 3 as deepspeed.world_size processes under torchrun
 (gloo on CPU, nccl on GPUs); then, with eval.enabled, the evaluation job on RUN_DIR/eval.yaml. Every stage resumes from its newest valid checkpoint, so re-running the same
-command after a crash continues where it stopped. Each process's output goes to run_dir/logs/.
+command after a crash continues where it stopped. Each process's output goes to run_dir/logs/, and the wall time of
+each part to run_dir/logs/timings.jsonl.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
 import time
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Optional
 
@@ -38,16 +41,36 @@ def run_pipeline(job: JobConfig, job_path: str, overrides: list[str]) -> Path:
     n_layers = num_student_layers(job)
     groups = layer_groups(n_layers, default_count(job.run.layer_groups, 2))
     for stage in PER_LAYER_STAGES:
-        run_groups(job, stage, groups, job_path, overrides)
-    _run_logged(cli_command("stage", "merge", *job_args(job_path, overrides)), out / "logs" / "merge.log", "merge")
-    run_distill(job, job_path, overrides)
+        with timed(job, stage, groups=len(groups), parallel=default_count(job.run.parallel_groups, 2),
+                   gpus=len(_gpus())):
+            run_groups(job, stage, groups, job_path, overrides)
+    with timed(job, "merge"):
+        _run_logged(cli_command("stage", "merge", *job_args(job_path, overrides)), out / "logs" / "merge.log",
+                    "merge")
+    with timed(job, "distill", world=job.deepspeed.world_size):
+        run_distill(job, job_path, overrides)
     print(loss_summary(job), flush=True)
     if job.eval.enabled:
-        run_eval(job)
+        with timed(job, "eval"):
+            run_eval(job)
     if job.eval.enabled and job.eval.every_tokens:  # the evaluations along stage 3 that are still pending
         _run_logged(cli_command("eval", "marks", str(out), "--wait"), out / "logs" / "eval-during.log",
                     "evaluations along stage 3")
     return out / "student"
+
+
+@contextmanager
+def timed(job: JobConfig, what: str, **facts):
+    """Wall time of one part of `harness run`, printed and appended to RUN_DIR/logs/timings.jsonl (with `facts`:
+    layer groups, GPUs, processes), so that runs on different machines can be compared (a part that was already
+    complete and skipped is recorded too, with its few seconds)."""
+    start = time.time()
+    yield
+    seconds = time.time() - start
+    print(f"[harness] {what}: {seconds:.1f} s wall", flush=True)
+    record = {"part": what, "seconds": round(seconds, 3), "finished": time.strftime("%Y-%m-%dT%H:%M:%S%z"), **facts}
+    with open(run_dir(job) / "logs" / "timings.jsonl", "a") as f:
+        f.write(json.dumps(record) + "\n")
 
 
 def run_eval(job: JobConfig) -> None:
@@ -64,8 +87,6 @@ def run_eval(job: JobConfig) -> None:
 
 def loss_summary(job: JobConfig) -> str:
     """First and last logged training loss of every stage (and group), from the metrics files."""
-    import json
-
     lines = ["[harness] losses (first -> last logged):"]
     for metrics in sorted(run_dir(job).glob("*/*/metrics.jsonl")) + [run_dir(job) / "distill" / "metrics.jsonl"]:
         if not metrics.is_file():
