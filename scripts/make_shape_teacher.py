@@ -25,7 +25,13 @@ from harness.teacher import load_tokenizer  # noqa: E402
 def make_shape_teacher(shape: str, tokenizer_source: str, out: Path, dtype: torch.dtype = torch.bfloat16,
                        seed: int = 0) -> Path:
     """Random weights of `shape` (seeded) in `dtype` and `tokenizer_source`'s tokenizer, saved under `out`."""
-    tokenizer = load_tokenizer(tokenizer_source)
+    src = Path(tokenizer_source)
+    if src.is_dir() and not (src / "config.json").is_file():  # a tokenizer folder alone (save_pretrained)
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(src)
+    else:
+        tokenizer = load_tokenizer(tokenizer_source)
     model = build_teacher(shape, device="cpu", dtype=dtype, seed=seed)
     if len(tokenizer) > model.config.vocab_size:
         raise SystemExit(f"the tokenizer of {tokenizer_source} has {len(tokenizer)} tokens, more than the "
@@ -42,8 +48,9 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shape", required=True, help="135M, 360M, 1.7B (or tiny).")
     p.add_argument("--tokenizer", default="smollm2-135m-instruct-gguf",
-                   help="Teacher source whose tokenizer to copy. Default: the SmolLM2-135M-Instruct GGUF of the "
-                   "quickstart, whose 49,152-token vocabulary all SmolLM2 sizes share.")
+                   help="Teacher source whose tokenizer to copy, or a folder holding a saved tokenizer alone. Default: "
+                   "the SmolLM2-135M-Instruct GGUF of the quickstart, whose 49,152-token vocabulary all SmolLM2 sizes "
+                   "share.")
     p.add_argument("--out", required=True, type=Path, help="Folder to write.")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
