@@ -280,6 +280,11 @@ class EvalConfig:
     teacher: bool = described(
         True, "Also score the teacher on the same tasks, grid and text (cached per teacher): the recovery baseline."
     )
+    teacher_cache: Optional[str] = described(
+        None, "A folder where the teacher's results are kept and shared by every run that evaluates the same teacher "
+        "with the same settings (e.g. all jobs of a study: the teacher is scored once; concurrent evaluations take "
+        "turns on it). null: each run's own RUN_DIR/eval/teacher."
+    )
     chat_samples: bool = described(
         True, "Greedy answers of student and teacher to a few fixed chat prompts, shown in the report."
     )

@@ -1,10 +1,27 @@
-"""Crash-safe file writes shared by checkpoints and the evaluation history (standard library only)."""
+"""Crash-safe file writes and file locks shared by checkpoints, data stores and the evaluation (standard library
+only)."""
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import os
 import secrets
+from collections.abc import Iterator
 from pathlib import Path
+
+
+@contextlib.contextmanager
+def file_lock(path: Path) -> Iterator[None]:
+    """An exclusive advisory lock (flock) on `path` for the block: concurrent processes (ranks building a data
+    store, evaluations filling one shared teacher cache) take turns."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a+") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
 
 
 def fsync_dir(path: Path) -> None:

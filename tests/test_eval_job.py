@@ -7,6 +7,7 @@ ratios are checked against the per-task result files the evaluations wrote.
 
 from __future__ import annotations
 
+import fcntl
 import json
 from pathlib import Path
 
@@ -132,12 +133,16 @@ def test_teacher_results_are_shared_through_the_cache(run, tmp_path, monkeypatch
     cache = tmp_path / "teachers"
     first = _spec(run, teacher_cache=str(cache), output_dir=str(tmp_path / "a"), tasks=["piqa"])
     eval_job.run_eval_spec(first, progress=False)
-    teacher_dirs = list(cache.iterdir())
+    teacher_dirs = [p for p in cache.iterdir() if p.is_dir()]
     assert len(teacher_dirs) == 1 and eval_job.teacher_results_dir(first) == teacher_dirs[0]
+    lock_file = teacher_dirs[0].with_name(teacher_dirs[0].name + ".lock")
     calls = []
     real = eval_job.evaluate_model
 
     def spy(model, tokenizer, spec, out, **kwargs):
+        if kwargs["label"] == "teacher":  # concurrent evaluations sharing the cache take turns on its lock
+            with open(lock_file) as f, pytest.raises(BlockingIOError):
+                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
         calls.append((kwargs["label"], out))
         return real(model, tokenizer, spec, out, **kwargs)
 
@@ -150,6 +155,14 @@ def test_teacher_results_are_shared_through_the_cache(run, tmp_path, monkeypatch
     assert [c[1] for c in calls if c[0] == "teacher"] == [teacher_dirs[0]]
     other = _spec(run, teacher_cache=str(cache), limit=3)
     assert eval_job.teacher_results_dir(other) != teacher_dirs[0]  # a different limit: other teacher numbers
+
+
+def test_the_jobs_teacher_cache_reaches_the_spec(run, tmp_path):
+    from harness.config import load_job
+
+    job = load_job(run / "job.yaml", [f"eval.teacher_cache={tmp_path / 'shared'}"])
+    assert spec_from_job(job, run / "student").teacher_cache == str((tmp_path / "shared").resolve())
+    assert spec_from_job(load_job(run / "job.yaml"), run / "student").teacher_cache is None
 
 
 def test_report_command_single_and_comparison(run, tmp_path, capsys):

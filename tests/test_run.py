@@ -70,3 +70,16 @@ def test_run_reports_a_failing_group_and_its_log(tmp_path):
     result = harness_cli("run", str(job_path))
     assert result.returncode == 1
     assert "align_mixer layers 2-3 failed" in result.stderr and "align_mixer-layers-02-03.log" in result.stderr
+
+
+def test_layer_groups_are_pinned_to_the_gpus_this_process_may_use(monkeypatch):
+    from harness.launch import local
+
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    assert local._gpus() == ["0", "1"]
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3,5")  # e.g. two studies sharing a node, one per GPU pair
+    assert local._gpus() == ["3", "5"]
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "1")
+    assert local._gpus() == ["1"]

@@ -49,8 +49,9 @@ from harness.data.errors import DataError
 from harness.data.instructions import (InstructionSource, check_messages, load_conversations,
                                        parse_instruction_source, source_fingerprint)
 from harness.data.order import EpochOrder, permutation
-from harness.data.store import building, file_lock
+from harness.data.store import building
 from harness.data.tokenise import default_num_proc, token_ids, tokenizer_fingerprint
+from harness.files import file_lock
 
 IGNORE_INDEX = -100
 STORE_FORMAT = 1

@@ -26,9 +26,10 @@ from harness.data.errors import DataError
 from harness.data.loader import StageStream, validation_batches
 from harness.data.packing import PackedSplit
 from harness.data.sources import SourceSpec, load_documents, parse_source, source_fingerprint
-from harness.data.store import TokenStore, building, file_lock
+from harness.data.store import TokenStore, building
 from harness.data.tokenise import (cache_key, default_num_proc, new_writer, resolve_eos, store_meta,
                                    tokenise_dataset, tokenise_stream)
+from harness.files import file_lock
 
 STREAM_MARGIN = 0.01  # extra fraction read from a stream beyond the budget, for document edges
 

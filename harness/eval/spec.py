@@ -64,6 +64,7 @@ def spec_from_job(job: JobConfig, student_dir: Path, job_yaml: Optional[Path] = 
         niah=NiahConfig(**OmegaConf.to_container(OmegaConf.structured(ev.niah))),
         perplexity_tokens=ev.perplexity_tokens,
         chat_samples=ev.chat_samples,
+        teacher_cache=str(Path(ev.teacher_cache).resolve()) if ev.teacher_cache else None,
     )
 
 

@@ -156,9 +156,14 @@ def run_distill(job: JobConfig, job_path: str, overrides: list[str]) -> None:
 
 
 def _gpus() -> list[str]:
+    """The GPUs this process may use, named as a child's CUDA_VISIBLE_DEVICES must name them: the entries of this
+    process's own CUDA_VISIBLE_DEVICES when it has one (under CUDA_VISIBLE_DEVICES=1, a child pinned to "0" would
+    land on physical GPU 0), else 0 .. count - 1."""
     import torch
 
-    return [str(i) for i in range(torch.cuda.device_count())]
+    count = torch.cuda.device_count()
+    visible = [v.strip() for v in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if v.strip()]
+    return visible[:count] if visible else [str(i) for i in range(count)]
 
 
 def _spawn(cmd: list[str], log: Path, gpu: Optional[str]) -> subprocess.Popen:
