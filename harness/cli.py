@@ -394,5 +394,20 @@ def parameter_counts(job) -> tuple[int, int]:
     return count_parameters(teacher), count_parameters(student)
 
 
+def run_as_script() -> None:
+    """`python -m harness.cli` (what torchrun, srun and `harness run` start): main(), then a stage that ran a
+    process group ends without the interpreter's teardown (harness.engine.exit_after_teardown)."""
+    from harness.engine import exit_after_teardown
+
+    try:
+        code = main()
+    except SystemExit as exc:  # e.g. preempt.Preempted: the requeue exit code
+        if not isinstance(exc.code, int):
+            raise
+        code = exc.code
+    exit_after_teardown(code)
+    sys.exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    run_as_script()

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import re
+from datetime import datetime
 import shutil
 import socket
 import subprocess
@@ -73,6 +74,31 @@ class SlurmCluster:
 
     def states(self, job_id: str) -> list[str]:
         return [j.get("JobState", "?") for j in self.jobs(job_id)]
+
+    def release_requeued(self, job_id: str) -> dict[str, str]:
+        """A requeued job waits ~2 min (PENDING, Reason=BeginTime) before it runs again; start it sooner. Not
+        within the second of the requeue: slurmd revoked the job's credential then, and a new one made in the same
+        second counts as revoked ("Job credential revoked", the launch fails and the job ends FAILED; Slurm's own
+        BeginTime delay exists for this), so wait until its (reset) SubmitTime is 3 s old. Call repeatedly: an
+        update made while the job is still COMPLETING is accepted and lost. Returns the job's record as read."""
+        job = self.jobs(job_id)[0]
+        if job["JobState"] == "PENDING" and job.get("Reason") == "BeginTime":
+            requeued = datetime.fromisoformat(job["SubmitTime"])
+            if (datetime.now() - requeued).total_seconds() >= 3:
+                self.run("scontrol", "update", f"JobId={job_id}", "StartTime=now", check=False)
+        return job
+
+    def diagnose(self, job_id: str, lines: int = 40) -> str:
+        """The job's full record and what slurmctld / slurmd logged about it: for assertion messages."""
+        record = self.run("scontrol", "show", "job", "-d", job_id, check=False).stdout
+        out = [f"\n== scontrol show job {job_id}\n{record}"]
+        for name in ("slurmctld.log", "slurmd.log"):
+            log = self.state_dir / "log" / name
+            if log.is_file():
+                mentions = re.compile(rf"(JobId=|[Jj]ob |StepId=|jobid |job_id ){job_id}\b")
+                hits = [line for line in log.read_text(errors="replace").splitlines() if mentions.search(line)]
+                out.append(f"== {name} (lines naming {job_id})\n" + "\n".join(hits[-lines:]))
+        return "\n".join(out)
 
     def scancel(self, *job_ids: str) -> None:
         if job_ids:

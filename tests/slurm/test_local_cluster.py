@@ -123,16 +123,13 @@ def test_requeue_runs_the_job_again(slurm_cluster: SlurmCluster, tmp_path: Path)
         )
         slurm_cluster.run("scontrol", "requeue", job_id)
 
-        # the requeued job goes COMPLETING -> PENDING (Reason=BeginTime, ~2 min out); an update while it is
-        # still COMPLETING is accepted but lost, so repeat it until the job runs again
+        # the requeued job goes COMPLETING -> PENDING (Reason=BeginTime, ~2 min out): start it now, repeatedly
         def started_again() -> bool:
-            job = slurm_cluster.jobs(job_id)[0]
-            if job["JobState"] == "PENDING" and job.get("Reason") == "BeginTime":
-                slurm_cluster.run("scontrol", "update", f"JobId={job_id}", "StartTime=now", check=False)
+            job = slurm_cluster.release_requeued(job_id)
             return job["JobState"] in FINAL and (tmp_path / "count").read_text().strip() == "2"
 
         slurm_cluster.wait_for("the requeued run", started_again)
-        assert slurm_cluster.states(job_id) == ["COMPLETED"]
+        assert slurm_cluster.states(job_id) == ["COMPLETED"], slurm_cluster.diagnose(job_id)
         assert (tmp_path / "restarts").read_text().split() == ["0", "1"]
         assert slurm_cluster.jobs(job_id)[0]["Restarts"] == "1"
     finally:

@@ -126,16 +126,12 @@ def test_usr1_before_the_limit_checkpoints_and_requeues(slurm_cluster, tmp_path)
         assert steps and 0 < max(steps) < 76  # a checkpoint mid-stage, written on the signal
         preempted_at = max(steps)
 
-        # the requeued job waits (Reason=BeginTime, ~2 min) and an update while it is still COMPLETING is lost:
-        # repeat StartTime=now until it runs again (as in test_local_cluster's requeue test)
+        # the requeued job waits (Reason=BeginTime, ~2 min): start it as soon as the node is idle again
         def finished_again() -> bool:
-            job = slurm_cluster.jobs(distill)[0]
-            if job["JobState"] == "PENDING" and job.get("Reason") == "BeginTime":
-                slurm_cluster.run("scontrol", "update", f"JobId={distill}", "StartTime=now", check=False)
-            return job["JobState"] in {"COMPLETED", "FAILED", "CANCELLED"}
+            return slurm_cluster.release_requeued(distill)["JobState"] in {"COMPLETED", "FAILED", "CANCELLED"}
 
         slurm_cluster.wait_for("the requeued stage 3 to finish", finished_again, timeout=600, poll=2.0)
-        assert slurm_cluster.states(distill) == ["COMPLETED"], _logs(out)
+        assert slurm_cluster.states(distill) == ["COMPLETED"], _logs(out) + slurm_cluster.diagnose(distill)
         logged = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
         train_steps = [r["step"] for r in logged if "loss" in r]
         # the second run resumed from the checkpoint: no step trained twice, and it went on to the last step
