@@ -25,7 +25,7 @@ not fit this loss exactly, so only the PyTorch path exists (it runs on CPU and G
 
 from __future__ import annotations
 
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from typing import NamedTuple, Optional
 
 import torch
@@ -202,20 +202,22 @@ def _mm_fp32_out(x: Tensor, w: Tensor) -> Optional[Tensor]:
 
 
 @contextmanager
-def _tf32_matmuls(x: Tensor):
-    """For bf16 / fp16 inputs on a GPU, fp32 matmuls on TF32 tensor cores inside: the logits' gradient (fp32)
-    times a head or the hidden states. The low-precision operands are exact in TF32; the fp32 gradient is rounded
-    to TF32's 10-bit mantissa (~5e-4, finer than the bf16 gradient it becomes) where plain fp32 CUDA matmuls run
-    ~15x slower on an H200. fp32 inputs keep torch's own setting. Restores the previous setting."""
-    if not x.is_cuda or x.dtype == torch.float32:
-        yield
-        return
+def tf32_matmuls(enabled: bool):
+    """torch's CUDA TF32 setting for fp32 matmuls set to `enabled` inside, restored after."""
     prev = torch.backends.cuda.matmul.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = True
+    torch.backends.cuda.matmul.allow_tf32 = enabled
     try:
         yield
     finally:
         torch.backends.cuda.matmul.allow_tf32 = prev
+
+
+def _loss_matmuls(x: Tensor):
+    """For bf16 / fp16 inputs on a GPU, fp32 matmuls on TF32 tensor cores: the logits' gradient (fp32) times a
+    head or the hidden states. The low-precision operands are exact in TF32; the fp32 gradient is rounded to
+    TF32's 10-bit mantissa (~5e-4, finer than the bf16 gradient it becomes) where plain fp32 CUDA matmuls run
+    ~15x slower on an H200. fp32 inputs keep torch's own setting."""
+    return tf32_matmuls(True) if x.is_cuda and x.dtype != torch.float32 else nullcontext()
 
 
 def _logits(x: Tensor, w: Tensor) -> Tensor:
@@ -282,7 +284,7 @@ class _ChunkedDistill(torch.autograd.Function):
     @staticmethod
     def forward(ctx, xs, ws, xt, wt, y, ce_weight, kl_weight, tau, chunk, need_dx, need_dw):
         # Autocast would run the fp32 logit matmuls in bf16.
-        with torch.autocast(device_type=xs.device.type, enabled=False), _tf32_matmuls(xs):
+        with torch.autocast(device_type=xs.device.type, enabled=False), _loss_matmuls(xs):
             total, ce, kl, dx, dw = _chunked_forward(xs, ws, xt, wt, y, ce_weight, kl_weight, tau, chunk,
                                                      need_dx, need_dw)
         ctx.grads = (dx, dw)

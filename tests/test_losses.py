@@ -237,3 +237,16 @@ def test_peak_memory_is_per_chunk_not_per_batch():
     assert p_chunk < 6 * per_chunk + 2 * v * c * 4 + 16 * b * t * c * 4
     assert p_chunk < p_direct / 10
     assert p_chunk_2t - p_chunk < 16 * b * t * c * 4 < logits_bytes / 4
+
+
+def test_tf32_setting_is_set_inside_and_restored():
+    from harness.losses import tf32_matmuls
+
+    before = torch.backends.cuda.matmul.allow_tf32
+    for enabled in (True, False):
+        with tf32_matmuls(enabled):
+            assert torch.backends.cuda.matmul.allow_tf32 is enabled
+        assert torch.backends.cuda.matmul.allow_tf32 is before
+    with pytest.raises(RuntimeError), tf32_matmuls(not before):
+        raise RuntimeError("restored on errors too")
+    assert torch.backends.cuda.matmul.allow_tf32 is before

@@ -11,7 +11,7 @@ import torch
 if not torch.cuda.is_available():
     pytest.skip("GPU loss tests need CUDA", allow_module_level=True)
 
-from harness.losses import distill_loss  # noqa: E402
+from harness.losses import distill_loss, tf32_matmuls  # noqa: E402
 from tests.test_losses import direct_distill  # noqa: E402
 
 DEV = torch.device("cuda")
@@ -33,12 +33,8 @@ def test_bf16_chunked_matches_fp32_direct(tau):
     hs, ht, ws, wt, labels = _inputs(2, 512, 512, 8192, torch.bfloat16)
     kw = dict(ce_weight=1.0, kl_weight=1.0, temperature=tau)
     out = distill_loss(hs, ht, ws, wt, labels, chunk_tokens=256, **kw)
-    prev = torch.backends.cuda.matmul.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = False
-    try:
+    with tf32_matmuls(False):
         ref_total, ref_ce, ref_kl = direct_distill(hs, ht, ws, wt, labels, **kw)
-    finally:
-        torch.backends.cuda.matmul.allow_tf32 = prev
     for got, want in [(out.total, ref_total), (out.ce, ref_ce), (out.kl, ref_kl)]:
         torch.testing.assert_close(got.detach(), want.detach(), rtol=1e-3, atol=1e-5)
     got = torch.autograd.grad(out.total, (hs, ws))

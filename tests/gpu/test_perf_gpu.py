@@ -15,7 +15,6 @@ import os
 import subprocess
 import sys
 import time
-from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -25,7 +24,7 @@ if not torch.cuda.is_available():
     pytest.skip("GPU perf tests need CUDA", allow_module_level=True)
 
 from harness import perf  # noqa: E402
-from harness.losses import VOCAB_BLOCK, distill_loss  # noqa: E402
+from harness.losses import VOCAB_BLOCK, distill_loss, tf32_matmuls  # noqa: E402
 from tests.test_losses import direct_distill  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
@@ -126,16 +125,6 @@ def _inputs(b, t, c, v, dtype, seed=0):
     return hs, ht, ws, wt, labels
 
 
-@contextmanager
-def _no_tf32():
-    prev = torch.backends.cuda.matmul.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = False
-    try:
-        yield
-    finally:
-        torch.backends.cuda.matmul.allow_tf32 = prev
-
-
 def test_fp32_chunked_loss_with_mask_weights_and_scaled_backward():
     """fp32 inputs (no rounding floor): a loss mask, unequal weights, tau=2, a chunk that does not divide the
     token count, and a backward of 0.25 x total (grad_accum-style scaling) all match the direct loss."""
@@ -143,7 +132,7 @@ def test_fp32_chunked_loss_with_mask_weights_and_scaled_backward():
     labels[0, :37] = -100
     mask = torch.rand(labels.shape, device=DEV, generator=torch.Generator(device=DEV).manual_seed(3)) > 0.3
     kw = dict(ce_weight=0.5, kl_weight=2.0, temperature=2.0)
-    with _no_tf32():
+    with tf32_matmuls(False):
         out = distill_loss(hs, ht, ws, wt, labels, chunk_tokens=100, loss_mask=mask, **kw)
         got = torch.autograd.grad(0.25 * out.total, (hs, ws))
         ref_total, ref_ce, ref_kl = direct_distill(hs, ht, ws, wt, labels, loss_mask=mask, **kw)
@@ -166,7 +155,7 @@ def test_loss_head_with_bf16_heads_over_several_vocab_blocks():
     head = LossHead(torch.nn.Parameter(ws.detach().clone()), ce_weight=1.0, kl_weight=1.0, temperature=1.0)
     out = head(hs, ht, wt, labels)
     out.total.backward()
-    with _no_tf32():
+    with tf32_matmuls(False):
         ref_total, ref_ce, ref_kl = direct_distill(hs, ht, ws, wt, labels, ce_weight=1.0, kl_weight=1.0,
                                                    temperature=1.0)
         want_dx, want_dw = torch.autograd.grad(ref_total, (hs, ws))
