@@ -26,8 +26,9 @@ from typing import Any, Sequence
 
 import torch
 
+from harness.eval.niah import NewTextStop, greedy_config, resolve_prompt_mode, stop_token_ids
+
 CHAT_SAMPLES_FILE = "chat_samples.json"
-PROMPT_MODES = ("auto", "chat", "plain")
 DEFAULT_PROMPTS = (
     "Hi! How are you today?",
     "What is the capital of France?",
@@ -46,15 +47,7 @@ _MARK = "\x00RESPONSE\x00"  # stands for the assistant's content when locating t
 
 def resolve_chat_mode(tokenizer: Any, mode: str) -> str:
     """"chat" or "plain" for `mode` ("auto": chat when the tokenizer has a chat template)."""
-    if mode not in PROMPT_MODES:
-        raise ValueError(f"unknown chat sample mode {mode!r}; choose from {PROMPT_MODES}")
-    has_template = bool(getattr(tokenizer, "chat_template", None))
-    if mode == "chat" and not has_template:
-        raise ValueError("chat='chat' needs a tokenizer with a chat template; this one has none (use 'plain' or "
-                         "'auto')")
-    if mode == "auto":
-        return "chat" if has_template else "plain"
-    return mode
+    return resolve_prompt_mode(tokenizer, mode, what="chat sample mode")
 
 
 def _encode(tokenizer: Any, text: str, special: bool = False) -> list[int]:
@@ -96,42 +89,26 @@ def end_of_turn_ids(tokenizer: Any) -> list[int]:
 
 def stop_ids(model: Any, tokenizer: Any) -> list[int]:
     """Token ids that end an answer: EOS (tokenizer and generation config) and the template's end-of-turn."""
-    found: list[int] = []
-    for value in (getattr(tokenizer, "eos_token_id", None),
-                  getattr(getattr(model, "generation_config", None), "eos_token_id", None),
-                  end_of_turn_ids(tokenizer)):
-        for tid in value if isinstance(value, (list, tuple)) else [value]:
-            if tid is not None and int(tid) not in found:
-                found.append(int(tid))
-    return found
+    return stop_token_ids(model, tokenizer, end_of_turn_ids(tokenizer))
 
 
 # ---------------------------------------------------------------------------------------------- generation
 
 
-class _NewUserTurn:
-    """A transformers stopping criterion for plain prompts: stop once the answer starts a new `User:` turn."""
-
-    def __init__(self, tokenizer: Any, prompt_length: int) -> None:
-        self.tokenizer, self.prompt_length = tokenizer, prompt_length
-
-    def __call__(self, input_ids: torch.Tensor, scores: Any = None, **kwargs: Any) -> torch.Tensor:
-        text = self.tokenizer.decode(input_ids[0, self.prompt_length:].tolist(), skip_special_tokens=True)
-        done = f"\n{PLAIN_USER}" in text
-        return torch.full((input_ids.shape[0],), done, dtype=torch.bool, device=input_ids.device)
+def _new_user_turn(text: str) -> bool:
+    """For plain prompts: the answer has started a new `User:` turn."""
+    return f"\n{PLAIN_USER}" in text
 
 
 @torch.no_grad()
 def generate_response(model: Any, tokenizer: Any, input_ids: list[int], *, max_new_tokens: int, stop: list[int],
                       plain: bool = False, device: str | torch.device = "cpu") -> dict:
     """Greedy answer to one unpadded prompt: {"response", "tokens", "stopped"} (see the module docstring)."""
-    from transformers import GenerationConfig, StoppingCriteriaList
+    from transformers import StoppingCriteriaList
 
     ids = torch.tensor([input_ids], dtype=torch.long, device=device)
-    pad = getattr(tokenizer, "pad_token_id", None)
-    config = GenerationConfig(max_new_tokens=max_new_tokens, do_sample=False, num_beams=1, eos_token_id=stop or None,
-                              pad_token_id=pad if pad is not None else (stop or [0])[0])
-    criteria = StoppingCriteriaList([_NewUserTurn(tokenizer, ids.shape[1])] if plain else [])
+    config = greedy_config(max_new_tokens, stop, tokenizer)
+    criteria = StoppingCriteriaList([NewTextStop(tokenizer, ids.shape[1], _new_user_turn)] if plain else [])
     out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), generation_config=config,
                          stopping_criteria=criteria)
     new = out[0, ids.shape[1]:].tolist()

@@ -241,14 +241,15 @@ def _encode(tokenizer: Any, text: str, special: bool = False) -> list[int]:
     return list(tokenizer(text, add_special_tokens=special)["input_ids"])
 
 
-def resolve_prompt_mode(tokenizer: Any, mode: str) -> str:
-    """"chat" or "plain" for `mode` ("auto" picks chat when the tokenizer has a chat template)."""
+def resolve_prompt_mode(tokenizer: Any, mode: str, what: str = "NIAH prompt mode") -> str:
+    """"chat" or "plain" for `mode` ("auto" picks chat when the tokenizer has a chat template); `what` names the
+    setting in errors (the chat samples share this)."""
     if mode not in PROMPT_MODES:
-        raise ValueError(f"unknown NIAH prompt mode {mode!r}; choose from {PROMPT_MODES}")
+        raise ValueError(f"unknown {what} {mode!r}; choose from {PROMPT_MODES}")
     has_template = bool(getattr(tokenizer, "chat_template", None))
     if mode == "chat" and not has_template:
-        raise ValueError("NIAH prompt mode 'chat' needs a tokenizer with a chat template; this one has none "
-                         "(use prompt='plain' or 'auto')")
+        raise ValueError(f"{what} 'chat' needs a tokenizer with a chat template; this one has none "
+                         "(use 'plain' or 'auto')")
     if mode == "auto":
         return "chat" if has_template else "plain"
     return mode
@@ -435,26 +436,43 @@ def build_sample(tokenizer: Any, grid: NiahGrid, kind: str, length: int, depth: 
 # ---------------------------------------------------------------------------------------------- generation
 
 
-def _eos_ids(model: Any, tokenizer: Any) -> list[int]:
+def stop_token_ids(model: Any, tokenizer: Any, extra: Any = ()) -> list[int]:
+    """Token ids that end a greedy answer, without repeats: the tokenizer's and the generation config's EOS, plus
+    `extra` (e.g. a chat template's end-of-turn ids). Shared with harness.eval.chat_samples."""
     found: list[int] = []
     for value in (getattr(tokenizer, "eos_token_id", None),
-                  getattr(getattr(model, "generation_config", None), "eos_token_id", None)):
+                  getattr(getattr(model, "generation_config", None), "eos_token_id", None), extra):
         for tid in value if isinstance(value, (list, tuple)) else [value]:
             if tid is not None and int(tid) not in found:
                 found.append(int(tid))
     return found
 
 
-class _AnswerLineDone:
-    """A transformers stopping criterion: stop once the new text has a non-empty line followed by a newline."""
+def greedy_config(max_new_tokens: int, stop: list[int], tokenizer: Any):
+    """A transformers GenerationConfig for greedy decoding that ends at `stop` (padding: the tokenizer's pad id,
+    else the first stop id)."""
+    from transformers import GenerationConfig
 
-    def __init__(self, tokenizer: Any, prompt_length: int) -> None:
-        self.tokenizer, self.prompt_length = tokenizer, prompt_length
+    pad = getattr(tokenizer, "pad_token_id", None)
+    return GenerationConfig(max_new_tokens=max_new_tokens, do_sample=False, num_beams=1, eos_token_id=stop or None,
+                            pad_token_id=pad if pad is not None else (stop or [0])[0])
+
+
+class NewTextStop:
+    """A transformers stopping criterion: stop once `done(new text)` holds, the new text being what was generated
+    after the prompt's `prompt_length` tokens, decoded without special tokens (batch 1)."""
+
+    def __init__(self, tokenizer: Any, prompt_length: int, done: Callable[[str], bool]) -> None:
+        self.tokenizer, self.prompt_length, self.done = tokenizer, prompt_length, done
 
     def __call__(self, input_ids: torch.Tensor, scores: Any = None, **kwargs: Any) -> torch.Tensor:
         text = self.tokenizer.decode(input_ids[0, self.prompt_length:].tolist(), skip_special_tokens=True)
-        done = "\n" in text.lstrip()
-        return torch.full((input_ids.shape[0],), done, dtype=torch.bool, device=input_ids.device)
+        return torch.full((input_ids.shape[0],), self.done(text), dtype=torch.bool, device=input_ids.device)
+
+
+def _answer_line_done(text: str) -> bool:
+    """The answer line is complete: a non-empty line followed by a newline (only it is scored)."""
+    return "\n" in text.lstrip()
 
 
 @torch.no_grad()
@@ -464,14 +482,11 @@ def generate_answer(model: Any, tokenizer: Any, input_ids: list[int], max_new_to
 
     Generation stops at EOS, after `max_new_tokens`, or once the answer line is complete (only it is scored).
     """
-    from transformers import GenerationConfig, StoppingCriteriaList
+    from transformers import StoppingCriteriaList
 
     ids = torch.tensor([input_ids], dtype=torch.long, device=device)
-    eos = _eos_ids(model, tokenizer)
-    pad = getattr(tokenizer, "pad_token_id", None)
-    config = GenerationConfig(max_new_tokens=max_new_tokens, do_sample=False, num_beams=1,
-                              eos_token_id=eos or None, pad_token_id=pad if pad is not None else (eos or [0])[0])
-    stop = StoppingCriteriaList([_AnswerLineDone(tokenizer, ids.shape[1])])
+    config = greedy_config(max_new_tokens, stop_token_ids(model, tokenizer), tokenizer)
+    stop = StoppingCriteriaList([NewTextStop(tokenizer, ids.shape[1], _answer_line_done)])
     out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), generation_config=config,
                          stopping_criteria=stop)
     return tokenizer.decode(out[0, ids.shape[1]:].tolist(), skip_special_tokens=True)
