@@ -209,21 +209,22 @@ class ShortConv(nn.Module):
         self.conv = nn.Conv1d(channels, channels, kernel_size, groups=channels, bias=bias)
         self.kernel_size = kernel_size
 
-    def forward(self, x: torch.Tensor, tail: Optional[torch.Tensor] = None,
-                fused: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-        """-> (SiLU(conv(x)) `[B, T, C]`, the new tail). fused: fla's Triton causal-conv1d (convolution and SiLU in
-        one kernel, on `[B, T, C]` as it is) when x is on a GPU and no tail is carried in; else PyTorch's conv1d."""
+    def forward(self, x: torch.Tensor, tail: Optional[torch.Tensor] = None, fused: bool = False,
+                want_tail: bool = True) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """-> (SiLU(conv(x)) `[B, T, C]`, the new tail, or None unless `want_tail`: training does not keep it).
+        fused: fla's Triton causal-conv1d (convolution and SiLU in one kernel, on `[B, T, C]` as it is) when x is
+        on a GPU and no tail is carried in; else PyTorch's conv1d."""
         if fused and tail is None and x.is_cuda:
             from fla.modules.causal_conv1d import causal_conv1d
 
             y, _ = causal_conv1d(x, weight=self.conv.weight.squeeze(1), bias=self.conv.bias, activation="silu")
-            return y, self.tail_of(x)
+            return y, (self.tail_of(x) if want_tail else None)
         xt = x.transpose(1, 2)  # [B, C, T]
         if tail is None:
             tail = xt.new_zeros(xt.shape[0], xt.shape[1], self.kernel_size - 1)
         padded = torch.cat([tail.to(xt.dtype), xt], dim=-1)
         y = F.conv1d(padded, self.conv.weight, self.conv.bias, groups=xt.shape[1])
-        return F.silu(y).transpose(1, 2), padded[..., -(self.kernel_size - 1):].clone()
+        return F.silu(y).transpose(1, 2), (padded[..., -(self.kernel_size - 1):].clone() if want_tail else None)
 
     def tail_of(self, x: torch.Tensor) -> torch.Tensor:
         """The state after x `[B, T, C]` from a zero state: its last kernel_size - 1 inputs `[B, C, kernel_size - 1]`,
@@ -264,7 +265,7 @@ class ConvMixer(Mixer):
         tail = None
         if self.options.short_conv:
             qkv, tail = self.qkv_conv(qkv, state.conv if state is not None else None,
-                                      fused=self.backend_for(x) == "kernel")
+                                      fused=self.backend_for(x) == "kernel", want_tail=use_cache)
         else:
             qkv = F.silu(qkv)
         q, k, v = (self._heads(t) for t in qkv.chunk(3, dim=-1))
