@@ -73,6 +73,19 @@ def setup_distributed(device: torch.device, timeout_s: int = 1800) -> tuple[int,
     return torch.distributed.get_rank(), torch.distributed.get_world_size()
 
 
+def all_reduce_host(values: torch.Tensor, op=None) -> torch.Tensor:
+    """All-reduce a small host tensor (loss sums, flags) over the process group and return it on the host.
+    NCCL only reduces device tensors ("No backend type associated with device type cpu"), so under NCCL the
+    values travel through this rank's GPU; gloo reduces them in place. Without a process group: unchanged."""
+    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        return values
+    op = torch.distributed.ReduceOp.SUM if op is None else op
+    on_device = torch.distributed.get_backend() == "nccl"
+    t = values.to(torch.device("cuda", torch.cuda.current_device())) if on_device else values.clone()
+    torch.distributed.all_reduce(t, op=op)
+    return t.cpu()
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

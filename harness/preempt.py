@@ -42,9 +42,9 @@ def agreed() -> bool:
 
     flag = requested()
     if torch.distributed.is_available() and torch.distributed.is_initialized():
-        t = torch.tensor([int(flag)])
-        torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
-        flag = bool(t.item())
+        from harness.engine import all_reduce_host
+
+        flag = bool(all_reduce_host(torch.tensor([int(flag)]), torch.distributed.ReduceOp.MAX).item())
     return flag
 
 

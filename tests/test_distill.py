@@ -197,3 +197,10 @@ def test_teacher_placement_decision(monkeypatch):
     assert not engine.teacher_replicated("auto", tiny, cpu, bf16=False)
     frozen = engine.replicated_teacher(torch.nn.Linear(4, 4), cpu, bf16=False)
     assert not frozen.training and not any(p.requires_grad for p in frozen.parameters())
+
+
+def test_all_reduce_host_without_a_process_group_returns_the_values():
+    from harness.engine import all_reduce_host
+
+    sums = torch.tensor([1.5, 2.0], dtype=torch.float64)
+    assert torch.equal(all_reduce_host(sums), sums)

@@ -31,7 +31,7 @@ from torch import nn
 from harness import preempt
 from harness.checkpoint import CheckpointManager, load_rng, save_rng
 from harness.config import ConfigError, JobConfig, plan_stages, requested_tokens
-from harness.engine import gathered
+from harness.engine import all_reduce_host, gathered
 from harness.eval.spec import write_eval_spec
 from harness.losses import DistillLosses, distill_loss
 from harness.observe import RunLogger, check_finite, dense_flops_per_token
@@ -134,9 +134,7 @@ def scaled(loss: torch.Tensor, scale: float) -> torch.Tensor:
 
 def step_means(sums: torch.Tensor, step_tokens: int) -> list[float]:
     """Token-weighted sums of this rank's micro-batches (value x tokens) -> the step's per-token means."""
-    t = sums.clone()
-    torch.distributed.all_reduce(t)
-    return (t / max(step_tokens, 1)).tolist()
+    return (all_reduce_host(sums) / max(step_tokens, 1)).tolist()
 
 
 def distill(job: JobConfig, *, stop_after_steps: Optional[int] = None) -> Path:
@@ -316,7 +314,7 @@ def _validate(data: StageData, batch_size: int, s_engine, t_engine, teacher_head
             losses = s_engine(ids, t_hidden, teacher_head, labels)
         n = float(losses.tokens)
         sums += torch.tensor([losses.ce.item() * n, losses.kl.item() * n, n], dtype=torch.float64)
-    torch.distributed.all_reduce(sums)
+    sums = all_reduce_host(sums)
     s_engine.train()
     ce, kl = (sums[0] / sums[2]).item(), (sums[1] / sums[2]).item()
     return {"val_ce": ce, "val_kl": kl, "val_ppl": float(torch.tensor(ce).exp())}

@@ -35,6 +35,7 @@ from torch import nn
 from harness import preempt
 from harness.checkpoint import CheckpointManager
 from harness.config import ConfigError, JobConfig, to_yaml
+from harness.engine import all_reduce_host
 from harness.losses import DistillLosses, lm_loss
 from harness.observe import RunLogger, check_finite
 from harness.stages.common import resolve_device, run_dir
@@ -176,7 +177,7 @@ def _validate(data: StageData, batch_size: int, s_engine: Any, rank: int, world:
         ids = batch["input_ids"].to(s_engine.device)
         losses = s_engine(ids, batch["labels"].to(ids.device))
         sums += torch.tensor([losses.ce.item() * losses.tokens, losses.tokens], dtype=torch.float64)
-    torch.distributed.all_reduce(sums)
+    sums = all_reduce_host(sums)
     s_engine.train()
     ce = (sums[0] / sums[1].clamp(min=1)).item()
     return {"val_ce": ce, "val_ppl": float(torch.tensor(ce).exp())}

@@ -1,0 +1,85 @@
+#!/usr/bin/env bash
+# The small study (docs/STUDY.md) on a lent, offline GPU machine, from the repository root there.
+#
+#   bash scripts/study_small_device.sh setup    # once per machine, after the payload pieces are in /tmp/carry
+#   bash scripts/study_small_device.sh lanes    # every run call: resumes what the last call left, then archives
+#
+# `lanes` runs LANES (default: four lanes, two per GPU: stage 3 keeps one job's GPU busy only about half the time,
+# and greedy NIAH decoding at batch 1 is bound by the host) until STOP_AT seconds, when it touches
+# $HARNESS_PREEMPT_FILE so every stage checkpoints and exits; whatever still runs at KILL_AT is killed. Then it
+# writes the reports, metrics and logs of every run so far (no checkpoints or weights) to $OUT/study-small.tar.xz.
+# With CONV_TEST=1 it also runs the fused short-convolution GPU tests on the last GPU, log in $OUT.
+set -u
+S=runs/study-small
+STOP_AT=${STOP_AT:-520}
+KILL_AT=${KILL_AT:-555}
+DEFAULT_LANES=("0:gated_deltanet-small kda-small" "0:deltanet-small gla-small"
+               "1:linear_attn-small mlstm-small" "1:retnet-small linear_attn-small-seed2")
+
+setup() {
+  (cd /tmp/carry && cat study-payload.part-* >study-payload.tar.xz && sha256sum -c study-payload.sha256 \
+     && tar -C /tmp -xJf study-payload.tar.xz) || exit 4
+  rm -rf /tmp/carry
+  source .devbundle/setup.sh || exit 4
+  export HARNESS_CACHE=/tmp/hc HF_HUB_OFFLINE=1 PYTHONPATH=$PYTHONPATH:/tmp/evalsite
+  python3 -c "import lm_eval, harness; harness.load_teacher('smollm2-135m-instruct-gguf')" || exit 4
+  python3 -m harness.cli data prepare jobs/study-small/smollm2-135m-gla-small.yaml >/tmp/prepare.log 2>&1 \
+    || { tail -n 20 /tmp/prepare.log; exit 4; }
+  tail -n 7 /tmp/prepare.log
+  touch /tmp/hc/.ready
+}
+
+lane() {  # lane GPU JOB...: the jobs one after another on one GPU; a failed job does not stop the lane
+  local gpu=$1 m n
+  shift
+  for m; do
+    n=smollm2-135m-$m
+    [ -f "$S/$n/DONE" ] && continue
+    [ -e "$HARNESS_PREEMPT_FILE" ] && return
+    if CUDA_VISIBLE_DEVICES=$gpu python3 -m harness.cli run "jobs/study-small/$n.yaml"; then
+      touch "$S/$n/DONE"
+    else
+      echo "lane $gpu: $n stopped or failed (rc $?) at ${SECONDS}s"
+    fi
+  done
+}
+
+lanes() {
+  source .devbundle/setup.sh || exit 4
+  test -f /tmp/hc/.ready || { echo "fresh machine: carry the payload again and run setup"; exit 3; }
+  export HARNESS_CACHE=/tmp/hc PYTHONPATH=$PYTHONPATH:/tmp/evalsite HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 \
+         HARNESS_PREEMPT_FILE=/tmp/stop S
+  export -f lane
+  rm -f /tmp/stop
+  mkdir -p "$S" "$OUT"
+  (sleep $((STOP_AT - SECONDS)); touch /tmp/stop) &
+  local stopper=$! specs=("${DEFAULT_LANES[@]}") pids=() i=0 spec
+  [ -n "${LANES:-}" ] && IFS=';' read -r -a specs <<<"$LANES"
+  if [ "${CONV_TEST:-0}" = 1 ]; then
+    CUDA_VISIBLE_DEVICES=$(nvidia-smi -L | tail -n 1 | cut -d: -f1 | tr -dc 0-9) timeout $((KILL_AT - SECONDS)) \
+      python3 -m pytest -q tests/gpu/test_mixer_layers.py \
+      -k "fused_short_conv or (deltanet and 135M-2048) or (kda and 135M-2048) or prefill_state" \
+      >"$OUT/conv_test.log" 2>&1 &
+    pids+=($!)
+  fi
+  for spec in "${specs[@]}"; do
+    timeout $((KILL_AT - SECONDS)) bash -c "lane ${spec%%:*} ${spec#*:}" >>"$S/lane$i.log" 2>&1 &
+    pids+=($!)
+    i=$((i + 1))
+  done
+  wait "${pids[@]}"
+  kill $stopper 2>/dev/null
+  tail -n 2 "$S"/lane*.log
+  ls "$S"/*/DONE 2>/dev/null
+  for t in "$S"/*/logs/timings.jsonl; do [ -f "$t" ] && echo "$t: $(tr '\n' ' ' <"$t" | cut -c1-400)"; done
+  (cd runs && find study-small -regex 'study-small/[^/]*/\(student\|merged\|student-sft\)' -prune \
+     -o \( -name checkpoints -o -name tb -o -name snapshots \) -prune -o -type f ! -name '*.safetensors' -print \
+     | tar -cJf "$OUT/study-small.tar.xz" -T -)
+  ls -l "$OUT"
+}
+
+case "${1:-}" in
+  setup) setup ;;
+  lanes) lanes ;;
+  *) echo "usage: $0 setup|lanes (see docs/STUDY.md)"; exit 2 ;;
+esac
