@@ -107,7 +107,8 @@ def add_parsers(sub: Any) -> None:
 
     report = sub.add_parser("report", help="Teacher-recovery report of one run, or a comparison of several.",
                             description="Read RUN_DIR/eval/report.json (written by the evaluation job) of each run. "
-                            "One run: print its report. Several: write comparison.md/json, recovery.png and "
+                            "One run: print its report. Several: write comparison.md/json (recovery, scores, NIAH by length, "
+                            "the final loss of each training stage), recovery.png, loss_curves.png and "
                             "niah_by_length.png into --out and print the table.",
                             epilog="example:\n  harness report runs/study/*-gla runs/study/*-kda --out reports/study",
                             formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -252,14 +253,14 @@ def cmd_eval_marks(args: argparse.Namespace) -> int:
 
 def cmd_report(args: argparse.Namespace) -> int:
     from harness.eval.history import load_histories
-    from harness.eval.report import compare, comparison_markdown, find_report, markdown
+    from harness.eval.report import attach_training, compare, comparison_markdown, find_report, markdown
 
     reports, with_history = [], []
     for path in args.runs:
         has_history = any((Path(path) / sub / "history.jsonl").is_file() for sub in ("eval", "."))
         with_history += [path] if has_history else []
         try:
-            reports.append(find_report(path))
+            reports.append(attach_training(find_report(path), path))
         except FileNotFoundError as err:
             if not has_history:
                 raise ConfigError(str(err)) from None
@@ -270,7 +271,9 @@ def cmd_report(args: argparse.Namespace) -> int:
     if len(reports) > 1:
         written = compare(reports, out)
         print(comparison_markdown(reports))
-        print(f"[harness] comparison: {written} (plots: recovery.png, niah_by_length.png)")
+        plots = ["recovery.png", "niah_by_length.png"] + (["loss_curves.png"] if any(r.get("training") for r in reports)
+                                                          else [])
+        print(f"[harness] comparison: {written} (plots: {', '.join(plots)})")
     if with_history:
         print(_history_views(load_histories(with_history), out, args.plateau_threshold))
     return 0

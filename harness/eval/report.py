@@ -7,7 +7,9 @@ samples) and overall; perplexity is compared as the ratio student / teacher (1.0
 
     build_report(student_dir, teacher_dir, ...)  -> report dict  (one run; reads bench/niah/perplexity.json)
     write_report(report, out)                    -> out/report.json, out/report.md, out/niah_by_length.png
-    compare(reports, out)                        -> out/comparison.{json,md}, recovery.png, niah_by_length.png
+    compare(reports, out)                        -> out/comparison.{json,md}, recovery.png, niah_by_length.png,
+                                                    loss_curves.png (reports with attach_training)
+    attach_training(report, run_dir)             -> the report with the run's stage losses and curves
     find_report(path)                            -> the report of RUN_DIR, RUN_DIR/eval or a report.json
 """
 
@@ -127,6 +129,7 @@ def markdown(report: dict) -> str:
         lines += ["## Perplexity (held-out text)", "",
                   f"student {_fmt(ppl['student'])}, teacher {_fmt(ppl['teacher'])}, ratio {_fmt(ppl['ratio'])} "
                   f"over {ppl['tokens']} tokens of {ppl['source']}", ""]
+    lines += _training_table([report])
     chat = report.get("chat_samples") or {}
     if chat.get("student"):
         from harness.eval.chat_samples import markdown_section
@@ -160,7 +163,8 @@ def _name(report: dict) -> str:
 
 
 def comparison_markdown(reports: list[dict]) -> str:
-    """Several runs: one row per run with per-task recovery, the average, NIAH overall and perplexity ratio."""
+    """Several runs: recovery per task with NIAH overall and the perplexity ratio; then the raw scores, NIAH by
+    length, and (for runs read from their run directories) the final loss of each training stage."""
     tasks = list(dict.fromkeys(t for r in reports for t in r["tasks"]))
     head = ["run"] + tasks + ["average recovery", "NIAH student", "NIAH teacher", "ppl ratio"]
     lines = ["# Teacher recovery, by run", "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
@@ -175,11 +179,77 @@ def comparison_markdown(reports: list[dict]) -> str:
     lines += ["", "Recovery: student score / teacher score on the same examples; average over the tasks both have.",
               "NIAH: exact-match accuracy over all lengths, depths, kinds; ppl ratio: student / teacher perplexity.",
               ""]
+    lines += _scores_table(reports, tasks) + _niah_table(reports) + _training_table(reports, plotted=True)
     return "\n".join(lines)
 
 
+def _teachers(reports: list[dict]) -> list[dict]:
+    """One report per distinct teacher (its rows are the same in every report that shares it)."""
+    return list({r.get("teacher_dir"): r for r in reports if r.get("teacher_dir")}.values())
+
+
+def _scores_table(reports: list[dict], tasks: list[str]) -> list[str]:
+    if not tasks:
+        return []
+    metrics = [next((r["tasks"][t]["metric"] for r in reports if t in r["tasks"]), "") for t in tasks]
+    lines = ["## Scores", "", "| model | " + " | ".join(f"{t} ({m})" for t, m in zip(tasks, metrics)) +
+             " | average | perplexity |", "|" + "---|" * (len(tasks) + 3)]
+    rows = [(_name(r), r, "student") for r in reports] + [("teacher", r, "teacher") for r in _teachers(reports)]
+    for name, r, side in rows:
+        cells = [_fmt(r["tasks"].get(t, {}).get(side)) for t in tasks]
+        cells += [_fmt(r["average"][side]), _fmt((r.get("perplexity") or {}).get(side))]
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    limit = next((r.get("limit") for r in reports if r.get("limit")), None)
+    return lines + ["", f"Benchmarks: lm-eval, {'the first ' + str(limit) + ' examples' if limit else 'all examples'}"
+                        " of each task; perplexity on the held-out text.", ""]
+
+
+def _niah_table(reports: list[dict]) -> list[str]:
+    sides = [(_name(r), (r.get("niah") or {}).get("student")) for r in reports]
+    sides += [("teacher", (r.get("niah") or {}).get("teacher")) for r in _teachers(reports)]
+    sides = [(name, result) for name, result in sides if result]
+    if not sides:
+        return []
+    lengths = sorted({int(k) for _, result in sides for k in result["by_length"]})
+    lines = ["## Needle in a haystack by length (exact match)", "",
+             "| model | " + " | ".join(str(n) for n in lengths) + " | overall |", "|" + "---|" * (len(lengths) + 2)]
+    for name, result in sides:
+        cells = [_fmt(result["by_length"].get(str(n)), pct=True) for n in lengths]
+        lines.append(f"| {name} | " + " | ".join(cells) + f" | {_fmt(result['overall'], pct=True)} |")
+    return lines + [""]
+
+
+def _training_table(reports: list[dict], plotted: bool = False) -> list[str]:
+    runs = [(r, r["training"]["final"]) for r in reports if r.get("training")]
+    if not runs:
+        return []
+    fraction = runs[0][0]["training"].get("final_fraction")
+    lines = ["## Training losses", "",
+             "| run | stage 1 MSE | stage 2 MSE | stage 3 loss | stage 3 CE | stage 3 KL | val CE | val KL | val ppl |",
+             "|" + "---|" * 9]
+    for r, final in runs:
+        d = final.get("distill") or {}
+        cells = [final.get("align_mixer"), final.get("align_hidden"), d.get("loss"), d.get("ce"), d.get("kl"),
+                 d.get("val_ce"), d.get("val_kl"), d.get("val_ppl")]
+        lines.append(f"| {_name(r)} | " + " | ".join(_fmt(c) for c in cells) + " |")
+    return lines + ["", f"Stages 1-2: mean per-layer MSE; stage 3: loss = weighted CE + KL. Training values are means "
+                        f"over the logged steps of the stage's last {fraction:.0%}; validation on the held-out split at the end of stage 3."
+                        + (" Curves: loss_curves.png." if plotted else ""), ""]
+
+
+def attach_training(report: dict, path: str | Path) -> dict:
+    """Add the run's training losses (harness.eval.training) when `path` is a run directory or its eval folder."""
+    from harness.eval.training import training_summary
+
+    path = Path(path)
+    run = path.parent if path.name == "eval" else path
+    summary = training_summary(run) if (run / "job.yaml").is_file() else None
+    return {**report, "training": summary} if summary else report
+
+
 def compare(reports: list[dict], out: Path) -> Path:
-    """out/comparison.{json,md}, out/recovery.png and out/niah_by_length.png for several runs."""
+    """out/comparison.{json,md}, out/recovery.png, out/niah_by_length.png and (with training losses)
+    out/loss_curves.png for several runs."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "comparison.json").write_text(json.dumps({"runs": reports}, indent=1))
@@ -187,6 +257,10 @@ def compare(reports: list[dict], out: Path) -> Path:
     plot_recovery(reports, out / "recovery.png")
     if any(r.get("niah") for r in reports):
         plot_niah_by_length(reports, out / "niah_by_length.png")
+    if any(r.get("training") for r in reports):
+        from harness.eval.training import plot_loss_curves
+
+        plot_loss_curves({_name(r): r.get("training") for r in reports}, out / "loss_curves.png")
     return out / "comparison.md"
 
 

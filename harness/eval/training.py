@@ -1,0 +1,121 @@
+"""A run's training losses, read back from its stages' metrics: the final loss of each stage and the loss curves.
+
+    training_summary(run_dir)   -> {"final": {...}, "curves": {...}}  (None when the run has no stage metrics)
+    plot_loss_curves(summaries, path)                                  one panel per stage, one line per run
+
+Stages 1 and 2 log, per layer group, the MSE of every layer (`loss/layer_NN`); their curve is the mean over all
+the student's layers at each step (the groups step in lockstep over the same batches). Stage 3 logs the total
+training loss (ce_weight x CE + kl_weight x KL), its CE and KL per step, and the validation CE / KL / perplexity
+at its end (and every `validate_every` steps). "Final" training values are means over the logged steps in the last
+FINAL_FRACTION of the stage (at least the last logged step), which says more than one noisy step; validation values
+are the last validation.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Optional
+
+ALIGN_STAGES = ("align_mixer", "align_hidden")
+FINAL_FRACTION = 0.1
+LAYER_PREFIX = "loss/layer_"
+
+
+def _rows(path: Path) -> list[dict]:
+    rows = []
+    for line in path.read_text().splitlines() if path.is_file() else []:
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:  # a line torn by a crash
+            continue
+    return rows
+
+
+def align_curve(run_dir: Path, stage: str) -> Optional[dict]:
+    """Mean per-layer MSE over all layer groups at each step: {"tokens": [...], "loss": [...], "layers": n}."""
+    by_step: dict[int, dict[str, float]] = {}
+    tokens: dict[int, int] = {}
+    for metrics in sorted((run_dir / stage).glob("*/metrics.jsonl")):
+        for row in _rows(metrics):
+            layers = {k: v for k, v in row.items() if k.startswith(LAYER_PREFIX)}
+            if layers and "step" in row:
+                by_step.setdefault(row["step"], {}).update(layers)
+                tokens[row["step"]] = row.get("tokens", 0)
+    if not by_step:
+        return None
+    n_layers = max(len(v) for v in by_step.values())
+    steps = [s for s in sorted(by_step) if len(by_step[s]) == n_layers]  # every group has logged this step
+    return {"steps": steps, "tokens": [tokens[s] for s in steps],
+            "loss": [sum(by_step[s].values()) / n_layers for s in steps], "layers": n_layers}
+
+
+def distill_curves(run_dir: Path) -> Optional[dict]:
+    """Stage 3's training loss / CE / KL per step and its validations."""
+    rows = _rows(run_dir / "distill" / "metrics.jsonl")
+    train = {r["step"]: r for r in rows if "loss" in r}  # a resumed run logs its steps again: keep the last
+    val = [r for r in rows if "val_ce" in r]
+    if not train:
+        return None
+    steps = sorted(train)
+    return {"steps": steps, "tokens": [train[s]["tokens"] for s in steps],
+            **{key: [train[s].get(key) for s in steps] for key in ("loss", "ce", "kl")},
+            "val_tokens": [r["tokens"] for r in val],
+            **{key: [r[key] for r in val] for key in ("val_ce", "val_kl", "val_ppl")}}
+
+
+def _tail_mean(steps: list[int], values: list) -> Optional[float]:
+    """Mean of the values logged in the last FINAL_FRACTION of the steps (at least the last one)."""
+    start = min(steps[-1] * (1 - FINAL_FRACTION), steps[-1])
+    tail = [v for s, v in zip(steps, values) if s >= start and v is not None and math.isfinite(v)]
+    return sum(tail) / len(tail) if tail else None
+
+
+def training_summary(run_dir: str | Path) -> Optional[dict]:
+    """The final losses and the curves of every stage that logged metrics in run_dir; None if none did."""
+    run_dir = Path(run_dir)
+    curves = {stage: align_curve(run_dir, stage) for stage in ALIGN_STAGES}
+    curves["distill"] = distill_curves(run_dir)
+    curves = {k: v for k, v in curves.items() if v}
+    if not curves:
+        return None
+    final: dict = {stage: _tail_mean(curves[stage]["steps"], curves[stage]["loss"])
+                   for stage in ALIGN_STAGES if stage in curves}
+    if "distill" in curves:
+        d = curves["distill"]
+        final["distill"] = {key: _tail_mean(d["steps"], d[key]) for key in ("loss", "ce", "kl")}
+        final["distill"].update({key: (d[key][-1] if d[key] else None) for key in ("val_ce", "val_kl", "val_ppl")})
+        final["distill"]["tokens"] = d["tokens"][-1]
+    return {"run_dir": str(run_dir), "final_fraction": FINAL_FRACTION, "final": final, "curves": curves}
+
+
+PANELS = (("align_mixer", "loss", "stage 1: mixer-output MSE (mean over layers)"),
+          ("align_hidden", "loss", "stage 2: hidden-state MSE (mean over layers)"),
+          ("distill", "ce", "stage 3: CE (training; dots: validation)"))
+
+
+def plot_loss_curves(summaries: dict[str, dict], path: str | Path) -> Path:
+    """One panel per stage (log-scale loss against tokens), one line per run; stage 3's validation CE as dots."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(15, 4.2))
+    FigureCanvasAgg(fig)
+    axes = fig.subplots(1, len(PANELS))
+    for ax, (stage, key, title) in zip(axes, PANELS):
+        for i, (name, summary) in enumerate(summaries.items()):
+            curve = (summary or {}).get("curves", {}).get(stage)
+            if not curve:
+                continue
+            color = f"C{i % 10}"
+            ax.plot([t / 1e6 for t in curve["tokens"]], curve[key], label=name, color=color, linewidth=1)
+            if stage == "distill" and curve.get("val_tokens"):
+                ax.scatter([t / 1e6 for t in curve["val_tokens"]], curve["val_ce"], color=color, s=18, zorder=3)
+        ax.set_yscale("log")
+        ax.set_xlabel("tokens (M)")
+        ax.set_title(title, fontsize=10)
+    axes[-1].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    return Path(path)

@@ -1,0 +1,88 @@
+"""The comparison's training losses (harness.eval.training): curves and final values computed directly from
+metrics files written here, a torn line and a resumed stage's repeated steps, and `harness report` with them."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from harness.cli import main as harness_main
+from harness.eval.report import attach_training, comparison_markdown
+from harness.eval.training import align_curve, training_summary
+
+
+def write_rows(path: Path, rows: list[dict], torn: str = "") -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows) + torn)
+
+
+def fake_run(root: Path, scale: float = 1.0) -> Path:
+    """Two layer groups (layers 0-1 and 2-3) in stages 1-2, 20 steps of stage 3 with a resume, one validation."""
+    run = root / f"run-{scale}"
+    (run / "job.yaml").parent.mkdir(parents=True)
+    (run / "job.yaml").write_text("name: fake\n")
+    for stage, base in (("align_mixer", 4.0), ("align_hidden", 2.0)):
+        for group, layers in (("layers-00-01", (0, 1)), ("layers-02-03", (2, 3))):
+            rows = [{"step": s, "tokens": 100 * s, "loss": 0.0,
+                     **{f"loss/layer_{i:02d}": scale * base * (i + 1) / s for i in layers}} for s in (10, 20, 30)]
+            write_rows(run / stage / group / "metrics.jsonl", rows, torn='{"step": 40, "tok')
+    train = [{"step": s, "tokens": 1000 * s, "loss": scale * (10 - 0.1 * s), "ce": scale * (6 - 0.1 * s),
+              "kl": scale * 4.0} for s in range(1, 21)]
+    resumed = [dict(r, loss=r["loss"] - 0.5) for r in train[-3:]]  # steps 18-20 again after a resume
+    val = {"step": 20, "tokens": 20000, "val_ce": scale * 3.5, "val_kl": scale * 1.5, "val_ppl": 33.1}
+    write_rows(run / "distill" / "metrics.jsonl", train + resumed + [val])
+    return run
+
+
+def test_align_curve_is_the_mean_over_all_groups_layers(tmp_path):
+    run = fake_run(tmp_path)
+    curve = align_curve(run, "align_mixer")
+    assert curve["layers"] == 4 and curve["steps"] == [10, 20, 30] and curve["tokens"] == [1000, 2000, 3000]
+    for step, value in zip(curve["steps"], curve["loss"]):
+        assert value == pytest.approx(sum(4.0 * (i + 1) / step for i in range(4)) / 4)
+
+
+def test_final_losses_are_means_over_the_last_tenth_of_each_stage(tmp_path):
+    summary = training_summary(fake_run(tmp_path))
+    final = summary["final"]
+    assert final["align_mixer"] == pytest.approx(10.0 / 30 / 4 * 4)  # only step 30 is in the last 10% of 30
+    assert final["align_hidden"] == pytest.approx(5.0 / 30)
+    d = final["distill"]
+    # steps 18, 19, 20 are in the last 10% of 20; their resumed values (0.5 lower) replace the first ones
+    assert d["loss"] == pytest.approx(sum(10 - 0.1 * s - 0.5 for s in (18, 19, 20)) / 3)
+    assert d["ce"] == pytest.approx(sum(6 - 0.1 * s for s in (18, 19, 20)) / 3)
+    assert d["kl"] == pytest.approx(4.0)
+    assert (d["val_ce"], d["val_kl"], d["val_ppl"], d["tokens"]) == (3.5, 1.5, 33.1, 20000)
+    assert summary["curves"]["distill"]["steps"] == list(range(1, 21))
+
+
+def test_no_stage_metrics_means_no_training_section(tmp_path):
+    (tmp_path / "job.yaml").write_text("name: x\n")
+    assert training_summary(tmp_path) is None
+    report = {"label": "x", "mixer": None, "tasks": {}, "average": {}}
+    assert attach_training(report, tmp_path) == report
+
+
+def test_comparison_lists_the_final_losses_and_draws_the_curves(tmp_path, capsys):
+    runs = [fake_run(tmp_path, 1.0), fake_run(tmp_path, 2.0)]
+    for i, run in enumerate(runs):
+        rows = {"piqa": {"metric": "acc", "student": 0.5 + 0.1 * i, "teacher": 0.8, "recovery": (0.5 + 0.1 * i) / 0.8,
+                         "n": 10}}
+        report = {"label": f"r{i}", "mixer": "gla", "teacher_dir": "/t", "limit": 10, "tasks": rows,
+                  "average": {"tasks": 1, "student": 0.5 + 0.1 * i, "teacher": 0.8, "recovery": (0.5 + 0.1 * i) / 0.8},
+                  "niah": {"student": {"overall": 0.25, "by_length": {"256": 0.5, "512": 0.0}},
+                           "teacher": {"overall": 0.75, "by_length": {"256": 1.0, "512": 0.5}}, "recovery": 1 / 3},
+                  "perplexity": {"student": 40.0, "teacher": 20.0, "ratio": 2.0}}
+        (run / "eval").mkdir()
+        (run / "eval" / "report.json").write_text(json.dumps(report))
+    table = comparison_markdown([attach_training(json.loads((r / "eval" / "report.json").read_text()), r)
+                                 for r in runs])
+    assert "| r1 [gla] | 0.6667 | 0.3333 |" in table  # stage 1 and 2 MSE of the scale-2 run
+    assert "| teacher | 0.8 | 0.8 | 20 |" in table and "| teacher | 100.0% | 50.0% | 75.0% |" in table
+    assert harness_main(["report", *map(str, runs), "--out", str(tmp_path / "cmp")]) == 0
+    assert "loss_curves.png" in capsys.readouterr().out
+    assert (tmp_path / "cmp" / "loss_curves.png").stat().st_size > 10_000
+    saved = json.loads((tmp_path / "cmp" / "comparison.json").read_text())["runs"]
+    assert saved[0]["training"]["final"]["distill"]["val_ppl"] == 33.1
