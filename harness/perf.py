@@ -937,12 +937,14 @@ def _output_cache(out: Any) -> Any:
 
 @torch.no_grad()
 def decode_timing(model: nn.Module, ids: torch.Tensor, new_tokens: int, warmup_tokens: int = 2,
-                  recurrent: bool = True) -> dict[str, Any]:
+                  recurrent: bool = True, graphs: bool = False) -> dict[str, Any]:
     """Prefill `ids`, then `warmup_tokens` + `new_tokens` greedy one-token steps; ms per timed token.
 
     recurrent: a harness student with a RecurrentCache; else a transformers model with its KV cache.
+    graphs: the student's step captured as a CUDA graph (harness.decoding; capture time reported apart).
     The timed loop does not synchronize per token (the argmax feeds the next step on the device).
     """
+    from harness.decoding import GraphedStep
     from harness.student import RecurrentCache
 
     dev = ids.device
@@ -958,9 +960,17 @@ def decode_timing(model: nn.Module, ids: torch.Tensor, new_tokens: int, warmup_t
     nxt = out.logits[:, -1].argmax(-1, keepdim=True)
     _sync(dev)
     prefill_ms = (time.perf_counter() - t0) * 1e3
+    graphed, capture_ms = None, None
+    if recurrent and graphs:
+        t0 = time.perf_counter()
+        graphed = GraphedStep(model, cache)
+        _sync(dev)
+        capture_ms = (time.perf_counter() - t0) * 1e3
 
     def step(tok: torch.Tensor) -> torch.Tensor:
         nonlocal cache
+        if graphed is not None:
+            return graphed(tok).argmax(-1, keepdim=True)
         if recurrent:
             o = model(tok, cache=cache, use_cache=True)
         else:
@@ -978,7 +988,8 @@ def decode_timing(model: nn.Module, ids: torch.Tensor, new_tokens: int, warmup_t
     ms = (time.perf_counter() - t0) * 1e3 / max(new_tokens, 1)
     state = cache.state_bytes() if recurrent else _kv_cache_bytes(cache)
     return {"ms_per_token": ms, "tokens_per_s": ids.shape[0] * 1e3 / ms if ms > 0 else 0.0,
-            "prefill_ms": prefill_ms, "state_bytes": state}
+            "prefill_ms": prefill_ms, "state_bytes": state, "cuda_graph": graphed is not None,
+            **({"graph_capture_ms": capture_ms} if graphed is not None else {})}
 
 
 def bench_decode(shape: str = "135M", mixer: str = "gated_deltanet", *, contexts: Sequence[int] = (1024, 8192, 32768),
@@ -987,6 +998,8 @@ def bench_decode(shape: str = "135M", mixer: str = "gated_deltanet", *, contexts
                  teacher_source: Optional[str] = None, layers: Optional[int] = None,
                  options: Optional[dict] = None, teacher: bool = True, seed: int = 0) -> dict[str, Any]:
     """Per-token decoding time of the student (recurrent state) and the teacher (KV cache) at each context.
+    On CUDA the student is timed with its step as a CUDA graph (`student`, as NIAH decodes) and eagerly
+    (`student_eager`); elsewhere `student` is eager.
 
     Returns {"shape", "mixer", ..., "rows": [{context, student: {...}, teacher: {...}, speedup}],
     "student_flatness", "teacher_flatness"} with flatness = ms/token at the longest context / at the shortest.
@@ -998,6 +1011,9 @@ def bench_decode(shape: str = "135M", mixer: str = "gated_deltanet", *, contexts
     t_model, student = build_pair(shape, mixer, options=options, source=teacher_source, layers=layers,
                                   device=device, teacher_dtype=dtype, seed=seed)
     student.to(dtype).eval()
+    from harness.decoding import graphable
+
+    graphs = graphable(student)
     vocab, max_pos = t_model.config.vocab_size, t_model.config.max_position_embeddings
     g = torch.Generator(device="cpu").manual_seed(seed + 7)
     warm = torch.randint(0, vocab, (batch, 64), generator=g).to(device)
@@ -1008,11 +1024,12 @@ def bench_decode(shape: str = "135M", mixer: str = "gated_deltanet", *, contexts
     for ctx in sorted(int(c) for c in contexts):
         ids = torch.randint(0, vocab, (batch, ctx), generator=g).to(device)
         row: dict[str, Any] = {"context": ctx}
-        for label, model, recurrent in (("student", student, True), ("teacher", t_model, False)):
+        runs = [("student", student, True, graphs)] + ([("student_eager", student, True, False)] if graphs else [])
+        for label, model, recurrent, graphed in runs + [("teacher", t_model, False, False)]:
             if label == "teacher" and not teacher:
                 continue
             try:
-                row[label] = decode_timing(model, ids, new_tokens, warmup_tokens, recurrent=recurrent)
+                row[label] = decode_timing(model, ids, new_tokens, warmup_tokens, recurrent=recurrent, graphs=graphed)
             except Exception as err:  # noqa: BLE001 - e.g. out of memory at the longest context
                 row[label] = {"error": f"{type(err).__name__}: {err}"}
             _free()
@@ -1027,8 +1044,9 @@ def bench_decode(shape: str = "135M", mixer: str = "gated_deltanet", *, contexts
         "options": dict(options or {}), "layers": t_model.config.num_hidden_layers, "batch": batch,
         "dtype": str(dtype).removeprefix("torch."), "device": str(device), "new_tokens": new_tokens, "rows": rows,
     }
-    for label in ("student", "teacher"):
-        out[f"{label}_flatness"] = flatness([r.get(label, {}).get("ms_per_token") for r in rows])
+    for label in ("student", "student_eager", "teacher"):
+        if any(label in r for r in rows):
+            out[f"{label}_flatness"] = flatness([r.get(label, {}).get("ms_per_token") for r in rows])
     _free(t_model, student)
     return out
 
@@ -1135,20 +1153,22 @@ def markdown(results: dict[str, Any]) -> str:
     decodes = results.get("decode") or []
     if decodes:
         lines += ["### Decoding (batch 1, ms per token)", "",
-                  "| shape | mixer | context | student ms/token | teacher ms/token | teacher / student | "
-                  "student state | teacher KV cache |", "|---|---|---|---|---|---|---|---|"]
+                  "| shape | mixer | context | student ms/token | student eager | teacher ms/token | teacher / student | "
+                  "student state | teacher KV cache |", "|---|---|---|---|---|---|---|---|---|"]
         for d in decodes:
             if "error" in d:
                 lines.append(f"| {d.get('shape')} | {d.get('mixer')} | error: {d['error'][:100]} |")
                 continue
             for r in d["rows"]:
-                s, t = r.get("student", {}), r.get("teacher", {})
+                s, e, t = r.get("student", {}), r.get("student_eager", {}), r.get("teacher", {})
                 mib = lambda x: _bytes(x.get("state_bytes"))  # noqa: E731
-                lines.append(f"| {d['shape']} | {d['mixer']} | {r['context']} | {_fmt(s.get('ms_per_token'), '.2f')} | "
-                             f"{_fmt(t.get('ms_per_token'), '.2f')} | {_fmt(r.get('speedup'), '.2f')} | {mib(s)} | "
-                             f"{mib(t)} |")
+                graph = " (graph)" if s.get("cuda_graph") else ""
+                lines.append(f"| {d['shape']} | {d['mixer']} | {r['context']} | {_fmt(s.get('ms_per_token'), '.2f')}"
+                             f"{graph} | {_fmt(e.get('ms_per_token'), '.2f')} | {_fmt(t.get('ms_per_token'), '.2f')} | "
+                             f"{_fmt(r.get('speedup'), '.2f')} | {mib(s)} | {mib(t)} |")
             lines.append(f"| {d['shape']} | {d['mixer']} | flatness (longest / shortest) | "
-                         f"{_fmt(d.get('student_flatness'), '.2f')} | {_fmt(d.get('teacher_flatness'), '.2f')} |||| ")
+                         f"{_fmt(d.get('student_flatness'), '.2f')} | {_fmt(d.get('student_eager_flatness'), '.2f')} | "
+                         f"{_fmt(d.get('teacher_flatness'), '.2f')} |||| ")
         lines.append("")
     targets = results.get("targets") or []
     if targets:

@@ -26,7 +26,7 @@ from typing import Any, Sequence
 
 import torch
 
-from harness.eval.niah import NewTextStop, greedy_config, resolve_prompt_mode, stop_token_ids
+from harness.eval.niah import greedy_ids, resolve_prompt_mode, stop_token_ids
 
 CHAT_SAMPLES_FILE = "chat_samples.json"
 DEFAULT_PROMPTS = (
@@ -104,14 +104,8 @@ def _new_user_turn(text: str) -> bool:
 def generate_response(model: Any, tokenizer: Any, input_ids: list[int], *, max_new_tokens: int, stop: list[int],
                       plain: bool = False, device: str | torch.device = "cpu") -> dict:
     """Greedy answer to one unpadded prompt: {"response", "tokens", "stopped"} (see the module docstring)."""
-    from transformers import StoppingCriteriaList
-
     ids = torch.tensor([input_ids], dtype=torch.long, device=device)
-    config = greedy_config(max_new_tokens, stop, tokenizer)
-    criteria = StoppingCriteriaList([NewTextStop(tokenizer, ids.shape[1], _new_user_turn)] if plain else [])
-    out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), generation_config=config,
-                         stopping_criteria=criteria)
-    new = out[0, ids.shape[1]:].tolist()
+    new = greedy_ids(model, tokenizer, ids, max_new_tokens, stop, _new_user_turn if plain else None)
     cut = next((i for i, t in enumerate(new) if t in stop), None)
     stopped = "end_of_turn" if cut is not None else "max_new_tokens"
     new = new if cut is None else new[:cut]

@@ -32,8 +32,9 @@ the needle's key and value depend on (seed, kind, length, depth, i).
 Prompt mode: "auto" uses the tokenizer's chat template when it has one, else "plain" ("Question: ...\\nAnswer:
 The pass key is"); "chat" requires a template.
 
-Decoding: greedy, batch 1, no padding (recurrent students are padding-sensitive), through the model's
-`generate()`: students (HarnessForCausalLM) carry a RecurrentCache, teachers a KV cache. It stops at an EOS
+Decoding: greedy, batch 1, no padding (recurrent students are padding-sensitive): students (HarnessForCausalLM)
+through harness.decoding (one recurrent step per token, captured as a CUDA graph on GPUs), teachers through
+`generate()` with their KV cache. It stops at an EOS
 token (the tokenizer's and the model's generation config's), at the end of the first non-empty line, or after
 `max_new_tokens`.
 
@@ -82,7 +83,7 @@ import weakref
 from dataclasses import asdict, dataclass, field
 from functools import lru_cache
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 import torch
 from tqdm.auto import tqdm
@@ -476,20 +477,37 @@ def _answer_line_done(text: str) -> bool:
 
 
 @torch.no_grad()
+def greedy_ids(model: Any, tokenizer: Any, ids: torch.Tensor, max_new_tokens: int, stop: list[int],
+               text_done: Optional[Callable[[str], bool]] = None) -> list[int]:
+    """The new token ids of a greedy continuation of one unpadded prompt `ids` `[1, T]` (the stop token included):
+    harness students through harness.decoding (one recurrent step per token, a CUDA graph on GPUs), other models
+    through `generate` with their KV cache. Ends at a `stop` id, after `max_new_tokens`, or once
+    `text_done(new text)` holds, the new text decoded without special tokens. Shared with chat_samples."""
+    from harness.decoding import greedy_decode
+    from harness.student import HarnessForCausalLM
+
+    if isinstance(model, HarnessForCausalLM):
+        done = None if text_done is None else (
+            lambda new: text_done(tokenizer.decode(new, skip_special_tokens=True)))
+        return greedy_decode(model, ids, max_new_tokens, stop_ids=stop, done=done)
+    from transformers import StoppingCriteriaList
+
+    criteria = StoppingCriteriaList([NewTextStop(tokenizer, ids.shape[1], text_done)] if text_done else [])
+    out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids),
+                         generation_config=greedy_config(max_new_tokens, stop, tokenizer), stopping_criteria=criteria)
+    return out[0, ids.shape[1]:].tolist()
+
+
+@torch.no_grad()
 def generate_answer(model: Any, tokenizer: Any, input_ids: list[int], max_new_tokens: int,
                     device: str | torch.device = "cpu") -> str:
-    """Greedy continuation of one unpadded prompt through `model.generate`, decoded without special tokens.
+    """Greedy continuation of one unpadded prompt (`greedy_ids`), decoded without special tokens.
 
     Generation stops at EOS, after `max_new_tokens`, or once the answer line is complete (only it is scored).
     """
-    from transformers import StoppingCriteriaList
-
     ids = torch.tensor([input_ids], dtype=torch.long, device=device)
-    config = greedy_config(max_new_tokens, stop_token_ids(model, tokenizer), tokenizer)
-    stop = StoppingCriteriaList([NewTextStop(tokenizer, ids.shape[1], _answer_line_done)])
-    out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), generation_config=config,
-                         stopping_criteria=stop)
-    return tokenizer.decode(out[0, ids.shape[1]:].tolist(), skip_special_tokens=True)
+    new = greedy_ids(model, tokenizer, ids, max_new_tokens, stop_token_ids(model, tokenizer), _answer_line_done)
+    return tokenizer.decode(new, skip_special_tokens=True)
 
 
 def position_limit(model: Any) -> int | None:

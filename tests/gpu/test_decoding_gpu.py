@@ -1,0 +1,63 @@
+"""CUDA-graph decoding (harness.decoding) against eager decoding on the GPU, for every mixer: the same greedy
+tokens, the same states after the last step, and the graph replayed across two prompts. Skipped without CUDA.
+
+    source .devbundle/setup.sh && python3 -m pytest -q tests/gpu/test_decoding_gpu.py
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    pytest.skip("needs a CUDA device", allow_module_level=True)
+
+import harness  # noqa: E402
+from harness.decoding import GraphedStep, greedy_decode  # noqa: E402
+from harness.mixers import MIXERS  # noqa: E402
+from harness.student import RecurrentCache  # noqa: E402
+from tests.tiny import tiny_llama  # noqa: E402
+
+
+def student_on_gpu(mixer: str):
+    teacher = tiny_llama(num_layers=3, hidden=256, heads=4, kv_heads=2, vocab=512)
+    torch.manual_seed(0)
+    return harness.build_student(teacher, mixer).to("cuda", torch.bfloat16).eval()
+
+
+@pytest.mark.filterwarnings("error::RuntimeWarning")  # a failed capture falls back to eager with this warning
+@pytest.mark.parametrize("mixer", sorted(MIXERS))
+def test_graphed_decoding_equals_eager(mixer):
+    student = student_on_gpu(mixer)
+    gen = torch.Generator().manual_seed(3)
+    for length in (100, 37):  # a second prompt: a new graph over a new cache
+        ids = torch.randint(3, 512, (1, length), generator=gen).cuda()
+        eager = greedy_decode(student, ids, 24, graphs=False)
+        graphed = greedy_decode(student, ids, 24, graphs=True)
+        assert graphed == eager, (mixer, length)
+
+
+@pytest.mark.parametrize("mixer", sorted(MIXERS))
+def test_graph_leaves_the_cache_as_eager_steps_do(mixer):
+    student = student_on_gpu(mixer)
+    ids = torch.randint(3, 512, (1, 64), generator=torch.Generator().manual_seed(5)).cuda()
+    tokens = torch.randint(3, 512, (6, 1, 1), generator=torch.Generator().manual_seed(6)).cuda()
+    caches = []
+    for graphs in (False, True):
+        cache = RecurrentCache(student.config.num_hidden_layers)
+        with torch.no_grad():
+            student(ids, cache=cache, use_cache=True)
+            step = GraphedStep(student, cache) if graphs else None
+            for tok in tokens:
+                logits = step(tok) if graphs else student(tok, cache=cache, use_cache=True).logits[:, -1]
+        caches.append((cache, logits.clone()))
+    (eager, eager_logits), (graphed, graphed_logits) = caches
+    assert graphed.seen_tokens == eager.seen_tokens == 70
+    torch.testing.assert_close(graphed_logits, eager_logits, rtol=0, atol=0)
+    for a, b in zip(eager.states, graphed.states):
+        flat_a, flat_b = [], []
+        a.map(lambda t: flat_a.append(t) or t)
+        b.map(lambda t: flat_b.append(t) or t)
+        for x, y in zip(flat_a, flat_b, strict=True):
+            torch.testing.assert_close(y, x, rtol=0, atol=0)
+
