@@ -8,6 +8,8 @@ in, fixed-size states - so it can be recorded once as a CUDA graph and replayed:
     GraphedStep(model, cache)                              the captured step: __call__(token) -> logits [B, V]
     graphable(model)                                       whether a model's step can be captured
 
+HARNESS_DECODE_GRAPHS=0 in the environment turns the graphs off wherever `graphs` is not given (NIAH, chat samples).
+
 The graph reads the token and every layer's state from static buffers, and its last kernels copy the new states
 back into them, so a replay leaves the cache as an eager step would (`cache.seen_tokens` is advanced on the host).
 Mixers with rotary embeddings take positions from the host each step and are decoded eagerly, as is everything
@@ -16,6 +18,7 @@ off CUDA. `tests/gpu/test_decoding_gpu.py` checks graphed against eager tokens f
 
 from __future__ import annotations
 
+import os
 import warnings
 from typing import Any, Callable, Optional, Sequence
 
@@ -102,13 +105,16 @@ def _graphed_or_none(model: HarnessForCausalLM, cache: RecurrentCache) -> Option
 
 @torch.no_grad()
 def greedy_decode(model: Any, ids: torch.Tensor, max_new_tokens: int, *, stop_ids: Sequence[int] = (),
-                  done: Optional[Callable[[list[int]], bool]] = None, graphs: bool = True) -> list[int]:
+                  done: Optional[Callable[[list[int]], bool]] = None, graphs: Optional[bool] = None) -> list[int]:
     """Greedy continuation of one prompt `ids` `[1, T]` by a harness student: the prompt in one chunked pass,
-    then one recurrent step per token (a CUDA graph where `graphs` and `graphable(model)`). Stops after a token
+    then one recurrent step per token (a CUDA graph where `graphs` - default: unless HARNESS_DECODE_GRAPHS=0 -
+    and `graphable(model)`). Stops after a token
     in `stop_ids`, at `max_new_tokens`, or once `done(new ids)` holds. Returns the new token ids, the stop token
     included, as transformers' `generate` does."""
     if ids.shape[0] != 1:
         raise ValueError(f"greedy_decode takes one prompt (batch 1), got a batch of {ids.shape[0]}")
+    if graphs is None:
+        graphs = os.environ.get("HARNESS_DECODE_GRAPHS", "1") != "0"
     cache = RecurrentCache(model.config.num_hidden_layers)
     logits = model(ids, cache=cache, use_cache=True, logits_to_keep=1).logits[:, -1]
     step = _graphed_or_none(model, cache) if graphs and graphable(model) and max_new_tokens > 1 else None

@@ -8,7 +8,8 @@
 # and greedy NIAH decoding at batch 1 is bound by the host) until STOP_AT seconds, when it touches
 # $HARNESS_PREEMPT_FILE so every stage checkpoints and exits; whatever still runs at KILL_AT is killed. Then it
 # writes the reports, metrics and logs of every run so far (no checkpoints or weights) to $OUT/study-small.tar.xz.
-# With CONV_TEST=1 it also runs the fused short-convolution GPU tests on the last GPU, log in $OUT.
+# GPU_TESTS="pytest arguments" also runs those GPU tests on the last GPU beside the lanes (log: $OUT/gpu_tests.log).
+# HARNESS_DECODE_GRAPHS=0 makes the evaluations decode eagerly (harness/decoding.py).
 set -u
 S=runs/study-small
 STOP_AT=${STOP_AT:-520}
@@ -55,11 +56,10 @@ lanes() {
   (sleep $((STOP_AT - SECONDS)); touch /tmp/stop) &
   local stopper=$! specs=("${DEFAULT_LANES[@]}") pids=() i=0 spec
   [ -n "${LANES:-}" ] && IFS=';' read -r -a specs <<<"$LANES"
-  if [ "${CONV_TEST:-0}" = 1 ]; then
+  if [ -n "${GPU_TESTS:-}" ]; then
+    # shellcheck disable=SC2086 # GPU_TESTS is a list of pytest arguments
     CUDA_VISIBLE_DEVICES=$(nvidia-smi -L | tail -n 1 | cut -d: -f1 | tr -dc 0-9) timeout $((KILL_AT - SECONDS)) \
-      python3 -m pytest -q tests/gpu/test_mixer_layers.py \
-      -k "fused_short_conv or (deltanet and 135M-2048) or (kda and 135M-2048) or prefill_state" \
-      >"$OUT/conv_test.log" 2>&1 &
+      python3 -m pytest -q $GPU_TESTS >"$OUT/gpu_tests.log" 2>&1 &
     pids+=($!)
   fi
   for spec in "${specs[@]}"; do

@@ -47,11 +47,22 @@ def test_greedy_decode_rejects_a_batch(teacher):
         greedy_decode(student, torch.ones(2, 4, dtype=torch.long), 3)
 
 
-def test_graphs_need_a_cuda_student_without_rope(teacher):
+def test_graphs_need_a_cuda_student_without_rope(teacher, monkeypatch):
+    from harness import decoding
+
     student = harness.build_student(teacher, "gated_deltanet").eval()
     assert not graphable(student) and not graphable(teacher)  # on the CPU; a teacher is never graphed here
     with pytest.raises(ValueError, match="CUDA"):
         GraphedStep(student, None)
+    asked = []
+    monkeypatch.setattr(decoding, "graphable", lambda model: asked.append(model) or False)
+    ids = torch.randint(3, teacher.config.vocab_size, (1, 5))
+    greedy_decode(student, ids, 3)
+    assert asked, "graphs are on by default"
+    monkeypatch.setenv("HARNESS_DECODE_GRAPHS", "0")
+    asked.clear()
+    greedy_decode(student, ids, 3)
+    assert not asked, "HARNESS_DECODE_GRAPHS=0 turns them off"
 
 
 def test_niah_and_chat_samples_decode_students_through_the_loop(teacher, monkeypatch):
