@@ -235,11 +235,15 @@ def cmd_data_prepare(args: argparse.Namespace) -> int:
 
 def cmd_run(args: argparse.Namespace) -> int:
     from harness.config import load_job
-    from harness.launch.local import StageFailed, run_pipeline
+    from harness.launch.local import StageFailed, StagePreempted, run_pipeline
+    from harness.preempt import REQUEUE_EXIT
 
     job = load_job(args.job, args.overrides)
     try:
         student = run_pipeline(job, args.job, args.overrides)
+    except StagePreempted as err:
+        print(f"[harness] {err}", file=sys.stderr)
+        return REQUEUE_EXIT
     except StageFailed as err:
         print(f"error: {err}", file=sys.stderr)
         return 1

@@ -55,6 +55,7 @@ def test_run_all_stages_then_skip_when_rerun(tmp_path):
     assert second.returncode == 0, second.stderr[-3000:]
     assert "align_mixer: 2 layer groups, 2 already complete" in second.stdout
     assert "align_hidden: 2 layer groups, 2 already complete" in second.stdout
+    assert "merge: already complete" in second.stdout
     assert "distill: already complete" in second.stdout
     assert "eval: already complete" in second.stdout
 
@@ -70,6 +71,28 @@ def test_run_reports_a_failing_group_and_its_log(tmp_path):
     result = harness_cli("run", str(job_path))
     assert result.returncode == 1
     assert "align_mixer layers 2-3 failed" in result.stderr and "align_mixer-layers-02-03.log" in result.stderr
+
+
+def test_run_stops_on_a_preemption_request_and_a_rerun_resumes(tmp_path, monkeypatch):
+    from harness.preempt import REQUEUE_EXIT
+
+    out = tmp_path / "run"
+    job = tiny_job(tmp_path / "setting", out, "budget.split=[0.1,0.1,0.8]", "run.layer_groups=2",
+                   "run.parallel_groups=2", total=1280)
+    job_path = tmp_path / "job.yaml"
+    job_path.write_text(OmegaConf.to_yaml(OmegaConf.structured(job)))
+    flag = tmp_path / "stop"
+    flag.touch()
+    monkeypatch.setenv("HARNESS_PREEMPT_FILE", str(flag))
+    stopped = harness_cli("run", str(job_path))
+    assert stopped.returncode == REQUEUE_EXIT, stopped.stderr[-3000:]
+    assert "stopped on a preemption request" in stopped.stderr and "run the same command again" in stopped.stderr
+    for group in ("layers-00-01", "layers-02-03"):  # both groups checkpointed (neither was killed by the other)
+        assert list((out / "align_mixer" / group / "checkpoints").glob("step-*")), group
+    flag.unlink()
+    resumed = harness_cli("run", str(job_path))
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert (out / "student" / "model.safetensors").is_file()
 
 
 def test_layer_groups_are_pinned_to_the_gpus_this_process_may_use(monkeypatch):

@@ -26,6 +26,20 @@ class StageFailed(RuntimeError):
     """A stage process exited with an error; the message names its log."""
 
 
+class StagePreempted(StageFailed):
+    """A stage process checkpointed and exited on a preemption request ($HARNESS_PREEMPT_FILE, Slurm's USR1)."""
+
+
+def stage_error(what: str, code: int, where: str) -> StageFailed:
+    """The error for a stage process that exited with `code`: preempted (the requeue code) or failed."""
+    from harness.preempt import REQUEUE_EXIT
+
+    if code == REQUEUE_EXIT:
+        return StagePreempted(f"{what} stopped on a preemption request after writing a checkpoint; run the same "
+                              "command again to resume")
+    return StageFailed(f"{what} failed (exit {code}); {where}")
+
+
 def cli_command(*args: str) -> list[str]:
     return [sys.executable, "-m", "harness.cli", *args]
 
@@ -45,8 +59,7 @@ def run_pipeline(job: JobConfig, job_path: str, overrides: list[str]) -> Path:
                    gpus=len(_gpus())):
             run_groups(job, stage, groups, job_path, overrides)
     with timed(job, "merge"):
-        _run_logged(cli_command("stage", "merge", *job_args(job_path, overrides)), out / "logs" / "merge.log",
-                    "merge")
+        run_merge(job, job_path, overrides)
     with timed(job, "distill", world=job.deepspeed.world_size):
         run_distill(job, job_path, overrides)
     print(loss_summary(job), flush=True)
@@ -127,11 +140,23 @@ def run_groups(job: JobConfig, stage: str, groups: list[list[int]], job_path: st
                 continue
             running.remove(item)
             if proc.returncode != 0:
-                for other in running:
-                    other[0].terminate()
-                raise StageFailed(f"{stage} layers {layers[0]}-{layers[-1]} failed (exit {proc.returncode}); "
-                                  f"see {log}:\n{_tail(log)}")
+                error = stage_error(f"{stage} layers {layers[0]}-{layers[-1]}", proc.returncode,
+                                    f"see {log}:\n{_tail(log)}")
+                for other in running:  # preempted: every group saw the request and checkpoints on its own
+                    other[0].wait() if isinstance(error, StagePreempted) else other[0].terminate()
+                raise error
             print(f"[harness] {stage} layers {layers[0]}-{layers[-1]} done", flush=True)
+
+
+def run_merge(job: JobConfig, job_path: str, overrides: list[str]) -> None:
+    """The merge as its own process, unless its result is already there (a resumed run starts no process)."""
+    from harness.stages.merge import MERGE_JSON, merged_dir
+
+    if (merged_dir(job) / MERGE_JSON).is_file():
+        print("[harness] merge: already complete", flush=True)
+        return
+    _run_logged(cli_command("stage", "merge", *job_args(job_path, overrides)), run_dir(job) / "logs" / "merge.log",
+                "merge")
 
 
 def run_distill(job: JobConfig, job_path: str, overrides: list[str]) -> None:
@@ -151,8 +176,7 @@ def run_distill(job: JobConfig, job_path: str, overrides: list[str]) -> None:
         env["DS_ACCELERATOR"] = "cpu"
     result = subprocess.run(cmd, env=env)
     if result.returncode != 0:
-        raise StageFailed(f"distill failed (exit {result.returncode}); its output is above, metrics in "
-                          f"{run_dir(job) / 'distill'}")
+        raise stage_error("distill", result.returncode, f"its output is above, metrics in {run_dir(job) / 'distill'}")
 
 
 def _gpus() -> list[str]:
@@ -179,7 +203,7 @@ def _spawn(cmd: list[str], log: Path, gpu: Optional[str]) -> subprocess.Popen:
 def _run_logged(cmd: list[str], log: Path, what: str) -> None:
     proc = _spawn(cmd, log, None)
     if proc.wait() != 0:
-        raise StageFailed(f"{what} failed (exit {proc.returncode}); see {log}:\n{_tail(log)}")
+        raise stage_error(what, proc.returncode, f"see {log}:\n{_tail(log)}")
     print(f"[harness] {what} done", flush=True)
 
 
