@@ -107,10 +107,9 @@ def _graphed_or_none(model: HarnessForCausalLM, cache: RecurrentCache) -> Option
 def greedy_decode(model: Any, ids: torch.Tensor, max_new_tokens: int, *, stop_ids: Sequence[int] = (),
                   done: Optional[Callable[[list[int]], bool]] = None, graphs: Optional[bool] = None) -> list[int]:
     """Greedy continuation of one prompt `ids` `[1, T]` by a harness student: the prompt in one chunked pass,
-    then one recurrent step per token (a CUDA graph where `graphs` - default: unless HARNESS_DECODE_GRAPHS=0 -
-    and `graphable(model)`). Stops after a token
-    in `stop_ids`, at `max_new_tokens`, or once `done(new ids)` holds. Returns the new token ids, the stop token
-    included, as transformers' `generate` does."""
+    then one recurrent step per token, replayed as a CUDA graph when `graphable(model)` and `graphs` (default:
+    on unless HARNESS_DECODE_GRAPHS=0). Stops after a token in `stop_ids`, at `max_new_tokens`, or once
+    `done(new ids)` holds. Returns the new token ids, the stop token included, as transformers' `generate` does."""
     if ids.shape[0] != 1:
         raise ValueError(f"greedy_decode takes one prompt (batch 1), got a batch of {ids.shape[0]}")
     if graphs is None:
