@@ -11,7 +11,10 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Iterator
 
 REQUEUE_EXIT = 85
 _signalled = False
@@ -55,19 +58,27 @@ class Preempted(SystemExit):
         super().__init__(REQUEUE_EXIT)
 
 
-def exit_when_requested(poll_seconds: float = 2.0) -> None:
-    """For work that saves as it goes (the evaluation job: one line per NIAH sample, one file per task):
-    a daemon thread exits the process with REQUEUE_EXIT as soon as preemption is requested. Only the item in
-    flight is lost; the requeued job resumes after the last saved one."""
-    import threading
-    import time
-
+@contextmanager
+def exit_when_requested(poll_seconds: float = 2.0) -> Iterator[threading.Thread]:
+    """For work that saves as it goes (the evaluation job: one line per NIAH sample, one file per task): while
+    the block runs, a daemon thread exits the process with REQUEUE_EXIT as soon as preemption is requested. Only
+    the item in flight is lost; the requeued job resumes after the last saved one. The watch ends with the block,
+    so a command run inside a longer-lived process (`harness.cli.main([...])` from Python, a test) leaves no
+    thread behind that could end that process later."""
     install_handler()
+    done = threading.Event()
 
     def watch() -> None:
-        while not requested():
-            time.sleep(poll_seconds)
-        print("[harness] preemption requested: exiting for requeue; finished results are saved", flush=True)
-        os._exit(REQUEUE_EXIT)
+        while not done.is_set():
+            if requested():
+                print("[harness] preemption requested: exiting for requeue; finished results are saved", flush=True)
+                os._exit(REQUEUE_EXIT)
+            done.wait(poll_seconds)
 
-    threading.Thread(target=watch, name="preempt-watch", daemon=True).start()
+    thread = threading.Thread(target=watch, name="preempt-watch", daemon=True)
+    thread.start()
+    try:
+        yield thread
+    finally:
+        done.set()
+        thread.join()

@@ -19,8 +19,8 @@ from tests.pipeline import tiny_job
 REPO = Path(__file__).resolve().parents[1]
 
 
-def harness_cli(*args: str) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
+def harness_cli(*args: str, **extra_env: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(REPO), **extra_env}
     return subprocess.run([sys.executable, "-m", "harness.cli", *args], cwd=REPO, env=env, capture_output=True,
                           text=True, timeout=900)
 
@@ -73,7 +73,7 @@ def test_run_reports_a_failing_group_and_its_log(tmp_path):
     assert "align_mixer layers 2-3 failed" in result.stderr and "align_mixer-layers-02-03.log" in result.stderr
 
 
-def test_run_stops_on_a_preemption_request_and_a_rerun_resumes(tmp_path, monkeypatch):
+def test_run_stops_on_a_preemption_request_and_a_rerun_resumes(tmp_path):
     from harness.preempt import REQUEUE_EXIT
 
     out = tmp_path / "run"
@@ -82,14 +82,12 @@ def test_run_stops_on_a_preemption_request_and_a_rerun_resumes(tmp_path, monkeyp
     job_path = tmp_path / "job.yaml"
     job_path.write_text(OmegaConf.to_yaml(OmegaConf.structured(job)))
     flag = tmp_path / "stop"
-    flag.touch()
-    monkeypatch.setenv("HARNESS_PREEMPT_FILE", str(flag))
-    stopped = harness_cli("run", str(job_path))
+    flag.touch()  # set for the run only, not in this process: in-process tests may watch for it
+    stopped = harness_cli("run", str(job_path), HARNESS_PREEMPT_FILE=str(flag))
     assert stopped.returncode == REQUEUE_EXIT, stopped.stderr[-3000:]
     assert "stopped on a preemption request" in stopped.stderr and "run the same command again" in stopped.stderr
     for group in ("layers-00-01", "layers-02-03"):  # both groups checkpointed (neither was killed by the other)
         assert list((out / "align_mixer" / group / "checkpoints").glob("step-*")), group
-    flag.unlink()
     resumed = harness_cli("run", str(job_path))
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert (out / "student" / "model.safetensors").is_file()

@@ -179,8 +179,8 @@ def cmd_eval_job(args: argparse.Namespace) -> int:
     from harness.preempt import exit_when_requested
 
     spec = load_eval_spec(args.spec, args.overrides)
-    exit_when_requested()  # under Slurm: USR1 before the time limit -> requeue; the rerun resumes
-    report = run_eval_spec(spec)
+    with exit_when_requested():  # under Slurm: USR1 before the time limit -> requeue; the rerun resumes
+        report = run_eval_spec(spec)
     print(markdown(report))
     print(f"[harness] report: {Path(spec.output_dir) / 'report.md'}")
     return 0
