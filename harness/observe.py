@@ -129,6 +129,17 @@ def _scalar(value: Any) -> float | int | str | bool | None:
     return value
 
 
+def read_metrics(path: Path) -> list[dict]:
+    """The rows of a metrics.jsonl (none if it does not exist), skipping a line a crash cut short."""
+    rows = []
+    for line in path.read_text().splitlines() if path.is_file() else []:
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return rows
+
+
 def _truncate_metrics(path: Path, start_step: Optional[int]) -> None:
     """Keep the lines with step <= start_step (none for a fresh run); drop a line a crash cut short."""
     kept: list[str] = []

@@ -13,24 +13,15 @@ are the last validation.
 
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 from typing import Optional
 
+from harness.observe import read_metrics
+
 ALIGN_STAGES = ("align_mixer", "align_hidden")
 FINAL_FRACTION = 0.1
 LAYER_PREFIX = "loss/layer_"
-
-
-def _rows(path: Path) -> list[dict]:
-    rows = []
-    for line in path.read_text().splitlines() if path.is_file() else []:
-        try:
-            rows.append(json.loads(line))
-        except json.JSONDecodeError:  # a line torn by a crash
-            continue
-    return rows
 
 
 def align_curve(run_dir: Path, stage: str) -> Optional[dict]:
@@ -38,7 +29,7 @@ def align_curve(run_dir: Path, stage: str) -> Optional[dict]:
     by_step: dict[int, dict[str, float]] = {}
     tokens: dict[int, int] = {}
     for metrics in sorted((run_dir / stage).glob("*/metrics.jsonl")):
-        for row in _rows(metrics):
+        for row in read_metrics(metrics):
             layers = {k: v for k, v in row.items() if k.startswith(LAYER_PREFIX)}
             if layers and "step" in row:
                 by_step.setdefault(row["step"], {}).update(layers)
@@ -53,7 +44,7 @@ def align_curve(run_dir: Path, stage: str) -> Optional[dict]:
 
 def distill_curves(run_dir: Path) -> Optional[dict]:
     """Stage 3's training loss / CE / KL per step and its validations."""
-    rows = _rows(run_dir / "distill" / "metrics.jsonl")
+    rows = read_metrics(run_dir / "distill" / "metrics.jsonl")
     train = {r["step"]: r for r in rows if "loss" in r}  # a resumed run logs its steps again: keep the last
     val = [r for r in rows if "val_ce" in r]
     if not train:

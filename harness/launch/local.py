@@ -100,11 +100,11 @@ def run_eval(job: JobConfig) -> None:
 
 def loss_summary(job: JobConfig) -> str:
     """First and last logged training loss of every stage (and group), from the metrics files."""
+    from harness.observe import read_metrics
+
     lines = ["[harness] losses (first -> last logged):"]
     for metrics in sorted(run_dir(job).glob("*/*/metrics.jsonl")) + [run_dir(job) / "distill" / "metrics.jsonl"]:
-        if not metrics.is_file():
-            continue
-        rows = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
+        rows = read_metrics(metrics)
         losses = [r["loss"] for r in rows if isinstance(r.get("loss"), (int, float))]
         val = [r for r in rows if "val_ppl" in r]
         if losses:

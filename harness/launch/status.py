@@ -27,11 +27,11 @@ def stage_rows(run: Path) -> list[dict]:
 
 def _progress_row(name: str, folder: Path, complete: Path) -> dict:
     tokens = None
-    metrics = folder / "metrics.jsonl"
-    if metrics.is_file():
-        lines = [line for line in metrics.read_text().splitlines() if line.strip()]
-        if lines:
-            tokens = json.loads(lines[-1]).get("tokens")
+    from harness.observe import read_metrics
+
+    rows = read_metrics(folder / "metrics.jsonl")
+    if rows:
+        tokens = rows[-1].get("tokens")
     return {"stage": name, "done": complete.is_file(), "tokens": tokens}
 
 
