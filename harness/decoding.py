@@ -24,7 +24,6 @@ from typing import Any, Callable, Optional, Sequence
 
 import torch
 
-from harness.mixers import MixerState
 from harness.student import HarnessForCausalLM, RecurrentCache
 
 
@@ -32,17 +31,6 @@ def graphable(model: Any) -> bool:
     """A harness student on a CUDA device without rotary embeddings (their positions come from the host)."""
     return (isinstance(model, HarnessForCausalLM) and model.model.rotary_emb is None
             and next(model.parameters()).is_cuda)
-
-
-def _tensors(state: Optional[MixerState]) -> list[torch.Tensor]:
-    found: list[torch.Tensor] = []
-    if state is not None:
-        state.map(lambda t: found.append(t) or t)
-    return found
-
-
-def _clone(state: Optional[MixerState]) -> Optional[MixerState]:
-    return None if state is None else state.map(lambda t: t.clone())
 
 
 class GraphedStep:
@@ -55,7 +43,7 @@ class GraphedStep:
         if any(s is None for s in cache.states):
             raise ValueError("GraphedStep needs a prefilled cache (every layer's state set)")
         self.model, self.cache = model, cache
-        batch = _tensors(cache.states[0])[0].shape[0]
+        batch = cache.states[0].tensors()[0].shape[0]
         self.token = torch.zeros(batch, 1, dtype=torch.long, device=next(model.parameters()).device)
         self.states = [s.map(lambda t: t.contiguous()) for s in cache.states]  # the static inputs
         seen = cache.seen_tokens
@@ -66,7 +54,7 @@ class GraphedStep:
             with torch.cuda.graph(self.graph):
                 out = model(self.token, cache=cache, use_cache=True, logits_to_keep=1)
                 for static, new in zip(self.states, cache.states):
-                    for dst, src in zip(_tensors(static), _tensors(new), strict=True):
+                    for dst, src in zip(static.tensors(), new.tensors(), strict=True):
                         dst.copy_(src)
                 self.logits = out.logits[:, -1]
         finally:  # also after a failed capture, so that eager decoding can go on from this cache
@@ -76,7 +64,7 @@ class GraphedStep:
         """Run the step on copies of the states on a side stream (CUDA graphs need the allocator and the libraries'
         workspaces set up before capture); the real states are left as they are."""
         scratch = RecurrentCache(len(self.states))
-        scratch.states = [_clone(s) for s in self.states]
+        scratch.states = [s.map(lambda t: t.clone()) for s in self.states]
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):

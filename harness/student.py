@@ -68,9 +68,7 @@ class RecurrentCache(Cache):
 
 
 def _tensor_bytes(state: MixerState) -> int:
-    sizes: list[int] = []
-    state.map(lambda t: sizes.append(t.numel() * t.element_size()) or t)
-    return sum(sizes)
+    return sum(t.numel() * t.element_size() for t in state.tensors())
 
 
 @dataclass

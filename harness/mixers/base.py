@@ -80,6 +80,12 @@ class MixerState:
 
         return MixerState(apply(self.recurrent), apply(self.conv))
 
+    def tensors(self) -> list[torch.Tensor]:
+        """Every tensor of the state, in a fixed order (the order `map` visits them)."""
+        found: list[torch.Tensor] = []
+        self.map(lambda t: found.append(t) or t)
+        return found
+
 
 class Mixer(nn.Module):
     """Base class: projections, rope, weight transfer, backend choice. Input/output `[B, T, hidden]`."""

@@ -55,9 +55,6 @@ def test_graph_leaves_the_cache_as_eager_steps_do(mixer):
     assert graphed.seen_tokens == eager.seen_tokens == 70
     torch.testing.assert_close(graphed_logits, eager_logits, rtol=0, atol=0)
     for a, b in zip(eager.states, graphed.states):
-        flat_a, flat_b = [], []
-        a.map(lambda t: flat_a.append(t) or t)
-        b.map(lambda t: flat_b.append(t) or t)
-        for x, y in zip(flat_a, flat_b, strict=True):
+        for x, y in zip(a.tensors(), b.tensors(), strict=True):
             torch.testing.assert_close(y, x, rtol=0, atol=0)
 
