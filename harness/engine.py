@@ -11,7 +11,6 @@ import copy
 import importlib
 import json
 import os
-import socket
 import sys
 import warnings
 from datetime import timedelta
@@ -54,9 +53,9 @@ def setup_distributed(device: torch.device, timeout_s: int = 1800) -> tuple[int,
     """Join (or create, for a plain single process) the process group; returns (rank, world_size)."""
     if device.type == "cpu":
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
-    if "RANK" not in os.environ:  # a plain `python` run: a one-process group on a free port
-        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
-                          MASTER_PORT=str(_free_port()))
+    alone = "RANK" not in os.environ  # a plain `python` run: a one-process group
+    if alone:
+        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1")
     # DeepSpeed 0.19 calls collectives torch 2.13 marks deprecated, once per step: keep the logs readable
     warnings.filterwarnings("ignore", message=r".*(all_gather_into_tensor|reduce_scatter_tensor)` is deprecated",
                             category=FutureWarning)
@@ -66,6 +65,11 @@ def setup_distributed(device: torch.device, timeout_s: int = 1800) -> tuple[int,
     importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda *a, **k: None
     if not torch.distributed.is_initialized():
         backend = "nccl" if device.type == "cuda" else "gloo"
+        if alone:
+            # An in-process store, not a TCP one on a "free" port: that port is only free until another job on the
+            # host takes it (EADDRINUSE seen with six single-GPU runs started at once on one machine).
+            torch.distributed.init_process_group(backend, store=torch.distributed.HashStore(), rank=0,
+                                                 world_size=1, timeout=timedelta(seconds=timeout_s))
         deepspeed.init_distributed(dist_backend=backend, timeout=timedelta(seconds=timeout_s),
                                    auto_mpi_discovery=False)
     if device.type == "cuda":
@@ -84,12 +88,6 @@ def all_reduce_host(values: torch.Tensor, op=None) -> torch.Tensor:
     t = values.to(torch.device("cuda", torch.cuda.current_device())) if on_device else values.clone()
     torch.distributed.all_reduce(t, op=op)
     return t.cpu()
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def read_ds_config(path: str) -> dict[str, Any]:

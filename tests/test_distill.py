@@ -204,3 +204,23 @@ def test_all_reduce_host_without_a_process_group_returns_the_values():
 
     sums = torch.tensor([1.5, 2.0], dtype=torch.float64)
     assert torch.equal(all_reduce_host(sums), sums)
+
+
+def test_a_plain_single_process_group_listens_on_no_port():
+    """Several single-GPU jobs start together on one host (the small study: six at once); a TCP store on a port
+    found free a moment earlier was taken by another job in between (EADDRINUSE). The one-process group keeps
+    its store in memory instead."""
+    script = (
+        "import torch\n"
+        "from harness.engine import setup_distributed, all_reduce_host\n"
+        "assert setup_distributed(torch.device('cpu')) == (0, 1)\n"
+        "store = torch.distributed.distributed_c10d._get_default_store()\n"
+        "store = getattr(store, '_underlying_non_prefix_store', store)\n"
+        "assert not isinstance(store, torch.distributed.TCPStore), type(store)\n"
+        "assert all_reduce_host(torch.tensor([2.5])).item() == 2.5\n"
+        "print('ok')\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
+    proc = subprocess.run([sys.executable, "-c", script], env=env, cwd=REPO, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stdout + proc.stderr
