@@ -104,3 +104,21 @@ def test_layer_groups_are_pinned_to_the_gpus_this_process_may_use(monkeypatch):
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "1")
     assert local._gpus() == ["1"]
+
+
+def test_a_stage_that_fails_while_preemption_is_requested_counts_as_preempted(tmp_path, monkeypatch):
+    """torchrun turns a worker's requeue exit (85) into its own exit 1, so `harness run` with
+    deepspeed.world_size > 1 must read any failure during a preemption request as a preemption, as the Slurm
+    wrapper does (seen on the H200: a preempted stage 3 under torchrun exited 1)."""
+    from harness.launch.local import StageFailed, StagePreempted, stage_error
+    from harness.preempt import REQUEUE_EXIT
+
+    flag = tmp_path / "stop"
+    monkeypatch.setenv("HARNESS_PREEMPT_FILE", str(flag))
+    assert type(stage_error("distill", 1, "see above")) is StageFailed
+    assert type(stage_error("distill", REQUEUE_EXIT, "see above")) is StagePreempted
+    flag.touch()
+    try:
+        assert type(stage_error("distill", 1, "see above")) is StagePreempted
+    finally:
+        flag.unlink()

@@ -31,10 +31,12 @@ class StagePreempted(StageFailed):
 
 
 def stage_error(what: str, code: int, where: str) -> StageFailed:
-    """The error for a stage process that exited with `code`: preempted (the requeue code) or failed."""
-    from harness.preempt import REQUEUE_EXIT
+    """The error for a stage process that exited with `code`: preempted (the requeue code, or any failure while a
+    preemption is requested, as the Slurm wrapper decides: torchrun reports a worker's requeue exit as its own
+    exit 1) or failed."""
+    from harness import preempt
 
-    if code == REQUEUE_EXIT:
+    if code == preempt.REQUEUE_EXIT or (code != 0 and preempt.requested()):
         return StagePreempted(f"{what} stopped on a preemption request after writing a checkpoint; run the same "
                               "command again to resume")
     return StageFailed(f"{what} failed (exit {code}); {where}")

@@ -23,11 +23,13 @@ GPU = ["run.device=cuda", "student.options.backend=reference"]
 two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
 
 
-def run_stage3(job_path: Path, gpus: int, *overrides: str, expect: int = 0) -> str:
+def run_stage3(job_path: Path, gpus: int, *overrides: str, expect: int = 0, torchrun: bool = True) -> str:
+    """Stage 3 on `gpus` GPUs under torchrun, or (torchrun=False, one GPU) as one plain process, as `harness run`
+    starts it for deepspeed.world_size 1. torchrun reports a worker's requeue exit (85) as 1."""
     env = {k: v for k, v in os.environ.items() if k != "DS_ACCELERATOR"}
     env.update(PYTHONPATH=f"{REPO}:{env.get('PYTHONPATH', '')}", CUDA_VISIBLE_DEVICES=",".join(map(str, range(gpus))))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={gpus}",
-           "-m", "harness.cli", "stage", "distill", str(job_path), *overrides]
+    launcher = ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={gpus}"] if torchrun else []
+    cmd = [sys.executable, *launcher, "-m", "harness.cli", "stage", "distill", str(job_path), *overrides]
     proc = subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True, timeout=900)
     assert proc.returncode == expect, (proc.stdout + proc.stderr)[-4000:]
     return proc.stdout

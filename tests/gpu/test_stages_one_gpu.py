@@ -1,7 +1,8 @@
-"""Stage 3 on one GPU through NCCL, as `harness run` starts it on a lent GPU machine: train, validate, checkpoint,
-export; then a preemption request checkpoints, exits for requeue and resumes. Skipped without CUDA. NCCL reduces
-only device tensors, so this catches host tensors handed to a collective (the loss sums, the preemption flag),
-which gloo on the CPU accepts: stage 3 failed at its first step on the H200 for that reason.
+"""Stage 3 on one GPU through NCCL, as `harness run` starts it for deepspeed.world_size 1 (one plain process, its
+one-process group on an in-memory store): train, validate, checkpoint, export; then a preemption request
+checkpoints, exits for requeue (85) and resumes. Skipped without CUDA. NCCL reduces only device tensors, so this
+catches host tensors handed to a collective (the loss sums, the preemption flag), which gloo on the CPU accepts:
+stage 3 failed at its first step on the H200 for that reason.
 
     source .devbundle/setup.sh && python3 -m pytest -q tests/gpu/test_stages_one_gpu.py
 """
@@ -27,7 +28,7 @@ def metric_rows(out):
 
 def test_stage3_on_one_gpu_trains_validates_and_exports(tmp_path):
     out = tmp_path / "one"
-    run_stage3(write_job(tmp_path, out, *GPU, "deepspeed.world_size=1"), 1)
+    run_stage3(write_job(tmp_path, out, *GPU, "deepspeed.world_size=1"), 1, torchrun=False)
     a = losses(out)
     assert len(a) >= 5 and a[max(a)] < a[min(a)]
     assert any("val_ce" in r for r in metric_rows(out))
@@ -36,15 +37,15 @@ def test_stage3_on_one_gpu_trains_validates_and_exports(tmp_path):
 
 def test_preemption_on_one_gpu_checkpoints_exits_for_requeue_and_resumes(tmp_path, monkeypatch):
     whole, out = tmp_path / "whole", tmp_path / "preempted"
-    run_stage3(write_job(tmp_path, whole, *GPU, "deepspeed.world_size=1"), 1)
+    run_stage3(write_job(tmp_path, whole, *GPU, "deepspeed.world_size=1"), 1, torchrun=False)
     job_path = write_job(tmp_path, out, *GPU, "deepspeed.world_size=1")
     flag = tmp_path / "preempt-flag"
     flag.touch()
     monkeypatch.setenv("HARNESS_PREEMPT_FILE", str(flag))
-    run_stage3(job_path, 1, expect=REQUEUE_EXIT)
+    run_stage3(job_path, 1, expect=REQUEUE_EXIT, torchrun=False)
     assert [p.name for p in (out / "distill" / "checkpoints").glob("step-*")] == ["step-00000001"]
     flag.unlink()
-    run_stage3(job_path, 1)
+    run_stage3(job_path, 1, torchrun=False)
     a, b = losses(whole), losses(out)
     assert a.keys() == b.keys()
     for step in a:  # GPU kernels are not bitwise deterministic across processes
