@@ -274,24 +274,25 @@ def _figure(width: float = 7.0, height: float = 4.0):
 
 
 def plot_recovery(reports: list[dict], path: Path) -> None:
-    """Bars: average recovery per run (mixer), with per-task recoveries as dots."""
-    fig = _figure()
+    """Horizontal bars (run names are long): average recovery per run (mixer), per-task recoveries as dots."""
+    fig = _figure(height=1.5 + 0.45 * len(reports))
     ax = fig.add_subplot()
     for i, r in enumerate(reports):
-        ax.bar(i, 100 * (r["average"]["recovery"] or 0), color="tab:blue", alpha=0.7)
+        ax.barh(i, 100 * (r["average"]["recovery"] or 0), color="tab:blue", alpha=0.7)
         per_task = [t["recovery"] for t in r["tasks"].values() if t["recovery"] is not None]
-        ax.scatter([i] * len(per_task), [100 * v for v in per_task], color="black", s=10, zorder=3)
-    ax.axhline(100, color="gray", linestyle="--", linewidth=1)
-    ax.set_xticks(range(len(reports)), [_name(r) for r in reports], rotation=30, ha="right")
-    ax.set_ylabel("teacher recovery (%)")
-    ax.set_title("Average recovery per run (bars), per task (dots)")
+        ax.scatter([100 * v for v in per_task], [i] * len(per_task), color="black", s=10, zorder=3)
+    ax.axvline(100, color="gray", linestyle="--", linewidth=1)
+    ax.set_yticks(range(len(reports)), [_name(r) for r in reports], fontsize=8)
+    ax.invert_yaxis()  # the first run on top, as in the tables
+    ax.set_xlabel("teacher recovery (%)")
+    ax.set_title("Recovery: average (bars), per task (dots)", fontsize=10)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    fig.savefig(path, dpi=120, bbox_inches="tight")
 
 
 def plot_niah_by_length(reports: list[dict], path: Path) -> None:
     """Lines: NIAH accuracy against prompt length per run; the teacher dashed (once per distinct teacher)."""
-    fig = _figure()
+    fig = _figure(width=9.5)
     ax = fig.add_subplot()
     teachers_drawn: set[str] = set()
     for r in reports:
@@ -312,6 +313,6 @@ def plot_niah_by_length(reports: list[dict], path: Path) -> None:
     ax.set_xlabel("prompt length (tokens)")
     ax.set_ylabel("NIAH accuracy (%)")
     ax.set_ylim(-5, 105)
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.01, 0.5))  # outside: lines at 0% hide nothing
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    fig.savefig(path, dpi=120, bbox_inches="tight")
