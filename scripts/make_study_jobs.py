@@ -44,6 +44,8 @@ run:
   checkpoint_every_tokens: {ckpt}
 eval:
   teacher_cache: runs/study/teacher   # each teacher is scored once, shared by its seven students
+  niah:
+    prompt: plain   # base teachers, students distilled on prose: a chat-format question tests instruction-following too
 """
 
 
