@@ -115,15 +115,9 @@ def markdown(report: dict) -> str:
                   f"**{_fmt(a['recovery'], pct=True)}** |", ""]
     niah = report.get("niah")
     if niah:
-        lengths = sorted({int(k) for side in ("student", "teacher") if niah[side] for k in niah[side]["by_length"]})
-        lines += ["## Needle in a haystack (exact match)", "",
-                  "| model | " + " | ".join(str(n) for n in lengths) + " | overall |",
-                  "|---|" + "---|" * (len(lengths) + 1)]
-        for side in ("student", "teacher"):
-            if niah[side]:
-                cells = [_fmt(niah[side]["by_length"].get(str(n)), pct=True) for n in lengths]
-                lines.append(f"| {side} | " + " | ".join(cells) + f" | {_fmt(niah[side]['overall'], pct=True)} |")
-        lines += ["", f"NIAH recovery (overall accuracy, student / teacher): {_fmt(niah['recovery'], pct=True)}", ""]
+        sides = [(side, niah[side]) for side in ("student", "teacher") if niah[side]]
+        lines += _niah_length_table("Needle in a haystack (exact match)", sides)
+        lines += [f"NIAH recovery (overall accuracy, student / teacher): {_fmt(niah['recovery'], pct=True)}", ""]
     ppl = report.get("perplexity")
     if ppl:
         lines += ["## Perplexity (held-out text)", "",
@@ -208,11 +202,14 @@ def _niah_table(reports: list[dict]) -> list[str]:
     sides = [(_name(r), (r.get("niah") or {}).get("student")) for r in reports]
     sides += [("teacher", (r.get("niah") or {}).get("teacher")) for r in _teachers(reports)]
     sides = [(name, result) for name, result in sides if result]
-    if not sides:
-        return []
+    return _niah_length_table("Needle in a haystack by length (exact match)", sides) if sides else []
+
+
+def _niah_length_table(title: str, sides: list[tuple[str, dict]]) -> list[str]:
+    """A Markdown section: one row per (name, NIAH result), one column per prompt length, then overall."""
     lengths = sorted({int(k) for _, result in sides for k in result["by_length"]})
-    lines = ["## Needle in a haystack by length (exact match)", "",
-             "| model | " + " | ".join(str(n) for n in lengths) + " | overall |", "|" + "---|" * (len(lengths) + 2)]
+    lines = [f"## {title}", "", "| model | " + " | ".join(str(n) for n in lengths) + " | overall |",
+             "|" + "---|" * (len(lengths) + 2)]
     for name, result in sides:
         cells = [_fmt(result["by_length"].get(str(n)), pct=True) for n in lengths]
         lines.append(f"| {name} | " + " | ".join(cells) + f" | {_fmt(result['overall'], pct=True)} |")
