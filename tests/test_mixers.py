@@ -118,3 +118,20 @@ def test_short_conv_tail_is_the_last_inputs_and_owns_its_memory(T):
     assert torch.equal(tail, want)
     for t in (tail, conv.tail_of(x)):  # not a view of x or of the padded input
         assert t.untyped_storage().nbytes() == t.numel() * t.element_size()
+
+
+@pytest.mark.parametrize("activation", ["silu", "sigmoid"])
+def test_gated_head_norm_is_rms_norm_times_the_activated_gate(activation):
+    """HeadRMSNorm against a direct computation; fused=True on a CPU tensor stays on the PyTorch path (the fused
+    Triton kernel is checked against it on a GPU: tests/gpu/test_mixer_layers.py)."""
+    from harness.mixers.base import HeadRMSNorm
+
+    torch.manual_seed(0)
+    norm = HeadRMSNorm(8, eps=1e-5, activation=activation)
+    with torch.no_grad():
+        norm.weight.uniform_(0.5, 1.5)
+    o, gate = torch.randn(2, 5, 3, 8), torch.randn(2, 5, 3, 8)
+    act = torch.nn.functional.silu if activation == "silu" else torch.sigmoid
+    direct = o / torch.sqrt(o.pow(2).mean(-1, keepdim=True) + 1e-5) * norm.weight * act(gate)
+    torch.testing.assert_close(norm(o, gate), direct, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(norm(o, gate, fused=True), direct, rtol=1e-5, atol=1e-6)

@@ -136,6 +136,11 @@ class Mixer(nn.Module):
     def backend_for(self, x: torch.Tensor) -> str:
         return resolve_backend(self.options.backend, x.device)
 
+    def fused_ops(self, x: torch.Tensor) -> bool:
+        """Whether the operators around the recurrence (short convolution, gated norm) take fla's fused Triton
+        kernels too: on the kernel backend, so that the reference backend stays plain PyTorch throughout."""
+        return self.backend_for(x) == "kernel"
+
     def _heads(self, t: torch.Tensor) -> torch.Tensor:
         return t.unflatten(-1, (self.shape.num_heads, self.shape.head_dim))
 
@@ -195,7 +200,16 @@ class HeadRMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(head_dim))
         self.eps, self.activation = eps, activation
 
-    def forward(self, o: torch.Tensor, gate: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def forward(self, o: torch.Tensor, gate: Optional[torch.Tensor] = None, fused: bool = False) -> torch.Tensor:
+        """o, gate `[B, T, H, D]` -> norm(o) * act(gate) in o's dtype, computed in float32. fused: fla's Triton
+        kernel (norm, gate and their backward in one kernel each, instead of ~8 elementwise operators) when o is
+        on a GPU, gated, and longer than one token (one-token decoding steps stay in PyTorch, as the mixers'
+        recurrences do, so that the CUDA-graph step captures no autotuning)."""
+        if fused and gate is not None and o.is_cuda and o.shape[1] > 1:
+            from fla.modules.norm.fused_norm_gate import rms_norm_gated
+
+            act = "swish" if self.activation == "silu" else "sigmoid"
+            return rms_norm_gated(o, gate.to(o.dtype), self.weight, None, activation=act, eps=self.eps)
         y = F.rms_norm(o.float(), (o.shape[-1],), self.weight.float(), self.eps)
         if gate is not None:
             act = F.silu if self.activation == "silu" else torch.sigmoid
@@ -271,7 +285,7 @@ class ConvMixer(Mixer):
         tail = None
         if self.options.short_conv:
             qkv, tail = self.qkv_conv(qkv, state.conv if state is not None else None,
-                                      fused=self.backend_for(x) == "kernel", want_tail=use_cache)
+                                      fused=self.fused_ops(x), want_tail=use_cache)
         else:
             qkv = F.silu(qkv)
         q, k, v = (self._heads(t) for t in qkv.chunk(3, dim=-1))

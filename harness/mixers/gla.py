@@ -38,7 +38,7 @@ class GLA(Mixer):
                                chunk_size=self.options.chunk_size)
 
     def _output(self, x, o):
-        return self.o_norm(o, self._heads(self.g_proj(x)))
+        return self.o_norm(o, self._heads(self.g_proj(x)), fused=self.fused_ops(x))
 
     def reset_new_parameters(self) -> None:
         for lin in (*self.gk_proj, self.g_proj):

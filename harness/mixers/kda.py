@@ -34,7 +34,7 @@ class KDA(ConvMixer):
                                backend=backend, chunk_size=self.options.chunk_size)
 
     def _output(self, x, o):
-        return self.o_norm(o, self._heads(self.g_proj(x)))
+        return self.o_norm(o, self._heads(self.g_proj(x)), fused=self.fused_ops(x))
 
     def reset_new_parameters(self) -> None:
         for lin in (*self.f_proj, self.b_proj, *self.g_proj):

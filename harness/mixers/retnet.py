@@ -25,7 +25,7 @@ class RetNet(Mixer):
                                chunk_size=self.options.chunk_size)
 
     def _output(self, x, o):
-        return self.o_norm(o, self._heads(self.g_proj(x)))
+        return self.o_norm(o, self._heads(self.g_proj(x)), fused=self.fused_ops(x))
 
     def reset_new_parameters(self) -> None:
         nn.init.normal_(self.g_proj.weight, std=0.02)

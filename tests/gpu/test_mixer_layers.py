@@ -101,3 +101,29 @@ def test_fused_short_conv_matches_pytorch_conv(dtype):
     for a, b in zip(outs[True][:3], outs[False][:3]):
         assert rel(a, b) < tol, rel(a, b)
     assert torch.equal(outs[True][3], outs[False][3])
+
+
+@pytest.mark.parametrize("activation", ["silu", "sigmoid"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_fused_gated_norm_matches_pytorch(activation, dtype):
+    """fla's Triton gated RMSNorm (the kernel backend's output norm of gla, retnet, gated_deltanet, kda) == the
+    PyTorch form: output, and the gradients of the input, the gate and the weight."""
+    from harness.mixers.base import HeadRMSNorm
+
+    torch.manual_seed(0)
+    norm = HeadRMSNorm(64, activation=activation).cuda()
+    with torch.no_grad():
+        norm.weight.uniform_(0.5, 1.5)
+    o = torch.randn(4, 2048, 9, 64, device="cuda", dtype=dtype)
+    gate = torch.randn_like(o)
+    outs = {}
+    for fused in (False, True):
+        oi, gi = o.clone().requires_grad_(True), gate.clone().requires_grad_(True)
+        norm.zero_grad()
+        y = norm(oi, gi, fused=fused)
+        (y.float() * torch.linspace(-1, 1, y.shape[-1], device="cuda")).sum().backward()
+        outs[fused] = (y, oi.grad, gi.grad, norm.weight.grad.clone())
+    assert outs[True][0].dtype == dtype
+    tol = 1e-2 if dtype == torch.bfloat16 else 1e-4
+    for a, b in zip(outs[True], outs[False]):
+        assert rel(a, b) < tol, rel(a, b)
