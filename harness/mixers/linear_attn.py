@@ -8,7 +8,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-import torch
 import torch.nn.functional as F
 
 from harness.mixers.base import Mixer, MixerOptions, run_gated_delta

@@ -34,7 +34,7 @@ from harness.config import ConfigError, JobConfig, plan_stages, requested_tokens
 from harness.engine import all_reduce_host, gathered
 from harness.eval.spec import write_eval_spec
 from harness.losses import DistillLosses, distill_loss
-from harness.observe import RunLogger, check_finite, dense_flops_per_token
+from harness.observe import RunLogger, check_finite
 from harness.stages.common import load_job_teacher, resolve_device, run_dir
 
 TAG = "ds"  # DeepSpeed's tag inside each step-* checkpoint directory
