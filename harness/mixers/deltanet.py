@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from harness.mixers.base import ConvMixer, ConvOptions, HeadRMSNorm, l2norm, run_gated_delta
+from harness.mixers.base import ConvMixer, ConvOptions, HeadRMSNorm, run_gated_delta
 
 
 class DeltaNet(ConvMixer):
@@ -20,8 +20,8 @@ class DeltaNet(ConvMixer):
 
     def _mix(self, x, q, k, v, prior, backend):
         beta = torch.sigmoid(self.b_proj(x).float())
-        return run_gated_delta(l2norm(q), l2norm(k), v, None, beta, scale=self.shape.head_dim**-0.5, prior=prior,
-                               backend=backend, chunk_size=self.options.chunk_size)
+        return run_gated_delta(q, k, v, None, beta, scale=self.shape.head_dim**-0.5, prior=prior,
+                               backend=backend, chunk_size=self.options.chunk_size, normalize_qk=True)
 
     def _output(self, x, o):
         return self.o_norm(o)

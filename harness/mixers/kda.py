@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from harness.mixers.base import ConvMixer, ConvOptions, HeadRMSNorm, l2norm, mamba_dt_bias, run_gated_delta
+from harness.mixers.base import ConvMixer, ConvOptions, HeadRMSNorm, mamba_dt_bias, run_gated_delta
 
 
 class KDA(ConvMixer):
@@ -30,8 +30,8 @@ class KDA(ConvMixer):
         f = self._heads(self.f_proj(x).float() + self.dt_bias.float())
         g = -self.A_log.float().exp()[:, None] * F.softplus(f)
         beta = torch.sigmoid(self.b_proj(x).float())
-        return run_gated_delta(l2norm(q), l2norm(k), v, g, beta, scale=self.shape.head_dim**-0.5, prior=prior,
-                               backend=backend, chunk_size=self.options.chunk_size)
+        return run_gated_delta(q, k, v, g, beta, scale=self.shape.head_dim**-0.5, prior=prior,
+                               backend=backend, chunk_size=self.options.chunk_size, normalize_qk=True)
 
     def _output(self, x, o):
         return self.o_norm(o, self._heads(self.g_proj(x)), fused=self.fused_ops(x))

@@ -14,8 +14,9 @@ Conventions found in fla 0.6.0 (fla/ops/*/chunk.py) and mlstm_kernels 2.0.6, whi
   Per-head g is `[B, T, H]` (simple_gla, gated_delta_rule), per-channel g is `[B, T, H, K]` (gla, kda).
   KDA and GDN are called with `use_gate_in_kernel=False` (g is the final log decay, no in-kernel
   `-exp(A_log) * softplus(.)`), `use_beta_sigmoid_in_kernel=False` (beta already in (0, 1)),
-  `use_qk_l2norm_in_kernel=False` (the layer normalises q and k), `safe_gate=False` (our gates are not
-  bounded below).
+  `safe_gate=False` (our gates are not bounded below). DeltaNet, GDN and KDA ask for L2-normalised q and k
+  (`normalize_qk=True`): `use_qk_l2norm_in_kernel=True` on the delta_rule / gated_delta_rule / kda routes
+  (fla's l2norm, x / sqrt(sum x^2 + 1e-6), our `l2norm`'s formula), our `l2norm` before any other route.
 - scale: every fla op applies `scale` to q inside (o = scale * S^T q), as the contract does; pass it.
   mlstm_kernels' triton_limit_chunk always uses scale = K^-0.5 (its autograd Function calls the backward
   without qk_scale), so q is pre-multiplied by scale * sqrt(K) when the requested scale differs.
@@ -216,6 +217,7 @@ def kernel_environment() -> dict:
 # Override per case with HARNESS_FLA_ROUTES="case=route,case=route" (e.g. "head_const=gla").
 GATED_DELTA_CASES = ("none", "head_const", "head", "channel", "delta", "head_delta", "channel_delta")
 ROUTES = ("simple_gla", "simple_gla_gamma", "gla", "delta_rule", "gated_delta_rule", "kda")
+_L2NORM_IN_KERNEL = ("delta_rule", "gated_delta_rule", "kda")  # routes whose fla op normalises q, k itself
 _ROUTE_ACCEPTS = {  # route -> (g kinds it can take, whether it takes beta)
     "simple_gla": ({"none", "head"}, False),
     "simple_gla_gamma": ({"head_const"}, False),
@@ -306,7 +308,7 @@ def _check_gated_delta(q, k, v, g, beta, initial_state) -> None:
 
 
 def run_gated_delta_route(route: str, q, k, v, g=None, beta=None, *, scale: float, initial_state=None,
-                          output_final_state: bool = True):
+                          output_final_state: bool = True, normalize_qk: bool = False):
     """Run one named fla route (see ROUTES); `kernel_gated_delta` picks the route, tests pin one."""
     if route not in ROUTES:
         raise ValueError(f"unknown route '{route}'; valid: {', '.join(ROUTES)}")
@@ -339,6 +341,10 @@ def run_gated_delta_route(route: str, q, k, v, g=None, beta=None, *, scale: floa
         g = q.new_zeros(B, T, H, dtype=torch.float32)
     if beta is not None:
         beta = beta.contiguous()
+    if normalize_qk and route not in _L2NORM_IN_KERNEL:
+        from harness.mixers.base import l2norm
+
+        q, k, normalize_qk = l2norm(q), l2norm(k), False
     common = dict(scale=float(scale), initial_state=h0, output_final_state=output_final_state)
 
     if route == "simple_gla":
@@ -357,22 +363,22 @@ def run_gated_delta_route(route: str, q, k, v, g=None, beta=None, *, scale: floa
     elif route == "delta_rule":
         from fla.ops.delta_rule import chunk_delta_rule
 
-        o, ht = chunk_delta_rule(q, k, v, beta, use_qk_l2norm_in_kernel=False, **common)
+        o, ht = chunk_delta_rule(q, k, v, beta, use_qk_l2norm_in_kernel=normalize_qk, **common)
     elif route == "gated_delta_rule":
         from fla.ops.gated_delta_rule import chunk_gated_delta_rule
 
-        o, ht = chunk_gated_delta_rule(q, k, v, g, beta, use_qk_l2norm_in_kernel=False,
+        o, ht = chunk_gated_delta_rule(q, k, v, g, beta, use_qk_l2norm_in_kernel=normalize_qk,
                                        use_beta_sigmoid_in_kernel=False, **common)
     else:  # kda
         from fla.ops.kda import chunk_kda
 
-        o, ht = chunk_kda(q, k, v, g, beta, use_qk_l2norm_in_kernel=False, use_gate_in_kernel=False,
+        o, ht = chunk_kda(q, k, v, g, beta, use_qk_l2norm_in_kernel=normalize_qk, use_gate_in_kernel=False,
                           use_beta_sigmoid_in_kernel=False, safe_gate=False, **common)
     return o.to(out_dtype), ht
 
 
 def kernel_gated_delta(q, k, v, g=None, beta=None, *, scale: float, initial_state=None,
-                       output_final_state: bool = True):
+                       output_final_state: bool = True, normalize_qk: bool = False):
     """The gated-delta recurrence of docs/RECURRENCES.md through fla.ops -> (o `[B,T,H,V]`, final `[B,H,K,V]`).
 
     q, k `[B, T, H, K]`, v `[B, T, H, V]`, g None | `[B, T, H]` | `[B, T, H, K]` (natural-log decay <= 0),
@@ -385,7 +391,7 @@ def kernel_gated_delta(q, k, v, g=None, beta=None, *, scale: float, initial_stat
     route = select_gated_delta_route(q, k, v, g, beta, initial_state)
     try:
         return run_gated_delta_route(route, q, k, v, g, beta, scale=scale, initial_state=initial_state,
-                                     output_final_state=output_final_state)
+                                     output_final_state=output_final_state, normalize_qk=normalize_qk)
     except RuntimeError as exc:
         if "tilelang" in str(exc).lower() or "#640" in str(exc):
             raise RuntimeError(f"{exc}\n[harness] fla refused route '{route}' on this GPU/triton. tilelang (with a "

@@ -123,3 +123,28 @@ def test_float32_inputs_come_back_float32():
     h, (c, n, m) = R.run_kernel(x)
     assert h.dtype == torch.float32 and c.dtype == n.dtype == m.dtype == torch.float32
     assert m.shape == (1, 9)
+
+
+@pytest.mark.parametrize("route", ["delta_rule", "gated_delta_rule", "kda"])
+def test_l2norm_inside_the_kernel_equals_l2norm_before_it(route):
+    """normalize_qk=True (fla's in-kernel L2 norm of q and k) == our l2norm applied first: outputs and the
+    gradients of the unnormalised q and k, in the bf16 the layers run."""
+    from harness.mixers.base import l2norm
+
+    torch.manual_seed(7)
+    Bn, T, H, K = 2, 1000, 9, 64
+    q, k, v = (torch.randn(Bn, T, H, K, device="cuda", dtype=torch.bfloat16) * 3 for _ in range(3))
+    beta = torch.rand(Bn, T, H, device="cuda", dtype=torch.float32)
+    g = None if route == "delta_rule" else -torch.rand(Bn, T, H, device="cuda") * 0.1
+    if route == "kda":
+        g = g.unsqueeze(-1).expand(Bn, T, H, K).contiguous()
+
+    def run(inside: bool):
+        qq, kk = q.clone().requires_grad_(True), k.clone().requires_grad_(True)
+        qi, ki = (qq, kk) if inside else (l2norm(qq), l2norm(kk))
+        o, s = kernels.run_gated_delta_route(route, qi, ki, v, g, beta, scale=K**-0.5, normalize_qk=inside)
+        (o.float().square().mean() + s.square().mean()).backward()
+        return o, s, qq.grad, kk.grad
+
+    for name, a, b in zip(("o", "state", "dq", "dk"), run(True), run(False)):
+        assert R.rel_err(a, b) < 2e-2, f"{route} {name}: {R.rel_err(a, b):.2e}"
