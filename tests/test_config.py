@@ -56,11 +56,28 @@ def test_every_field_has_a_description():
         (["stages.align_mixer.schedule=linear"], "Allowed: wsd, cosine, constant"),
         (["student.mixer"], "not of the form key=value"),
         (["deepspeed.teacher_placement=sharded"], "teacher_placement.*Allowed: auto, zero3, replicated"),
+        (["teacher.dtype=fp8"], "teacher.dtype.*auto, float32, bfloat16, float16"),
     ],
 )
 def test_bad_input_gives_clear_error(job_file, override, needle):
     with pytest.raises(ConfigError, match=needle):
         load_job(job_file, override)
+
+
+def test_teacher_dtype_auto_is_bf16_on_a_gpu_and_fp32_on_a_cpu(job_file):
+    """The default: stages 1-2 autocast to the teacher's dtype, and fp32 on a GPU would run them without tensor
+    cores (seen on an H200: ~2k tokens/s for a 1.7B layer group). An explicit dtype wins everywhere."""
+    import torch
+
+    from harness.stages.common import teacher_dtype
+
+    job = load_job(job_file, [])
+    assert job.teacher.dtype == "auto"
+    assert teacher_dtype(job, torch.device("cuda", 0)) == torch.bfloat16
+    assert teacher_dtype(job, torch.device("cpu")) == torch.float32
+    assert teacher_dtype(load_job(job_file, ["run.device=cpu"])) == torch.float32
+    pinned = load_job(job_file, ["teacher.dtype=float32"])
+    assert teacher_dtype(pinned, torch.device("cuda", 0)) == torch.float32
 
 
 def test_cli_exits_2_with_one_paragraph(job_file, capsys):

@@ -50,8 +50,8 @@ from harness.losses import alignment_mse
 from harness.mixers import Mixer, MixerShape, mixer_class, mixer_options
 from harness.observe import RunLogger, check_finite
 from harness.schedule import build_scheduler
-from harness.stages.common import (DTYPES, PER_LAYER_STAGES, group_dir, load_job_teacher, num_student_layers,
-                                   resolve_device, run_dir)
+from harness.stages.common import (PER_LAYER_STAGES, group_dir, load_job_teacher, num_student_layers, resolve_device,
+                                   run_dir, teacher_dtype)
 from harness.student import StudentBlock, student_config
 from harness.teacher import capture_activations
 
@@ -374,7 +374,7 @@ def _train(run: _Run, resumed: Optional[CheckpointInfo], stop_after_steps: Optio
     device = next(run.group.parameters()).device
     total_steps = run.identity["total_steps"]
     rope = _rope_fn(student_config(run.teacher.model.config, job.student.mixer, dict(job.student.options)), device)
-    dtype = DTYPES[job.teacher.dtype]
+    dtype = teacher_dtype(job, device)
     autocast = (torch.autocast("cuda", dtype=dtype) if device.type == "cuda" and dtype != torch.float32
                 else contextlib.nullcontext())
     every, done_here, saved_at = job.run.checkpoint_every_tokens, 0, run.step if resumed else -1

@@ -103,12 +103,20 @@ def num_student_layers(job: JobConfig) -> int:
     return min(n, job.teacher.num_layers) if job.teacher.num_layers else n
 
 
+def teacher_dtype(job: JobConfig, device: Optional[torch.device] = None) -> torch.dtype:
+    """teacher.dtype as a torch dtype; `auto` is bfloat16 on a CUDA device (`device`, else the job's) and
+    float32 on a CPU, where bf16 matmuls are slow and the tests compare in float32."""
+    if job.teacher.dtype != "auto":
+        return DTYPES[job.teacher.dtype]
+    return torch.bfloat16 if (device or resolve_device(job)).type == "cuda" else torch.float32
+
+
 def load_job_teacher(job: JobConfig, device: Optional[torch.device] = None, up_to_layer: Optional[int] = None):
     """The job's teacher, truncated to teacher.num_layers (and further to layers < up_to_layer when a layer
-    group needs only a prefix), frozen, in teacher.dtype, on `device`."""
+    group needs only a prefix), frozen, in teacher.dtype (see `teacher_dtype`), on `device`."""
     from harness.teacher import load_teacher
 
-    teacher = load_teacher(job.teacher.source, dtype=DTYPES[job.teacher.dtype])
+    teacher = load_teacher(job.teacher.source, dtype=teacher_dtype(job, device))
     keep = job.teacher.num_layers or teacher.num_layers
     if up_to_layer is not None:
         keep = min(keep, up_to_layer)
