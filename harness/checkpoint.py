@@ -59,6 +59,10 @@ class CheckpointWarning(UserWarning):
     """A checkpoint was skipped (corrupt or incomplete) or moved aside."""
 
 
+class CheckpointCostWarning(UserWarning):
+    """Saving checkpoints takes a large share of the wall time (they are written too often for their size)."""
+
+
 @dataclass(frozen=True)
 class CheckpointInfo:
     """A complete checkpoint as its manifest describes it."""
@@ -226,6 +230,11 @@ class CheckpointManager:
         self.root = Path(root)
         self.keep_last = keep_last
         self.hash_files = hash_files
+        # Warn (once) when a save takes over `costly_share` of the time since the previous one ended and at
+        # least `costly_seconds`: a 1.7B layer group's 10 GB state, saved every step, tripled its step time.
+        self.costly_share, self.costly_seconds = 0.25, 2.0
+        self._last_end: Optional[float] = None
+        self._cost_warned = False
 
     # -- paths
 
@@ -259,6 +268,7 @@ class CheckpointManager:
         coll = _dist_on() if collective is None else collective
         rank = dist.get_rank() if coll else 0
         world = dist.get_world_size() if coll else 1
+        began = time.monotonic()
 
         def make_tmp() -> Path:
             self.root.mkdir(parents=True, exist_ok=True)
@@ -281,12 +291,29 @@ class CheckpointManager:
             files: list[str] = _on_rank0(lambda: _list_files(tmp), coll, f"listing step {step}")
             shares = _on_all(lambda: digest_my_share(files), coll, f"hashing step {step}")
             entries = {rel: entry for share in shares for rel, entry in share.items()}
-            return _on_rank0(
+            info = _on_rank0(
                 lambda: self._commit(tmp, step, tokens, meta or {}, world, entries), coll, f"committing step {step}"
             )
+            if rank == 0:
+                self._note_cost(step, began, time.monotonic())
+            return info
         finally:
             if rank == 0:
                 shutil.rmtree(tmp, ignore_errors=True)  # gone already when the commit renamed it
+
+    def _note_cost(self, step: int, began: float, ended: float) -> None:
+        took, last, self._last_end = ended - began, self._last_end, ended
+        if last is None or self._cost_warned or took < self.costly_seconds:
+            return
+        share = took / max(ended - last, 1e-9)
+        if share > self.costly_share:
+            self._cost_warned = True
+            warnings.warn(
+                f"saving checkpoint step {step} under {self.root} took {took:.1f} s, {share:.0%} of the "
+                f"{ended - last:.1f} s since the previous save: checkpoints this frequent slow the stage down. "
+                "Raise run.checkpoint_every_tokens (0: only at the end of the stage and on preemption).",
+                CheckpointCostWarning, stacklevel=3,
+            )
 
     def _commit(
         self, tmp: Path, step: int, tokens: int, meta: dict[str, Any], world: int, files: dict[str, Any]

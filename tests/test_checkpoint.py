@@ -17,6 +17,7 @@ from harness.checkpoint import (
     COMPLETE,
     LATEST,
     MANIFEST,
+    CheckpointCostWarning,
     CheckpointError,
     CheckpointManager,
     CheckpointWarning,
@@ -57,6 +58,35 @@ def test_round_trip_manifest_and_latest_pointer(tmp_path: Path) -> None:
     assert got is not None and (got.step, got.tokens, got.meta) == (7, 7000, {"stage": "distill", "lr": 1e-3})
     assert torch.equal(torch.load(got.path / "model.pt")["w"], torch.arange(5.0))
     assert not [p for p in mgr.root.iterdir() if p.name.startswith(".tmp-")]
+
+
+def test_saving_too_often_for_the_checkpoint_size_warns_once(tmp_path: Path) -> None:
+    """A save that takes most of the time between saves is named, with the setting that spaces them out."""
+    import time
+    import warnings
+
+    def slow_writer(d: Path) -> None:
+        time.sleep(0.2)
+        torch.save({"w": torch.zeros(4)}, d / "model.pt")
+
+    mgr = CheckpointManager(tmp_path / "ck", keep_last=1)
+    mgr.costly_seconds = 0.1
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        for step in (1, 2, 3):  # back to back: each save is ~100% of the time since the previous one
+            mgr.save(step, step, slow_writer)
+    costly = [w for w in seen if issubclass(w.category, CheckpointCostWarning)]
+    assert len(costly) == 1 and "run.checkpoint_every_tokens" in str(costly[0].message)
+    assert "step 2" in str(costly[0].message)
+
+    spaced = CheckpointManager(tmp_path / "ck2", keep_last=1)
+    spaced.costly_seconds = 0.1
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        for step in (1, 2):
+            spaced.save(step, step, slow_writer)
+            time.sleep(2.0)  # training between saves: the save is ~10% of the interval
+    assert not [w for w in seen if issubclass(w.category, CheckpointCostWarning)]
 
 
 def test_keep_last_prunes_oldest(tmp_path: Path) -> None:
