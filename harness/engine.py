@@ -2,7 +2,8 @@
 
 The same code runs on GPUs (nccl, bf16) and on CPUs (gloo, fp32), as CI runs it. CPU pitfalls handled here
 (see DESIGN.md): DeepSpeed's shared-memory all-reduce JIT build is skipped, the optimizer is torch's AdamW
-(`torch_adam`, no FusedAdam build), and the process group gets a finite timeout.
+(`torch_adam`, no FusedAdam build; `fused` picks its one-kernel step, on CPUs too), and the process group gets a
+finite timeout.
 """
 
 from __future__ import annotations
