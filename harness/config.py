@@ -168,6 +168,11 @@ class DistillConfig(StageConfig):
         "more student forward per step for a fraction of the activation memory (what lets the 1.7B student train "
         "at micro-batch 8 x 2048 in 80 GiB; docs/BENCHMARKS.md)."
     )
+    gradient_checkpointing_fraction: float = described(
+        1.0, "With gradient_checkpointing: the share of student blocks recomputed, spread evenly over the depth "
+        "(1.0 every block; 0.25 every fourth). Recompute only as many as the memory needs: each costs about one "
+        "block forward per step."
+    )
 
 
 @dataclass
@@ -440,6 +445,9 @@ def validate(job: JobConfig) -> None:
         )
     if d.temperature <= 0:
         raise ConfigError(f"stages.distill.temperature={d.temperature} must be > 0.")
+    if not 0.0 < d.gradient_checkpointing_fraction <= 1.0:
+        raise ConfigError(f"stages.distill.gradient_checkpointing_fraction={d.gradient_checkpointing_fraction} "
+                          "must lie in (0, 1].")
     _check_choice("stages.distill.data", d.data, DISTILL_DATA)
     _check_stage("stages.sft", job.stages.sft)
     _check_instructions(job.instructions)

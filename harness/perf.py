@@ -604,8 +604,8 @@ def bench_step(shape: str = "135M", mixer: str = "gated_deltanet", *, micro_batc
                layers: Optional[int] = None, options: Optional[dict] = None,
                student_ds_config: Optional[str] = None, teacher_ds_config: Optional[str] = None,
                peak_flops: Optional[float] = None, measure_peak: bool = False, profile_steps: int = 2,
-               gradient_checkpointing: bool = False, teacher_placement: str = "auto",
-               seed: int = 0) -> dict[str, Any]:
+               gradient_checkpointing: bool = False, recompute_fraction: float = 1.0,
+               teacher_placement: str = "auto", seed: int = 0) -> dict[str, Any]:
     """Time `steps` optimizer steps of stage 3 (after `warmup`) for one teacher shape and mixer; see the module
     docstring for what each field means. With zero3, joins (or creates) the process group as stage 3 does
     (`harness.engine.setup_distributed`): under torchrun every rank calls this and the world is the group's.
@@ -632,8 +632,8 @@ def bench_step(shape: str = "135M", mixer: str = "gated_deltanet", *, micro_batc
 
     teacher, student = build_pair(shape, mixer, options=options, source=teacher_source, layers=layers,
                                   device=device, teacher_dtype=dtype, seed=seed)
-    if gradient_checkpointing:  # stages.distill.gradient_checkpointing
-        student.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if gradient_checkpointing:  # stages.distill.gradient_checkpointing (_fraction)
+        student.enable_recompute(recompute_fraction)
     n_student, n_teacher = count_params(student), count_params(teacher)
     fpt = flops_per_token(n_student, n_teacher)
     vocab = teacher.config.vocab_size
@@ -641,7 +641,8 @@ def bench_step(shape: str = "135M", mixer: str = "gated_deltanet", *, micro_batc
         "shape": shape_name, "teacher": teacher_source or f"SmolLM2-{shape_name} shape, random weights",
         "mixer": mixer, "options": dict(options or {}), "engine": "zero3" if zero3 else "plain",
         "layers": teacher.config.num_hidden_layers, "micro_batch": micro_batch, "seq_len": seq_len,
-        "grad_accum": grad_accum, "gradient_checkpointing": gradient_checkpointing, "world": world,
+        "grad_accum": grad_accum, "gradient_checkpointing": gradient_checkpointing,
+        "recompute_fraction": recompute_fraction if gradient_checkpointing else 0.0, "world": world,
         "dtype": str(dtype).removeprefix("torch."), "device": str(device), "steps": steps, "warmup": warmup,
         "n_student": n_student, "n_teacher": n_teacher, "flops_per_token": fpt,
     }
@@ -896,6 +897,14 @@ def bench_kernels(layouts: Sequence[str] = ("1.7B",), mixers: Optional[Sequence[
     return rows
 
 
+def _recompute_label(row: dict[str, Any]) -> str:
+    """'' without recomputation, '+ckpt' for every block, '+ckpt0.25' for a share."""
+    if not row.get("gradient_checkpointing"):
+        return ""
+    fraction = row.get("recompute_fraction", 1.0)
+    return "+ckpt" if fraction >= 1.0 else f"+ckpt{fraction:g}"
+
+
 def kernel_table(rows: list[dict[str, Any]]) -> str:
     """The layer report's Markdown table (errors, bf16 floor, times, speedup)."""
     lines = ["| mixer | layout | out err | dx err | max param-grad err (param) | bf16-reference out / dx err | "
@@ -1140,7 +1149,7 @@ def markdown(results: dict[str, Any]) -> str:
             comm_s = "-" if "comm_ms" not in comm else (
                 f"{comm['comm_ms']:.1f}" + (f" ({comm['exposed_ms']:.1f})" if "exposed_ms" in comm else ""))
             m = "-" if r.get("mfu") is None else f"{100 * r['mfu']:.1f}%"
-            engine = r["engine"] + ("+ckpt" if r.get("gradient_checkpointing") else "")
+            engine = r["engine"] + _recompute_label(r)
             busy = "-" if r.get("gpu_busy") is None else f"{100 * r['gpu_busy']:.0f}%"
             lines.append(f"| {r['shape']} | {r['mixer']} | {engine} | {r.get('teacher_placement', '-')} | "
                          f"{r['micro_batch']} x {r['seq_len']} x "
@@ -1288,8 +1297,11 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
                       "known GPUs, else measured now on CUDA).")
     step.add_argument("--measure-peak", action="store_true", help="Measure the peak now (8192^3 bf16 matmul).")
     step.add_argument("--grad-ckpt", action="store_true",
-                      help="Recompute each student block in backward (activation checkpointing; stage 3 does not "
-                      "do this today): less activation memory for more time.")
+                      help="Recompute student blocks in backward (stages.distill.gradient_checkpointing): less "
+                      "activation memory for more time.")
+    step.add_argument("--grad-ckpt-fraction", type=float, default=None, metavar="F",
+                      help="With --grad-ckpt (implied): recompute only this share of the blocks, spread evenly "
+                      "(stages.distill.gradient_checkpointing_fraction). Default 1.0.")
     step.add_argument("--profile-steps", type=int, default=2,
                       help="Extra steps under torch.profiler to measure communication (0: skip). Default 2.")
     dec = p.add_argument_group("decode")
@@ -1374,7 +1386,9 @@ def run_cli(args: argparse.Namespace, argv: Optional[Sequence[str]] = None) -> i
                           layers=args.layers, options=options, student_ds_config=args.student_ds_config,
                           teacher_ds_config=args.teacher_ds_config, peak_flops=args.peak_flops,
                           measure_peak=args.measure_peak, profile_steps=args.profile_steps,
-                          gradient_checkpointing=args.grad_ckpt, teacher_placement=args.teacher_placement,
+                          gradient_checkpointing=args.grad_ckpt or args.grad_ckpt_fraction is not None,
+                          recompute_fraction=1.0 if args.grad_ckpt_fraction is None else args.grad_ckpt_fraction,
+                          teacher_placement=args.teacher_placement,
                           seed=args.seed)
                 if args.teacher:
                     kw["teacher_source"] = args.teacher

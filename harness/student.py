@@ -115,6 +115,7 @@ class HarnessModel(HarnessPreTrainedModel):
         uses_rope = bool((config.mixer_options or {}).get("rope", False))
         self.rotary_emb = LlamaRotaryEmbedding(config) if uses_rope else None
         self.gradient_checkpointing = False
+        self.recompute_blocks = frozenset(range(config.num_hidden_layers))  # under gradient_checkpointing
         self.post_init()
 
     def forward(self, input_ids=None, inputs_embeds=None, cache: Optional[RecurrentCache] = None,
@@ -127,7 +128,7 @@ class HarnessModel(HarnessPreTrainedModel):
             rope = self.rotary_emb(hidden, positions.expand(hidden.shape[0], -1))
         for i, block in enumerate(self.layers):
             prior = cache.states[i] if cache is not None else None
-            if self.gradient_checkpointing and self.training:
+            if self.gradient_checkpointing and self.training and i in self.recompute_blocks:
                 hidden, state = self._gradient_checkpointing_func(block.__call__, hidden, rope, prior, use_cache)
             else:
                 hidden, state = block(hidden, rope, prior, use_cache)
@@ -146,6 +147,21 @@ class HarnessForCausalLM(HarnessPreTrainedModel, GenerationMixin):
         self.model = HarnessModel(config)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.post_init()
+
+    def enable_recompute(self, fraction: float = 1.0) -> list[int]:
+        """Gradient checkpointing of round(fraction x layers) blocks (at least one), spread evenly over the
+        depth; returns their indices. Each recomputed block saves its activations for one more forward."""
+        n = self.config.num_hidden_layers
+        if not 0.0 < fraction <= 1.0:
+            raise ValueError(f"fraction={fraction} must lie in (0, 1]")
+        k = max(1, round(n * fraction))
+        self.model.recompute_blocks = frozenset(int((j + 0.5) * n / k) for j in range(k))
+        kwargs = {"use_reentrant": False}
+        if hasattr(self, "activation_checkpointing_enable"):  # transformers >= 5.2x; the old name warns there
+            self.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+        else:
+            self.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+        return sorted(self.model.recompute_blocks)
 
     @classmethod
     def _supports_default_dynamic_cache(cls) -> bool:

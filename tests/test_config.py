@@ -57,6 +57,7 @@ def test_every_field_has_a_description():
         (["student.mixer"], "not of the form key=value"),
         (["deepspeed.teacher_placement=sharded"], "teacher_placement.*Allowed: auto, zero3, replicated"),
         (["teacher.dtype=fp8"], "teacher.dtype.*auto, float32, bfloat16, float16"),
+        (["stages.distill.gradient_checkpointing_fraction=0"], "gradient_checkpointing_fraction=0.* must lie in"),
     ],
 )
 def test_bad_input_gives_clear_error(job_file, override, needle):

@@ -323,14 +323,15 @@ def test_layer_comparison_code_runs_on_cpu(one_thread):
     assert "| gla | tiny |" in perf.kernel_table([row])
 
 
-def test_zero2_student_config_is_labelled_by_its_stage(tmp_path):
+def test_zero2_student_config_and_partial_recompute_are_labelled(tmp_path):
     out = tmp_path / "z2.json"
     _run_cli(["--shape", "tiny", "--mixer", "deltanet", "--device", "cpu", "--micro-batch", "2", "--seq", "32",
               "--steps", "1", "--warmup", "1", "--profile-steps", "0", "--student-ds-config", "ds_configs/zero2.json",
-              "--out", str(out)])
+              "--grad-ckpt-fraction", "0.5", "--out", str(out)])
     (row,) = json.loads(out.read_text())["step"]
     assert row["engine"] == "zero2" and row["ds_configs"][0].endswith("ds_configs/zero2.json")
-    assert "| tiny | deltanet | zero2 | replicated |" in out.with_suffix(".md").read_text()
+    assert row["gradient_checkpointing"] and row["recompute_fraction"] == 0.5
+    assert "| tiny | deltanet | zero2+ckpt0.5 | replicated |" in out.with_suffix(".md").read_text()
 
 
 def test_top_ops_ranks_host_and_device_time_per_step():

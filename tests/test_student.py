@@ -129,3 +129,32 @@ def test_parameter_count_adds_only_the_new_parameters(teacher):
 def test_unknown_mixer_is_refused_before_building(teacher):
     with pytest.raises(ValueError, match="valid mixers"):
         harness.build_student(teacher, "transformer")
+
+
+def test_partial_recompute_checkpoints_only_the_chosen_blocks_and_keeps_the_gradients():
+    """enable_recompute(0.25) on 8 blocks recomputes 2, spread over the depth: those blocks run their forward
+    twice per step (once more in backward), the others once, and every gradient equals the plain run's."""
+    student = harness.build_student(tiny_llama(num_layers=8, hidden=64, heads=4, kv_heads=2), "gated_deltanet")
+    ids = torch.randint(0, 97, (2, 16), generator=torch.Generator().manual_seed(0))
+
+    def grads_and_calls(fraction):
+        model = harness.build_student(tiny_llama(num_layers=8, hidden=64, heads=4, kv_heads=2), "gated_deltanet")
+        model.load_state_dict(student.state_dict())
+        chosen = model.enable_recompute(fraction) if fraction else []
+        model.train()
+        calls = [0] * 8
+        for i, block in enumerate(model.model.layers):
+            block.register_forward_pre_hook(lambda *_, i=i: calls.__setitem__(i, calls[i] + 1))
+        model(ids).logits.float().square().mean().backward()
+        return chosen, calls, {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    chosen, calls, grads = grads_and_calls(0.25)
+    assert chosen == [2, 6]
+    assert calls == [2 if i in chosen else 1 for i in range(8)]
+    _, plain_calls, plain = grads_and_calls(None)
+    assert plain_calls == [1] * 8 and grads.keys() == plain.keys()
+    for name, g in grads.items():
+        torch.testing.assert_close(g, plain[name], rtol=1e-5, atol=1e-7, msg=name)
+    assert grads_and_calls(1.0)[0] == list(range(8))
+    with pytest.raises(ValueError, match="fraction=0"):
+        student.enable_recompute(0)

@@ -165,7 +165,7 @@ def distill(job: JobConfig, *, stop_after_steps: Optional[int] = None) -> Path:
                           f"`harness stage merge` first (or `harness run`).")
     student = HarnessForCausalLM.from_pretrained(merged, dtype=torch.float32)
     if cfg.gradient_checkpointing:
-        student.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        student.enable_recompute(cfg.gradient_checkpointing_fraction)
     max_positions = teacher.config.max_position_embeddings
     if cfg.data == "instructions":  # the budget as asked: conversation rows are not full rows of seq_len
         data = chat_data(job, "distill", cfg, requested_tokens(job, "distill"), teacher.tokenizer, max_positions,
