@@ -42,7 +42,8 @@ def test_run_all_stages_then_skip_when_rerun(tmp_path):
     assert "losses (first -> last logged)" in first.stdout and "distill" in first.stdout
     timings = [json.loads(line) for line in (out / "logs" / "timings.jsonl").read_text().splitlines()]
     assert [t["part"] for t in timings] == ["align_mixer", "align_hidden", "merge", "distill", "eval"]
-    assert all(t["seconds"] > 0 for t in timings) and timings[0]["groups"] == 2 and timings[0]["parallel"] == 2
+    assert all(t["seconds"] > 0 and t["outcome"] == "done" for t in timings)
+    assert timings[0]["groups"] == 2 and timings[0]["parallel"] == 2
     assert "[harness] align_mixer: " in first.stdout and " s wall" in first.stdout
     assert "# Evaluation:" in first.stdout and "| piqa | acc_norm | 2 |" in first.stdout
     assert (out / "eval" / "report.json").is_file() and (out / "eval" / "teacher" / "niah.json").is_file()
@@ -91,6 +92,10 @@ def test_run_stops_on_a_preemption_request_and_a_rerun_resumes(tmp_path):
     resumed = harness_cli("run", str(job_path))
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert (out / "student" / "model.safetensors").is_file()
+    # the stopped attempt's wall time is kept: a part's time over several attempts is the sum of its lines
+    timings = [json.loads(line) for line in (out / "logs" / "timings.jsonl").read_text().splitlines()]
+    assert [(t["part"], t["outcome"]) for t in timings][:2] == [("align_mixer", "preempted"), ("align_mixer", "done")]
+    assert "align_mixer: " in stopped.stdout and "(preempted)" in stopped.stdout
 
 
 def test_layer_groups_are_pinned_to_the_gpus_this_process_may_use(monkeypatch):

@@ -78,14 +78,28 @@ def run_pipeline(job: JobConfig, job_path: str, overrides: list[str]) -> Path:
 def timed(job: JobConfig, what: str, **facts):
     """Wall time of one part of `harness run`, printed and appended to RUN_DIR/logs/timings.jsonl (with `facts`:
     layer groups, GPUs, processes), so that runs on different machines can be compared (a part that was already
-    complete and skipped is recorded too, with its few seconds)."""
-    start = time.time()
-    yield
-    seconds = time.time() - start
-    print(f"[harness] {what}: {seconds:.1f} s wall", flush=True)
-    record = {"part": what, "seconds": round(seconds, 3), "finished": time.strftime("%Y-%m-%dT%H:%M:%S%z"), **facts}
-    with open(run_dir(job) / "logs" / "timings.jsonl", "a") as f:
-        f.write(json.dumps(record) + "\n")
+    complete and skipped is recorded too, with its few seconds). A part that stops early is recorded with its
+    `outcome` (preempted / failed / interrupted), so that a part's wall time over several attempts is the sum of
+    its lines."""
+    start, outcome = time.time(), "done"
+    try:
+        yield
+    except StagePreempted:
+        outcome = "preempted"
+        raise
+    except KeyboardInterrupt:
+        outcome = "interrupted"
+        raise
+    except BaseException:
+        outcome = "failed"
+        raise
+    finally:
+        seconds = time.time() - start
+        print(f"[harness] {what}: {seconds:.1f} s wall" + ("" if outcome == "done" else f" ({outcome})"), flush=True)
+        record = {"part": what, "seconds": round(seconds, 3), "outcome": outcome,
+                  "finished": time.strftime("%Y-%m-%dT%H:%M:%S%z"), **facts}
+        with open(run_dir(job) / "logs" / "timings.jsonl", "a") as f:
+            f.write(json.dumps(record) + "\n")
 
 
 def run_eval(job: JobConfig) -> None:
