@@ -50,7 +50,7 @@ start=$(date +%s)
 HARNESS_PREEMPT_FILE=/tmp/harness-stop python3 -m harness.cli run "${job[@]}" > "$out/run.log" 2>&1
 rc=$?
 kill "$timer" 2>/dev/null
-echo "$mode: exit $rc after $(( $(date +%s) - start )) s (85: stopped to be resumed; run the same command again)"
+echo "$mode: exit $rc after $(( $(date +%s) - start )) s$([ $rc -eq 85 ] && echo ': stopped with a checkpoint; run the same command again to resume')"
 tail -3 "$out/run.log"
 cp /tmp/$mode/logs/timings.jsonl "$out/" 2>/dev/null && cat "$out/timings.jsonl"
 cp /tmp/$mode/distill/metrics.jsonl "$out/distill-metrics.jsonl" 2>/dev/null
