@@ -365,3 +365,16 @@ def test_make_shape_teacher_writes_a_loadable_random_teacher(tmp_path, monkeypat
     t = load_teacher(str(out))
     assert t.model.config.num_hidden_layers == 2 and t.model.config.hidden_size == 64
     assert len(t.tokenizer) == len(load_teacher(str(teacher_dir)).tokenizer)
+
+
+def test_zero_step_op_count_shows_a_norm_per_parameter_tensor():
+    """scripts/zero_step_ops.py (the host cost of DeepSpeed's optimizer step, docs/BENCHMARKS.md): ZeRO-2's step
+    computes one gradient norm per parameter tensor, the per-tensor loop that makes a 135M student's optimizer
+    phase ~80 ms on the H200."""
+    out = subprocess.run([sys.executable, "scripts/zero_step_ops.py", "--shape", "tiny", "--mixer", "deltanet"],
+                         capture_output=True, text=True, timeout=600, env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
+    assert out.returncode == 0, out.stderr[-3000:]
+    res = json.loads(out.stdout)
+    calls = {r["op"]: r["calls"] for r in res["top"]}
+    assert res["parameter_tensors"] > 10 and res["aten_calls"] > 5 * res["parameter_tensors"]
+    assert calls.get("aten::linalg_vector_norm", 0) >= res["parameter_tensors"]
