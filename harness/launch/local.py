@@ -84,14 +84,9 @@ def timed(job: JobConfig, what: str, **facts):
     start, outcome = time.time(), "done"
     try:
         yield
-    except StagePreempted:
-        outcome = "preempted"
-        raise
-    except KeyboardInterrupt:
-        outcome = "interrupted"
-        raise
-    except BaseException:
-        outcome = "failed"
+    except BaseException as err:
+        outcome = ("preempted" if isinstance(err, StagePreempted) else
+                   "interrupted" if isinstance(err, KeyboardInterrupt) else "failed")
         raise
     finally:
         seconds = time.time() - start
