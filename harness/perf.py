@@ -897,14 +897,6 @@ def bench_kernels(layouts: Sequence[str] = ("1.7B",), mixers: Optional[Sequence[
     return rows
 
 
-def _recompute_label(row: dict[str, Any]) -> str:
-    """'' without recomputation, '+ckpt' for every block, '+ckpt0.25' for a share."""
-    if not row.get("gradient_checkpointing"):
-        return ""
-    fraction = row.get("recompute_fraction", 1.0)
-    return "+ckpt" if fraction >= 1.0 else f"+ckpt{fraction:g}"
-
-
 def kernel_table(rows: list[dict[str, Any]]) -> str:
     """The layer report's Markdown table (errors, bf16 floor, times, speedup)."""
     lines = ["| mixer | layout | out err | dx err | max param-grad err (param) | bf16-reference out / dx err | "
@@ -1123,6 +1115,14 @@ def _bytes(n: Optional[int]) -> str:
         if n >= size:
             return f"{n / size:.1f} {unit}"
     return f"{n} B"
+
+
+def _recompute_label(row: dict[str, Any]) -> str:
+    """'' without recomputation, '+ckpt' for every block, '+ckpt0.25' for a share."""
+    if not row.get("gradient_checkpointing"):
+        return ""
+    fraction = row.get("recompute_fraction", 1.0)
+    return "+ckpt" if fraction >= 1.0 else f"+ckpt{fraction:g}"
 
 
 def markdown(results: dict[str, Any]) -> str:
