@@ -104,8 +104,10 @@ def _all_gather(obj: Any, collective: bool) -> list[Any]:
     return out
 
 
-def _on_all(fn: Callable[[], Any], collective: bool, what: str) -> list[Any]:
-    """Run `fn` on every rank; return every rank's result, or raise CheckpointError on all ranks if any failed.
+def _on_all(fn: Callable[[], Any], collective: bool, what: str,
+            explain: Optional[Callable[[], str]] = None) -> list[Any]:
+    """Run `fn` on every rank; return every rank's result, or raise CheckpointError on all ranks if any failed
+    (with `explain()` added to each rank's error).
 
     Failures are gathered rather than raised at once so that no rank is left waiting in a collective.
     """
@@ -113,9 +115,9 @@ def _on_all(fn: Callable[[], Any], collective: bool, what: str) -> list[Any]:
     try:
         result = fn()
     except Exception as e:
+        err = f"{type(e).__name__}: {e}" + (f" ({explain()})" if explain else "")
         if not collective:
-            raise CheckpointError(f"{what} failed: {type(e).__name__}: {e}") from e
-        err = f"{type(e).__name__}: {e}"
+            raise CheckpointError(f"{what} failed: {err}") from e
     gathered = _all_gather((result, err), collective)
     failed = [f"rank {r}: {e}" for r, (_, e) in enumerate(gathered) if e]
     if failed:
@@ -156,6 +158,16 @@ def file_digest(path: Path, sha256: bool = True, fsync: bool = False) -> dict[st
         if sha256:
             entry["sha256"] = h.hexdigest()
     return entry
+
+
+def disk_space(path: Path) -> str:
+    """Free space where `path` is, for a failed write's message: a full disk often shows only as a short write
+    (torch.save: "unexpected pos ...")."""
+    try:
+        usage = shutil.disk_usage(path if path.exists() else path.parent)
+    except OSError as e:
+        return f"free space unknown: {e}"
+    return f"{usage.free / 2**30:.1f} GiB free of {usage.total / 2**30:.1f} GiB on the file system of {path}"
 
 
 def _list_files(directory: Path) -> list[str]:
@@ -287,7 +299,7 @@ class CheckpointManager:
             return {rel: file_digest(tmp / rel, sha256=self.hash_files, fsync=True) for rel in files[rank::world]}
 
         try:
-            _on_all(fill, coll, f"writing step {step}")
+            _on_all(fill, coll, f"writing step {step}", lambda: disk_space(tmp))
             files: list[str] = _on_rank0(lambda: _list_files(tmp), coll, f"listing step {step}")
             shares = _on_all(lambda: digest_my_share(files), coll, f"hashing step {step}")
             entries = {rel: entry for share in shares for rel, entry in share.items()}

@@ -17,6 +17,10 @@ from pathlib import Path
 from typing import Iterator
 
 REQUEUE_EXIT = 85
+# Set by `harness run` for each process it starts: the file a process touches when it stops on a preemption request
+# with its work saved. torchrun reports any worker's exit as its own exit 1, so the launcher cannot tell a clean
+# stop (exit 85) from a failure during the stop (e.g. a checkpoint write that ran out of disk) by the code alone.
+STOPPED_FILE_ENV = "HARNESS_STOPPED_FILE"
 _signalled = False
 
 
@@ -51,10 +55,19 @@ def agreed() -> bool:
     return flag
 
 
+def mark_stopped() -> None:
+    """Tell the launcher (through $HARNESS_STOPPED_FILE, when it set one) that this process stops on a preemption
+    request with its work saved."""
+    path = os.environ.get(STOPPED_FILE_ENV)
+    if path:
+        Path(path).touch()
+
+
 class Preempted(SystemExit):
-    """Raised after the checkpoint is written: the process exits with REQUEUE_EXIT."""
+    """Raised after the checkpoint is written: the process exits with REQUEUE_EXIT (and marks the stop as clean)."""
 
     def __init__(self) -> None:
+        mark_stopped()
         super().__init__(REQUEUE_EXIT)
 
 
@@ -72,6 +85,7 @@ def exit_when_requested(poll_seconds: float = 2.0) -> Iterator[threading.Thread]
         while not done.is_set():
             if requested():
                 print("[harness] preemption requested: exiting for requeue; finished results are saved", flush=True)
+                mark_stopped()
                 os._exit(REQUEUE_EXIT)
             done.wait(poll_seconds)
 

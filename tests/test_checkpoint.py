@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import random
+import re
 from datetime import timedelta
 from pathlib import Path
 
@@ -157,8 +158,10 @@ def test_failed_writer_leaves_previous_checkpoint(tmp_path: Path) -> None:
         (d / "model.pt").write_bytes(b"partial")
         raise OSError("disk full")
 
-    with pytest.raises(CheckpointError, match="disk full"):
+    with pytest.raises(CheckpointError, match="disk full") as failed:
         mgr.save(2, 2000, broken, {})
+    # the free space is in the message: torch.save reports a full disk only as "unexpected pos ..."
+    assert re.search(r"\(\d+\.\d GiB free of \d+\.\d GiB on the file system of ", str(failed.value))
     assert [s for s, _ in mgr.step_dirs()] == [1]
     assert sorted(p.name for p in tmp_path.iterdir()) == [LATEST, "step-00000001"]
 

@@ -111,19 +111,36 @@ def test_layer_groups_are_pinned_to_the_gpus_this_process_may_use(monkeypatch):
     assert local._gpus() == ["1"]
 
 
-def test_a_stage_that_fails_while_preemption_is_requested_counts_as_preempted(tmp_path, monkeypatch):
-    """torchrun turns a worker's requeue exit (85) into its own exit 1, so `harness run` with
-    deepspeed.world_size > 1 must read any failure during a preemption request as a preemption, as the Slurm
-    wrapper does (seen on the H200: a preempted stage 3 under torchrun exited 1)."""
-    from harness.launch.local import StageFailed, StagePreempted, stage_error
+def test_a_stage_that_fails_while_preemption_is_requested_counts_as_preempted_only_if_it_marked_its_stop(
+        tmp_path, monkeypatch):
+    """torchrun turns a worker's requeue exit (85) into its own exit 1 (seen on the H200: a preempted stage 3 under
+    torchrun exited 1), so under a preemption request `harness run` reads exit 1 as a clean stop when the process
+    touched its $HARNESS_STOPPED_FILE, and as a failure when it did not (seen on the H200: the stop's checkpoint
+    write ran out of disk, and the run said it had written a checkpoint)."""
+    from harness.launch.local import StageFailed, StagePreempted, stage_error, stopped_marker
     from harness.preempt import REQUEUE_EXIT
 
-    flag = tmp_path / "stop"
+    flag, marker = tmp_path / "stop", stopped_marker(tmp_path / "distill.log")
     monkeypatch.setenv("HARNESS_PREEMPT_FILE", str(flag))
-    assert type(stage_error("distill", 1, "see above")) is StageFailed
-    assert type(stage_error("distill", REQUEUE_EXIT, "see above")) is StagePreempted
+    assert type(stage_error("distill", 1, "see above", marker)) is StageFailed
+    assert type(stage_error("distill", REQUEUE_EXIT, "see above", marker)) is StagePreempted
     flag.touch()
     try:
-        assert type(stage_error("distill", 1, "see above")) is StagePreempted
+        failed_stop = stage_error("distill", 1, "see above", marker)
+        assert type(failed_stop) is StageFailed and "before it had written its checkpoint" in str(failed_stop)
+        marker.touch()
+        assert type(stage_error("distill", 1, "see above", marker)) is StagePreempted
     finally:
         flag.unlink()
+
+
+def test_a_process_marks_its_clean_stop_for_the_launcher(tmp_path, monkeypatch):
+    from harness.launch.local import stopped_marker, with_stopped_marker
+    from harness.preempt import REQUEUE_EXIT, Preempted
+
+    marker = stopped_marker(tmp_path / "align_mixer-layers-00-01.log")
+    marker.touch()  # left by an earlier attempt: starting a process clears it
+    env = with_stopped_marker({}, marker)
+    assert not marker.exists()
+    monkeypatch.setenv("HARNESS_STOPPED_FILE", env["HARNESS_STOPPED_FILE"])
+    assert Preempted().code == REQUEUE_EXIT and marker.exists()

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import stat
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -102,3 +103,29 @@ print(100 + n)
     saved = json.loads((Path(job.output_dir) / "slurm" / "jobs.json").read_text())
     assert saved["jobs"] == {"align_mixer": "100", "align_hidden": "101", "merge": "102", "distill": "103",
                              "eval": "104"}
+
+
+@pytest.mark.parametrize("stage, requeued, says", [
+    ('touch "$HARNESS_STOPPED_FILE"; exit 85', True, "preempted: requeueing job 7"),
+    # torchrun's exit 1 for a worker that stopped cleanly on the request
+    ('touch "$HARNESS_PREEMPT_FILE" "$HARNESS_STOPPED_FILE"; exit 1', True, "preempted: requeueing job 7"),
+    # a failure while stopping (seen on the H200: the stop's checkpoint ran out of disk) is requeued, and says so
+    ('touch "$HARNESS_PREEMPT_FILE"; exit 1', True, "failed (exit 1) while stopping, before its checkpoint"),
+    ("exit 3", False, ""),
+])
+def test_the_requeue_wrapper_requeues_a_preempted_stage_and_says_whether_it_had_checkpointed(
+        tmp_path, stage, requeued, says):
+    from harness.launch.slurm import REQUEUE_WRAPPER
+    from harness.preempt import REQUEUE_EXIT
+
+    bin_dir, calls = tmp_path / "bin", tmp_path / "scontrol-calls"
+    bin_dir.mkdir()
+    scontrol = bin_dir / "scontrol"
+    scontrol.write_text(f'#!/bin/sh\necho "$*" >> "{calls}"\n')
+    scontrol.chmod(scontrol.stat().st_mode | stat.S_IEXEC)
+    script = REQUEUE_WRAPPER.format(preempt_dir=tmp_path, command=f"sh -c '{stage}'", requeue_exit=REQUEUE_EXIT)
+    result = subprocess.run(["bash", "-c", script], capture_output=True, text=True, timeout=60,
+                            env={**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "SLURM_JOB_ID": "7"})
+    assert result.returncode == (0 if requeued else 3), result.stderr
+    assert (calls.read_text() if calls.exists() else "") == ("requeue 7\n" if requeued else "")
+    assert says in result.stdout + result.stderr

@@ -30,16 +30,32 @@ class StagePreempted(StageFailed):
     """A stage process checkpointed and exited on a preemption request ($HARNESS_PREEMPT_FILE, Slurm's USR1)."""
 
 
-def stage_error(what: str, code: int, where: str) -> StageFailed:
-    """The error for a stage process that exited with `code`: preempted (the requeue code, or any failure while a
-    preemption is requested, as the Slurm wrapper decides: torchrun reports a worker's requeue exit as its own
-    exit 1) or failed."""
+def stage_error(what: str, code: int, where: str, stopped: Path) -> StageFailed:
+    """The error for a stage process that exited with `code`. Preempted: the requeue code, or a failure while a
+    preemption is requested after the process marked its stop as clean (`stopped`, its $HARNESS_STOPPED_FILE:
+    torchrun reports a worker's requeue exit as its own exit 1). A failure during the stop itself (a checkpoint
+    write that ran out of disk) is a failure: the rerun would resume from an older checkpoint, or start over."""
     from harness import preempt
 
-    if code == preempt.REQUEUE_EXIT or (code != 0 and preempt.requested()):
+    if code == preempt.REQUEUE_EXIT or (code != 0 and preempt.requested() and stopped.exists()):
         return StagePreempted(f"{what} stopped on a preemption request after writing a checkpoint; run the same "
                               "command again to resume")
+    if preempt.requested():
+        return StageFailed(f"{what} failed (exit {code}) while stopping on a preemption request, before it had "
+                           f"written its checkpoint; a rerun resumes from its newest complete checkpoint; {where}")
     return StageFailed(f"{what} failed (exit {code}); {where}")
+
+
+def stopped_marker(log: Path) -> Path:
+    """The file a process started with this log touches when it stops cleanly on a preemption request."""
+    return log.with_suffix(".stopped")
+
+
+def with_stopped_marker(env: dict[str, str], marker: Path) -> dict[str, str]:
+    from harness.preempt import STOPPED_FILE_ENV
+
+    marker.unlink(missing_ok=True)
+    return {**env, STOPPED_FILE_ENV: str(marker)}
 
 
 def cli_command(*args: str) -> list[str]:
@@ -127,6 +143,7 @@ def loss_summary(job: JobConfig) -> str:
 
 def run_groups(job: JobConfig, stage: str, groups: list[list[int]], job_path: str, overrides: list[str]) -> None:
     """One process per unfinished layer group, at most run.parallel_groups at a time."""
+    from harness import preempt
     from harness.stages.align import group_complete
 
     todo = [g for g in groups if not group_complete(job, stage, g)]
@@ -152,9 +169,9 @@ def run_groups(job: JobConfig, stage: str, groups: list[list[int]], job_path: st
             running.remove(item)
             if proc.returncode != 0:
                 error = stage_error(f"{stage} layers {layers[0]}-{layers[-1]}", proc.returncode,
-                                    f"see {log}:\n{_tail(log)}")
-                for other in running:  # preempted: every group saw the request and checkpoints on its own
-                    other[0].wait() if isinstance(error, StagePreempted) else other[0].terminate()
+                                    f"see {log}:\n{_tail(log)}", stopped_marker(log))
+                for other in running:  # on a stop request every group checkpoints on its own: let them finish
+                    other[0].wait() if preempt.requested() else other[0].terminate()
                 raise error
             print(f"[harness] {stage} layers {layers[0]}-{layers[-1]} done", flush=True)
 
@@ -182,12 +199,14 @@ def run_distill(job: JobConfig, job_path: str, overrides: list[str]) -> None:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world}",
                "-m", "harness.cli", *args]
     print(f"[harness] distill on {world} process(es): {' '.join(cmd)}", flush=True)
-    env = dict(os.environ)
+    marker = stopped_marker(run_dir(job) / "logs" / "distill.log")
+    env = with_stopped_marker(dict(os.environ), marker)
     if not _gpus():
         env["DS_ACCELERATOR"] = "cpu"
     result = subprocess.run(cmd, env=env)
     if result.returncode != 0:
-        raise stage_error("distill", result.returncode, f"its output is above, metrics in {run_dir(job) / 'distill'}")
+        raise stage_error("distill", result.returncode, f"its output is above, metrics in {run_dir(job) / 'distill'}",
+                          marker)
 
 
 def _gpus() -> list[str]:
@@ -202,7 +221,7 @@ def _gpus() -> list[str]:
 
 
 def _spawn(cmd: list[str], log: Path, gpu: Optional[str]) -> subprocess.Popen:
-    env = dict(os.environ)
+    env = with_stopped_marker(dict(os.environ), stopped_marker(log))
     if gpu is not None:
         env["CUDA_VISIBLE_DEVICES"] = gpu
     handle = open(log, "a")
@@ -214,7 +233,7 @@ def _spawn(cmd: list[str], log: Path, gpu: Optional[str]) -> subprocess.Popen:
 def _run_logged(cmd: list[str], log: Path, what: str) -> None:
     proc = _spawn(cmd, log, None)
     if proc.wait() != 0:
-        raise stage_error(what, proc.returncode, f"see {log}:\n{_tail(log)}")
+        raise stage_error(what, proc.returncode, f"see {log}:\n{_tail(log)}", stopped_marker(log))
     print(f"[harness] {what} done", flush=True)
 
 

@@ -28,17 +28,24 @@ TEMPLATES = Path(__file__).resolve().parents[2] / "slurm"
 
 # Runs COMMAND in the background so that the batch shell can take Slurm's early USR1: it touches the preemption
 # file the training loops watch (harness/preempt.py); a stage that checkpointed and exited with REQUEUE_EXIT
-# is requeued and resumes from that checkpoint (torchrun reports a worker's exit code as its own failure, so
-# a failure after the preemption request counts too).
+# is requeued and resumes from that checkpoint. torchrun reports a worker's exit code as its own failure, so a
+# failure after the preemption request is requeued too; the stopped file (touched by a process that stopped
+# cleanly) tells the log whether the checkpoint was written or the rerun resumes from an older one.
 REQUEUE_WRAPPER = """export HARNESS_PREEMPT_FILE="{preempt_dir}/preempt-$SLURM_JOB_ID"
-rm -f "$HARNESS_PREEMPT_FILE"
+export HARNESS_STOPPED_FILE="{preempt_dir}/stopped-$SLURM_JOB_ID"
+rm -f "$HARNESS_PREEMPT_FILE" "$HARNESS_STOPPED_FILE"
 trap 'touch "$HARNESS_PREEMPT_FILE"' USR1
 {command} &
 child=$!
 while kill -0 "$child" 2>/dev/null; do wait "$child" || true; done
 rc=0; wait "$child" || rc=$?
 if [ "$rc" -eq {requeue_exit} ] || {{ [ "$rc" -ne 0 ] && [ -e "$HARNESS_PREEMPT_FILE" ]; }}; then
-  echo "[harness] preempted: requeueing job $SLURM_JOB_ID"
+  if [ "$rc" -eq {requeue_exit} ] || [ -e "$HARNESS_STOPPED_FILE" ]; then
+    echo "[harness] preempted: requeueing job $SLURM_JOB_ID"
+  else
+    echo "[harness] job $SLURM_JOB_ID failed (exit $rc) while stopping, before its checkpoint was complete" >&2
+    echo "[harness] requeueing it anyway: it resumes from its newest complete checkpoint" >&2
+  fi
   scontrol requeue "$SLURM_JOB_ID"
   exit 0
 fi
