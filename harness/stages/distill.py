@@ -182,7 +182,8 @@ def distill(job: JobConfig, *, stop_after_steps: Optional[int] = None) -> Path:
     params = count_parameters(student)
     model = DistillModel(student, cfg.ce_weight, cfg.kl_weight, cfg.temperature)
     s_engine = engine.student_engine(model, engine.student_ds_config(job, cfg, world, bf16),
-                                     lambda opt: build_scheduler(opt, cfg, steps))
+                                     lambda opt: build_scheduler(opt, cfg, steps), job.deepspeed.student_engine,
+                                     device)
     t_body = TeacherBody(teacher.model)
     t_engine, placement = engine.build_teacher(t_body, job, cfg, world, s_engine.device, bf16)
     teacher_head = t_body.teacher.lm_head.weight
