@@ -9,7 +9,8 @@ Three measurements (``--what step,kernels,decode``), each a list of rows in one 
   gather of the teacher head, `engine.backward`, `engine.step`, and the per-step `.item()` of the losses.
   Teachers are the SmolLM2 shapes (135M / 360M / 1.7B, or `tiny`) with random weights: a step's time does not
   depend on the values. `--teacher SOURCE` takes a real one. ``zero3=False`` (``--engine plain``) runs the same
-  step without DeepSpeed (one process, torch AdamW, autocast bf16 on CUDA) as the no-sharding reference.
+  step on stage 3's `PlainEngine` (deepspeed.student_engine=plain: one process, torch's fused AdamW, bf16
+  autocast on CUDA).
 
   Reported: tokens/s (input tokens, `micro_batch x seq_len x world` per micro-step, over the measured steps'
   wall time), MFU = tokens/s x (6 N_student + 2 N_teacher) / (peak x world) (dense FLOPs only: the mixers'
@@ -64,7 +65,6 @@ import re
 import sys
 import time
 import traceback
-from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterable, Optional, Sequence
@@ -512,9 +512,6 @@ class _StepParts:
     t_engine: Any
     model: nn.Module
     teacher_head: nn.Parameter
-    optimizer: Any = None
-    scheduler: Any = None
-    autocast: Optional[torch.dtype] = None
 
 
 def _ds_config_path(path: Optional[str], default: str) -> str:
@@ -524,9 +521,10 @@ def _ds_config_path(path: Optional[str], default: str) -> str:
     return str(p)
 
 
-def _build_zero3(model: nn.Module, teacher: nn.Module, cfg: Any, world: int, bf16: bool, steps: int,
-                 student_ds: Optional[str], teacher_ds: Optional[str],
-                 teacher_placement: str = "auto") -> tuple[_StepParts, str]:
+def _build_engines(model: nn.Module, teacher: nn.Module, cfg: Any, world: int, bf16: bool, steps: int,
+                   student_ds: Optional[str], teacher_ds: Optional[str], teacher_placement: str = "auto",
+                   student_engine: str = "deepspeed", device: Optional[torch.device] = None
+                   ) -> tuple[_StepParts, str]:
     """The engines exactly as harness.stages.distill.distill builds them -> (parts, teacher placement)."""
     from harness import engine
     from harness.config import JobConfig
@@ -538,61 +536,27 @@ def _build_zero3(model: nn.Module, teacher: nn.Module, cfg: Any, world: int, bf1
     job.deepspeed.teacher_config = _ds_config_path(teacher_ds, job.deepspeed.teacher_config)
     job.deepspeed.teacher_placement = teacher_placement
     s_engine = engine.student_engine(model, engine.student_ds_config(job, cfg, world, bf16),
-                                     lambda opt: build_scheduler(opt, cfg, steps))
+                                     lambda opt: build_scheduler(opt, cfg, steps), student_engine, device)
     t_body = TeacherBody(teacher)
     t_engine, placement = engine.build_teacher(t_body, job, cfg, world, s_engine.device, bf16)
     return _StepParts(s_engine, t_engine, model, t_body.teacher.lm_head.weight), placement
 
 
-def _build_plain(model: nn.Module, teacher: nn.Module, cfg: Any, device: torch.device, dtype: torch.dtype,
-                 steps: int) -> _StepParts:
-    from harness.engine import param_groups
-    from harness.schedule import build_scheduler
-    from harness.stages.distill import TeacherBody
+def _micro_step(parts: _StepParts, ids: torch.Tensor, clock: PhaseClock) -> list[float]:
+    """One micro-step of stage 3 (the body of the loop in harness.stages.distill.distill), with stamps. The engine
+    accumulates, clips and steps at the boundary, as in stage 3."""
+    from harness.engine import gathered
 
-    model.to(device).train()
-    kw = {"fused": True} if device.type == "cuda" else {}
-    opt = torch.optim.AdamW(param_groups(model, cfg.weight_decay), lr=cfg.lr, betas=(0.9, 0.95), eps=1e-8, **kw)
-    t_body = TeacherBody(teacher).to(device)
-    autocast = dtype if (device.type == "cuda" and dtype != torch.float32) else None
-    return _StepParts(None, t_body, model, t_body.teacher.lm_head.weight, opt, build_scheduler(opt, cfg, steps),
-                      autocast)
-
-
-def _micro_step(parts: _StepParts, ids: torch.Tensor, clock: PhaseClock, grad_clip: float,
-                boundary: bool) -> list[float]:
-    """One micro-step of stage 3 (the body of the loop in harness.stages.distill.distill), with stamps."""
-    if parts.s_engine is not None:
-        from harness.engine import gathered
-
-        with torch.no_grad():
-            t_hidden = parts.t_engine(ids)
-        clock.mark("teacher_forward")
-        with gathered([parts.teacher_head]):  # body pre-hook: gather_teacher_head; loss hooks: student_forward, loss
-            losses = parts.s_engine(ids, t_hidden, parts.teacher_head, None)
-        clock.mark("other")
-        parts.s_engine.backward(losses.total)
-        clock.mark("backward")
-        parts.s_engine.step()
-        clock.mark("optimizer")
-    else:
-        amp = (torch.autocast(ids.device.type, dtype=parts.autocast) if parts.autocast is not None
-               else nullcontext())
-        with torch.no_grad(), amp:
-            t_hidden = parts.t_engine(ids)
-        clock.mark("teacher_forward")
-        with amp:
-            losses = parts.model(ids, t_hidden, parts.teacher_head, None)
-        clock.mark("other")
-        losses.total.backward()
-        clock.mark("backward")
-        if boundary:
-            if grad_clip:
-                torch.nn.utils.clip_grad_norm_(parts.model.parameters(), grad_clip)
-            parts.optimizer.step()
-            parts.scheduler.step()
-            parts.optimizer.zero_grad(set_to_none=True)
-        clock.mark("optimizer")
+    with torch.no_grad():
+        t_hidden = parts.t_engine(ids)
+    clock.mark("teacher_forward")
+    with gathered([parts.teacher_head]):  # body pre-hook: gather_teacher_head; loss hooks: student_forward, loss
+        losses = parts.s_engine(ids, t_hidden, parts.teacher_head, None)
+    clock.mark("other")
+    parts.s_engine.backward(losses.total)
+    clock.mark("backward")
+    parts.s_engine.step()
+    clock.mark("optimizer")
     values = [losses.total.item(), losses.ce.item(), losses.kl.item()]  # stage 3 logs these: a sync per step
     clock.mark("other")
     return values
@@ -648,18 +612,15 @@ def bench_step(shape: str = "135M", mixer: str = "gated_deltanet", *, micro_batc
     }
     model = DistillModel(student, cfg.ce_weight, cfg.kl_weight, cfg.temperature)
     bf16 = dtype == torch.bfloat16
+    parts, row["teacher_placement"] = _build_engines(
+        model, teacher, cfg, world, bf16, micro_steps, student_ds_config, teacher_ds_config,
+        teacher_placement if zero3 else "replicated", "deepspeed" if zero3 else "plain", device)
+    dev = parts.s_engine.device
     if zero3:
-        parts, row["teacher_placement"] = _build_zero3(model, teacher, cfg, world, bf16, micro_steps,
-                                                       student_ds_config, teacher_ds_config, teacher_placement)
-        dev = parts.s_engine.device
         row["engine"] = f"zero{parts.s_engine.zero_optimization_stage()}"  # ZeRO stage of the student's config
         row["ds_configs"] = [_ds_config_path(student_ds_config, "ds_configs/zero3.json")]
         if row["teacher_placement"] == "zero3":
             row["ds_configs"].append(_ds_config_path(teacher_ds_config, "ds_configs/zero3_teacher.json"))
-    else:
-        parts = _build_plain(model, teacher, cfg, device, dtype, micro_steps)
-        dev = device
-        row["teacher_placement"] = "replicated"
     del teacher, student
     clock = PhaseClock(dev)
     handles = _instrument(model, clock)
@@ -675,8 +636,8 @@ def bench_step(shape: str = "135M", mixer: str = "gated_deltanet", *, micro_batc
         nonlocal k
         last: list[float] = []
         for _ in range(n_steps):
-            for a in range(grad_accum):
-                last = _micro_step(parts, batches[k % len(batches)], clock, cfg.grad_clip, a == grad_accum - 1)
+            for _ in range(grad_accum):
+                last = _micro_step(parts, batches[k % len(batches)], clock)
                 k += 1
             clock.step_done()
         return last
@@ -707,8 +668,8 @@ def bench_step(shape: str = "135M", mixer: str = "gated_deltanet", *, micro_batc
             row["peak_mem_bytes"] = int(t.item())
             row["peak_mem_kind"] += ", max over ranks"
         row["peak_mem_gib"] = row["peak_mem_bytes"] / GIB
-        if zero3 and profile_steps > 0:
-            row["comm"] = _profile_comm(parts, batches, dev, cfg.grad_clip, profile_steps)
+        if profile_steps > 0:  # the plain engine too: its top operators
+            row["comm"] = _profile_comm(parts, batches, dev, profile_steps)
             row["top_ops"] = row["comm"].pop("top_ops", None)
         elif not zero3:
             row["comm"] = {"comm_ms": 0.0, "method": "plain engine: one process, no communication"}
@@ -738,8 +699,7 @@ def bench_step(shape: str = "135M", mixer: str = "gated_deltanet", *, micro_batc
     return row
 
 
-def _profile_comm(parts: _StepParts, batches: list[torch.Tensor], dev: torch.device, grad_clip: float,
-                  n: int) -> dict[str, Any]:
+def _profile_comm(parts: _StepParts, batches: list[torch.Tensor], dev: torch.device, n: int) -> dict[str, Any]:
     from torch.profiler import ProfilerActivity, profile
 
     cuda = dev.type == "cuda"
@@ -750,7 +710,7 @@ def _profile_comm(parts: _StepParts, batches: list[torch.Tensor], dev: torch.dev
         t0 = time.perf_counter()
         with profile(activities=activities) as prof:
             for i in range(n):
-                _micro_step(parts, batches[i % len(batches)], clock, grad_clip, True)
+                _micro_step(parts, batches[i % len(batches)], clock)
             _sync(dev)
         out = comm_from_events(prof.events(), cuda, n)
         out["profiled_step_ms"] = (time.perf_counter() - t0) * 1e3 / n
@@ -1284,8 +1244,9 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
     step.add_argument("--warmup", type=int, default=3, help="Unmeasured steps first (compilation, allocator). "
                       "Default 3.")
     step.add_argument("--engine", choices=("zero3", "plain"), default="zero3",
-                      help="zero3: DeepSpeed ZeRO-3 engines as in stage 3 (default); plain: one process, no "
-                      "DeepSpeed, torch AdamW, autocast (the no-sharding reference).")
+                      help="zero3: DeepSpeed engines as in stage 3 (default; the ZeRO stage is --student-ds-config's); "
+                      "plain: stage 3's deepspeed.student_engine=plain (one process, torch's fused AdamW on fp32 "
+                      "weights under bf16 autocast) with a replicated teacher.")
     step.add_argument("--student-ds-config", default=None, help="DeepSpeed config of the student (default "
                       "ds_configs/zero3.json; ds_configs/zero3_offload.json for CPU offload).")
     step.add_argument("--teacher-ds-config", default=None, help="Default ds_configs/zero3_teacher.json.")
