@@ -285,7 +285,7 @@ def consolidated_state_dict(checkpoint_dir: Path, tag: str, prefix: str = "") ->
     from the names."""
     plain = Path(checkpoint_dir) / tag / PlainEngine.STATE_FILE
     if plain.is_file():
-        state = torch.load(plain, map_location="cpu", weights_only=False)["module"]
+        state = torch.load(plain, map_location="cpu", weights_only=False, mmap=True)["module"]  # not the optimizer
     else:
         from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
