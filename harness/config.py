@@ -221,7 +221,8 @@ class DeepSpeedConfig:
     )
     student_engine: str = described(
         "deepspeed", "Stage 3's student engine: 'deepspeed' (ZeRO as student_config says) or 'plain' (one process "
-        "only, world_size 1: torch's fused AdamW on fp32 weights under bf16 autocast, with student_config's "
+        "only, world_size 1: torch's fused AdamW on fp32 master copies of bf16 weights, as DeepSpeed's bf16 mode keeps "
+        "them, with student_config's "
         "optimizer settings; skips DeepSpeed's per-tensor optimizer loop, ~70 ms of host time per step for the "
         "135M student on an H200). Its checkpoints are its own format; export and evaluation read both."
     )

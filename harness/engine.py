@@ -149,31 +149,47 @@ def student_engine(model: nn.Module, config: dict[str, Any], scheduler: Callable
 
 class PlainEngine:
     """The part of DeepSpeed's engine API that stage 3 uses, in plain PyTorch for one process
-    (deepspeed.student_engine=plain): torch's AdamW with the DeepSpeed config's settings (fused on a GPU), fp32
-    weights under bf16 autocast when the config enables bf16, and gradient accumulation (the loss divided by the
-    accumulation steps) and clipping as DeepSpeed does them. Why: DeepSpeed's optimizer step loops over the
-    parameter tensors in Python (9,918 operators for the 135M student, scripts/zero_step_ops.py), ~80 ms of a
-    ~430 ms step on the H200, against ~10 ms for this (`harness bench --engine plain`)."""
+    (deepspeed.student_engine=plain), with DeepSpeed's numerics: torch's AdamW with the DeepSpeed config's settings
+    (fused on a GPU); when the config enables bf16, a bf16 module whose fp32 master copies (taken from the bf16
+    values, as DeepSpeed takes them) hold the gradients, accumulated in fp32, and the optimizer state; gradient
+    accumulation (the loss divided by the accumulation steps) and clipping as DeepSpeed does them. Why: DeepSpeed's
+    optimizer step loops over the parameter tensors in Python (9,918 operators for the 135M student,
+    scripts/zero_step_ops.py), ~80 ms of a ~430 ms step on the H200; this one issues a few multi-tensor kernels.
+    (Its first version kept fp32 weights under autocast: a cast per weight per forward and fp32 loss matmuls
+    without tensor cores made its 135M step slower than ZeRO-2's; docs/BENCHMARKS.md, runs 7.)"""
 
     STATE_FILE = "plain_engine.pt"
 
     def __init__(self, model: nn.Module, config: dict[str, Any], scheduler: Callable, device: torch.device) -> None:
+        self.bf16 = bool(config.get("bf16", {}).get("enabled", False))
         self.module, self.device = model.to(device), device
+        if self.bf16:  # parameters only, as DeepSpeed casts them: buffers (e.g. rotary inv_freq) stay fp32
+            for p in self.module.parameters():
+                p.data = p.data.to(torch.bfloat16)
+        groups = param_groups(self.module, _weight_decay(config))
+        self.params = [p for g in groups for p in g["params"]]
+        self.names = {id(p): name for name, p in self.module.named_parameters()}
+        if self.bf16:
+            self.masters = [p.detach().float() for p in self.params]
+            for m in self.masters:
+                m.grad = torch.zeros_like(m)
+            by_id = {id(p): m for p, m in zip(self.params, self.masters)}
+            groups = [{**g, "params": [by_id[id(p)] for p in g["params"]]} for g in groups]
+        else:
+            self.masters = self.params
         params = dict(config.get("optimizer", {}).get("params", {}))
         fused = {"fused": True} if device.type == "cuda" else {}
-        self.optimizer = torch.optim.AdamW(param_groups(model, _weight_decay(config)), lr=params.get("lr", 1e-3),
+        self.optimizer = torch.optim.AdamW(groups, lr=params.get("lr", 1e-3),
                                            betas=tuple(params.get("betas", (0.9, 0.999))),
                                            eps=params.get("eps", 1e-8), **fused)
         self.scheduler = scheduler(self.optimizer)
         self.grad_accum = int(config.get("gradient_accumulation_steps", 1))
         self.clip = float(config.get("gradient_clipping", 0.0))
-        self.bf16 = bool(config.get("bf16", {}).get("enabled", False))
         self.micro_steps = 0
         self._grad_norm: Optional[torch.Tensor] = None
 
     def __call__(self, *args, **kwargs):
-        with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.bf16):
-            return self.module(*args, **kwargs)
+        return self.module(*args, **kwargs)
 
     def train(self) -> None:
         self.module.train()
@@ -186,14 +202,31 @@ class PlainEngine:
 
     def backward(self, loss: torch.Tensor) -> None:
         (loss / self.grad_accum if self.grad_accum > 1 else loss).backward()
+        if self.bf16:
+            self._accumulate_into_masters()
+
+    def _accumulate_into_masters(self) -> None:
+        """Adds the bf16 gradients into the fp32 masters' (which a window's first micro-step zeroes) and frees them."""
+        if self.micro_steps % self.grad_accum == 0:
+            torch._foreach_zero_([m.grad for m in self.masters])
+        pairs = [(m.grad, p.grad) for m, p in zip(self.masters, self.params) if p.grad is not None]
+        if pairs:
+            fp32, bf16 = map(list, zip(*pairs))
+            torch._foreach_add_(fp32, bf16)
+        for p in self.params:
+            p.grad = None
 
     def step(self) -> None:
         if self.is_gradient_accumulation_boundary():
-            params = [p for p in self.module.parameters() if p.grad is not None]
-            self._grad_norm = torch.nn.utils.clip_grad_norm_(params, self.clip if self.clip > 0 else float("inf"))
+            grads = [m for m in self.masters if m.grad is not None]
+            self._grad_norm = torch.nn.utils.clip_grad_norm_(grads, self.clip if self.clip > 0 else float("inf"))
             self.optimizer.step()
             self.scheduler.step()
-            self.optimizer.zero_grad(set_to_none=True)
+            if self.bf16:
+                with torch.no_grad():
+                    torch._foreach_copy_(self.params, self.masters)
+            else:
+                self.optimizer.zero_grad(set_to_none=True)
         self.micro_steps += 1
 
     def get_lr(self) -> list[float]:
@@ -202,16 +235,26 @@ class PlainEngine:
     def get_global_grad_norm(self) -> Optional[float]:
         return None if self._grad_norm is None else float(self._grad_norm)
 
+    def fp32_state_dict(self) -> dict[str, torch.Tensor]:
+        """The module's state with every trained parameter as its fp32 master: what export reads."""
+        state = self.module.state_dict()
+        state.update({self.names[id(p)]: m.detach() for p, m in zip(self.params, self.masters)})
+        return state
+
     def save_checkpoint(self, save_dir: str, tag: str) -> None:
         path = Path(save_dir) / tag
         path.mkdir(parents=True, exist_ok=True)
-        torch.save({"module": self.module.state_dict(), "optimizer": self.optimizer.state_dict(),
+        torch.save({"module": self.fp32_state_dict(), "optimizer": self.optimizer.state_dict(),
                     "scheduler": self.scheduler.state_dict(), "micro_steps": self.micro_steps},
                    path / self.STATE_FILE)
 
     def load_checkpoint(self, load_dir: str, tag: str) -> None:
         state = torch.load(Path(load_dir) / tag / self.STATE_FILE, map_location=self.device, weights_only=False)
         self.module.load_state_dict(state["module"])
+        with torch.no_grad():
+            for p, m in zip(self.params, self.masters):
+                if m is not p:
+                    m.copy_(state["module"][self.names[id(p)]])
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         self.micro_steps = state["micro_steps"]

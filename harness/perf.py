@@ -9,8 +9,8 @@ Three measurements (``--what step,kernels,decode``), each a list of rows in one 
   gather of the teacher head, `engine.backward`, `engine.step`, and the per-step `.item()` of the losses.
   Teachers are the SmolLM2 shapes (135M / 360M / 1.7B, or `tiny`) with random weights: a step's time does not
   depend on the values. `--teacher SOURCE` takes a real one. ``zero3=False`` (``--engine plain``) runs the same
-  step on stage 3's `PlainEngine` (deepspeed.student_engine=plain: one process, torch's fused AdamW, bf16
-  autocast on CUDA).
+  step on stage 3's `PlainEngine` (deepspeed.student_engine=plain: one process, torch's fused AdamW on fp32
+  master copies of the bf16 weights on CUDA).
 
   Reported: tokens/s (input tokens, `micro_batch x seq_len x world` per micro-step, over the measured steps'
   wall time), MFU = tokens/s x (6 N_student + 2 N_teacher) / (peak x world) (dense FLOPs only: the mixers'
@@ -1246,7 +1246,7 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
     step.add_argument("--engine", choices=("zero3", "plain"), default="zero3",
                       help="zero3: DeepSpeed engines as in stage 3 (default; the ZeRO stage is --student-ds-config's); "
                       "plain: stage 3's deepspeed.student_engine=plain (one process, torch's fused AdamW on fp32 "
-                      "weights under bf16 autocast) with a replicated teacher.")
+                      "master copies of the bf16 weights) with a replicated teacher.")
     step.add_argument("--student-ds-config", default=None, help="DeepSpeed config of the student (default "
                       "ds_configs/zero3.json; ds_configs/zero3_offload.json for CPU offload).")
     step.add_argument("--teacher-ds-config", default=None, help="Default ds_configs/zero3_teacher.json.")

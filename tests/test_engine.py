@@ -1,0 +1,108 @@
+"""The plain one-process engine under bf16 against DeepSpeed ZeRO-2 under bf16 (the reference it stands in for):
+same losses, gradient norms and fp32 weights over steps with gradient accumulation, clipping and weight decay, and
+the same after a save and a load. Each engine runs in its own process (DeepSpeed sets up a process group).
+
+    python -m tests.test_engine ENGINE OUT_DIR      (one engine's run; the test calls it)
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.tiny import tiny_llama
+
+ROOT = Path(__file__).resolve().parents[1]
+STEPS, RESUME_AT, MICRO_BATCH, ACCUM, SEQ = 4, 2, 2, 2, 12
+
+
+def ds_config() -> dict:
+    return {"train_micro_batch_size_per_gpu": MICRO_BATCH, "gradient_accumulation_steps": ACCUM,
+            "train_batch_size": MICRO_BATCH * ACCUM, "gradient_clipping": 0.05, "bf16": {"enabled": True},
+            "zero_optimization": {"stage": 2},
+            "optimizer": {"type": "AdamW", "params": {"lr": 3e-3, "betas": [0.9, 0.95], "eps": 1e-8,
+                                                       "weight_decay": 0.1, "torch_adam": True}},
+            "steps_per_print": 10**9}
+
+
+def build(kind: str):
+    from harness.engine import setup_distributed, student_engine
+
+    setup_distributed(torch.device("cpu"))
+    model = tiny_llama(tie=False).train()
+    return student_engine(model, ds_config(), lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0),
+                          kind, torch.device("cpu"))
+
+
+def train(engine, steps: range, log: dict) -> None:
+    """Optimizer steps `steps`, each on the same ACCUM random micro-batches (so that the loss falls)."""
+    for step in steps:
+        for micro in range(ACCUM):
+            ids = torch.randint(0, 97, (MICRO_BATCH, SEQ), generator=torch.Generator().manual_seed(micro))
+            loss = torch.nn.functional.cross_entropy(engine(ids).logits.float().flatten(0, 1), ids.roll(-1, 1).flatten())
+            engine.backward(loss)
+            engine.step()
+            log["losses"].append(loss.item())
+        log["norms"].append(float(engine.get_global_grad_norm()))
+
+
+def run_engine(kind: str, out: Path) -> None:
+    """Trains STEPS steps, saving after RESUME_AT; then a fresh engine loads that save and trains the rest."""
+    from harness.engine import consolidated_state_dict
+
+    log = {"losses": [], "norms": [], "resumed_losses": [], "resumed_norms": []}
+    engine = build(kind)
+    assert next(engine.module.parameters()).dtype == torch.bfloat16
+    train(engine, range(RESUME_AT), log)
+    engine.save_checkpoint(str(out / "ckpt"), "mid")
+    train(engine, range(RESUME_AT, STEPS), log)
+    engine.save_checkpoint(str(out / "ckpt"), "end")
+    resumed = build(kind)
+    resumed.load_checkpoint(str(out / "ckpt"), "mid")
+    train(resumed, range(RESUME_AT, STEPS), {"losses": log["resumed_losses"], "norms": log["resumed_norms"]})
+    resumed.save_checkpoint(str(out / "ckpt"), "resumed")
+    for tag in ("end", "resumed"):
+        torch.save(consolidated_state_dict(out / "ckpt", tag), out / f"{tag}.pt")
+    (out / "log.json").write_text(json.dumps(log))
+
+
+def _run(kind: str, out: Path) -> tuple[dict, dict, dict]:
+    env = {**os.environ, "DS_ACCELERATOR": "cpu", "RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0",
+           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(29600 + (kind == "plain")), "PYTHONPATH": str(ROOT)}
+    done = subprocess.run([sys.executable, "-m", "tests.test_engine", kind, str(out)], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    load = lambda tag: torch.load(out / f"{tag}.pt", weights_only=True)  # noqa: E731
+    return json.loads((out / "log.json").read_text()), load("end"), load("resumed")
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-12)).item()
+
+
+def test_plain_bf16_engine_matches_deepspeed_zero2_bf16(tmp_path):
+    ds_log, ds_end, _ = _run("deepspeed", tmp_path / "ds")
+    log, end, resumed = _run("plain", tmp_path / "plain")
+    assert len(log["losses"]) == len(ds_log["losses"]) == STEPS * ACCUM
+    assert log["losses"] == pytest.approx(ds_log["losses"], rel=5e-4)
+    assert log["norms"] == pytest.approx(ds_log["norms"], rel=2e-3)  # catches a wrong accumulation scale
+    assert all(n > 0.05 for n in log["norms"]), "clipping (0.05) not exercised"
+    assert log["losses"][-1] < log["losses"][0]
+    assert end.keys() == ds_end.keys()
+    assert all(v.dtype == torch.float32 for v in end.values()), "export reads the fp32 masters"
+    start = {k: v.to(torch.bfloat16).float() for k, v in tiny_llama(tie=False).state_dict().items()}
+    update_error = {k: _rel(end[k] - start[k], ds_end[k] - start[k]) for k in ds_end if "rotary" not in k}
+    assert max(update_error.values()) < 2e-2, update_error  # 7.6e-3 seen: fp32 rounding, then the bf16 cast
+    # the save holds everything a resume needs: bit-equal to the run that never stopped
+    assert log["resumed_losses"] == log["losses"][RESUME_AT * ACCUM:]
+    assert all(torch.equal(resumed[k], end[k]) for k in end)
+
+
+if __name__ == "__main__":
+    run_engine(sys.argv[1], Path(sys.argv[2]))
