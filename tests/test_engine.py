@@ -104,5 +104,23 @@ def test_plain_bf16_engine_matches_deepspeed_zero2_bf16(tmp_path):
     assert all(torch.equal(resumed[k], end[k]) for k in end)
 
 
+def test_a_checkpoint_resumes_only_under_the_engine_that_wrote_it(tmp_path):
+    from harness.config import ConfigError
+    from harness.engine import PlainEngine
+    from harness.stages.distill import TAG, check_engine_matches
+
+    plain = PlainEngine(torch.nn.Linear(2, 2), {}, lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0),
+                        torch.device("cpu"))
+    plain.save_checkpoint(str(tmp_path / "step-1"), TAG)
+    check_engine_matches(tmp_path / "step-1", plain)
+    with pytest.raises(ConfigError, match="step-1 was written by deepspeed.student_engine=plain, but this run uses "
+                                          "deepspeed.student_engine=deepspeed. Resume with deepspeed.student_engine=plain"):
+        check_engine_matches(tmp_path / "step-1", object())  # any engine but the plain one
+    (tmp_path / "step-2" / TAG).mkdir(parents=True)  # what DeepSpeed writes has no plain_engine.pt
+    with pytest.raises(ConfigError, match="written by deepspeed.student_engine=deepspeed, but this run uses "
+                                          "deepspeed.student_engine=plain"):
+        check_engine_matches(tmp_path / "step-2", plain)
+
+
 if __name__ == "__main__":
     run_engine(sys.argv[1], Path(sys.argv[2]))

@@ -31,7 +31,7 @@ from torch import nn
 from harness import preempt
 from harness.checkpoint import CheckpointManager, load_rng, save_rng
 from harness.config import ConfigError, JobConfig, plan_stages, requested_tokens
-from harness.engine import all_reduce_host, gathered
+from harness.engine import PlainEngine, all_reduce_host, gathered
 from harness.eval.spec import write_eval_spec
 from harness.losses import DistillLosses, distill_loss
 from harness.observe import RunLogger, check_finite
@@ -256,10 +256,22 @@ def resume_checkpoint(ckpts: CheckpointManager, s_engine, loader) -> tuple[int, 
     info = ckpts.latest_valid()
     if info is None:
         return 0, 0
+    check_engine_matches(info.path, s_engine)
     s_engine.load_checkpoint(str(info.path), tag=TAG)
     loader.load_state_dict(json.loads((info.path / "data.json").read_text()))
     load_rng(info.path)
     return info.step, info.tokens
+
+
+def check_engine_matches(checkpoint: Path, s_engine) -> None:
+    """A checkpoint resumes only under the engine that wrote it (deepspeed.student_engine): the two formats differ."""
+    wrote_plain = (checkpoint / TAG / PlainEngine.STATE_FILE).is_file()
+    if wrote_plain != isinstance(s_engine, PlainEngine):
+        wrote, runs = ("plain", "deepspeed") if wrote_plain else ("deepspeed", "plain")
+        raise ConfigError(
+            f"checkpoint {checkpoint} was written by deepspeed.student_engine={wrote}, but this run uses "
+            f"deepspeed.student_engine={runs}. Resume with deepspeed.student_engine={wrote}, or start stage 3 "
+            f"afresh in another run directory.")
 
 
 def save_checkpoint(ckpts: CheckpointManager, s_engine, loader, step: int, tokens: int) -> None:
