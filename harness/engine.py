@@ -168,7 +168,9 @@ class PlainEngine:
                 p.data = p.data.to(torch.bfloat16)
         groups = param_groups(self.module, _weight_decay(config))
         self.params = [p for g in groups for p in g["params"]]
-        self.names = {id(p): name for name, p in self.module.named_parameters()}
+        self.names: dict[int, list[str]] = {}  # every name of a parameter: tied weights have several
+        for name, p in self.module.named_parameters(remove_duplicate=False):
+            self.names.setdefault(id(p), []).append(name)
         if self.bf16:
             self.masters = [p.detach().float() for p in self.params]
             for m in self.masters:
@@ -238,7 +240,8 @@ class PlainEngine:
     def fp32_state_dict(self) -> dict[str, torch.Tensor]:
         """The module's state with every trained parameter as its fp32 master: what export reads."""
         state = self.module.state_dict()
-        state.update({self.names[id(p)]: m.detach() for p, m in zip(self.params, self.masters)})
+        for p, m in zip(self.params, self.masters):
+            state.update({name: m.detach() for name in self.names[id(p)] if name in state})
         return state
 
     def save_checkpoint(self, save_dir: str, tag: str) -> None:
@@ -254,7 +257,7 @@ class PlainEngine:
         with torch.no_grad():
             for p, m in zip(self.params, self.masters):
                 if m is not p:
-                    m.copy_(state["module"][self.names[id(p)]])
+                    m.copy_(state["module"][self.names[id(p)][0]])
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         self.micro_steps = state["micro_steps"]
