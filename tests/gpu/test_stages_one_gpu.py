@@ -1,6 +1,7 @@
 """Stage 3 on one GPU through NCCL, as `harness run` starts it for deepspeed.world_size 1 (one plain process, its
 one-process group on an in-memory store): train, validate, checkpoint, export; then a preemption request
-checkpoints, exits for requeue (85) and resumes. Skipped without CUDA. NCCL reduces only device tensors, so this
+checkpoints, exits for requeue (85) and resumes; under both student engines (deepspeed.student_engine: DeepSpeed,
+and the plain one with bf16 weights and fp32 masters). Skipped without CUDA. NCCL reduces only device tensors, so this
 catches host tensors handed to a collective (the loss sums, the preemption flag), which gloo on the CPU accepts:
 stage 3 failed at its first step on the H200 for that reason.
 
@@ -26,19 +27,26 @@ def metric_rows(out):
     return [json.loads(line) for line in (out / "distill" / "metrics.jsonl").read_text().splitlines()]
 
 
-def test_stage3_on_one_gpu_trains_validates_and_exports(tmp_path):
+ENGINES = pytest.mark.parametrize("engine", ["deepspeed", "plain"])
+
+
+@ENGINES
+def test_stage3_on_one_gpu_trains_validates_and_exports(tmp_path, engine):
     out = tmp_path / "one"
-    run_stage3(write_job(tmp_path, out, *GPU, "deepspeed.world_size=1"), 1, torchrun=False)
+    run_stage3(write_job(tmp_path, out, *GPU, "deepspeed.world_size=1", f"deepspeed.student_engine={engine}"), 1,
+               torchrun=False)
     a = losses(out)
     assert len(a) >= 5 and a[max(a)] < a[min(a)]
     assert any("val_ce" in r for r in metric_rows(out))
     assert (out / "student" / "model.safetensors").exists()
 
 
-def test_preemption_on_one_gpu_checkpoints_exits_for_requeue_and_resumes(tmp_path, monkeypatch):
+@ENGINES
+def test_preemption_on_one_gpu_checkpoints_exits_for_requeue_and_resumes(tmp_path, monkeypatch, engine):
     whole, out = tmp_path / "whole", tmp_path / "preempted"
-    run_stage3(write_job(tmp_path, whole, *GPU, "deepspeed.world_size=1"), 1, torchrun=False)
-    job_path = write_job(tmp_path, out, *GPU, "deepspeed.world_size=1")
+    settings = (*GPU, "deepspeed.world_size=1", f"deepspeed.student_engine={engine}")
+    run_stage3(write_job(tmp_path, whole, *settings), 1, torchrun=False)
+    job_path = write_job(tmp_path, out, *settings)
     flag = tmp_path / "preempt-flag"
     flag.touch()
     monkeypatch.setenv("HARNESS_PREEMPT_FILE", str(flag))
