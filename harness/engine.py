@@ -208,13 +208,15 @@ class PlainEngine:
             self._accumulate_into_masters()
 
     def _accumulate_into_masters(self) -> None:
-        """Adds the bf16 gradients into the fp32 masters' (which a window's first micro-step zeroes) and frees them."""
-        if self.micro_steps % self.grad_accum == 0:
-            torch._foreach_zero_([m.grad for m in self.masters])
+        """Moves the bf16 gradients into the fp32 masters' (a window's first micro-step overwrites them, zeroing
+        those without a gradient; later ones add) and frees them."""
+        first = self.micro_steps % self.grad_accum == 0
         pairs = [(m.grad, p.grad) for m, p in zip(self.masters, self.params) if p.grad is not None]
         if pairs:
             fp32, bf16 = map(list, zip(*pairs))
-            torch._foreach_add_(fp32, bf16)
+            (torch._foreach_copy_ if first else torch._foreach_add_)(fp32, bf16)
+        if first and len(pairs) < len(self.params):
+            torch._foreach_zero_([m.grad for m, p in zip(self.masters, self.params) if p.grad is None])
         for p in self.params:
             p.grad = None
 

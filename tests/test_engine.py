@@ -122,5 +122,22 @@ def test_a_checkpoint_resumes_only_under_the_engine_that_wrote_it(tmp_path):
         check_engine_matches(tmp_path / "step-2", plain)
 
 
+def test_a_parameter_without_a_gradient_in_a_window_keeps_none_from_the_last():
+    """bf16: a master whose weight got no gradient in a window holds zeros, not the previous window's gradient."""
+    from harness.engine import PlainEngine
+
+    torch.manual_seed(0)
+    model = torch.nn.ModuleDict({"a": torch.nn.Linear(4, 4), "b": torch.nn.Linear(4, 4)})
+    plain = PlainEngine(model, {"bf16": {"enabled": True}}, lambda opt: torch.optim.lr_scheduler.LambdaLR(
+        opt, lambda s: 1.0), torch.device("cpu"))
+    x = torch.randn(2, 4, dtype=torch.bfloat16)
+    plain.backward(model["b"](model["a"](x)).float().square().sum())  # both used
+    plain.step()
+    plain.backward(model["a"](x).float().square().sum())  # "b" unused
+    masters = dict(zip((plain.names[id(p)][0] for p in plain.params), plain.masters))
+    assert masters["a.weight"].grad.abs().sum() > 0
+    assert masters["b.weight"].grad.abs().sum() == 0 and masters["b.bias"].grad.abs().sum() == 0
+
+
 if __name__ == "__main__":
     run_engine(sys.argv[1], Path(sys.argv[2]))
