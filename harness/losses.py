@@ -14,7 +14,8 @@ only, which weights KL ~T times more than CE (one public linearization recipe do
 `kl_weight` of this harness is relative to the per-token CE.
 
 fla (0.6.0) offers `fla.modules.FusedLinearCrossEntropyLoss` and `fla.modules.fused_kl_div_loss`; they do
-not fit this loss exactly, so only the PyTorch path exists (it runs on CPU and GPU):
+not fit this loss exactly, so the softmax work after the logit matmuls is this harness's own: PyTorch on the
+CPU, one Triton kernel on CUDA (`harness.loss_kernel`). fla's losses fall short because:
 - `fused_kl_div_loss` has no temperature and no ignore index or mask (its 'batchmean' divides by all rows
   passed, so masking needs a gather by the caller, and tau would have to be folded into the hidden
   states);
@@ -31,6 +32,8 @@ from typing import NamedTuple, Optional
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+
+from harness import loss_kernel
 
 IGNORE_INDEX = -100
 # Rows of a low-precision head upcast to fp32 at a time, so that no fp32 copy of a whole head exists.
@@ -250,8 +253,19 @@ def _chunk_losses(
     """Summed CE and tau^2-scaled KL of one chunk, and d(loss)/d(student logits) if needed.
 
     s, t: [c, V] fp32 student / teacher logits (both overwritten; t None: CE only, KL 0); y: [c] targets.
-    ce_scale and kl_scale are the weights over the token count. In-place updates keep ~5 [c, V] buffers alive.
+    ce_scale and kl_scale are the weights over the token count. On CUDA one Triton kernel does it
+    (`harness.loss_kernel`: two reads of each logit and one write, where the PyTorch form makes ~6 passes).
     """
+    if loss_kernel.available(s):
+        return loss_kernel.distill_rows(s, t, y, tau, ce_scale, kl_scale, need_grad)
+    return _chunk_losses_torch(s, t, y, tau, ce_scale, kl_scale, need_grad)
+
+
+def _chunk_losses_torch(
+    s: Tensor, t: Tensor, y: Tensor, tau: float, ce_scale: float, kl_scale: float, need_grad: bool
+) -> tuple[Tensor, Tensor, Optional[Tensor]]:
+    """`_chunk_losses` in PyTorch (CPU, and the reference for the kernel). In-place updates keep ~5 [c, V]
+    buffers alive."""
     lse = torch.logsumexp(s, dim=-1, keepdim=True)
     ce_sum = (lse.squeeze(1) - s.gather(1, y[:, None]).squeeze(1)).sum()
     if t is None:

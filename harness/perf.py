@@ -574,6 +574,7 @@ def bench_step(shape: str = "135M", mixer: str = "gated_deltanet", *, micro_batc
     docstring for what each field means. With zero3, joins (or creates) the process group as stage 3 does
     (`harness.engine.setup_distributed`): under torchrun every rank calls this and the world is the group's.
     Returns a JSON-ready dict (the same on every rank)."""
+    from harness import loss_kernel
     from harness.config import DistillConfig
     from harness.stages.distill import DistillModel
 
@@ -616,6 +617,7 @@ def bench_step(shape: str = "135M", mixer: str = "gated_deltanet", *, micro_batc
         model, teacher, cfg, world, bf16, micro_steps, student_ds_config, teacher_ds_config,
         teacher_placement if zero3 else "replicated", "deepspeed" if zero3 else "plain", device)
     dev = parts.s_engine.device
+    row["loss_kernel"] = "triton" if loss_kernel.available(torch.empty(0, device=dev)) else "torch"
     if zero3:
         row["engine"] = f"zero{parts.s_engine.zero_optimization_stage()}"  # ZeRO stage of the student's config
         row["ds_configs"] = [_ds_config_path(student_ds_config, "ds_configs/zero3.json")]

@@ -1,6 +1,8 @@
 """The chunked stage-3 loss on CUDA: bf16 inputs against the fp32 direct computation, and peak memory at
 a SmolLM2-1.7B-shaped head (B=8, T=2048, V=49152, C=2048) against the 3.2 GB of whole-batch fp32 logits.
-Skipped without CUDA. (There is no fla path to compare: fla's fused losses do not fit, see harness.losses.)
+On CUDA the softmax work runs in harness.loss_kernel's Triton kernel, also checked directly against the
+PyTorch form. Skipped without CUDA. (There is no fla path to compare: fla's fused losses do not fit, see
+harness.losses.)
 """
 
 from __future__ import annotations
@@ -11,7 +13,8 @@ import torch
 if not torch.cuda.is_available():
     pytest.skip("GPU loss tests need CUDA", allow_module_level=True)
 
-from harness.losses import distill_loss, tf32_matmuls  # noqa: E402
+from harness import loss_kernel  # noqa: E402
+from harness.losses import _chunk_losses_torch, distill_loss, tf32_matmuls  # noqa: E402
 from tests.test_losses import direct_distill  # noqa: E402
 
 DEV = torch.device("cuda")
@@ -42,6 +45,27 @@ def test_bf16_chunked_matches_fp32_direct(tau):
     for a, b in zip(got, want):  # bf16 gradients: compare by relative norm
         err = (a.float() - b.float()).norm() / b.float().norm()
         assert err < 1e-2, err
+
+
+@pytest.mark.parametrize("tau,teacher,need_grad", [(1.0, True, True), (2.0, True, True), (0.5, True, False),
+                                                   (1.0, False, True)])
+def test_triton_row_kernel_equals_the_pytorch_form(tau, teacher, need_grad):
+    """harness.loss_kernel against _chunk_losses_torch on the same fp32 logits, at the SmolLM2 vocabulary (49,152 =
+    12 column blocks) and at a vocabulary that leaves a partial block; logits spread like a trained head's."""
+    assert loss_kernel.available(torch.empty(1, device=DEV)), "Triton is needed on CUDA machines"
+    g = torch.Generator(device=DEV).manual_seed(1)
+    for rows, vocab in [(300, 49152), (77, 5003)]:
+        s = 4 * torch.randn(rows, vocab, device=DEV, generator=g)
+        t = (s + 2 * torch.randn(rows, vocab, device=DEV, generator=g)) if teacher else None
+        y = torch.randint(0, vocab, (rows,), device=DEV, generator=g)
+        want = _chunk_losses_torch(s.clone(), None if t is None else t.clone(), y, tau, 0.7, 0.3, need_grad)
+        got = loss_kernel.distill_rows(s.clone(), None if t is None else t.clone(), y, tau, 0.7, 0.3, need_grad)
+        torch.testing.assert_close(got[0], want[0], rtol=1e-5, atol=1e-4)
+        torch.testing.assert_close(got[1], want[1], rtol=1e-5, atol=1e-4)
+        if need_grad:
+            torch.testing.assert_close(got[2], want[2], rtol=1e-4, atol=1e-7)
+        else:
+            assert got[2] is None and want[2] is None
 
 
 def test_peak_memory_well_below_whole_batch_logits():
