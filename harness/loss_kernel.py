@@ -11,7 +11,7 @@ the student's logits:
   and q = softmax(s / tau), KL(p || q) = sum_v p_v (t_v - s_v) / tau - lse(t / tau) + lse(s / tau), so the
   loss needs no second pass;
 - pass 2 (only when a gradient is wanted): g = ce_scale (softmax(s) - onehot(y)) + kl_scale tau (q - p), the
-  same formula as `harness.losses._chunk_losses`.
+  same formula as `harness.losses._chunk_losses`, written over s (fp32) or to a bf16 / fp16 buffer.
 
 It returns per-row CE and KL (KL without the tau^2 factor); the caller sums them. Written by hand because no
 library kernel fits: fla's `fused_kl_div` and Liger's fused linear JSD have one side's logits, no CE beside the
@@ -43,12 +43,14 @@ def available(t: Tensor) -> bool:
 
 
 def distill_rows(
-    s: Tensor, t: Optional[Tensor], y: Tensor, tau: float, ce_scale: float, kl_scale: float, need_grad: bool
+    s: Tensor, t: Optional[Tensor], y: Tensor, tau: float, ce_scale: float, kl_scale: float, need_grad: bool,
+    grad_dtype: torch.dtype = torch.float32,
 ) -> tuple[Tensor, Tensor, Optional[Tensor]]:
     """Summed CE and tau^2-scaled KL of a chunk of rows, and d(loss)/d(student logits), as `_chunk_losses`.
 
-    s: [c, V] fp32 student logits (overwritten by the gradient when need_grad), t: [c, V] fp32 teacher logits
-    or None (CE only), y: [c] int targets in [0, V). Returns (ce_sum, kl_sum, g or None), g being `s` itself.
+    s: [c, V] fp32 student logits, t: [c, V] fp32 teacher logits or None (CE only), y: [c] int targets in
+    [0, V). Returns (ce_sum, kl_sum, g or None). g is computed in fp32 and stored in grad_dtype: an fp32 g is
+    written over `s` itself; a bf16 / fp16 one (rounded once, for the gradient matmuls' tensor cores) is new.
     """
     if s.dtype != torch.float32 or (t is not None and (t.dtype != torch.float32 or t.shape != s.shape)):
         raise ValueError(f"distill_rows: fp32 [c, V] logits expected; got {s.dtype} {tuple(s.shape)} and "
@@ -56,26 +58,28 @@ def distill_rows(
     if s.stride(1) != 1 or (t is not None and t.stride(1) != 1):
         raise ValueError("distill_rows: logits must be contiguous along the vocabulary")
     rows, vocab = s.shape
+    g = s if grad_dtype == torch.float32 or not need_grad else torch.empty_like(s, dtype=grad_dtype)
     ce = torch.empty(rows, dtype=torch.float32, device=s.device)
     kl = torch.zeros(rows, dtype=torch.float32, device=s.device)
     if rows:
         _distill_rows_kernel[(rows,)](
-            s, s if t is None else t, y, ce, kl, s.stride(0), 0 if t is None else t.stride(0), vocab,
+            s, s if t is None else t, y, g, ce, kl, g.stride(0), s.stride(0), 0 if t is None else t.stride(0), vocab,
             1.0 / tau, float(ce_scale), float(kl_scale) * tau,
             HAS_T=t is not None, NEED_GRAD=need_grad, TAU_ONE=tau == 1.0, BLOCK=BLOCK, num_warps=NUM_WARPS,
         )
-    return ce.sum(), kl.sum() * tau**2, (s if need_grad else None)
+    return ce.sum(), kl.sum() * tau**2, (g if need_grad else None)
 
 
 if triton is not None:
 
     @triton.jit
-    def _distill_rows_kernel(S, T, Y, CE, KL, s_stride, t_stride, V, inv_tau, ce_scale, g_kl_scale,
+    def _distill_rows_kernel(S, T, Y, G, CE, KL, g_stride, s_stride, t_stride, V, inv_tau, ce_scale, g_kl_scale,
                              HAS_T: tl.constexpr, NEED_GRAD: tl.constexpr, TAU_ONE: tl.constexpr,
                              BLOCK: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)
         s_row = S + row * s_stride
         t_row = T + row * t_stride
+        g_row = G + row * g_stride
         y = tl.load(Y + row).to(tl.int64)
         lanes = tl.arange(0, BLOCK)
         neg_inf = float("-inf")
@@ -125,4 +129,4 @@ if triton is not None:
                 if HAS_T:
                     tp = tl.load(t_row + cols, mask=inside, other=0.0) * inv_tau
                     g += g_kl_scale * (tl.exp(s * inv_tau - lse_q) - tl.exp(tp - lse_t))
-                tl.store(s_row + cols, g, mask=inside)
+                tl.store(g_row + cols, g.to(G.dtype.element_ty), mask=inside)

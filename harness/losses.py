@@ -99,9 +99,12 @@ def distill_loss(
     accumulator) + ~12 * n * C bytes (gathered rows, fp32 input gradient); bf16 heads are upcast
     VOCAB_BLOCK rows at a time. Measured on CPU at V=49152, C=2048, chunk 512, n=1023, fwd+bwd: 0.93 GB.
     On CUDA, bf16 hidden states and heads give their logits by a bf16 matmul with fp32 accumulation and output
-    (no upcast; the same values as the fp32 matmul of the upcast operands), and the gradient matmuls run on
-    TF32 tensor cores (the fp32 logits' gradient rounded to TF32, ~5e-4 relative): plain fp32 matmuls made this
-    loss 23% of a 135M stage-3 step on an H200 (docs/BENCHMARKS.md).
+    (no upcast; the same values as the fp32 matmul of the upcast operands); `harness.loss_kernel` computes
+    the losses and the logits' gradient in fp32 and rounds that gradient once to bf16 (~4e-3 relative per
+    element, as Liger's and fla's fused losses keep it), so that both gradient matmuls run on bf16 tensor cores
+    with fp32 accumulation and output. Plain fp32 matmuls made this loss 23% of a 135M stage-3 step on an H200;
+    TF32 ones on an fp32 gradient still half of it (docs/BENCHMARKS.md). Where the kernel does not run (no
+    Triton, fp32 inputs, CPU) the gradient stays fp32 and its matmuls are fp32 (TF32 on a GPU).
     """
     _check_shapes(student_hidden, teacher_hidden, lm_head_weight_s, lm_head_weight_t, labels, loss_mask)
     if chunk_tokens < 1:
@@ -238,7 +241,10 @@ def _logits(x: Tensor, w: Tensor) -> Tensor:
 
 
 def _grad_input(g: Tensor, w: Tensor) -> Tensor:
-    """[c, V] fp32 logits gradient @ [V, C] -> [c, C] fp32."""
+    """[c, V] logits gradient @ [V, C] -> [c, C] fp32 (g fp32, or in w's low precision on CUDA)."""
+    direct = _mm_fp32_out(g, w.T)
+    if direct is not None:
+        return direct
     if w.dtype == torch.float32:
         return g @ w
     out = g.new_zeros(g.shape[0], w.shape[1])
@@ -247,17 +253,28 @@ def _grad_input(g: Tensor, w: Tensor) -> Tensor:
     return out
 
 
+def _add_weight_grad(dw: Tensor, g: Tensor, x: Tensor) -> None:
+    """dw [V, C] fp32 += g^T [V, c] @ x [c, C]: a low-precision g and x on tensor cores with fp32 output."""
+    direct = _mm_fp32_out(g.T, x.T)
+    if direct is not None:
+        dw.add_(direct)
+    else:
+        dw.addmm_(g.T.float(), x.float())
+
+
 def _chunk_losses(
-    s: Tensor, t: Tensor, y: Tensor, tau: float, ce_scale: float, kl_scale: float, need_grad: bool
+    s: Tensor, t: Tensor, y: Tensor, tau: float, ce_scale: float, kl_scale: float, need_grad: bool,
+    grad_dtype: torch.dtype = torch.float32,
 ) -> tuple[Tensor, Tensor, Optional[Tensor]]:
     """Summed CE and tau^2-scaled KL of one chunk, and d(loss)/d(student logits) if needed.
 
-    s, t: [c, V] fp32 student / teacher logits (both overwritten; t None: CE only, KL 0); y: [c] targets.
-    ce_scale and kl_scale are the weights over the token count. On CUDA one Triton kernel does it
-    (`harness.loss_kernel`: two reads of each logit and one write, where the PyTorch form makes ~6 passes).
+    s, t: [c, V] fp32 student / teacher logits (both may be overwritten; t None: CE only, KL 0); y: [c]
+    targets. ce_scale and kl_scale are the weights over the token count. On CUDA one Triton kernel does it
+    (`harness.loss_kernel`: two reads of each logit and one write, where the PyTorch form makes ~6 passes) and
+    stores the gradient in grad_dtype; the PyTorch form returns it in fp32.
     """
     if loss_kernel.available(s):
-        return loss_kernel.distill_rows(s, t, y, tau, ce_scale, kl_scale, need_grad)
+        return loss_kernel.distill_rows(s, t, y, tau, ce_scale, kl_scale, need_grad, grad_dtype)
     return _chunk_losses_torch(s, t, y, tau, ce_scale, kl_scale, need_grad)
 
 
@@ -328,11 +345,15 @@ def _chunked_forward(
     kl_acc = xs.new_zeros((), dtype=torch.float32)
     dx = torch.empty_like(xs, dtype=torch.float32) if need_dx else None
     dw = torch.zeros_like(ws, dtype=torch.float32) if need_dw else None
+    # bf16 hidden states and head on CUDA: the logits' gradient is rounded once to bf16, so that both gradient
+    # matmuls run on bf16 tensor cores (TF32 on the fp32 gradient took half of the fused loss's time)
+    low = xs.dtype in (torch.bfloat16, torch.float16) and ws.dtype == xs.dtype and loss_kernel.available(xs)
+    grad_dtype = xs.dtype if low else torch.float32
     for lo in range(0, n, chunk):
         hi = min(lo + chunk, n)
         s, t = _logits(xs[lo:hi], ws), (None if xt is None else _logits(xt[lo:hi], wt))
         ce_sum, kl_sum, g = _chunk_losses(
-            s, t, y[lo:hi], tau, ce_weight / denom, kl_weight / denom, need_dx or need_dw
+            s, t, y[lo:hi], tau, ce_weight / denom, kl_weight / denom, need_dx or need_dw, grad_dtype
         )
         del s, t
         ce_acc += ce_sum
@@ -340,7 +361,7 @@ def _chunked_forward(
         if dx is not None:
             dx[lo:hi] = _grad_input(g, ws)
         if dw is not None:
-            dw.addmm_(g.T, xs[lo:hi].float())
+            _add_weight_grad(dw, g, xs[lo:hi])
     ce, kl = ce_acc / denom, kl_acc / denom
     total = ce_weight * ce + kl_weight * kl
     return total, ce, kl, dx, dw

@@ -81,22 +81,59 @@ class StudentOutput(ModelOutput):
     cache: Optional[RecurrentCache] = None
 
 
+class BlockRMSNorm(LlamaRMSNorm):
+    """The teacher's RMSNorm (same weight, same name), which can also add the residual before normalising and
+    run as fla's fused Triton kernel (one kernel forward and one backward, where PyTorch runs ~6 elementwise
+    operators over fp32 copies each way). The fused form computes in fp32 and rounds once: it may differ
+    from LlamaRMSNorm, which rounds before the weight multiply, by one bf16 step."""
+
+    def forward(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None, fused: bool = False):
+        """-> norm(x), or with a residual (norm(x + residual), x + residual)."""
+        if fused:
+            from fla.modules.norm.layernorm import rms_norm
+
+            return rms_norm(x, self.weight, None, residual=residual, eps=self.variance_epsilon,
+                            prenorm=residual is not None)
+        if residual is None:
+            return super().forward(x)
+        total = residual + x
+        return super().forward(total), total
+
+
+class BlockMLP(LlamaMLP):
+    """The teacher's gated MLP (same weights, same names); `fused` runs act(gate) * up as fla's SwiGLU kernel
+    (one kernel each way, computed in fp32 and rounded once) when the activation is SiLU."""
+
+    def forward(self, x: torch.Tensor, fused: bool = False) -> torch.Tensor:
+        if fused and self.config.hidden_act == "silu":
+            from fla.modules.activations import swiglu
+
+            return self.down_proj(swiglu(self.gate_proj(x), self.up_proj(x)))
+        return super().forward(x)
+
+
 class StudentBlock(nn.Module):
-    """A teacher decoder layer with its attention replaced: x + mixer(norm(x)), then x + mlp(norm(x))."""
+    """A teacher decoder layer with its attention replaced: x + mixer(norm(x)), then x + mlp(norm(x)).
+
+    On the mixer's kernel backend (CUDA) and for more than one token, the norms (the second one with the
+    residual add) and the MLP's SwiGLU run as fla's fused kernels; each submodule uses only its own weights
+    inside its own forward, as ZeRO-3's gathering hooks require. One-token decoding steps stay in PyTorch, as
+    the mixers' recurrences do, so that the CUDA-graph step captures no autotuning."""
 
     def __init__(self, config: HarnessConfig, layer_idx: int):
         super().__init__()
         options = mixer_options(config.mixer, config.mixer_options)
-        self.input_layernorm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.input_layernorm = BlockRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.mixer: Mixer = mixer_class(config.mixer)(MixerShape.from_config(config), options, layer_idx)
-        self.post_attention_layernorm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-        self.mlp = LlamaMLP(config)
+        self.post_attention_layernorm = BlockRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.mlp = BlockMLP(config)
 
     def forward(self, hidden, position_embeddings=None, state=None, use_cache=False):
-        mixed, state = self.mixer(self.input_layernorm(hidden), position_embeddings=position_embeddings,
-                                  state=state, use_cache=use_cache)
-        hidden = hidden + mixed
-        return hidden + self.mlp(self.post_attention_layernorm(hidden)), state
+        fused = hidden.shape[1] > 1 and self.mixer.fused_ops(hidden)
+        mixed, state = self.mixer(self.input_layernorm(hidden, fused=fused),
+                                  position_embeddings=position_embeddings, state=state, use_cache=use_cache)
+        normed, hidden = self.post_attention_layernorm(mixed, residual=hidden, fused=fused)
+        return hidden + self.mlp(normed, fused=fused), state
 
 
 class HarnessPreTrainedModel(PreTrainedModel):

@@ -158,3 +158,23 @@ def test_partial_recompute_checkpoints_only_the_chosen_blocks_and_keeps_the_grad
     assert grads_and_calls(1.0)[0] == list(range(8))
     with pytest.raises(ValueError, match="fraction=0"):
         student.enable_recompute(0)
+
+
+def test_block_norm_with_a_residual_adds_first_then_normalises_as_the_teacher_norm():
+    """BlockRMSNorm's unfused form (CPU, the reference backend) is LlamaRMSNorm of residual + x, bit for bit, and
+    returns that sum for the next residual; without a residual it is LlamaRMSNorm itself."""
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    from harness.student import BlockRMSNorm
+
+    torch.manual_seed(0)
+    norm, ref = BlockRMSNorm(32, eps=1e-5).bfloat16(), LlamaRMSNorm(32, eps=1e-5).bfloat16()
+    with torch.no_grad():
+        norm.weight.uniform_(0.5, 1.5)
+    ref.load_state_dict(norm.state_dict())
+    x, res = torch.randn(2, 5, 32).bfloat16(), torch.randn(2, 5, 32).bfloat16()
+    normed, total = norm(x, residual=res)
+    assert torch.equal(total, res + x)
+    assert torch.equal(normed, ref(res + x))
+    assert torch.equal(norm(x), ref(x))
+    assert not torch.equal(normed, ref(x))  # the residual did count

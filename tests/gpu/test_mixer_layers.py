@@ -127,3 +127,42 @@ def test_fused_gated_norm_matches_pytorch(activation, dtype):
     tol = 1e-2 if dtype == torch.bfloat16 else 1e-4
     for a, b in zip(outs[True], outs[False]):
         assert rel(a, b) < tol, rel(a, b)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_fused_student_block_matches_the_pytorch_block(dtype):
+    """A student block on the kernel backend runs its norms (the second with the residual add) and its SwiGLU as
+    fla's fused kernels; the same block through LlamaRMSNorm's and LlamaMLP's PyTorch forwards gives the same
+    output and gradients (input, norm weights, MLP weights), at the 135M layout and sequence 2048."""
+    from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm
+
+    from harness.perf import SHAPES
+    from harness.student import HarnessConfig, StudentBlock
+
+    torch.manual_seed(0)
+    config = HarnessConfig(**SHAPES["135M"], mixer="gated_deltanet", mixer_options={"backend": "kernel"})
+    block = StudentBlock(config, 0).to("cuda", dtype)
+    with torch.no_grad():
+        for norm in (block.input_layernorm, block.post_attention_layernorm):
+            norm.weight.uniform_(0.5, 1.5)
+
+    def pytorch_block(h):
+        mixed, _ = block.mixer(LlamaRMSNorm.forward(block.input_layernorm, h))
+        h = h + mixed
+        return h + LlamaMLP.forward(block.mlp, LlamaRMSNorm.forward(block.post_attention_layernorm, h))
+
+    x = torch.randn(2, 2048, config.hidden_size, device="cuda", dtype=dtype)
+    outs = {}
+    for fused in (True, False):
+        block.zero_grad()
+        xi = x.clone().requires_grad_(True)
+        y = block(xi)[0] if fused else pytorch_block(xi)
+        (y.float() * torch.linspace(-1, 1, y.shape[-1], device="cuda")).sum().backward()
+        names = ("input_layernorm.weight", "post_attention_layernorm.weight", "mlp.gate_proj.weight",
+                 "mlp.up_proj.weight", "mlp.down_proj.weight")
+        params = dict(block.named_parameters())
+        outs[fused] = [y, xi.grad] + [params[n].grad.clone() for n in names]
+    assert outs[True][0].dtype == dtype
+    tol = 1e-2 if dtype == torch.bfloat16 else 1e-4
+    for a, b in zip(outs[True], outs[False]):
+        assert rel(a, b) < tol, rel(a, b)
