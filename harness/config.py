@@ -173,6 +173,12 @@ class DistillConfig(StageConfig):
         "(1.0 every block; 0.25 every fourth). Recompute only as many as the memory needs: each costs about one "
         "block forward per step."
     )
+    compile_teacher: bool = described(
+        True, "On a GPU with the teacher replicated (deepspeed.teacher_placement): compile each teacher decoder "
+        "layer with torch.compile, forward only. It fuses the norm, rotary and SwiGLU chains around the matmuls "
+        "(the teacher's outputs may move by a bf16 rounding step); the first steps of each process pay about a "
+        "minute of compilation. Off: the eager teacher. A ZeRO-3 teacher and the CPU always run eagerly."
+    )
 
 
 @dataclass

@@ -303,11 +303,24 @@ def replicated_teacher(model: nn.Module, device: torch.device, bf16: bool) -> nn
     return model.to(device=device, dtype=torch.bfloat16 if bf16 else torch.float32).eval()
 
 
+def compile_decoder_layers(body: nn.Module) -> int:
+    """torch.compile every decoder layer of a replicated teacher (`TeacherBody`: body.teacher.model.layers) in
+    place; returns how many. Layer by layer rather than the whole model: the layers share one compiled graph
+    (one compilation per process, not one per layer) and the model's mask and rotary set-up stay eager."""
+    layers = body.teacher.model.layers
+    for layer in layers:
+        layer.compile()
+    return len(layers)
+
+
 def build_teacher(model: nn.Module, job: JobConfig, stage: StageConfig, world: int, device: torch.device,
                   bf16: bool) -> tuple[nn.Module, str]:
     """The teacher of stage 3 as placed by deepspeed.teacher_placement -> (callable module, 'replicated'|'zero3')."""
     if teacher_replicated(job.deepspeed.teacher_placement, model, device, bf16):
-        return replicated_teacher(model, device, bf16), "replicated"
+        teacher = replicated_teacher(model, device, bf16)
+        if getattr(stage, "compile_teacher", False) and device.type == "cuda":
+            compile_decoder_layers(teacher)
+        return teacher, "replicated"
     return teacher_engine(model, teacher_ds_config(job, stage, world, bf16)), "zero3"
 
 

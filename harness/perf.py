@@ -569,7 +569,7 @@ def bench_step(shape: str = "135M", mixer: str = "gated_deltanet", *, micro_batc
                student_ds_config: Optional[str] = None, teacher_ds_config: Optional[str] = None,
                peak_flops: Optional[float] = None, measure_peak: bool = False, profile_steps: int = 2,
                gradient_checkpointing: bool = False, recompute_fraction: float = 1.0,
-               teacher_placement: str = "auto", seed: int = 0) -> dict[str, Any]:
+               teacher_placement: str = "auto", compile_teacher: bool = True, seed: int = 0) -> dict[str, Any]:
     """Time `steps` optimizer steps of stage 3 (after `warmup`) for one teacher shape and mixer; see the module
     docstring for what each field means. With zero3, joins (or creates) the process group as stage 3 does
     (`harness.engine.setup_distributed`): under torchrun every rank calls this and the world is the group's.
@@ -591,7 +591,7 @@ def bench_step(shape: str = "135M", mixer: str = "gated_deltanet", *, micro_batc
     if device.type == "cuda":
         torch.cuda.set_device(device)
     cfg = DistillConfig(micro_batch_size=micro_batch, grad_accum=grad_accum, schedule="constant",
-                        warmup_fraction=0.0)
+                        warmup_fraction=0.0, compile_teacher=compile_teacher)
     micro_steps = (warmup + steps) * grad_accum + max(profile_steps, 0)
     shape_name = "custom" if teacher_source else canonical_shape(shape)
 
@@ -617,6 +617,8 @@ def bench_step(shape: str = "135M", mixer: str = "gated_deltanet", *, micro_batc
         model, teacher, cfg, world, bf16, micro_steps, student_ds_config, teacher_ds_config,
         teacher_placement if zero3 else "replicated", "deepspeed" if zero3 else "plain", device)
     dev = parts.s_engine.device
+    row["teacher_compiled"] = bool(compile_teacher and row["teacher_placement"] == "replicated"
+                                   and dev.type == "cuda")
     row["loss_kernel"] = "triton" if loss_kernel.available(torch.empty(0, device=dev)) else "torch"
     if zero3:
         row["engine"] = f"zero{parts.s_engine.zero_optimization_stage()}"  # ZeRO stage of the student's config
@@ -1265,6 +1267,9 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
     step.add_argument("--grad-ckpt-fraction", type=float, default=None, metavar="F",
                       help="With --grad-ckpt (implied): recompute only this share of the blocks, spread evenly "
                       "(stages.distill.gradient_checkpointing_fraction). Default 1.0.")
+    step.add_argument("--eager-teacher", action="store_true",
+                      help="Run the replicated teacher eagerly (stages.distill.compile_teacher=false); by default "
+                      "its decoder layers are compiled on a GPU.")
     step.add_argument("--profile-steps", type=int, default=2,
                       help="Extra steps under torch.profiler to measure communication (0: skip). Default 2.")
     dec = p.add_argument_group("decode")
@@ -1351,7 +1356,7 @@ def run_cli(args: argparse.Namespace, argv: Optional[Sequence[str]] = None) -> i
                           measure_peak=args.measure_peak, profile_steps=args.profile_steps,
                           gradient_checkpointing=args.grad_ckpt or args.grad_ckpt_fraction is not None,
                           recompute_fraction=1.0 if args.grad_ckpt_fraction is None else args.grad_ckpt_fraction,
-                          teacher_placement=args.teacher_placement,
+                          teacher_placement=args.teacher_placement, compile_teacher=not args.eager_teacher,
                           seed=args.seed)
                 if args.teacher:
                     kw["teacher_source"] = args.teacher

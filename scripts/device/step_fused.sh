@@ -1,16 +1,18 @@
 #!/usr/bin/env bash
 # Device calls on nvidia-h200 (<= 10 min each), for issue 8: the fused distillation loss (harness.loss_kernel, its
 # bf16 gradient) and the student blocks' fused norms and SwiGLU (fla's kernels, harness.student.StudentBlock).
-#   part a: GPU tests of both, then the plain-engine stage-3 step at 135M, micro-batch 16 and 32 (runs 8 before
-#           them: 78,252 / 94,952 tokens/s; runs 9 with the first loss kernel: 104,312 / 119,192);
-#   part b: the plain engine through the real stage 3 (tests/gpu/test_stages_one_gpu.py -k plain), then 1.7B at
-#           micro-batch 8 with 6 of 24 blocks recomputed (runs 8: 43.4% MFU, 74.0 GiB) and without.
+# and the teacher's compiled decoder layers (stages.distill.compile_teacher, harness.engine.compile_decoder_layers).
+#   part a: GPU tests of the loss and the fused block, then the plain-engine stage-3 step at 135M, micro-batch 32
+#           (runs 8 before them: 94,952 tokens/s; runs 9 with the first loss kernel: 119,192; runs 10 with the fused
+#           block too: 138,009), and 1.7B at micro-batch 8 with 6 of 24 blocks recomputed (runs 8: 43.4% MFU, 74.0 GiB);
+#   part b: the plain engine through the real stage 3 (tests/gpu/test_stages_one_gpu.py -k plain), then 135M at
+#           micro-batch 16, and at 32 with the eager teacher (what the compiled one gains).
 # The first bench's timeout is the longest: a fresh machine compiles fla's kernels for ~2 min in it.
 #
 #   bash scripts/device/step_fused.sh a        (from the repository root, .devbundle carried)
 #   DEVBUNDLE=DIR SMALL=tiny LARGE=tiny EXTRA="--device cpu --seq 64 --steps 2 --warmup 1" bash scripts/device/step_fused.sh a
 #
-# Returns at most three JSON files under $OUT/fused (prefix 10-) and one tgz of the Markdown tables and the logs.
+# Returns at most three JSON files under $OUT/fused (prefix 10-; runs 10 and 11 in docs/BENCHMARKS.md) and one tgz of the Markdown tables and the logs.
 set -u
 part=${1:?usage: step_fused.sh a|b}
 source "${DEVBUNDLE:-.devbundle}/setup.sh"  # DEVBUNDLE: another set-up script's folder (a CPU rehearsal)
@@ -23,17 +25,18 @@ bench=(python3 -m harness.cli bench --mixer gated_deltanet --seq 2048 --warmup 3
 small=${SMALL:-135M}
 large=${LARGE:-1.7B}
 if [ "$part" = a ]; then
-  timeout 240 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_losses_gpu.py \
+  timeout 200 python3 -m pytest -q -s -p no:cacheprovider tests/gpu/test_losses_gpu.py \
     tests/gpu/test_mixer_layers.py::test_fused_student_block_matches_the_pytorch_block > "$work/tests.log" 2>&1
-  tail -3 "$work/tests.log"
-  timeout 170 "${bench[@]}" --shape "$small" --micro-batch 16 --steps 10 ${EXTRA:-} --out "$work/10-135m-plain-mb16.json" >> "$work/log" 2>&1
-  timeout 80 "${bench[@]}" --shape "$small" --micro-batch 32 --steps 6 ${EXTRA:-} --out "$work/10-135m-plain-mb32.json" >> "$work/log" 2>&1
+  grep -E "^\{|passed|failed" "$work/tests.log" | cut -c1-400
+  timeout 200 "${bench[@]}" --shape "$small" --micro-batch 32 --steps 6 ${EXTRA:-} --out "$work/10-135m-plain-mb32.json" >> "$work/log" 2>&1
+  timeout 170 "${bench[@]}" --shape "$large" --micro-batch 8 --steps 6 --grad-ckpt-fraction 0.25 ${EXTRA:-} \
+    --out "$work/10-1.7b-plain-ckpt.json" >> "$work/log" 2>&1
 else
   timeout 300 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_stages_one_gpu.py -k plain > "$work/tests.log" 2>&1
   tail -3 "$work/tests.log"
-  timeout 150 "${bench[@]}" --shape "$large" --micro-batch 8 --steps 6 --grad-ckpt-fraction 0.25 ${EXTRA:-} \
-    --out "$work/10-1.7b-plain-ckpt.json" >> "$work/log" 2>&1
-  timeout 90 "${bench[@]}" --shape "$large" --micro-batch 8 --steps 6 ${EXTRA:-} --out "$work/10-1.7b-plain.json" >> "$work/log" 2>&1
+  timeout 150 "${bench[@]}" --shape "$small" --micro-batch 16 --steps 10 ${EXTRA:-} --out "$work/10-135m-plain-mb16.json" >> "$work/log" 2>&1
+  timeout 100 "${bench[@]}" --shape "$small" --micro-batch 32 --steps 6 --eager-teacher ${EXTRA:-} \
+    --out "$work/10-135m-plain-mb32-eager-teacher.json" >> "$work/log" 2>&1
 fi
 cp "$work"/*.json "$out"/ 2>/dev/null
 tar czf "$out/tables-and-logs-$part.tgz" -C "$work" $(cd "$work" && ls *.md *.log log 2>/dev/null)

@@ -164,5 +164,6 @@ def test_fused_student_block_matches_the_pytorch_block(dtype):
         outs[fused] = [y, xi.grad] + [params[n].grad.clone() for n in names]
     assert outs[True][0].dtype == dtype
     tol = 1e-2 if dtype == torch.bfloat16 else 1e-4
-    for a, b in zip(outs[True], outs[False]):
-        assert rel(a, b) < tol, rel(a, b)
+    errors = {n: rel(a, b) for n, a, b in zip(("output", "input grad") + names, outs[True], outs[False])}
+    print(errors)
+    assert all(e < tol for e in errors.values()), errors
