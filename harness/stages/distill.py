@@ -75,7 +75,8 @@ class TeacherBody(nn.Module):
         self.teacher = teacher_model
 
     def forward(self, input_ids):
-        return self.teacher.model(input_ids=input_ids).last_hidden_state
+        # no KV cache: transformers builds one by default, and a compiled layer would recompile for each cache layer
+        return self.teacher.model(input_ids=input_ids, use_cache=False).last_hidden_state
 
 
 @dataclass

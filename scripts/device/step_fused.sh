@@ -5,6 +5,9 @@
 #   part a: GPU tests of the loss and the fused block, then the plain-engine stage-3 step at 135M, micro-batch 32
 #           (runs 8 before them: 94,952 tokens/s; runs 9 with the first loss kernel: 119,192; runs 10 with the fused
 #           block too: 138,009), and 1.7B at micro-batch 8 with 6 of 24 blocks recomputed (runs 8: 43.4% MFU, 74.0 GiB);
+#   part c (the call after runs 10 found the teacher building a KV cache, which kept its compiled layers from
+#           sharing one graph): the fused-block test against the bf16 floor, 135M at micro-batch 32, and as much of
+#           the plain engine's real stage 3 as the call leaves time for;
 #   part b: the plain engine through the real stage 3 (tests/gpu/test_stages_one_gpu.py -k plain), then 135M at
 #           micro-batch 16, and at 32 with the eager teacher (what the compiled one gains).
 # The first bench's timeout is the longest: a fresh machine compiles fla's kernels for ~2 min in it.
@@ -14,7 +17,7 @@
 #
 # Returns at most three JSON files under $OUT/fused (prefix 10-; runs 10 and 11 in docs/BENCHMARKS.md) and one tgz of the Markdown tables and the logs.
 set -u
-part=${1:?usage: step_fused.sh a|b}
+part=${1:?usage: step_fused.sh a|b|c}
 source "${DEVBUNDLE:-.devbundle}/setup.sh"  # DEVBUNDLE: another set-up script's folder (a CPU rehearsal)
 out=${OUT:-device-out}/fused
 work=/tmp/step-fused-$part
@@ -31,6 +34,13 @@ if [ "$part" = a ]; then
   timeout 200 "${bench[@]}" --shape "$small" --micro-batch 32 --steps 6 ${EXTRA:-} --out "$work/10-135m-plain-mb32.json" >> "$work/log" 2>&1
   timeout 170 "${bench[@]}" --shape "$large" --micro-batch 8 --steps 6 --grad-ckpt-fraction 0.25 ${EXTRA:-} \
     --out "$work/10-1.7b-plain-ckpt.json" >> "$work/log" 2>&1
+elif [ "$part" = c ]; then
+  timeout 190 python3 -m pytest -q -s -p no:cacheprovider \
+    tests/gpu/test_mixer_layers.py::test_fused_student_block_matches_the_pytorch_block > "$work/tests.log" 2>&1
+  grep -E "^\{|passed|failed" "$work/tests.log" | cut -c1-600
+  timeout 150 "${bench[@]}" --shape "$small" --micro-batch 32 --steps 6 ${EXTRA:-} --out "$work/11-135m-plain-mb32.json" >> "$work/log" 2>&1
+  timeout 110 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_stages_one_gpu.py -k plain > "$work/stages.log" 2>&1
+  tail -3 "$work/stages.log"
 else
   timeout 300 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_stages_one_gpu.py -k plain > "$work/tests.log" 2>&1
   tail -3 "$work/tests.log"

@@ -129,11 +129,11 @@ def test_fused_gated_norm_matches_pytorch(activation, dtype):
         assert rel(a, b) < tol, rel(a, b)
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_fused_student_block_matches_the_pytorch_block(dtype):
+def test_fused_student_block_matches_the_pytorch_block():
     """A student block on the kernel backend runs its norms (the second with the residual add) and its SwiGLU as
-    fla's fused kernels; the same block through LlamaRMSNorm's and LlamaMLP's PyTorch forwards gives the same
-    output and gradients (input, norm weights, MLP weights), at the 135M layout and sequence 2048."""
+    fla's fused kernels. In bf16 it must be as close to an fp32 PyTorch block (reference backend) as the same bf16
+    block through LlamaRMSNorm's and LlamaMLP's PyTorch forwards is (the bf16 floor, as for the mixer layers):
+    output and gradients of the input, the norm weights and the MLP weights, at the 135M layout and 2 x 2048."""
     from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm
 
     from harness.perf import SHAPES
@@ -141,29 +141,36 @@ def test_fused_student_block_matches_the_pytorch_block(dtype):
 
     torch.manual_seed(0)
     config = HarnessConfig(**SHAPES["135M"], mixer="gated_deltanet", mixer_options={"backend": "kernel"})
-    block = StudentBlock(config, 0).to("cuda", dtype)
+    block = StudentBlock(config, 0)
     with torch.no_grad():
         for norm in (block.input_layernorm, block.post_attention_layernorm):
             norm.weight.uniform_(0.5, 1.5)
+    ref_config = HarnessConfig(**SHAPES["135M"], mixer="gated_deltanet", mixer_options={"backend": "reference"})
+    ref = StudentBlock(ref_config, 0)
+    ref.load_state_dict(block.state_dict())
+    block, ref = block.to("cuda", torch.bfloat16), ref.to("cuda", torch.float32)
 
-    def pytorch_block(h):
-        mixed, _ = block.mixer(LlamaRMSNorm.forward(block.input_layernorm, h))
+    def pytorch_block(b, h):
+        mixed, _ = b.mixer(LlamaRMSNorm.forward(b.input_layernorm, h))
         h = h + mixed
-        return h + LlamaMLP.forward(block.mlp, LlamaRMSNorm.forward(block.post_attention_layernorm, h))
+        return h + LlamaMLP.forward(b.mlp, LlamaRMSNorm.forward(b.post_attention_layernorm, h))
 
-    x = torch.randn(2, 2048, config.hidden_size, device="cuda", dtype=dtype)
-    outs = {}
-    for fused in (True, False):
-        block.zero_grad()
-        xi = x.clone().requires_grad_(True)
-        y = block(xi)[0] if fused else pytorch_block(xi)
+    names = ("input_layernorm.weight", "post_attention_layernorm.weight", "mlp.gate_proj.weight",
+             "mlp.up_proj.weight", "mlp.down_proj.weight")
+    x = torch.randn(2, 2048, config.hidden_size, device="cuda")
+
+    def run_block(b, forward, dtype):
+        b.zero_grad()
+        xi = x.to(dtype).requires_grad_(True)
+        y = forward(xi)
         (y.float() * torch.linspace(-1, 1, y.shape[-1], device="cuda")).sum().backward()
-        names = ("input_layernorm.weight", "post_attention_layernorm.weight", "mlp.gate_proj.weight",
-                 "mlp.up_proj.weight", "mlp.down_proj.weight")
-        params = dict(block.named_parameters())
-        outs[fused] = [y, xi.grad] + [params[n].grad.clone() for n in names]
-    assert outs[True][0].dtype == dtype
-    tol = 1e-2 if dtype == torch.bfloat16 else 1e-4
-    errors = {n: rel(a, b) for n, a, b in zip(("output", "input grad") + names, outs[True], outs[False])}
-    print(errors)
-    assert all(e < tol for e in errors.values()), errors
+        params = dict(b.named_parameters())
+        return [y, xi.grad] + [params[n].grad.clone() for n in names]
+
+    fused = run_block(block, lambda h: block(h)[0], torch.bfloat16)
+    floor = run_block(block, lambda h: pytorch_block(block, h), torch.bfloat16)
+    want = run_block(ref, lambda h: pytorch_block(ref, h), torch.float32)
+    assert fused[0].dtype == torch.bfloat16
+    errors = {n: (rel(f, w), rel(p, w)) for n, f, p, w in zip(("output", "input grad") + names, fused, floor, want)}
+    print({n: f"fused {e[0]:.2e} floor {e[1]:.2e}" for n, e in errors.items()})
+    assert all(within_floor(*e) for e in errors.values()), errors
