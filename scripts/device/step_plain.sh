@@ -17,11 +17,7 @@ source "${DEVBUNDLE:-.devbundle}/setup.sh"  # DEVBUNDLE: another set-up script's
 out=${OUT:-device-out}/plain
 work=/tmp/step-plain
 mkdir -p "$out" "$work"
-export CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES:-0}
-bench=(python3 -m harness.cli bench --mixer gated_deltanet --seq 2048 --warmup 3 --profile-steps 1 --engine plain
-       --student-ds-config ds_configs/zero2.json)
-small=${SMALL:-135M}
-large=${LARGE:-1.7B}
+source scripts/device/plain_bench.sh  # CUDA_VISIBLE_DEVICES, bench=(...), small, large
 timeout 240 "${bench[@]}" --shape "$small" --micro-batch 8 --steps 10 ${EXTRA:-} --out "$work/8-135m-plain-mb8.json" >> "$work/log" 2>&1
 timeout 80 "${bench[@]}" --shape "$small" --micro-batch 16 --steps 10 ${EXTRA:-} --out "$work/8-135m-plain-mb16.json" >> "$work/log" 2>&1
 timeout 180 "${bench[@]}" --shape "$large" --micro-batch 8 --steps 6 ${EXTRA:-} --out "$work/8-1.7b-plain.json" >> "$work/log" 2>&1
