@@ -258,3 +258,27 @@ def test_a_plain_single_process_group_listens_on_no_port():
     proc = subprocess.run([sys.executable, "-c", script], env=env, cwd=REPO, capture_output=True, text=True,
                           timeout=300)
     assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stdout + proc.stderr
+
+
+def test_compiled_teacher_layers_share_one_graph_and_match_the_eager_teacher():
+    """Stage 3 compiles a replicated teacher's decoder layers on a GPU (stages.distill.compile_teacher); run here on
+    the CPU. The compiled body gives the eager body's hidden states, and its layers share one graph: before the
+    teacher ran without a KV cache, each cache layer forced a recompile (runs 10b in docs/BENCHMARKS.md)."""
+    from torch._dynamo.utils import counters
+
+    from harness.engine import compile_decoder_layers
+    from harness.stages.distill import TeacherBody
+    from tests.tiny import tiny_llama
+
+    torch.manual_seed(0)
+    body = TeacherBody(tiny_llama(num_layers=3, hidden=64, heads=4, kv_heads=2)).eval()
+    ids = torch.randint(0, 50, (2, 24))
+    torch._dynamo.reset()
+    counters.clear()
+    with torch.no_grad():
+        want = body(ids)
+        assert compile_decoder_layers(body) == 3
+        got = body(ids)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])
+    torch._dynamo.reset()
