@@ -226,11 +226,12 @@ class DeepSpeedConfig:
         "per layer group. The token-to-step plan and the data slices follow it."
     )
     student_engine: str = described(
-        "deepspeed", "Stage 3's student engine: 'deepspeed' (ZeRO as student_config says) or 'plain' (one process "
-        "only, world_size 1: torch's fused AdamW on fp32 master copies of bf16 weights, as DeepSpeed's bf16 mode keeps "
-        "them, with student_config's "
+        "deepspeed", "Stage 3's student engine: 'deepspeed' (ZeRO as student_config says) or 'plain' (torch's fused "
+        "AdamW on fp32 master copies of bf16 weights, as DeepSpeed's bf16 mode keeps them, with student_config's "
         "optimizer settings; skips DeepSpeed's per-tensor optimizer loop, ~70 ms of host time per step for the "
-        "135M student on an H200). Its checkpoints are its own format; export and evaluation read both."
+        "135M student on an H200). With world_size > 1, 'plain' is plain data parallelism: each process holds the "
+        "whole student and its optimizer state (~16 bytes per parameter), so use it only where that fits a device; "
+        "ZeRO shards them. Its checkpoints are its own format; export and evaluation read both."
     )
 
 
@@ -448,9 +449,6 @@ def validate(job: JobConfig) -> None:
     _check_positive("deepspeed.world_size", job.deepspeed.world_size)
     _check_choice("deepspeed.teacher_placement", job.deepspeed.teacher_placement, TEACHER_PLACEMENTS)
     _check_choice("deepspeed.student_engine", job.deepspeed.student_engine, STUDENT_ENGINES)
-    if job.deepspeed.student_engine == "plain" and job.deepspeed.world_size != 1:
-        raise ConfigError(f"deepspeed.student_engine=plain runs one process, but deepspeed.world_size="
-                          f"{job.deepspeed.world_size}. Use 'deepspeed' for several processes, or world_size=1.")
     _check_run(job.run)
     check_eval(job.eval)
     _check_every_tokens(job)

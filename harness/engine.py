@@ -137,7 +137,7 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
 
 def student_engine(model: nn.Module, config: dict[str, Any], scheduler: Callable, kind: str = "deepspeed",
                    device: Optional[torch.device] = None):
-    """The student's training engine: DeepSpeed's (ZeRO per `config`), or `PlainEngine` for one process."""
+    """The student's training engine: DeepSpeed's (ZeRO per `config`), or `PlainEngine` (data parallel)."""
     if kind == "plain":
         return PlainEngine(model, config, scheduler, device or device_for())
     import deepspeed
@@ -148,15 +148,20 @@ def student_engine(model: nn.Module, config: dict[str, Any], scheduler: Callable
 
 
 class PlainEngine:
-    """The part of DeepSpeed's engine API that stage 3 uses, in plain PyTorch for one process
-    (deepspeed.student_engine=plain), with DeepSpeed's numerics: torch's AdamW with the DeepSpeed config's settings
+    """The part of DeepSpeed's engine API that stage 3 uses, in plain PyTorch (deepspeed.student_engine=plain),
+    with DeepSpeed's numerics: torch's AdamW with the DeepSpeed config's settings
     (fused on a GPU); when the config enables bf16, a bf16 module whose fp32 master copies (taken from the bf16
     values, as DeepSpeed takes them) hold the gradients, accumulated in fp32, and the optimizer state; gradient
     accumulation (the loss divided by the accumulation steps) and clipping as DeepSpeed does them. Why: DeepSpeed's
     optimizer step loops over the parameter tensors in Python (9,918 operators for the 135M student,
     scripts/zero_step_ops.py), ~80 ms of a ~430 ms step on the H200; this one issues a few multi-tensor kernels.
     (Its first version kept fp32 weights under autocast: a cast per weight per forward and fp32 loss matmuls
-    without tensor cores made its 135M step slower than ZeRO-2's; docs/BENCHMARKS.md, runs 7.)"""
+    without tensor cores made its 135M step slower than ZeRO-2's; docs/BENCHMARKS.md, runs 7.)
+
+    Under a process group of several processes it is plain data parallelism: every process holds the whole model
+    and optimizer (what fits one device), the weights start from rank 0's, and at each accumulation boundary the
+    fp32 master gradients are averaged over the processes (as DeepSpeed averages its data-parallel gradients)
+    before clipping; rank 0 alone writes the checkpoint file, which every process reads on resume."""
 
     STATE_FILE = "plain_engine.pt"
 
@@ -189,6 +194,10 @@ class PlainEngine:
         self.clip = float(config.get("gradient_clipping", 0.0))
         self.micro_steps = 0
         self._grad_norm: Optional[torch.Tensor] = None
+        self.rank, self.world = 0, _world_of_group()
+        if self.world > 1:
+            self.rank = torch.distributed.get_rank()
+            self._start_from_rank0()
 
     def __call__(self, *args, **kwargs):
         return self.module(*args, **kwargs)
@@ -220,8 +229,30 @@ class PlainEngine:
         for p in self.params:
             p.grad = None
 
+    @torch.no_grad()
+    def _start_from_rank0(self) -> None:
+        """Every process starts from rank 0's weights (and masters), as DeepSpeed broadcasts its model."""
+        for p in self.params:
+            torch.distributed.broadcast(p.data, src=0)
+        for p, m in zip(self.params, self.masters):
+            if m is not p:
+                m.copy_(p)
+
+    def _average_gradients(self) -> None:
+        """The mean of the processes' master gradients, in place, reduced ALL_REDUCE_BUCKET elements at a time."""
+        grads = [m.grad if m.grad is not None else torch.zeros_like(m) for m in self.masters]
+        for m, g in zip(self.masters, grads):
+            m.grad = g  # a process whose micro-batches left a weight without gradient still joins the reduction
+        for bucket in _buckets(grads, ALL_REDUCE_BUCKET):
+            flat = torch._utils._flatten_dense_tensors(bucket)
+            torch.distributed.all_reduce(flat)
+            flat.div_(self.world)
+            torch._foreach_copy_(bucket, torch._utils._unflatten_dense_tensors(flat, bucket))
+
     def step(self) -> None:
         if self.is_gradient_accumulation_boundary():
+            if self.world > 1:
+                self._average_gradients()
             grads = [m for m in self.masters if m.grad is not None]
             self._grad_norm = torch.nn.utils.clip_grad_norm_(grads, self.clip if self.clip > 0 else float("inf"))
             self.optimizer.step()
@@ -247,6 +278,9 @@ class PlainEngine:
         return state
 
     def save_checkpoint(self, save_dir: str, tag: str) -> None:
+        """Rank 0 writes the state (every process holds the same); the others write nothing."""
+        if self.rank != 0:
+            return
         path = Path(save_dir) / tag
         path.mkdir(parents=True, exist_ok=True)
         torch.save({"module": self.fp32_state_dict(), "optimizer": self.optimizer.state_dict(),
@@ -263,6 +297,27 @@ class PlainEngine:
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         self.micro_steps = state["micro_steps"]
+
+
+ALL_REDUCE_BUCKET = 2**26  # elements (256 MB of fp32) per all-reduce of PlainEngine's gradients
+
+
+def _world_of_group() -> int:
+    ok = torch.distributed.is_available() and torch.distributed.is_initialized()
+    return torch.distributed.get_world_size() if ok else 1
+
+
+def _buckets(tensors: list[torch.Tensor], size: int) -> list[list[torch.Tensor]]:
+    """Consecutive groups of tensors of one dtype with at most `size` elements each (a larger tensor alone)."""
+    out: list[list[torch.Tensor]] = []
+    total = size
+    for t in tensors:
+        if total + t.numel() > size or (out and out[-1][0].dtype != t.dtype):
+            out.append([])
+            total = 0
+        out[-1].append(t)
+        total += t.numel()
+    return out
 
 
 def teacher_engine(model: nn.Module, config: dict[str, Any]):

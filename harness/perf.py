@@ -9,8 +9,8 @@ Three measurements (``--what step,kernels,decode``), each a list of rows in one 
   gather of the teacher head, `engine.backward`, `engine.step`, and the per-step `.item()` of the losses.
   Teachers are the SmolLM2 shapes (135M / 360M / 1.7B, or `tiny`) with random weights: a step's time does not
   depend on the values. `--teacher SOURCE` takes a real one. ``zero3=False`` (``--engine plain``) runs the same
-  step on stage 3's `PlainEngine` (deepspeed.student_engine=plain: one process, torch's fused AdamW on fp32
-  master copies of the bf16 weights on CUDA).
+  step on stage 3's `PlainEngine` (deepspeed.student_engine=plain: torch's fused AdamW on fp32 master copies of
+  the bf16 weights on CUDA; data parallel under torchrun, averaging the gradients at each step).
 
   Reported: tokens/s (input tokens, `micro_batch x seq_len x world` per micro-step, over the measured steps'
   wall time), MFU = tokens/s x (6 N_student + 2 N_teacher) / (peak x world) (dense FLOPs only: the mixers'
@@ -581,13 +581,10 @@ def bench_step(shape: str = "135M", mixer: str = "gated_deltanet", *, micro_batc
     device = _device(device)
     dtype = _dtype(dtype, device)
     world, rank = 1, 0
-    if zero3:
+    if zero3 or "RANK" in os.environ:  # under torchrun the plain engine runs data parallel
         from harness.engine import setup_distributed
 
         rank, world = setup_distributed(device)
-    elif torch.distributed.is_available() and torch.distributed.is_initialized() \
-            and torch.distributed.get_world_size() > 1:
-        raise ValueError("the plain engine (zero3=False) runs in one process; use zero3 under torchrun")
     if device.type == "cuda":
         torch.cuda.set_device(device)
     cfg = DistillConfig(micro_batch_size=micro_batch, grad_accum=grad_accum, schedule="constant",
@@ -675,7 +672,7 @@ def bench_step(shape: str = "135M", mixer: str = "gated_deltanet", *, micro_batc
         if profile_steps > 0:  # the plain engine too: its top operators
             row["comm"] = _profile_comm(parts, batches, dev, profile_steps)
             row["top_ops"] = row["comm"].pop("top_ops", None)
-        elif not zero3:
+        elif not zero3 and world == 1:
             row["comm"] = {"comm_ms": 0.0, "method": "plain engine: one process, no communication"}
     finally:
         for h in handles:
@@ -1249,8 +1246,8 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
                       "Default 3.")
     step.add_argument("--engine", choices=("zero3", "plain"), default="zero3",
                       help="zero3: DeepSpeed engines as in stage 3 (default; the ZeRO stage is --student-ds-config's); "
-                      "plain: stage 3's deepspeed.student_engine=plain (one process, torch's fused AdamW on fp32 "
-                      "master copies of the bf16 weights) with a replicated teacher.")
+                      "plain: stage 3's deepspeed.student_engine=plain (torch's fused AdamW on fp32 master copies of "
+                      "the bf16 weights; data parallel under torchrun) with a replicated teacher.")
     step.add_argument("--student-ds-config", default=None, help="DeepSpeed config of the student (default "
                       "ds_configs/zero3.json; ds_configs/zero3_offload.json for CPU offload).")
     step.add_argument("--teacher-ds-config", default=None, help="Default ds_configs/zero3_teacher.json.")

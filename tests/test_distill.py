@@ -121,6 +121,9 @@ PLACEMENTS = {
     # the fast path for models that fit: ZeRO-2 student, a teacher copy per process, recomputed blocks
     "zero2-replicated-ckpt": ["deepspeed.teacher_placement=replicated", "deepspeed.student_config=ds_configs/zero2.json",
                               "stages.distill.gradient_checkpointing=true"],
+    # the plain engine, data parallel: gradients averaged at each step; rank 0 writes the checkpoints
+    "plain-replicated": ["deepspeed.student_engine=plain", "deepspeed.teacher_placement=replicated",
+                         "run.checkpoint_every_tokens=256"],
 }
 
 
@@ -131,6 +134,8 @@ def test_two_processes_match_plain_single_process(tmp_path, placement):
     output = launch(job_path, world=2)
     teacher = "zero3" if placement == "zero3" else "replicated"
     assert f"distill: teacher {teacher}" in output
+    if placement.startswith("plain"):  # rank 0's state file; every checkpoint verified by its manifest
+        assert len(list((out / "distill" / "checkpoints").glob("step-*/ds/plain_engine.pt"))) >= 1
     ds_losses = losses(out)
     plain_losses, plain_state = plain_run(job_path, micro_batch=4)
     assert len(ds_losses) == len(plain_losses) >= 5

@@ -1,5 +1,5 @@
 """Stage 3 on two GPUs under ZeRO-3 gives the losses of one GPU for the same global batch (issue 8), with the
-teacher sharded too and with it replicated. Needs two CUDA devices (the `nvidia-h200-x2` machine); skipped
+teacher sharded too and with it replicated; so does the plain engine, data parallel. Needs two CUDA devices (the `nvidia-h200-x2` machine); skipped
 otherwise. The students run the PyTorch reference mixers (bf16): what is under test is the data-parallel
 arithmetic (sharding, gradient reduce-scatter, token weighting), not the kernels.
 
@@ -36,10 +36,15 @@ def run_stage3(job_path: Path, gpus: int, *overrides: str, expect: int = 0, torc
 
 
 @two_gpus
-@pytest.mark.parametrize("placement", ["zero3", "replicated"])
+@pytest.mark.parametrize("placement", ["zero3", "replicated", "plain-engine"])
 def test_two_gpus_match_one_gpu_for_the_same_global_batch(tmp_path, placement):
+    """ZeRO-3 student with the teacher sharded or replicated; or the plain engine (data parallel) with it
+    replicated."""
     one, two = tmp_path / "one", tmp_path / "two"
     common = [*GPU, f"deepspeed.teacher_placement={placement}"]
+    if placement == "plain-engine":
+        common = [*GPU, "deepspeed.teacher_placement=replicated", "deepspeed.student_engine=plain"]
+        placement = "replicated"
     job_one = write_job(tmp_path, one, *common, "deepspeed.world_size=1", "stages.distill.micro_batch_size=4")
     job_two = write_job(tmp_path, two, *common, "deepspeed.world_size=2", "stages.distill.micro_batch_size=2")
     run_stage3(job_one, 1)
