@@ -194,7 +194,7 @@ class PlainEngine:
         self.clip = float(config.get("gradient_clipping", 0.0))
         self.micro_steps = 0
         self._grad_norm: Optional[torch.Tensor] = None
-        self.rank, self.world = 0, _world_of_group()
+        self.rank, self.world = 0, _world()
         if self.world > 1:
             self.rank = torch.distributed.get_rank()
             self._start_from_rank0()
@@ -300,11 +300,6 @@ class PlainEngine:
 
 
 ALL_REDUCE_BUCKET = 2**26  # elements (256 MB of fp32) per all-reduce of PlainEngine's gradients
-
-
-def _world_of_group() -> int:
-    ok = torch.distributed.is_available() and torch.distributed.is_initialized()
-    return torch.distributed.get_world_size() if ok else 1
 
 
 def _buckets(tensors: list[torch.Tensor], size: int) -> list[list[torch.Tensor]]:
