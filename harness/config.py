@@ -177,7 +177,8 @@ class DistillConfig(StageConfig):
         True, "On a GPU with the teacher replicated (deepspeed.teacher_placement): compile each teacher decoder "
         "layer with torch.compile, forward only. It fuses the norm, rotary and SwiGLU chains around the matmuls "
         "(the teacher's outputs may move by a bf16 rounding step); the first steps of each process pay about a "
-        "minute of compilation. Off: the eager teacher. A ZeRO-3 teacher and the CPU always run eagerly."
+        "minute of compilation, and the first batch of another shape (validation's) one more, for a graph that "
+        "then takes any shape. Off: the eager teacher. A ZeRO-3 teacher and the CPU always run eagerly."
     )
 
 
