@@ -363,12 +363,17 @@ def compile_decoder_layers(body: nn.Module) -> int:
     return len(layers)
 
 
+def compiles_teacher(stage: StageConfig, placement: str, device: torch.device) -> bool:
+    """Whether stage 3 compiles the teacher's layers: a replicated teacher on a GPU, with compile_teacher on."""
+    return placement == "replicated" and device.type == "cuda" and getattr(stage, "compile_teacher", False)
+
+
 def build_teacher(model: nn.Module, job: JobConfig, stage: StageConfig, world: int, device: torch.device,
                   bf16: bool) -> tuple[nn.Module, str]:
     """The teacher of stage 3 as placed by deepspeed.teacher_placement -> (callable module, 'replicated'|'zero3')."""
     if teacher_replicated(job.deepspeed.teacher_placement, model, device, bf16):
         teacher = replicated_teacher(model, device, bf16)
-        if getattr(stage, "compile_teacher", False) and device.type == "cuda":
+        if compiles_teacher(stage, "replicated", device):
             compile_decoder_layers(teacher)
         return teacher, "replicated"
     return teacher_engine(model, teacher_ds_config(job, stage, world, bf16)), "zero3"

@@ -576,6 +576,7 @@ def bench_step(shape: str = "135M", mixer: str = "gated_deltanet", *, micro_batc
     Returns a JSON-ready dict (the same on every rank)."""
     from harness import loss_kernel
     from harness.config import DistillConfig
+    from harness.engine import compiles_teacher
     from harness.stages.distill import DistillModel
 
     device = _device(device)
@@ -614,8 +615,7 @@ def bench_step(shape: str = "135M", mixer: str = "gated_deltanet", *, micro_batc
         model, teacher, cfg, world, bf16, micro_steps, student_ds_config, teacher_ds_config,
         teacher_placement if zero3 else "replicated", "deepspeed" if zero3 else "plain", device)
     dev = parts.s_engine.device
-    row["teacher_compiled"] = bool(compile_teacher and row["teacher_placement"] == "replicated"
-                                   and dev.type == "cuda")
+    row["teacher_compiled"] = compiles_teacher(cfg, row["teacher_placement"], dev)
     row["loss_kernel"] = "triton" if loss_kernel.available(torch.empty(0, device=dev)) else "torch"
     if zero3:
         row["engine"] = f"zero{parts.s_engine.zero_optimization_stage()}"  # ZeRO stage of the student's config
