@@ -135,3 +135,31 @@ def test_gated_head_norm_is_rms_norm_times_the_activated_gate(activation):
     direct = o / torch.sqrt(o.pow(2).mean(-1, keepdim=True) + 1e-5) * norm.weight * act(gate)
     torch.testing.assert_close(norm(o, gate), direct, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(norm(o, gate, fused=True), direct, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("with_prior", [False, True])
+def test_linear_attention_normaliser_in_the_recurrence_equals_the_explicit_form(with_prior):
+    """The kernel backend's linear attention carries its normaliser as a value column of ones in the recurrence
+    (`normalised_in_the_recurrence`); through the reference recurrence it must equal the explicit cumsum form:
+    outputs, final (S, z) and gradients, also from a prior state."""
+    from harness.mixers.linear_attn import normalised_in_the_recurrence
+
+    mixer = make_mixer("linear_attn")
+    B, T, H, D = 2, 37, SHAPE.num_heads, SHAPE.head_dim
+    torch.manual_seed(3)
+    x = torch.randn(B, T, SHAPE.hidden_size)
+    q, k, v = (torch.randn(B, T, H, D, requires_grad=True) for _ in range(3))
+    prior = (torch.randn(B, H, D, D), torch.rand(B, H, D) * 5) if with_prior else None
+    o_ref, (S_ref, z_ref) = mixer._mix(x, q, k, v, prior, "reference")
+    feature = lambda t: torch.nn.functional.elu(t) + 1.0  # noqa: E731 - the layer's default feature map
+    o, (S, z) = normalised_in_the_recurrence(feature(q), feature(k), v, *(prior or (None, None)), eps=mixer.options.eps,
+                                             backend="reference", chunk_size=16)
+    torch.testing.assert_close(o, o_ref, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(S, S_ref, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(z, z_ref, rtol=1e-5, atol=1e-4)
+    weights = torch.randn_like(o)
+    g_ref = torch.autograd.grad((o_ref * weights).sum(), (q, k, v))
+    g = torch.autograd.grad((o * weights).sum(), (q, k, v))
+    for name, a, b in zip("qkv", g, g_ref):
+        rel = ((a - b).norm() / b.norm()).item()
+        assert rel < 1e-4, f"d{name} differs by {rel:.2e}"

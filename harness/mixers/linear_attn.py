@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import torch
 import torch.nn.functional as F
 
 from harness.mixers.base import Mixer, MixerOptions, run_gated_delta
@@ -38,14 +39,39 @@ class LinearAttention(Mixer):
     def _mix(self, x, q, k, v, prior, backend):
         phi = FEATURE_MAPS[self.options.feature_map]
         q, k = phi(q), phi(k)
-        scale = 1.0 if self.options.normalize else self.shape.head_dim**-0.5
         S0, z0 = prior if prior is not None else (None, None)
-        o, S = run_gated_delta(q, k, v, None, None, scale=scale, prior=S0, backend=backend,
-                               chunk_size=self.options.chunk_size)
         if not self.options.normalize:
+            o, S = run_gated_delta(q, k, v, None, None, scale=self.shape.head_dim**-0.5, prior=S0, backend=backend,
+                                   chunk_size=self.options.chunk_size)
             return o, (S, None)
+        if backend == "kernel" and q.shape[1] > 1:
+            return normalised_in_the_recurrence(q, k, v, S0, z0, eps=self.options.eps, backend=backend,
+                                                chunk_size=self.options.chunk_size)
+        o, S = run_gated_delta(q, k, v, None, None, scale=1.0, prior=S0, backend=backend,
+                               chunk_size=self.options.chunk_size)
         z = k.float().cumsum(1)  # [B, T, H, K]
         if z0 is not None:
             z = z + z0.unsqueeze(1)
         denom = (q.float() * z).sum(-1, keepdim=True) + self.options.eps
         return (o.float() / denom).to(o.dtype), (S, z[:, -1])
+
+
+def normalised_in_the_recurrence(q, k, v, S0, z0, *, eps: float, backend: str, chunk_size: int):
+    """Normalised linear attention with the normaliser carried by the recurrence itself: a value column of ones
+    makes the state's column V equal z_t = sum_{s<=t} phi(k_s) and the output's entry V equal phi(q_t) . z_t, so
+    one recurrence call gives numerator and denominator. Equal to the explicit form of `LinearAttention._mix`; on
+    the GPU it replaces a float32 cumsum over T and its backward (1.5 ms of a 4.9 ms layer at the 1.7B layout,
+    docs/KERNELS.md) with one or two more value columns in the kernel (two for an even V: fla's 16-bit backward
+    asserts an even V). -> (o, (S, z))."""
+    V = v.shape[-1]
+    ones = 2 - V % 2
+    v1 = torch.cat([v, v.new_ones(*v.shape[:-1], ones)], dim=-1)
+    prior = None
+    if S0 is not None or z0 is not None:
+        B, _, H, K = k.shape
+        S0 = S0 if S0 is not None else k.new_zeros(B, H, K, V, dtype=torch.float32)
+        z0 = z0 if z0 is not None else k.new_zeros(B, H, K, dtype=torch.float32)
+        prior = torch.cat([S0.float(), z0.float().unsqueeze(-1).expand(B, H, K, ones)], dim=-1)
+    o1, S1 = run_gated_delta(q, k, v1, None, None, scale=1.0, prior=prior, backend=backend, chunk_size=chunk_size)
+    o = (o1[..., :V] / (o1[..., V:V + 1].float() + eps)).to(v.dtype)
+    return o, (S1[..., :V].contiguous(), S1[..., V].contiguous())
