@@ -59,6 +59,7 @@ import datetime as _dt
 import gc
 import inspect
 import json
+import math
 import os
 import platform
 import re
@@ -633,6 +634,8 @@ def bench_step(shape: str = "135M", mixer: str = "gated_deltanet", *, micro_batc
         torch.cuda.reset_peak_memory_stats(dev)
     k = 0
 
+    totals: list[float] = []  # each optimizer step's last total loss, warm-up included
+
     def run(n_steps: int) -> list[float]:
         nonlocal k
         last: list[float] = []
@@ -641,6 +644,7 @@ def bench_step(shape: str = "135M", mixer: str = "gated_deltanet", *, micro_batc
                 last = _micro_step(parts, batches[k % len(batches)], clock)
                 k += 1
             clock.step_done()
+            totals.append(last[0])
         return last
 
     try:
@@ -654,6 +658,7 @@ def bench_step(shape: str = "135M", mixer: str = "gated_deltanet", *, micro_batc
         clock.stop()
         per_step = clock.steps()
         row["losses_last"] = dict(zip(("total", "ce", "kl"), losses))
+        row.update(training_health(totals, getattr(parts.s_engine, "skipped_steps", None)))
         if dev.type == "cuda":
             row["peak_mem_bytes"] = int(torch.cuda.max_memory_allocated(dev))
             row["peak_mem_reserved_bytes"] = int(torch.cuda.max_memory_reserved(dev))
@@ -698,6 +703,18 @@ def bench_step(shape: str = "135M", mixer: str = "gated_deltanet", *, micro_batc
         ],
     })
     return row
+
+
+def training_health(totals: list[float], skipped: Optional[int]) -> dict[str, Any]:
+    """Whether the timed steps trained: every step's loss finite and no optimizer step skipped for a non-finite
+    gradient. A step that produces NaN can run at any speed, so its numbers meet no target (`step_targets`)."""
+    finite = all(math.isfinite(x) for x in totals)
+    out: dict[str, Any] = {"losses_each": totals, "losses_finite": finite, "skipped_steps": skipped}
+    if not finite or skipped:
+        first_bad = next((i for i, x in enumerate(totals) if not math.isfinite(x)), None)
+        out["health"] = (f"not trained: {skipped or 0} optimizer step(s) skipped for a non-finite gradient; "
+                         + ("losses finite" if finite else f"loss not finite from step {first_bad} (warm-up included)"))
+    return out
 
 
 def _profile_comm(parts: _StepParts, batches: list[torch.Tensor], dev: torch.device, n: int) -> dict[str, Any]:
@@ -757,34 +774,88 @@ def fwd_bwd(layer: nn.Module, x: torch.Tensor):
     return y, x.grad
 
 
-def time_fwd_bwd(layer: nn.Module, x: torch.Tensor, reps: int = 10) -> float:
-    """Median forward+backward ms over `reps` after 2 warm-ups (CUDA events; perf_counter on a CPU)."""
-    cuda = x.device.type == "cuda"
+def median_ms(fn: Callable[[], Any], device: torch.device, reps: int = 10) -> float:
+    """Median ms of `fn()` over `reps` after 2 warm-ups (CUDA events; perf_counter on a CPU)."""
+    cuda = device.type == "cuda"
     for _ in range(2):
-        layer.zero_grad(set_to_none=True)
-        fwd_bwd(layer, x)
-    _sync(x.device)
+        fn()
+    _sync(device)
     times = []
     for _ in range(reps):
-        layer.zero_grad(set_to_none=True)
         if cuda:
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
-            fwd_bwd(layer, x)
+            fn()
             end.record()
             torch.cuda.synchronize()
             times.append(start.elapsed_time(end))
         else:
             t0 = time.perf_counter()
-            fwd_bwd(layer, x)
+            fn()
             times.append((time.perf_counter() - t0) * 1e3)
     return sorted(times)[len(times) // 2]
 
 
+def layer_pass(layer: nn.Module, x: torch.Tensor) -> Callable[[], None]:
+    """forward+backward of the whole layer (projections, recurrence, gates, norms), gradients reset first."""
+
+    def once():
+        layer.zero_grad(set_to_none=True)
+        fwd_bwd(layer, x)
+
+    return once
+
+
+def time_fwd_bwd(layer: nn.Module, x: torch.Tensor, reps: int = 10) -> float:
+    """Median forward+backward ms of the whole layer."""
+    return median_ms(layer_pass(layer, x), x.device, reps)
+
+
+def recurrence_pass(layer: nn.Module, x: torch.Tensor, backend: str) -> Callable[[], None]:
+    """forward+backward of the layer's recurrence alone (`_mix`: its gates, feature maps, normaliser and the
+    recurrence itself) on fixed q, k, v from the layer's projections, without projections or output norm."""
+    with torch.no_grad():
+        q, k, v, _ = layer.project_qkv(x, None, False)
+    qkv = [t.detach().contiguous().requires_grad_(True) for t in (q, k, v)]
+
+    def once():
+        layer.zero_grad(set_to_none=True)
+        for t in qkv:
+            t.grad = None
+        o, _ = layer._mix(x, *qkv, None, backend)
+        o.float().square().mean().backward()
+
+    return once
+
+
+def profile_pass(fn: Callable[[], Any], device: torch.device, reps: int = 3, n: int = 10) -> dict[str, Any]:
+    """torch.profiler over `reps` calls of `fn`: device-kernel busy ms per call (CUDA), aten operators launched,
+    and the operators with the most self device time (self CPU time on a CPU)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = device.type == "cuda"
+    fn()
+    _sync(device)
+    with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
+        for _ in range(reps):
+            fn()
+        _sync(device)
+    ops = top_ops(prof.key_averages(), reps, n)
+    key, by = ("self_device_ms", "by_self_device") if cuda else ("self_cpu_ms", "by_self_cpu")
+    out = {"aten_calls": ops["aten_calls_per_step"],
+           "top_ops": [{"name": r["name"][:90], "calls": r["calls"], "ms": round(r[key], 4)} for r in ops[by]],
+           "top_ops_by": key}
+    if cuda:
+        out["device_busy_ms"] = comm_from_events(prof.events(), True, reps)["compute_kernel_ms"]
+    return out
+
+
 def compare_layer(name: str, layout: str, batch: int, seq: int, reference_reps: int = 3, *,
-                  backend: str = "kernel", device: str = "cuda") -> dict[str, Any]:
-    """Kernel (bf16) vs reference (fp32 oracle, and bf16 floor) for one mixer at one head layout, on CUDA.
-    (`backend`/`device` exist for the CPU test of this code: backend=reference, device=cpu.)"""
+                  backend: str = "kernel", device: str = "cuda", profile: bool = True) -> dict[str, Any]:
+    """Kernel (bf16) vs reference (fp32 oracle, and bf16 floor) for one mixer at one head layout, on CUDA: the
+    whole layer's errors and times, the recurrence's times alone (`recurrence_pass`), and with `profile` where
+    the kernel layer's time goes (`profile_pass`). (`backend`/`device` exist for the CPU test of this code:
+    backend=reference, device=cpu.)"""
     shape = layer_shape(layout)
     kernel = build_layer(name, shape, backend, torch.bfloat16, device=device)
     ref = build_layer(name, shape, "reference", torch.float32, device=device)
@@ -811,6 +882,15 @@ def compare_layer(name: str, layout: str, batch: int, seq: int, reference_reps: 
     row["kernel_ms"] = time_fwd_bwd(kernel, x)
     row["reference_bf16_ms"] = time_fwd_bwd(ref_bf16, x, reps=reference_reps)
     row["speedup"] = row["reference_bf16_ms"] / row["kernel_ms"]
+    dev = torch.device(device)
+    row["recurrence_kernel_ms"] = median_ms(recurrence_pass(kernel, x, backend), dev)
+    row["recurrence_reference_ms"] = median_ms(recurrence_pass(ref_bf16, x, "reference"), dev, reference_reps)
+    row["recurrence_speedup"] = row["recurrence_reference_ms"] / row["recurrence_kernel_ms"]
+    if profile:
+        prof = profile_pass(layer_pass(kernel, x), dev)
+        if "device_busy_ms" in prof:  # below 1: the host, not the GPU, sets the layer's time
+            prof["gpu_busy"] = prof["device_busy_ms"] / row["kernel_ms"]
+        row["kernel_profile"] = prof
     if torch.device(device).type == "cuda":
         row["peak_mem_gib"] = torch.cuda.max_memory_allocated() / GIB
     return row
@@ -859,17 +939,21 @@ def bench_kernels(layouts: Sequence[str] = ("1.7B",), mixers: Optional[Sequence[
 
 
 def kernel_table(rows: list[dict[str, Any]]) -> str:
-    """The layer report's Markdown table (errors, bf16 floor, times, speedup)."""
+    """The layer report's Markdown table (errors, bf16 floor, times, speedup; the recurrence alone; GPU busy)."""
     lines = ["| mixer | layout | out err | dx err | max param-grad err (param) | bf16-reference out / dx err | "
-             "kernel ms | reference ms | speedup |", "|---|---|---|---|---|---|---|---|---|"]
+             "kernel ms | reference ms | speedup | recurrence kernel / reference ms | recurrence speedup | "
+             "GPU busy |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         if "error" in r:
-            lines.append(f"| {r['mixer']} | {r['layout']} | error: {r['error'][:80]} ||||||||")
-        else:
-            lines.append(f"| {r['mixer']} | {r['layout']} | {r['out_rel_err']:.2e} | {r['dx_rel_err']:.2e} | "
-                         f"{r['max_param_grad_rel_err']:.2e} ({r['worst_param']}) | "
-                         f"{r['ref_bf16_out_rel_err']:.1e} / {r['ref_bf16_dx_rel_err']:.1e} | {r['kernel_ms']:.2f} | "
-                         f"{r['reference_bf16_ms']:.2f} | {r['speedup']:.1f}x |")
+            lines.append(f"| {r['mixer']} | {r['layout']} | error: {r['error'][:80]} |||||||||||")
+            continue
+        busy = (r.get("kernel_profile") or {}).get("gpu_busy")
+        lines.append(f"| {r['mixer']} | {r['layout']} | {r['out_rel_err']:.2e} | {r['dx_rel_err']:.2e} | "
+                     f"{r['max_param_grad_rel_err']:.2e} ({r['worst_param']}) | "
+                     f"{r['ref_bf16_out_rel_err']:.1e} / {r['ref_bf16_dx_rel_err']:.1e} | {r['kernel_ms']:.2f} | "
+                     f"{r['reference_bf16_ms']:.2f} | {r['speedup']:.1f}x | {r['recurrence_kernel_ms']:.2f} / "
+                     f"{r['recurrence_reference_ms']:.2f} | {r['recurrence_speedup']:.1f}x | "
+                     f"{'-' if busy is None else f'{busy:.0%}'} |")
     return "\n".join(lines)
 
 
@@ -1031,6 +1115,9 @@ def step_targets(row: dict[str, Any]) -> list[dict[str, Any]]:
     out: list[dict[str, Any]] = []
     if row.get("dtype") != "bfloat16" or row.get("seq_len") != 2048 or "tokens_per_s" not in row:
         return out
+    if "health" in row:  # a step that did not train: its speed is no evidence
+        return [{"target": "the timed steps trained (finite losses, no skipped step)", "value": row["health"],
+                 "met": False}]
     if row["shape"] == "135M" and row["mixer"] == "gated_deltanet" and row.get("world") == 1:
         out.append({"target": "135M gated_deltanet >= 150k tokens/s on one H200", "value": row["tokens_per_s"],
                     "met": row["tokens_per_s"] >= 150_000})
@@ -1117,6 +1204,8 @@ def markdown(results: dict[str, Any]) -> str:
                          f"{r['world']} | {r['tokens_per_s']:,.0f} | {m} | {r['peak_mem_gib']:.1f} | "
                          f"{r['step_ms']:.1f} | {phases} | {comm_s} | {busy} |")
         lines.append("")
+        lines += [f"**{r['shape']} {r['mixer']}: {r['health']}** (losses per step: {r['losses_each']})" for r in steps
+                  if "health" in r] + [""]
     kernels = results.get("kernels") or []
     if kernels:
         lines += ["### Kernels vs PyTorch reference (forward + backward)", "", kernel_table(kernels), ""]
@@ -1409,7 +1498,11 @@ def run_cli(args: argparse.Namespace, argv: Optional[Sequence[str]] = None) -> i
     if failed and rank == 0:
         print(f"[harness bench] {len(failed)} measurement(s) failed; their errors are in the table and the JSON",
               file=sys.stderr)
-    return 1 if failed else 0
+    untrained = [r for r in results.get("step") or [] if "health" in r]
+    if untrained and rank == 0:
+        print(f"[harness bench] {len(untrained)} step measurement(s) did not train ({untrained[0]['health']}); "
+              "their speed meets no target", file=sys.stderr)
+    return 1 if failed or untrained else 0
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

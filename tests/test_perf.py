@@ -180,6 +180,25 @@ def test_targets_apply_to_matching_rows_only():
     assert perf.decode_targets({"shape": "135M", "student_flatness": 1.1})[0]["met"]
 
 
+def test_a_step_that_did_not_train_meets_no_target():
+    """runs 8 and 15 timed the plain engine at 1.7B with NaN losses; such a row meets nothing and says why."""
+    big = {"shape": "1.7B", "mixer": "gated_deltanet", "dtype": "bfloat16", "seq_len": 2048, "world": 1,
+           "micro_batch": 8, "tokens_per_s": 34_000.0, "mfu": 0.62, "peak_mem_gib": 74.0,
+           "peak_mem_kind": "torch.cuda.max_memory_allocated over warmup + measured steps"}
+    healthy = perf.training_health([11.2, 10.9, 10.1], skipped=0)
+    assert healthy == {"losses_each": [11.2, 10.9, 10.1], "losses_finite": True, "skipped_steps": 0}
+    assert all(t["met"] for t in perf.step_targets({**big, **healthy}))
+    nan = perf.training_health([11.2, float("nan"), float("nan")], skipped=None)
+    assert "loss not finite from step 1" in nan["health"]
+    skipped = perf.training_health([11.2, 11.2, 11.1], skipped=2)
+    assert "2 optimizer step(s) skipped" in skipped["health"] and skipped["losses_finite"]
+    for bad in (nan, skipped):
+        targets = perf.step_targets({**big, **bad})
+        assert [t["met"] for t in targets] == [False] and targets[0]["value"] == bad["health"]
+        assert bad["health"] in perf.markdown({"step": [{**big, **bad, "engine": "plain", "step_ms": 1.0,
+                                                         "breakdown_ms": {}, "breakdown_pct": {}}]})
+
+
 # ------------------------------------------------------------------------------------ end-to-end benches
 
 STEP_FIELDS = ("shape", "mixer", "engine", "micro_batch", "seq_len", "world", "dtype", "n_student", "n_teacher",
@@ -201,6 +220,7 @@ def _check_step_row(row: dict, peak: float) -> None:
     assert row["peak_mem_bytes"] > 0
     for k in ("total", "ce", "kl"):
         assert row["losses_last"][k] == row["losses_last"][k]  # finite, not NaN
+    assert row["losses_finite"] and len(row["losses_each"]) == row["warmup"] + row["steps"]
 
 
 def test_plain_step_bench_on_cpu(one_thread):
@@ -316,8 +336,13 @@ def test_layer_comparison_code_runs_on_cpu(one_thread):
     """The kernel bench's comparison, with the reference standing in for the kernel (CUDA runs the real one)."""
     row = perf.compare_layer("gla", "tiny", batch=1, seq=32, reference_reps=1, backend="reference", device="cpu")
     for key in ("out_rel_err", "dx_rel_err", "max_param_grad_rel_err", "ref_bf16_out_rel_err", "kernel_ms",
-                "reference_bf16_ms", "speedup", "kernel_first_call_s"):
+                "reference_bf16_ms", "speedup", "kernel_first_call_s", "recurrence_kernel_ms",
+                "recurrence_reference_ms"):
         assert key in row, key
+    assert row["recurrence_speedup"] == pytest.approx(row["recurrence_reference_ms"] / row["recurrence_kernel_ms"])
+    prof = row["kernel_profile"]
+    assert prof["aten_calls"] > 10 and prof["top_ops"] and all(op["ms"] >= 0 for op in prof["top_ops"])
+    assert "gpu_busy" not in prof  # a CPU run has no device time to compare
     assert row["out_rel_err"] == pytest.approx(row["ref_bf16_out_rel_err"])  # same bf16 path both times
     assert row["kernel_ms"] > 0 and row["speedup"] == pytest.approx(row["reference_bf16_ms"] / row["kernel_ms"])
     assert "| gla | tiny |" in perf.kernel_table([row])
