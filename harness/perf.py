@@ -8,7 +8,9 @@ Three measurements (``--what step,kernels,decode``), each a list of rows in one 
   fp32 over gloo on a CPU), one micro-step = teacher forward, student forward + chunked CE/KL loss under a
   gather of the teacher head, `engine.backward`, `engine.step`, and the per-step `.item()` of the losses.
   Teachers are the SmolLM2 shapes (135M / 360M / 1.7B, or `tiny`) with random weights: a step's time does not
-  depend on the values. `--teacher SOURCE` takes a real one. ``zero3=False`` (``--engine plain``) runs the same
+  depend on the values, but whether it trained does, so every step's loss and the engine's skipped optimizer steps
+  are recorded (`losses_each`, `skipped_steps`) and a row with a non-finite loss or a skipped step is marked
+  (`health`) and meets no target. `--teacher SOURCE` takes a real one. ``zero3=False`` (``--engine plain``) runs the same
   step on stage 3's `PlainEngine` (deepspeed.student_engine=plain: torch's fused AdamW on fp32 master copies of
   the bf16 weights on CUDA; data parallel under torchrun, averaging the gradients at each step).
 
@@ -40,7 +42,9 @@ Three measurements (``--what step,kernels,decode``), each a list of rows in one 
 * **kernels** (`bench_kernels`; CUDA only): for each mixer, one bf16 layer with `backend=kernel` (fla /
   mlstm_kernels Triton kernels) against its PyTorch reference (fp32 and bf16) on the same input: output and
   gradient errors and the median forward+backward time of each, speedup = reference bf16 ms / kernel ms
-  (`scripts/gpu_layer_report.py` is a front end to the same code).
+  (`scripts/gpu_layer_report.py` is a front end to the same code); the same for the recurrence alone
+  (`recurrence_speedup`: the layer's `_mix` on fixed q, k, v, without the projections that both paths share), and a
+  profile of the kernel layer (`kernel_profile`: device-busy ms, GPU busy share, aten operators, top operators).
 
 * **decode** (`bench_decode`): greedy decoding, batch 1: prefill a context of random tokens, then time
   `new_tokens` one-token steps; the student keeps a `RecurrentCache` (fixed-size state), the teacher a KV
