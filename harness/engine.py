@@ -193,6 +193,7 @@ class PlainEngine:
         self.grad_accum = int(config.get("gradient_accumulation_steps", 1))
         self.clip = float(config.get("gradient_clipping", 0.0))
         self.micro_steps = 0
+        self.skipped_steps = 0  # optimizer steps left out for a non-finite gradient (DeepSpeed's name)
         self._grad_norm: Optional[torch.Tensor] = None
         self.rank, self.world = 0, _world()
         if self.world > 1:
@@ -253,16 +254,34 @@ class PlainEngine:
         if self.is_gradient_accumulation_boundary():
             if self.world > 1:
                 self._average_gradients()
-            grads = [m for m in self.masters if m.grad is not None]
-            self._grad_norm = torch.nn.utils.clip_grad_norm_(grads, self.clip if self.clip > 0 else float("inf"))
-            self.optimizer.step()
-            self.scheduler.step()
-            if self.bf16:
-                with torch.no_grad():
-                    torch._foreach_copy_(self.params, self.masters)
+            with_grad = [m for m in self.masters if m.grad is not None]
+            self._grad_norm = torch.nn.utils.get_total_norm([m.grad for m in with_grad])
+            if torch.isfinite(self._grad_norm):  # one host sync per optimizer step
+                if self.clip > 0:  # (takes the parameters, whose .grad it scales)
+                    torch.nn.utils.clip_grads_with_norm_(with_grad, self.clip, self._grad_norm)
+                self.optimizer.step()
+                self.scheduler.step()
+                if self.bf16:
+                    with torch.no_grad():
+                        torch._foreach_copy_(self.params, self.masters)
             else:
+                self._skip_step()
+            if not self.bf16:
                 self.optimizer.zero_grad(set_to_none=True)
         self.micro_steps += 1
+
+    def _skip_step(self) -> None:
+        """A non-finite gradient: no update and no scheduler step, as DeepSpeed's bf16 and fp16 optimizers skip
+        (`check_grad_overflow`); stage 3 logs the count (skipped_steps) and the gradient norm (inf / nan). The
+        warning names the parameters whose gradients are not finite."""
+        self.skipped_steps += 1
+        if self.rank == 0:
+            bad = [self.names[id(p)][0] for p, m in zip(self.params, self.masters)
+                   if m.grad is not None and not bool(torch.isfinite(m.grad).all())]
+            warnings.warn(f"plain engine: skipped optimizer step {self.micro_steps // self.grad_accum} "
+                          f"({self.skipped_steps} skipped so far): the gradient norm is {float(self._grad_norm)}; "
+                          f"non-finite gradients in {len(bad)} parameter(s): {', '.join(bad[:8])}"
+                          f"{' ...' if len(bad) > 8 else ''}", RuntimeWarning, stacklevel=3)
 
     def get_lr(self) -> list[float]:
         return [group["lr"] for group in self.optimizer.param_groups]
@@ -284,7 +303,8 @@ class PlainEngine:
         path = Path(save_dir) / tag
         path.mkdir(parents=True, exist_ok=True)
         torch.save({"module": self.fp32_state_dict(), "optimizer": self.optimizer.state_dict(),
-                    "scheduler": self.scheduler.state_dict(), "micro_steps": self.micro_steps},
+                    "scheduler": self.scheduler.state_dict(), "micro_steps": self.micro_steps,
+                    "skipped_steps": self.skipped_steps},
                    path / self.STATE_FILE)
 
     def load_checkpoint(self, load_dir: str, tag: str) -> None:
@@ -297,6 +317,7 @@ class PlainEngine:
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         self.micro_steps = state["micro_steps"]
+        self.skipped_steps = state.get("skipped_steps", 0)  # absent from checkpoints before it was counted
 
 
 ALL_REDUCE_BUCKET = 2**26  # elements (256 MB of fp32) per all-reduce of PlainEngine's gradients

@@ -1,6 +1,6 @@
 """The plain one-process engine under bf16 against DeepSpeed ZeRO-2 under bf16 (the reference it stands in for):
-same losses, gradient norms and fp32 weights over steps with gradient accumulation, clipping and weight decay, and
-the same after a save and a load. Each engine runs in its own process (DeepSpeed sets up a process group).
+same losses, gradient norms and fp32 weights over steps with gradient accumulation, clipping and weight decay, a
+step with a non-finite gradient (skipped by both), and the same after a save and a load. Each engine runs in its own process (DeepSpeed sets up a process group).
 
     python -m tests.test_engine ENGINE OUT_DIR      (one engine's run; the test calls it)
 """
@@ -8,6 +8,7 @@ the same after a save and a load. Each engine runs in its own process (DeepSpeed
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -20,6 +21,7 @@ from tests.tiny import tiny_llama
 
 ROOT = Path(__file__).resolve().parents[1]
 STEPS, RESUME_AT, MICRO_BATCH, ACCUM, SEQ = 4, 2, 2, 2, 12
+POISONED = 1  # this optimizer step's second micro-batch gets an infinite loss scale: non-finite gradients
 
 
 def ds_config() -> dict:
@@ -46,7 +48,7 @@ def train(engine, steps: range, log: dict) -> None:
         for micro in range(ACCUM):
             ids = torch.randint(0, 97, (MICRO_BATCH, SEQ), generator=torch.Generator().manual_seed(micro))
             loss = torch.nn.functional.cross_entropy(engine(ids).logits.float().flatten(0, 1), ids.roll(-1, 1).flatten())
-            engine.backward(loss)
+            engine.backward(loss * float("inf") if (step, micro) == (POISONED, 1) else loss)
             engine.step()
             log["losses"].append(loss.item())
         log["norms"].append(float(engine.get_global_grad_norm()))
@@ -66,6 +68,7 @@ def run_engine(kind: str, out: Path) -> None:
     resumed = build(kind)
     resumed.load_checkpoint(str(out / "ckpt"), "mid")
     train(resumed, range(RESUME_AT, STEPS), {"losses": log["resumed_losses"], "norms": log["resumed_norms"]})
+    log["skipped"], log["resumed_skipped"] = engine.skipped_steps, resumed.skipped_steps
     resumed.save_checkpoint(str(out / "ckpt"), "resumed")
     for tag in ("end", "resumed"):
         torch.save(consolidated_state_dict(out / "ckpt", tag), out / f"{tag}.pt")
@@ -91,8 +94,11 @@ def test_plain_bf16_engine_matches_deepspeed_zero2_bf16(tmp_path):
     log, end, resumed = _run("plain", tmp_path / "plain")
     assert len(log["losses"]) == len(ds_log["losses"]) == STEPS * ACCUM
     assert log["losses"] == pytest.approx(ds_log["losses"], rel=5e-4)
-    assert log["norms"] == pytest.approx(ds_log["norms"], rel=2e-3)  # catches a wrong accumulation scale
-    assert all(n > 0.05 for n in log["norms"]), "clipping (0.05) not exercised"
+    finite = [i for i in range(STEPS) if i != POISONED]
+    assert [log["norms"][i] for i in finite] == pytest.approx([ds_log["norms"][i] for i in finite], rel=2e-3)
+    assert not math.isfinite(log["norms"][POISONED]) and not math.isfinite(ds_log["norms"][POISONED])
+    assert log["skipped"] == ds_log["skipped"] == 1 and log["resumed_skipped"] == 1  # and the count survives a resume
+    assert all(log["norms"][i] > 0.05 for i in finite), "clipping (0.05) not exercised"
     assert log["losses"][-1] < log["losses"][0]
     assert end.keys() == ds_end.keys()
     assert all(v.dtype == torch.float32 for v in end.values()), "export reads the fp32 masters"

@@ -222,7 +222,8 @@ def distill(job: JobConfig, *, stop_after_steps: Optional[int] = None) -> Path:
             check_finite(means[0], step, tokens)
             if step % job.run.log_every_steps == 0 or step == steps:
                 logger.log(step, tokens, loss=means[0], ce=means[1], kl=means[2],
-                           lr=s_engine.get_lr()[0], grad_norm=grad_norm(s_engine))
+                           lr=s_engine.get_lr()[0], grad_norm=grad_norm(s_engine),
+                           skipped_steps=skipped_steps(s_engine))
             saved = False
             if next_ckpt is not None and tokens >= next_ckpt and step < steps:
                 save_checkpoint(ckpts, s_engine, loader, step, tokens)
@@ -290,6 +291,12 @@ def save_checkpoint(ckpts: CheckpointManager, s_engine, loader, step: int, token
 def grad_norm(s_engine) -> float:
     norm = s_engine.get_global_grad_norm()
     return float(norm) if norm is not None else float("nan")
+
+
+def skipped_steps(s_engine) -> int:
+    """Optimizer steps the engine left out so far for a non-finite gradient (DeepSpeed's and the plain engine's
+    count; a rising count with grad_norm inf / nan in metrics.jsonl is a run going wrong before its loss does)."""
+    return int(getattr(s_engine, "skipped_steps", 0))
 
 
 # bf16 dense matmul peak measured on our GPUs (8192^3 torch.matmul on random data; DESIGN.md)

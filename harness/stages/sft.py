@@ -40,7 +40,7 @@ from harness.losses import DistillLosses, lm_loss
 from harness.observe import RunLogger, check_finite
 from harness.stages.common import resolve_device, run_dir
 from harness.stages.distill import (StageData, chat_data, export_checkpoint, grad_norm, peak_flops, resume_checkpoint,
-                                    save_checkpoint, scaled, step_means, token_scale)
+                                    save_checkpoint, scaled, skipped_steps, step_means, token_scale)
 
 STAGE = "sft"
 
@@ -151,7 +151,8 @@ def _train(job: JobConfig, data: StageData, s_engine: Any, ckpts: CheckpointMana
         sums.zero_()
         check_finite(loss, step, tokens)
         if step % job.run.log_every_steps == 0 or step == data.steps:
-            logger.log(step, tokens, loss=loss, lr=s_engine.get_lr()[0], grad_norm=grad_norm(s_engine))
+            logger.log(step, tokens, loss=loss, lr=s_engine.get_lr()[0], grad_norm=grad_norm(s_engine),
+                       skipped_steps=skipped_steps(s_engine))
         saved = False
         if next_ckpt is not None and tokens >= next_ckpt and step < data.steps:
             save_checkpoint(ckpts, s_engine, loader, step, tokens)
