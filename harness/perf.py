@@ -10,8 +10,8 @@ Three measurements (``--what step,kernels,decode``), each a list of rows in one 
   Teachers are the SmolLM2 shapes (135M / 360M / 1.7B, or `tiny`) with random weights: a step's time does not
   depend on the values, but whether it trained does, so every step's loss and the engine's skipped optimizer steps
   are recorded (`losses_each`, `skipped_steps`) and a row with a non-finite loss or a skipped step is marked
-  (`health`) and meets no target. `--teacher SOURCE` takes a real one. ``zero3=False`` (``--engine plain``) runs the same
-  step on stage 3's `PlainEngine` (deepspeed.student_engine=plain: torch's fused AdamW on fp32 master copies of
+  (`health`) and meets no target. `--teacher SOURCE` takes a real one. ``zero3=False`` (``--engine plain``) runs
+  the same step on stage 3's `PlainEngine` (deepspeed.student_engine=plain: torch's fused AdamW on fp32 master copies of
   the bf16 weights on CUDA; data parallel under torchrun, averaging the gradients at each step).
 
   Reported: tokens/s (input tokens, `micro_batch x seq_len x world` per micro-step, over the measured steps'

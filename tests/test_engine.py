@@ -1,6 +1,7 @@
 """The plain one-process engine under bf16 against DeepSpeed ZeRO-2 under bf16 (the reference it stands in for):
 same losses, gradient norms and fp32 weights over steps with gradient accumulation, clipping and weight decay, a
-step with a non-finite gradient (skipped by both), and the same after a save and a load. Each engine runs in its own process (DeepSpeed sets up a process group).
+step with a non-finite gradient (skipped by both), and the same after a save and a load. Each engine runs in its
+own process (DeepSpeed sets up a process group).
 
     python -m tests.test_engine ENGINE OUT_DIR      (one engine's run; the test calls it)
 """
