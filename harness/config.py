@@ -251,6 +251,10 @@ class RunConfig:
     keep_last: int = described(2, "Checkpoints kept per stage (older ones are deleted).")
     log_every_steps: int = described(10, "Optimizer steps between metric log lines.")
     validate_every_steps: int = described(0, "Stage 3 validation loss every N steps (and at the end); 0: end only.")
+    max_skipped_steps_in_a_row: int = described(
+        20, "Stop stage 3 or SFT when this many optimizer steps in a row were skipped for a non-finite gradient "
+        "(the weights stopped changing; skipped_steps and grad_norm are in metrics.jsonl); 0: never stop."
+    )
 
 
 @dataclass
@@ -548,7 +552,8 @@ def check_eval(ev: EvalConfig) -> None:
 
 def _check_run(run: RunConfig) -> None:
     _check_choice("run.device", run.device, ("auto", "cpu", "cuda"))
-    for name in ("layer_groups", "parallel_groups", "checkpoint_every_tokens", "validate_every_steps"):
+    for name in ("layer_groups", "parallel_groups", "checkpoint_every_tokens", "validate_every_steps",
+                 "max_skipped_steps_in_a_row"):
         if getattr(run, name) < 0:
             raise ConfigError(f"run.{name}={getattr(run, name)} must be >= 0 (0 picks the default).")
     _check_positive("run.keep_last", run.keep_last)

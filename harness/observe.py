@@ -43,6 +43,34 @@ class NonFiniteLoss(FloatingPointError):
         )
 
 
+class TooManySkippedSteps(FloatingPointError):
+    """The engine skipped optimizer step after optimizer step for a non-finite gradient: the run stopped training."""
+
+    def __init__(self, in_a_row: int, step: int, tokens: int) -> None:
+        self.in_a_row, self.step, self.tokens = in_a_row, step, tokens
+        super().__init__(
+            f"{in_a_row} optimizer steps in a row were skipped for a non-finite gradient (up to step {step}, "
+            f"{tokens:,} tokens): the weights have not changed since. Stopping; grad_norm and skipped_steps are in "
+            f"metrics.jsonl. Resume from the last checkpoint with a lower learning rate or check the data, or "
+            f"raise run.max_skipped_steps_in_a_row (0: never stop).")
+
+
+class SkippedStepWatch:
+    """Counts the optimizer steps skipped in a row (from the engine's running total, `skipped_steps`) and raises
+    `TooManySkippedSteps` at `limit` (0: never). Every rank sees the same total (the gradients are reduced before the
+    check), so every rank raises together."""
+
+    def __init__(self, limit: int, skipped_so_far: int = 0) -> None:
+        self.limit, self.last, self.in_a_row = limit, skipped_so_far, 0
+
+    def check(self, skipped: int, step: int, tokens: int) -> None:
+        """Call once per optimizer step with the engine's total of skipped steps."""
+        self.in_a_row = self.in_a_row + (skipped - self.last) if skipped > self.last else 0
+        self.last = skipped
+        if self.limit and self.in_a_row >= self.limit:
+            raise TooManySkippedSteps(self.in_a_row, step, tokens)
+
+
 def check_finite(loss: float | torch.Tensor, step: int, tokens: int) -> float:
     """Return `loss` as a float, or raise `NonFiniteLoss` (the caller must not save after it).
 

@@ -4,6 +4,7 @@ teacher and gradient checkpointing) match a plain single-process PyTorch run for
 from __future__ import annotations
 
 import json
+import math
 import os
 import signal
 import subprocess
@@ -287,3 +288,25 @@ def test_compiled_teacher_layers_share_one_graph_and_match_the_eager_teacher():
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])
     torch._dynamo.reset()
+
+
+def test_a_run_of_skipped_steps_stops_stage_3(tmp_path):
+    """Every gradient non-finite (the loss given to backward scaled by inf; the logged loss stays finite): the plain
+    engine skips each step, and after run.max_skipped_steps_in_a_row of them stage 3 stops instead of running on
+    with weights that no longer change."""
+    out = tmp_path / "skips"
+    job_path = write_job(tmp_path, out, "deepspeed.student_engine=plain", "deepspeed.teacher_placement=replicated",
+                         "run.max_skipped_steps_in_a_row=3")
+    code = ("import sys, harness.engine as e\n"
+            "backward = e.PlainEngine.backward\n"
+            "e.PlainEngine.backward = lambda self, loss: backward(self, loss * float('inf'))\n"
+            "from harness.cli import main\n"
+            f"sys.exit(main(['stage', 'distill', {str(job_path)!r}]))")
+    env = {**os.environ, "DS_ACCELERATOR": "cpu", "PYTHONPATH": str(REPO)}
+    done = subprocess.run([sys.executable, "-c", code], env=env, cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert done.returncode != 0
+    assert "TooManySkippedSteps: 3 optimizer steps in a row were skipped" in done.stderr, done.stderr[-3000:]
+    assert "plain engine: skipped optimizer step" in done.stderr
+    logged = [json.loads(line) for line in (out / "distill" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["skipped_steps"] for r in logged if "skipped_steps" in r] == [1, 2]  # step 3 raised before its line
+    assert all(math.isfinite(r["loss"]) for r in logged if "loss" in r)

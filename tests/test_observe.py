@@ -13,7 +13,9 @@ from harness.observe import (
     METRICS,
     NonFiniteLoss,
     RunLogger,
+    SkippedStepWatch,
     Throughput,
+    TooManySkippedSteps,
     check_finite,
     dense_flops_per_token,
     mfu,
@@ -113,3 +115,14 @@ def test_throughput_window_and_mfu_arithmetic() -> None:
     summary = tp.summary()
     assert set(summary) == {"tokens_per_s", "mfu", "peak_mem_gib"} and summary["peak_mem_gib"] > 0
     assert peak_memory_bytes() > 10 * 2**20 and math.isfinite(summary["mfu"])
+
+
+def test_skipped_step_watch_stops_only_a_run_of_skips() -> None:
+    watch = SkippedStepWatch(limit=3, skipped_so_far=5)  # a resumed run: 5 skipped before, not in a row now
+    for step, total in enumerate([5, 6, 7, 7, 8, 9], start=1):  # two in a row, a good step, two in a row
+        watch.check(total, step, step * 100)
+    with pytest.raises(TooManySkippedSteps, match=r"3 optimizer steps in a row.*up to step 7, 700 tokens"):
+        watch.check(10, 7, 700)
+    never = SkippedStepWatch(limit=0)
+    for step in range(1, 50):
+        never.check(step, step, step)

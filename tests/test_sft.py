@@ -468,3 +468,17 @@ def test_post_training_jobs_distil_exactly_as_the_runs_they_tune():
         job = load_job(path)
         assert job.teacher.source.endswith("-Instruct") and job.stages.distill.data == "instructions"
         assert job.instructions.source == "hub:HuggingFaceTB/smoltalk" and job.instructions.chat_template == "chatml"
+
+
+def test_a_run_of_skipped_steps_stops_sft(setting, tmp_path, one_process_group, monkeypatch):
+    """SFT stops after run.max_skipped_steps_in_a_row skipped optimizer steps (stage 3's twin, with real
+    non-finite gradients on the plain engine: tests/test_distill.py). SFT runs on DeepSpeed, which in fp32 on a CPU
+    does not skip, so here the engine's skip count is made to rise with every optimizer step."""
+    from harness.observe import TooManySkippedSteps
+    from harness.stages import sft as sft_stage
+
+    monkeypatch.setattr(sft_stage, "skipped_steps", lambda engine: engine.global_steps)
+    job = load_job(write_job(setting, tmp_path, tmp_path / "skips", "run.max_skipped_steps_in_a_row=2"))
+    with pytest.raises(TooManySkippedSteps, match="2 optimizer steps in a row.*up to step 2"):
+        sft_stage.sft(job)
+    assert not (tmp_path / "skips" / "student-sft").exists()

@@ -34,7 +34,7 @@ from harness.config import ConfigError, JobConfig, plan_stages, requested_tokens
 from harness.engine import PlainEngine, all_reduce_host, gathered
 from harness.eval.spec import write_eval_spec
 from harness.losses import DistillLosses, distill_loss
-from harness.observe import RunLogger, check_finite
+from harness.observe import RunLogger, SkippedStepWatch, check_finite
 from harness.stages.common import load_job_teacher, resolve_device, run_dir
 
 TAG = "ds"  # DeepSpeed's tag inside each step-* checkpoint directory
@@ -200,6 +200,7 @@ def distill(job: JobConfig, *, stop_after_steps: Optional[int] = None) -> Path:
     next_ckpt = (tokens // every + 1) * every if every else None
     during, tokens_before = DuringTraining(job, rank, params), tokens  # evaluations along stage 3 (eval.every_tokens)
     sums = torch.zeros(3, dtype=torch.float64)  # total, ce, kl x tokens over this step's micro-batches
+    skips = SkippedStepWatch(job.run.max_skipped_steps_in_a_row, skipped_steps(s_engine))
     try:
         for batch in loader:
             ids = batch["input_ids"].to(s_engine.device)
@@ -220,6 +221,7 @@ def distill(job: JobConfig, *, stop_after_steps: Optional[int] = None) -> Path:
             means = step_means(sums, step_tokens)
             sums.zero_()
             check_finite(means[0], step, tokens)
+            skips.check(skipped_steps(s_engine), step, tokens)
             if step % job.run.log_every_steps == 0 or step == steps:
                 logger.log(step, tokens, loss=means[0], ce=means[1], kl=means[2],
                            lr=s_engine.get_lr()[0], grad_norm=grad_norm(s_engine),

@@ -37,7 +37,7 @@ from harness.checkpoint import CheckpointManager
 from harness.config import ConfigError, JobConfig, to_yaml
 from harness.engine import all_reduce_host
 from harness.losses import DistillLosses, lm_loss
-from harness.observe import RunLogger, check_finite
+from harness.observe import RunLogger, SkippedStepWatch, check_finite
 from harness.stages.common import resolve_device, run_dir
 from harness.stages.distill import (StageData, chat_data, export_checkpoint, grad_norm, peak_flops, resume_checkpoint,
                                     save_checkpoint, scaled, skipped_steps, step_means, token_scale)
@@ -136,6 +136,7 @@ def _train(job: JobConfig, data: StageData, s_engine: Any, ckpts: CheckpointMana
     every = job.run.checkpoint_every_tokens
     next_ckpt = (tokens // every + 1) * every if every else None
     sums = torch.zeros(1, dtype=torch.float64)  # CE x tokens over this step's micro-batches
+    skips = SkippedStepWatch(job.run.max_skipped_steps_in_a_row, skipped_steps(s_engine))
     for batch in loader:
         ids = batch["input_ids"].to(s_engine.device)
         losses = s_engine(ids, batch["labels"].to(ids.device))
@@ -150,6 +151,7 @@ def _train(job: JobConfig, data: StageData, s_engine: Any, ckpts: CheckpointMana
         loss = step_means(sums, batch["step_targets"])[0]
         sums.zero_()
         check_finite(loss, step, tokens)
+        skips.check(skipped_steps(s_engine), step, tokens)
         if step % job.run.log_every_steps == 0 or step == data.steps:
             logger.log(step, tokens, loss=loss, lr=s_engine.get_lr()[0], grad_norm=grad_norm(s_engine),
                        skipped_steps=skipped_steps(s_engine))
