@@ -639,6 +639,7 @@ def bench_step(shape: str = "135M", mixer: str = "gated_deltanet", *, micro_batc
     k = 0
 
     totals: list[float] = []  # each optimizer step's last total loss, warm-up included
+    norms: list[Optional[float]] = []  # each optimizer step's gradient norm (before clipping), as stage 3 logs it
 
     def run(n_steps: int) -> list[float]:
         nonlocal k
@@ -649,6 +650,8 @@ def bench_step(shape: str = "135M", mixer: str = "gated_deltanet", *, micro_batc
                 k += 1
             clock.step_done()
             totals.append(last[0])
+            norm = parts.s_engine.get_global_grad_norm()
+            norms.append(None if norm is None else float(norm))
         return last
 
     try:
@@ -663,6 +666,7 @@ def bench_step(shape: str = "135M", mixer: str = "gated_deltanet", *, micro_batc
         per_step = clock.steps()
         row["losses_last"] = dict(zip(("total", "ce", "kl"), losses))
         row.update(training_health(totals, getattr(parts.s_engine, "skipped_steps", None)))
+        row["grad_norms_each"] = norms  # a norm that grows step by step before a NaN is divergence, not a kernel
         if dev.type == "cuda":
             row["peak_mem_bytes"] = int(torch.cuda.max_memory_allocated(dev))
             row["peak_mem_reserved_bytes"] = int(torch.cuda.max_memory_reserved(dev))

@@ -221,6 +221,7 @@ def _check_step_row(row: dict, peak: float) -> None:
     for k in ("total", "ce", "kl"):
         assert row["losses_last"][k] == row["losses_last"][k]  # finite, not NaN
     assert row["losses_finite"] and len(row["losses_each"]) == row["warmup"] + row["steps"]
+    assert len(row["grad_norms_each"]) == len(row["losses_each"]) and all(n > 0 for n in row["grad_norms_each"])
 
 
 def test_plain_step_bench_on_cpu(one_thread):

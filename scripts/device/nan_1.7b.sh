@@ -28,5 +28,6 @@ python3 - "$work" <<'PY'
 import json, pathlib, sys
 for f in sorted(pathlib.Path(sys.argv[1]).glob("*.json")):
     for r in json.loads(f.read_text()).get("step", []):
-        print(f.name, r.get("engine"), r.get("losses_each"), "skipped", r.get("skipped_steps"), r.get("error", ""))
+        print(f.name, r.get("engine"), "losses", r.get("losses_each"), "grad norms", r.get("grad_norms_each"),
+              "skipped", r.get("skipped_steps"), r.get("error", ""))
 PY
