@@ -725,20 +725,25 @@ def training_health(totals: list[float], skipped: Optional[int]) -> dict[str, An
     return out
 
 
-def _profile_comm(parts: _StepParts, batches: list[torch.Tensor], dev: torch.device, n: int) -> dict[str, Any]:
+def profiled(fn: Callable[[int], Any], device: torch.device, reps: int):
+    """torch.profiler (CPU, and CUDA on a GPU) over `fn(0) .. fn(reps - 1)`, synchronised at the end."""
     from torch.profiler import ProfilerActivity, profile
 
-    cuda = dev.type == "cuda"
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=activities) as prof:
+        for i in range(reps):
+            fn(i)
+        _sync(device)
+    return prof
+
+
+def _profile_comm(parts: _StepParts, batches: list[torch.Tensor], dev: torch.device, n: int) -> dict[str, Any]:
     clock = PhaseClock(dev)  # disabled: no stamps
     try:
         _sync(dev)
         t0 = time.perf_counter()
-        with profile(activities=activities) as prof:
-            for i in range(n):
-                _micro_step(parts, batches[i % len(batches)], clock)
-            _sync(dev)
-        out = comm_from_events(prof.events(), cuda, n)
+        prof = profiled(lambda i: _micro_step(parts, batches[i % len(batches)], clock), dev, n)
+        out = comm_from_events(prof.events(), dev.type == "cuda", n)
         out["profiled_step_ms"] = (time.perf_counter() - t0) * 1e3 / n
         out["profiled_steps"] = n
         out["top_ops"] = top_ops(prof.key_averages(), n)
@@ -839,15 +844,10 @@ def recurrence_pass(layer: nn.Module, x: torch.Tensor, backend: str) -> Callable
 def profile_pass(fn: Callable[[], Any], device: torch.device, reps: int = 3, n: int = 10) -> dict[str, Any]:
     """torch.profiler over `reps` calls of `fn`: device-kernel busy ms per call (CUDA), aten operators launched,
     and the operators with the most self device time (self CPU time on a CPU)."""
-    from torch.profiler import ProfilerActivity, profile
-
     cuda = device.type == "cuda"
     fn()
     _sync(device)
-    with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
-        for _ in range(reps):
-            fn()
-        _sync(device)
+    prof = profiled(lambda _: fn(), device, reps)
     ops = top_ops(prof.key_averages(), reps, n)
     key, by = ("self_device_ms", "by_self_device") if cuda else ("self_cpu_ms", "by_self_cpu")
     out = {"aten_calls": ops["aten_calls_per_step"],
