@@ -312,10 +312,23 @@ def build_teacher(shape: str = "135M", *, source: Optional[str] = None, layers: 
         torch.manual_seed(seed)
         with torch.device(device):
             model = LlamaForCausalLM(shape_config(shape, layers))
+        fill_zero_embedding_rows(model)
         model.to(dtype)
     model.eval()
     model.requires_grad_(False)
     return model
+
+
+@torch.no_grad()
+def fill_zero_embedding_rows(model: nn.Module) -> None:
+    """Gives a freshly initialised teacher's zeroed padding_idx row the other rows' random values, as a trained
+    teacher's rows have: a zero row leaves the student's hidden state exactly zero at that token, and the
+    RMSNorms' backward then overflows (runs 16-18; harness.student.warn_zero_embedding_rows)."""
+    from harness.student import zero_embedding_rows
+
+    weight = model.get_input_embeddings().weight
+    for row in zero_embedding_rows(weight):
+        weight[row].normal_(0.0, model.config.initializer_range)
 
 
 def build_pair(shape: str = "135M", mixer: str = "gated_deltanet", *, options: Optional[dict] = None,

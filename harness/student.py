@@ -8,6 +8,7 @@ form once, then each new token is one recurrent step; memory does not grow with 
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -263,7 +264,29 @@ def build_student(teacher: Any, mixer: str, **options: Any) -> HarnessForCausalL
     dtype = next(model.parameters()).dtype
     student = HarnessForCausalLM(config).to(dtype)
     copy_teacher_weights(model, student)
+    warn_zero_embedding_rows(student)
     return student
+
+
+def zero_embedding_rows(embedding: torch.Tensor) -> list[int]:
+    """Token ids whose embedding row is exactly zero (none for a trained model; Hugging Face zeroes the
+    padding_idx row of a freshly initialised one)."""
+    if embedding.numel() == 0:  # a ZeRO-3 partition: nothing to look at here
+        return []
+    return (embedding == 0).all(-1).nonzero().flatten().tolist()
+
+
+def warn_zero_embedding_rows(student: HarnessForCausalLM) -> None:
+    """A token with an all-zero embedding keeps an exactly zero hidden state through every block of a student
+    (the mixers' output gates and the MLP map zero to zero, with no bias), so each RMSNorm's backward multiplies
+    its gradient by 1/sqrt(eps): about 100x per block, an overflow to inf by the bottom of a 24-block 1.7B student
+    (docs/BENCHMARKS.md, runs 16-18). Training then skips every step whose batch holds such a token."""
+    rows = zero_embedding_rows(student.model.embed_tokens.weight)
+    if rows:
+        warnings.warn(f"the teacher's embedding rows of token id(s) {rows[:8]}{' ...' if len(rows) > 8 else ''} "
+                      "are all zero: where the data holds such a token, the student's gradients overflow and the "
+                      "step is skipped. Train on data without these tokens, or give the rows values.",
+                      RuntimeWarning, stacklevel=3)
 
 
 def student_config(teacher_config: Any, mixer: str, options: dict[str, Any]) -> HarnessConfig:

@@ -404,3 +404,20 @@ def test_zero_step_op_count_shows_a_norm_per_parameter_tensor():
     calls = {r["op"]: r["calls"] for r in res["top"]}
     assert res["parameter_tensors"] > 10 and res["aten_calls"] > 5 * res["parameter_tensors"]
     assert calls.get("aten::linalg_vector_norm", 0) >= res["parameter_tensors"]
+
+
+def test_the_bench_teachers_have_no_zero_embedding_row_and_their_pad_token_trains():
+    """Hugging Face zeroes the padding row (id 2 in the SmolLM2 configs) of a new model; a zero row kept the
+    student's hidden state at 0 for that token, whose gradient then grew ~100x per block and overflowed at 1.7B
+    (runs 16-18). The bench's random teacher fills it, so the gradient at the pad token is like any other's."""
+    from harness.student import zero_embedding_rows
+
+    teacher, student = perf.build_pair("135M", "gated_deltanet", layers=4, device="cpu")
+    assert zero_embedding_rows(teacher.model.embed_tokens.weight) == []
+    ids = torch.randint(3, 49152, (1, 32), generator=torch.Generator().manual_seed(0))
+    ids[0, 5] = teacher.config.pad_token_id
+    embeds = student.model.embed_tokens(ids).detach().requires_grad_()
+    student.model(inputs_embeds=embeds).pow(2).mean().backward()
+    per_token = embeds.grad[0].abs().amax(-1)
+    others = torch.cat([per_token[:5], per_token[6:]])
+    assert float(per_token[5]) < 10 * float(others.max())

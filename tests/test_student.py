@@ -178,3 +178,19 @@ def test_block_norm_with_a_residual_adds_first_then_normalises_as_the_teacher_no
     assert torch.equal(normed, ref(res + x))
     assert torch.equal(norm(x), ref(x))
     assert not torch.equal(normed, ref(x))  # the residual did count
+
+
+def test_a_zero_embedding_row_is_named_when_the_student_is_built():
+    """Such a token keeps the student's hidden state exactly zero through every block, and the norms' backward
+    overflows (docs/BENCHMARKS.md, runs 16-18): the build says which ids."""
+    model = tiny_llama(num_layers=1)
+    with torch.no_grad():
+        model.model.embed_tokens.weight[5].zero_()
+    with pytest.warns(RuntimeWarning, match=r"token id\(s\) \[5\] are all zero"):
+        student = harness.build_student(model, "gated_deltanet")
+    ids = torch.tensor([[7, 9, 5, 11]])
+    hidden = {}
+    student.model.norm.register_forward_pre_hook(lambda _m, a: hidden.__setitem__("x", a[0]))
+    student.model(ids)
+    assert float(hidden["x"][0, 2].abs().max()) == 0.0  # what the warning is about
+    assert float(hidden["x"][0, 1].abs().max()) > 0.0
