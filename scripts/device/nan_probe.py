@@ -60,8 +60,9 @@ def main():
     def last_fwd(_m, _args, out):
         out[0].register_hook(keep("last_dy"))
 
-    _hooks = [norm.register_forward_pre_hook(norm_pre), norm.register_forward_hook(norm_fwd),
-          last.register_forward_pre_hook(last_pre), last.register_forward_hook(last_fwd)]
+    for hook, fn in ((norm.register_forward_pre_hook, norm_pre), (norm.register_forward_hook, norm_fwd),
+                     (last.register_forward_pre_hook, last_pre), (last.register_forward_hook, last_fwd)):
+        hook(fn)
     res = []
     for k in range(a.steps):
         cap.clear()
