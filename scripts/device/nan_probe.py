@@ -7,7 +7,6 @@ A difference between the step's result and the re-computation at the same step p
 
     python scripts/device/nan_probe.py OUT.json [--steps 5] [--layers N] [--device cuda]
 """
-import argparse
 import json
 
 import torch
@@ -15,19 +14,11 @@ import torch
 from harness import perf
 from harness.config import DistillConfig
 from harness.stages.distill import DistillModel
-from nan_where import stat
+from nan_where import arguments, stat
 
 
 def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("out")
-    ap.add_argument("--shape", default="1.7B")
-    ap.add_argument("--steps", type=int, default=5)
-    ap.add_argument("--layers", type=int, default=None)
-    ap.add_argument("--micro-batch", type=int, default=8)
-    ap.add_argument("--seq", type=int, default=2048)
-    ap.add_argument("--device", default="cuda")
-    a = ap.parse_args()
+    a = arguments(__doc__).parse_args()
     dev = torch.device(a.device)
     cfg = DistillConfig(micro_batch_size=a.micro_batch, grad_accum=1, schedule="constant", warmup_fraction=0.0,
                         compile_teacher=False)

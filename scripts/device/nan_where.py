@@ -84,16 +84,22 @@ def run(shape, steps, compile_teacher, layers, micro_batch, seq, dev):
     return out
 
 
-def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("out")
+def arguments(doc: str) -> argparse.ArgumentParser:
+    """The options both diagnostics take (nan_where.py, nan_probe.py)."""
+    ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("out", help="JSON file to write")
     ap.add_argument("--shape", default="1.7B")
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--layers", type=int, default=None)
     ap.add_argument("--micro-batch", type=int, default=8)
     ap.add_argument("--seq", type=int, default=2048)
-    ap.add_argument("--no-compile", action="store_true")
     ap.add_argument("--device", default="cuda")
+    return ap
+
+
+def main():
+    ap = arguments(__doc__)
+    ap.add_argument("--no-compile", action="store_true")
     a = ap.parse_args()
     dev = torch.device(a.device)
     res = run(a.shape, a.steps, not a.no_compile, a.layers, a.micro_batch, a.seq, dev)
