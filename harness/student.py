@@ -277,15 +277,17 @@ def zero_embedding_rows(embedding: torch.Tensor) -> list[int]:
 
 
 def warn_zero_embedding_rows(student: HarnessForCausalLM) -> None:
-    """A token with an all-zero embedding keeps an exactly zero hidden state through every block of a student
-    (the mixers' output gates and the MLP map zero to zero, with no bias), so each RMSNorm's backward multiplies
-    its gradient by 1/sqrt(eps): about 100x per block, an overflow to inf by the bottom of a 24-block 1.7B student
-    (docs/BENCHMARKS.md, runs 16-18). Training then skips every step whose batch holds such a token."""
+    """A token with an all-zero embedding can keep an exactly zero hidden state through every block of a student
+    (a mixer whose output gate maps zero to zero, as Gated DeltaNet's does, and an MLP without bias), so each
+    RMSNorm's backward multiplies its gradient by 1/sqrt(eps): about 100x per block, an overflow to inf by the
+    bottom of a 24-block 1.7B Gated DeltaNet student (docs/BENCHMARKS.md, runs 16-18), where every step whose batch
+    holds such a token is skipped; in a shallower student that one token's gradient dominates the clipped step."""
     rows = zero_embedding_rows(student.model.embed_tokens.weight)
     if rows:
         warnings.warn(f"the teacher's embedding rows of token id(s) {rows[:8]}{' ...' if len(rows) > 8 else ''} "
-                      "are all zero: where the data holds such a token, the student's gradients overflow and the "
-                      "step is skipped. Train on data without these tokens, or give the rows values.",
+                      "are all zero: where the data holds such a token, the student's gradient there can grow ~100x "
+                      "per block (overflow, skipped steps). Train on data without these tokens, or give the rows "
+                      "values.",
                       RuntimeWarning, stacklevel=3)
 
 
