@@ -51,7 +51,8 @@ class TooManySkippedSteps(FloatingPointError):
         super().__init__(
             f"{in_a_row} optimizer steps in a row were skipped for a non-finite gradient (up to step {step}, "
             f"{tokens:,} tokens): the weights have not changed since. Stopping; grad_norm and skipped_steps are in "
-            f"metrics.jsonl. Resume from the last checkpoint with a lower learning rate or check the data, or "
+            f"metrics.jsonl. Resume from the last checkpoint with a lower learning rate or check the data (e.g. a token "
+            f"whose teacher embedding is all zero: the student build warns about those), or "
             f"raise run.max_skipped_steps_in_a_row (0: never stop).")
 
 
