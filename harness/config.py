@@ -250,7 +250,10 @@ class RunConfig:
     )
     keep_last: int = described(2, "Checkpoints kept per stage (older ones are deleted).")
     log_every_steps: int = described(10, "Optimizer steps between metric log lines.")
-    validate_every_steps: int = described(0, "Stage 3 validation loss every N steps (and at the end); 0: end only.")
+    validate_every_steps: int = described(
+        0, "Stage 3 validation (held-out CE, KL, perplexity: val_* in metrics.jsonl and TensorBoard) every N optimizer "
+        "steps, and always at the end; 0: at the end only. Each costs one pass over data.validation_tokens."
+    )
     max_skipped_steps_in_a_row: int = described(
         20, "Stop stage 3 or SFT when this many optimizer steps in a row were skipped for a non-finite gradient "
         "(the weights stopped changing; skipped_steps and grad_norm are in metrics.jsonl); 0: never stop."

@@ -310,3 +310,34 @@ def test_a_run_of_skipped_steps_stops_stage_3(tmp_path):
     logged = [json.loads(line) for line in (out / "distill" / "metrics.jsonl").read_text().splitlines()]
     assert [r["skipped_steps"] for r in logged if "skipped_steps" in r] == [1, 2]  # step 3 raised before its line
     assert all(math.isfinite(r["loss"]) for r in logged if "loss" in r)
+
+
+def test_validation_every_n_steps_logs_those_steps_once_also_across_a_crash(tmp_path):
+    """run.validate_every_steps=4: val rows at steps 4, 8, 12, 16 and at the end (18), each exactly once, also when
+    the run dies after the step-8 validation but before its next checkpoint and is re-run (it resumes at step 6 and
+    validates at 8 again, the first row having been dropped with the steps it redoes); the values are those of the
+    uninterrupted run."""
+    extra = ["deepspeed.student_engine=plain", "deepspeed.teacher_placement=replicated", "run.validate_every_steps=4",
+             "run.log_every_steps=3", "run.checkpoint_every_tokens=384"]  # 64 tokens per step: checkpoints at 6, 12
+    whole = tmp_path / "whole"
+    launch(write_job(tmp_path, whole, *extra))
+    crashed = tmp_path / "crashed"
+    job_path = write_job(tmp_path, crashed, *extra)
+    code = ("from harness.config import load_job\nfrom harness.stages.distill import distill\n"
+            f"distill(load_job({str(job_path)!r}, []), stop_after_steps=9)")
+    env = {**os.environ, "DS_ACCELERATOR": "cpu", "PYTHONPATH": str(REPO)}
+    done = subprocess.run([sys.executable, "-c", code], env=env, cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert [r["step"] for r in _rows(crashed) if "val_ce" in r] == [4, 8]
+    launch(job_path)
+
+    def vals(out):
+        return [(r["step"], r["val_ce"], r["val_kl"]) for r in _rows(out) if "val_ce" in r]
+
+    assert [s for s, *_ in vals(whole)] == [4, 8, 12, 16, 18]
+    assert vals(crashed) == vals(whole)
+    assert [r["step"] for r in _rows(whole) if "loss" in r] == [3, 6, 9, 12, 15, 18]  # val-only rows at 4, 8, 16
+
+
+def _rows(out: Path) -> list[dict]:
+    return [json.loads(line) for line in (out / "distill" / "metrics.jsonl").read_text().splitlines()]

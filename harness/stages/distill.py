@@ -201,6 +201,7 @@ def distill(job: JobConfig, *, stop_after_steps: Optional[int] = None) -> Path:
     during, tokens_before = DuringTraining(job, rank, params), tokens  # evaluations along stage 3 (eval.every_tokens)
     sums = torch.zeros(3, dtype=torch.float64)  # total, ce, kl x tokens over this step's micro-batches
     skips = SkippedStepWatch(job.run.max_skipped_steps_in_a_row, skipped_steps(s_engine))
+    validate_every = job.run.validate_every_steps
     try:
         for batch in loader:
             ids = batch["input_ids"].to(s_engine.device)
@@ -222,10 +223,15 @@ def distill(job: JobConfig, *, stop_after_steps: Optional[int] = None) -> Path:
             sums.zero_()
             check_finite(means[0], step, tokens)
             skips.check(skipped_steps(s_engine), step, tokens)
+            val = {}  # the end of the stage validates below, whatever the multiple
+            if validate_every and step % validate_every == 0 and step < steps:
+                val = _validate(data, cfg.micro_batch_size, s_engine, t_engine, teacher_head, rank, world)
             if step % job.run.log_every_steps == 0 or step == steps:
                 logger.log(step, tokens, loss=means[0], ce=means[1], kl=means[2],
                            lr=s_engine.get_lr()[0], grad_norm=grad_norm(s_engine),
-                           skipped_steps=skipped_steps(s_engine))
+                           skipped_steps=skipped_steps(s_engine), **val)
+            elif val:
+                logger.log(step, tokens, **val)
             saved = False
             if next_ckpt is not None and tokens >= next_ckpt and step < steps:
                 save_checkpoint(ckpts, s_engine, loader, step, tokens)
