@@ -8,6 +8,8 @@ form once, then each new token is one recurrent step; memory does not grow with 
 
 from __future__ import annotations
 
+import contextlib
+import copy
 import warnings
 from dataclasses import dataclass
 from typing import Any, Optional
@@ -150,8 +152,7 @@ class HarnessModel(HarnessPreTrainedModel):
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, config.pad_token_id)
         self.layers = nn.ModuleList(StudentBlock(config, i) for i in range(config.num_hidden_layers))
         self.norm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-        uses_rope = bool((config.mixer_options or {}).get("rope", False))
-        self.rotary_emb = LlamaRotaryEmbedding(config) if uses_rope else None
+        self.rotary_emb = student_rotary(config)
         self.gradient_checkpointing = False
         self.recompute_blocks = frozenset(range(config.num_hidden_layers))  # under gradient_checkpointing
         self.post_init()
@@ -245,6 +246,22 @@ class HarnessForCausalLM(HarnessPreTrainedModel, GenerationMixin):
         return inputs
 
 
+def student_rotary(config: HarnessConfig) -> Optional[LlamaRotaryEmbedding]:
+    """The rotary embedding of a student whose mixer options say `rope: true` (None otherwise): the teacher's,
+    with the base `rope_theta` when that option is set."""
+    options = config.mixer_options or {}
+    if not options.get("rope", False):
+        return None
+    theta = options.get("rope_theta")
+    if theta is not None:
+        config = copy.deepcopy(config)
+        if isinstance(getattr(config, "rope_parameters", None), dict):
+            config.rope_parameters = {**config.rope_parameters, "rope_theta": float(theta)}
+        else:
+            config.rope_theta = float(theta)
+    return LlamaRotaryEmbedding(config)
+
+
 AutoConfig.register(HarnessConfig.model_type, HarnessConfig, exist_ok=True)
 AutoModelForCausalLM.register(HarnessConfig, HarnessForCausalLM, exist_ok=True)
 
@@ -252,11 +269,14 @@ AutoModelForCausalLM.register(HarnessConfig, HarnessForCausalLM, exist_ok=True)
 # ---------------------------------------------------------------- building from a teacher
 
 
-def build_student(teacher: Any, mixer: str, **options: Any) -> HarnessForCausalLM:
+def build_student(teacher: Any, mixer: str, *, fit_on: Optional[torch.Tensor] = None,
+                  **options: Any) -> HarnessForCausalLM:
     """A student of `teacher` (a `harness.teacher.Teacher` or a Llama-style causal LM) with `mixer` layers.
 
     Embeddings, norms, MLPs and the (tied) head are copied; each mixer gets the teacher attention's
-    Q, K, V, O (K/V expanded over the query heads) and authors' initialisation for its new parameters.
+    Q, K, V, O (K/V expanded over the query heads) and its new parameters as its options say (docs/TRANSFER.md).
+    fit_on: token ids `[B, T]` on which each mixer's output scale is fitted to the teacher's attention heads
+    (options.output_scale), as stage 1 does on its first batch; None leaves the scales as built.
     """
     model = teacher if isinstance(teacher, nn.Module) else teacher.model
     mixer_options(mixer, options)  # validates before anything is built
@@ -265,7 +285,33 @@ def build_student(teacher: Any, mixer: str, **options: Any) -> HarnessForCausalL
     student = HarnessForCausalLM(config).to(dtype)
     copy_teacher_weights(model, student)
     warn_zero_embedding_rows(student)
+    if fit_on is not None:
+        from harness.teacher import capture_activations
+
+        ids = fit_on.to(next(model.parameters()).device)
+        acts = capture_activations(model, ids, kinds=FIT_KINDS)
+        rotary = student_rotary(config)
+        rope = None
+        if rotary is not None:
+            positions = torch.arange(ids.shape[1], device=ids.device)[None].expand(ids.shape[0], -1)
+            rope = rotary.to(ids.device)(acts.attn_input[0], positions)
+        student.to(ids.device)
+        fit_output_scales({i: layer.mixer for i, layer in enumerate(student.model.layers)}, acts, rope)
     return student
+
+
+FIT_KINDS = ("attn_input", "attn_heads")  # the teacher activations fit_output_scales reads
+
+
+@torch.no_grad()
+def fit_output_scales(mixers: dict[int, Mixer], acts: Any, rope: Any,
+                      autocast: Any = contextlib.nullcontext()) -> None:
+    """Each mixer's `fit_output_scale` (options.output_scale) on the teacher's activations `acts` (FIT_KINDS of
+    the layers in `mixers`): layer l's input and its attention heads' output. The mixers run under `autocast`, as
+    the stage that trains them does (the sums of the fit are float32)."""
+    for layer, mixer in mixers.items():
+        with autocast:
+            mixer.fit_output_scale(acts.attn_input[layer].to(mixer.o_proj.weight.dtype), acts.attn_heads[layer], rope)
 
 
 def zero_embedding_rows(embedding: torch.Tensor) -> list[int]:

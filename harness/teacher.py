@@ -34,7 +34,7 @@ from transformers import (
 from harness import assets
 
 SMOLLM2_ALIAS = "smollm2-135m-instruct-gguf"
-ACTIVATION_KINDS = ("attn_input", "attn_output", "hidden_in", "hidden_out")
+ACTIVATION_KINDS = ("attn_input", "attn_heads", "attn_output", "hidden_in", "hidden_out")
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 _ACCEPTED_FORMS = (
     "a local Hugging Face model folder (config.json + weights), a path to a .gguf file, "
@@ -367,6 +367,7 @@ class Activations:
     """Per-layer teacher activations, each [batch, seq, hidden], keyed by layer index.
 
     attn_input[l]:  output of layer l's input_layernorm (what the attention mixer sees)
+    attn_heads[l]:  input of layer l's o_proj: the attention heads' outputs, concatenated [batch, seq, heads x head_dim]
     attn_output[l]: output of layer l's o_proj (the attention output before the residual add)
     hidden_in[l]:   h_l, the input of decoder layer l (hidden_in[0] is the token embeddings)
     hidden_out[l]:  h_{l+1}, the output of decoder layer l (before the final norm for the last layer)
@@ -374,6 +375,7 @@ class Activations:
 
     layers: tuple[int, ...]
     attn_input: dict[int, torch.Tensor] = field(default_factory=dict)
+    attn_heads: dict[int, torch.Tensor] = field(default_factory=dict)
     attn_output: dict[int, torch.Tensor] = field(default_factory=dict)
     hidden_in: dict[int, torch.Tensor] = field(default_factory=dict)
     hidden_out: dict[int, torch.Tensor] = field(default_factory=dict)
@@ -440,6 +442,9 @@ def capture_activations(
             layer = decoder.layers[index]
             if "attn_input" in kinds:
                 handles.append(layer.input_layernorm.register_forward_hook(_output_hook(acts.attn_input, index)))
+            if "attn_heads" in kinds:
+                handles.append(layer.self_attn.o_proj.register_forward_pre_hook(
+                    _input_hook(acts.attn_heads, index), with_kwargs=True))
             if "attn_output" in kinds:
                 handles.append(layer.self_attn.o_proj.register_forward_hook(_output_hook(acts.attn_output, index)))
             if "hidden_in" in kinds:

@@ -21,6 +21,7 @@ def teacher():
 
 
 def hf_greedy(model, ids, max_new, stop):
+    model.generation_config.eos_token_id = None  # generate would fill an unset eos from the model's config (id 2)
     config = GenerationConfig(max_new_tokens=max_new, do_sample=False, num_beams=1, eos_token_id=stop or None,
                               pad_token_id=0)
     return model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), generation_config=config)[0,

@@ -46,14 +46,26 @@ class MixerShape:
         )
 
 
+OUTPUT_SCALES = ("fit", "rms", "none")
+
+
 @dataclass
 class MixerOptions:
     """Options every mixer takes; subclasses add their own fields (each with a description)."""
 
     rope: bool = field(default=False, metadata={"help": "Apply the teacher's rotary embedding to q and k."})
+    rope_theta: Optional[float] = field(
+        default=None, metadata={"help": "With rope: the rotary base; null takes the teacher's (SmolLM2: 100000). "
+                                "10000 is the rotation of the published RetNet and of fla's layers."})
     chunk_size: int = field(default=64, metadata={"help": "Chunk length of the PyTorch chunkwise form."})
     backend: str = field(
         default="auto", metadata={"help": "auto (kernel on CUDA, else reference), kernel or reference."}
+    )
+    output_scale: str = field(
+        default="fit", metadata={"help": "How stage 1 sets the scale of the heads' output before it trains: fit "
+                                 "(on its first batch, each channel of o_proj's input gets the least-squares scale "
+                                 "to the teacher's heads there, folded into o_proj's copied weight; "
+                                 "docs/TRANSFER.md), rms (the teacher's RMS per channel) or none (as built)."}
     )
 
     def __post_init__(self) -> None:
@@ -61,6 +73,10 @@ class MixerOptions:
             raise ValueError(f"backend='{self.backend}' is not one of auto, kernel, reference")
         if self.chunk_size < 1:
             raise ValueError(f"chunk_size={self.chunk_size} must be >= 1")
+        if self.output_scale not in OUTPUT_SCALES:
+            raise ValueError(f"output_scale='{self.output_scale}' is not one of {', '.join(OUTPUT_SCALES)}")
+        if self.rope_theta is not None and self.rope_theta <= 0:
+            raise ValueError(f"rope_theta={self.rope_theta} must be > 0 (or null for the teacher's)")
 
 
 @dataclass
@@ -100,7 +116,7 @@ class Mixer(nn.Module):
         self.q_proj = nn.Linear(shape.hidden_size, inner, bias=shape.attention_bias)
         self.k_proj = nn.Linear(shape.hidden_size, inner, bias=shape.attention_bias)
         self.v_proj = nn.Linear(shape.hidden_size, inner, bias=shape.attention_bias)
-        self.o_proj = nn.Linear(inner, shape.hidden_size, bias=False)
+        self.o_proj = nn.Linear(inner, shape.hidden_size, bias=shape.attention_bias)  # Llama: o_proj too
 
     # ---------------------------------------------------------------- forward
     def forward(
@@ -112,6 +128,14 @@ class Mixer(nn.Module):
         use_cache: bool = False,
     ) -> tuple[torch.Tensor, Optional[MixerState]]:
         """x `[B, T, hidden]` -> (y `[B, T, hidden]`, new state if use_cache else None)."""
+        heads, new_state = self.heads_output(x, position_embeddings=position_embeddings, state=state,
+                                             use_cache=use_cache)
+        return self.o_proj(heads), new_state
+
+    def heads_output(self, x: torch.Tensor, *, position_embeddings=None, state: Optional[MixerState] = None,
+                     use_cache: bool = False) -> tuple[torch.Tensor, Optional[MixerState]]:
+        """What o_proj reads, `[B, T, heads x head_dim]` in x's dtype (the teacher's counterpart is its attention
+        heads' output), and the new state if use_cache."""
         q, k, v, conv_state = self.project_qkv(x, state, use_cache)
         if self.options.rope:
             if position_embeddings is None:
@@ -119,8 +143,8 @@ class Mixer(nn.Module):
             q, k = apply_rope(q, k, *position_embeddings)
         prior = state.recurrent if state is not None else None
         o, recurrent = self._mix(x, q, k, v, prior, self.backend_for(x))
-        y = self.o_proj(self._output(x, o).flatten(2).to(x.dtype))
-        return y, (MixerState(recurrent, conv_state) if use_cache else None)
+        heads = self._output(x, o).flatten(2).to(x.dtype)
+        return heads, (MixerState(recurrent, conv_state) if use_cache else None)
 
     def project_qkv(self, x, state: Optional[MixerState], use_cache: bool):
         """q, k, v `[B, T, H, D]` and the new conv state (None for mixers without a short convolution)."""
@@ -128,6 +152,12 @@ class Mixer(nn.Module):
 
     def _mix(self, x, q, k, v, prior, backend: str):
         raise NotImplementedError
+
+    def score_features(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """q, k `[B, T, H, D]` as the recurrence pairs them (after the mixer's feature map or normalisation, which
+        `_mix` applies): their dot products are the mixer's attention scores before decay and gating (what
+        `harness transfer` compares with the teacher's). Default: as projected."""
+        return q, k
 
     def _output(self, x: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
         """Per-head output `[B, T, H, D]` -> what o_proj consumes (gates/norms go here). Default: identity."""
@@ -157,11 +187,35 @@ class Mixer(nn.Module):
             dst.weight.copy_(expand_kv(src.weight, s.num_kv_heads, s.n_rep))
             if dst.bias is not None:
                 dst.bias.copy_(expand_kv(src.bias, s.num_kv_heads, s.n_rep))
-        if self.q_proj.bias is not None:
-            self.q_proj.bias.copy_(attn.q_proj.bias)
+        for name in ("q_proj", "o_proj"):
+            dst, src = getattr(self, name), getattr(attn, name)
+            if dst.bias is not None:
+                dst.bias.copy_(src.bias)
 
     def reset_new_parameters(self) -> None:
         """Initialise the parameters the teacher does not have, as the mixer's authors do."""
+
+    @torch.no_grad()
+    def fit_output_scale(self, x: torch.Tensor, teacher_heads: torch.Tensor, position_embeddings=None) -> torch.Tensor:
+        """Rescale o_proj's input channels as `options.output_scale` says, from this mixer's heads output on x
+        `[B, T, hidden]` and the teacher's on the same input (`teacher_heads`, o_proj's input `[B, T, H x D]`):
+        fit: the least-squares scale of each channel, s_c = <h_c, t_c> / <h_c, h_c> (over batch and tokens);
+        rms: s_c = rms(t_c) / rms(h_c); none: unchanged. o_proj.weight[:, c] *= s_c is the same network with
+        that scale on the heads' output (its norm and gate keep their init). Returns s `[H x D]` (float32)."""
+        how = self.options.output_scale
+        channels = self.o_proj.in_features
+        if how == "none":
+            return torch.ones(channels)
+        h = self.heads_output(x, position_embeddings=position_embeddings)[0].float().reshape(-1, channels)
+        t = teacher_heads.float().reshape(-1, channels)
+        hh = (h * h).sum(0)
+        if how == "fit":
+            scale = (h * t).sum(0) / hh.clamp_min(1e-12)
+        else:
+            scale = (t * t).sum(0).sqrt() / hh.sqrt().clamp_min(1e-12)
+        scale = torch.where(hh > 0, scale, torch.ones_like(scale))  # a channel that is always 0 keeps its column
+        self.o_proj.weight.mul_(scale.to(self.o_proj.weight.dtype)[None, :])
+        return scale
 
     @classmethod
     def new_parameter_names(cls) -> tuple[str, ...]:
@@ -218,33 +272,48 @@ class HeadRMSNorm(nn.Module):
 
 
 class ShortConv(nn.Module):
-    """Depthwise causal convolution with SiLU over `[B, T, C]` (fla's ShortConvolution), with a decoding tail.
+    """Depthwise causal convolution, then SiLU (or nothing), over `[B, T, C]` (fla's ShortConvolution), with a
+    decoding tail.
 
     The state is the last `kernel_size - 1` inputs `[B, C, kernel_size - 1]`, a copy of its own (a view of the
     input would hold the whole prefill's q, k, v in memory for as long as a decoding cache lives).
     """
 
-    def __init__(self, channels: int, kernel_size: int = 4, bias: bool = False):
+    def __init__(self, channels: int, kernel_size: int = 4, bias: bool = False, activation: Optional[str] = "silu"):
         super().__init__()
         self.conv = nn.Conv1d(channels, channels, kernel_size, groups=channels, bias=bias)
-        self.kernel_size = kernel_size
+        self.kernel_size, self.activation = kernel_size, activation
+
+    @torch.no_grad()
+    def reset_parameters(self, how: str = "identity") -> None:
+        """identity: weight 1 on each channel's current token, 0 on the earlier ones (and a zero bias), so that
+        forward(x) is exactly act(x); random: PyTorch's Conv1d default (kaiming uniform)."""
+        if how == "random":
+            self.conv.reset_parameters()
+            return
+        self.conv.weight.zero_()
+        self.conv.weight[..., -1] = 1.0
+        if self.conv.bias is not None:
+            self.conv.bias.zero_()
 
     def forward(self, x: torch.Tensor, tail: Optional[torch.Tensor] = None, fused: bool = False,
                 want_tail: bool = True) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-        """-> (SiLU(conv(x)) `[B, T, C]`, the new tail, or None unless `want_tail`: training does not keep it).
-        fused: fla's Triton causal-conv1d (convolution and SiLU in one kernel, on `[B, T, C]` as it is) when x is
-        on a GPU and no tail is carried in; else PyTorch's conv1d."""
+        """-> (act(conv(x)) `[B, T, C]`, the new tail, or None unless `want_tail`: training does not keep it).
+        fused: fla's Triton causal-conv1d (convolution and activation in one kernel, on `[B, T, C]` as it is) when x
+        is on a GPU and no tail is carried in; else PyTorch's conv1d."""
         if fused and tail is None and x.is_cuda:
             from fla.modules.causal_conv1d import causal_conv1d
 
-            y, _ = causal_conv1d(x, weight=self.conv.weight.squeeze(1), bias=self.conv.bias, activation="silu")
+            y, _ = causal_conv1d(x, weight=self.conv.weight.squeeze(1), bias=self.conv.bias,
+                                 activation=self.activation)
             return y, (self.tail_of(x) if want_tail else None)
         xt = x.transpose(1, 2)  # [B, C, T]
         if tail is None:
             tail = xt.new_zeros(xt.shape[0], xt.shape[1], self.kernel_size - 1)
         padded = torch.cat([tail.to(xt.dtype), xt], dim=-1)
         y = F.conv1d(padded, self.conv.weight, self.conv.bias, groups=xt.shape[1])
-        return F.silu(y).transpose(1, 2), (padded[..., -(self.kernel_size - 1):].clone() if want_tail else None)
+        y = F.silu(y) if self.activation == "silu" else y
+        return y.transpose(1, 2), (padded[..., -(self.kernel_size - 1):].clone() if want_tail else None)
 
     def tail_of(self, x: torch.Tensor) -> torch.Tensor:
         """The state after x `[B, T, C]` from a zero state: its last kernel_size - 1 inputs `[B, C, kernel_size - 1]`,
@@ -278,12 +347,14 @@ def run_gated_delta(q, k, v, g, beta, *, scale: float, prior, backend: str, chun
 
 
 class ConvMixer(Mixer):
-    """A mixer with fla's short causal convolution (+SiLU) on q, k and v (DeltaNet, Gated DeltaNet, KDA)."""
+    """A delta-rule mixer (DeltaNet, Gated DeltaNet, KDA): fla's short causal convolution (+SiLU) on q, k and v,
+    then L2-normalised q and k (inside the recurrence call: fla's kernel does it in-kernel)."""
 
     def __init__(self, shape: MixerShape, options, layer_idx: int = 0):
         super().__init__(shape, options, layer_idx)
         if options.short_conv:
-            self.qkv_conv = ShortConv(3 * shape.num_heads * shape.head_dim, options.conv_size)
+            self.qkv_conv = ShortConv(3 * shape.num_heads * shape.head_dim, options.conv_size,
+                                      activation=None if options.qkv_activation == "identity" else "silu")
 
     def project_qkv(self, x, state, use_cache):
         qkv = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)
@@ -291,27 +362,101 @@ class ConvMixer(Mixer):
         if self.options.short_conv:
             qkv, tail = self.qkv_conv(qkv, state.conv if state is not None else None,
                                       fused=self.fused_ops(x), want_tail=use_cache)
-        else:
+        elif self.options.qkv_activation == "silu":
             qkv = F.silu(qkv)
         q, k, v = (self._heads(t) for t in qkv.chunk(3, dim=-1))
         return q, k, v, tail
 
+    def score_features(self, q, k):
+        return l2norm(q), l2norm(k)
+
     @torch.no_grad()
     def _reset_decay_norm_conv(self, a_low: Optional[float] = None) -> None:
         """The tail every delta-rule mixer's init shares: A_log ~ log U(a_low, 16) and the Mamba2 dt_bias (when
-        the mixer has them), a unit output norm, and the short convolution's default init."""
+        the mixer has them), and the short convolution as `options.conv_init` says."""
         if a_low is not None:
             self.A_log.copy_(torch.log(torch.empty_like(self.A_log).uniform_(a_low, 16)))
             self.dt_bias.copy_(mamba_dt_bias(self.dt_bias.numel()))
-        nn.init.ones_(self.o_norm.weight)
         if self.options.short_conv:
-            self.qkv_conv.conv.reset_parameters()
+            self.qkv_conv.reset_parameters(self.options.conv_init)
+
+
+CONV_INITS = ("identity", "random")
+QKV_ACTIVATIONS = ("silu", "identity")
+GATE_INITS = ("open", "random")
+# silu(SILU_ONE) = 1: the bias that makes a swish gate with zero weights pass its input through unchanged
+SILU_ONE = 1.2784645427610738
 
 
 @dataclass
 class ConvOptions(MixerOptions):
     short_conv: bool = field(default=True, metadata={"help": "Short causal convolution (+SiLU) on q, k, v."})
     conv_size: int = field(default=4, metadata={"help": "Kernel size of the short convolution."})
+    conv_init: str = field(
+        default="identity", metadata={"help": "identity: each channel's tap on its current token is 1, the others "
+                                      "0, so conv+SiLU is SiLU of the copied q, k, v at step 0 (docs/TRANSFER.md); "
+                                      "random: PyTorch's default, as fla's layers (trained from scratch) use."})
+
+    qkv_activation: str = field(
+        default="silu", metadata={"help": "After the short convolution (or alone without it): silu, as fla's "
+                                  "delta-rule layers, or identity, which keeps the copied q, k, v linear (q and k are "
+                                  "L2-normalised either way)."})
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.qkv_activation not in QKV_ACTIVATIONS:
+            raise ValueError(f"qkv_activation='{self.qkv_activation}' is not one of {', '.join(QKV_ACTIVATIONS)}")
+        if self.conv_init not in CONV_INITS:
+            raise ValueError(f"conv_init='{self.conv_init}' is not one of {', '.join(CONV_INITS)}")
+        if self.conv_size < 1:
+            raise ValueError(f"conv_size={self.conv_size} must be >= 1")
+
+
+@dataclass
+class GateOptions(MixerOptions):
+    """Options of a mixer with an output gate on its normalised output (RetNet, GLA, Gated DeltaNet, KDA, mLSTM)."""
+
+    gate_init: str = field(
+        default="open", metadata={"help": "open: gate weights 0 and a constant gate whose product with the output "
+                                  "norm's weight is 1, so the mixer passes its normalised recurrence output to the "
+                                  "copied o_proj at step 0 (a swish gate's constant is its bias, which fla's layers "
+                                  "lack; it starts at 0 under random); random: the authors' "
+                                  "init (weights ~N(0, 0.02): the gate starts near silu(0) = 0 or sigmoid(0) = 1/2, "
+                                  "varying per token at random)."})
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.gate_init not in GATE_INITS:
+            raise ValueError(f"gate_init='{self.gate_init}' is not one of {', '.join(GATE_INITS)}")
+
+
+@dataclass
+class GatedConvOptions(ConvOptions, GateOptions):
+    """Options of Gated DeltaNet and KDA: the short convolution and the output gate."""
+
+
+@torch.no_grad()
+def init_output_gate(gate: nn.Linear, norm_weight: torch.Tensor, activation: str, how: str,
+                     std: float = 0.02) -> None:
+    """Initialise an output gate act(gate(x)) that multiplies norm(o) * norm_weight (activation silu or sigmoid).
+    random: gate weights ~N(0, std), bias 0, norm weight 1. open: gate weights 0, so the gate is the constant
+    c = act(bias) (silu: bias SILU_ONE, c = 1; sigmoid: bias 0, c = 1/2), and norm weight 1 / c: the product is 1."""
+    if how == "random":
+        nn.init.normal_(gate.weight, std=std)
+        if gate.bias is not None:
+            nn.init.zeros_(gate.bias)
+        norm_weight.fill_(1.0)
+        return
+    nn.init.zeros_(gate.weight)
+    if activation == "silu":
+        if gate.bias is None:
+            raise ValueError("an open swish gate needs a bias (silu(0) = 0)")
+        gate.bias.fill_(SILU_ONE)
+        norm_weight.fill_(1.0)
+    else:
+        if gate.bias is not None:
+            nn.init.zeros_(gate.bias)
+        norm_weight.fill_(2.0)
 
 
 def mamba_dt_bias(n: int, dt_min: float = 1e-3, dt_max: float = 0.1, floor: float = 1e-4) -> torch.Tensor:

@@ -28,6 +28,7 @@ class DeltaNet(ConvMixer):
 
     def reset_new_parameters(self) -> None:
         nn.init.normal_(self.b_proj.weight, std=0.02)
+        nn.init.ones_(self.o_norm.weight)
         self._reset_decay_norm_conv()
 
     @classmethod

@@ -8,12 +8,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from harness.mixers.base import ConvMixer, ConvOptions, HeadRMSNorm, mamba_dt_bias, run_gated_delta
+from harness.mixers.base import (ConvMixer, GatedConvOptions, HeadRMSNorm, init_output_gate, mamba_dt_bias,
+                                 run_gated_delta)
 
 
 class GatedDeltaNet(ConvMixer):
     name = "gated_deltanet"
-    Options = ConvOptions
+    Options = GatedConvOptions
 
     def __init__(self, shape, options, layer_idx=0):
         super().__init__(shape, options, layer_idx)
@@ -22,7 +23,7 @@ class GatedDeltaNet(ConvMixer):
         self.b_proj = nn.Linear(shape.hidden_size, h, bias=False)
         self.A_log = nn.Parameter(torch.log(torch.empty(h).uniform_(0, 16)))
         self.dt_bias = nn.Parameter(mamba_dt_bias(h))
-        self.g_proj = nn.Linear(shape.hidden_size, inner, bias=False)
+        self.g_proj = nn.Linear(shape.hidden_size, inner, bias=True)  # the open gate's constant
         self.o_norm = HeadRMSNorm(shape.head_dim, activation="silu")
 
     def _mix(self, x, q, k, v, prior, backend):
@@ -35,8 +36,9 @@ class GatedDeltaNet(ConvMixer):
         return self.o_norm(o, self._heads(self.g_proj(x)), fused=self.fused_ops(x))
 
     def reset_new_parameters(self) -> None:
-        for lin in (self.a_proj, self.b_proj, self.g_proj):
+        for lin in (self.a_proj, self.b_proj):
             nn.init.normal_(lin.weight, std=0.02)
+        init_output_gate(self.g_proj, self.o_norm.weight, "silu", self.options.gate_init)
         self._reset_decay_norm_conv(a_low=0)
 
     @classmethod

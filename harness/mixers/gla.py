@@ -9,11 +9,11 @@ from dataclasses import dataclass, field
 import torch.nn.functional as F
 from torch import nn
 
-from harness.mixers.base import HeadRMSNorm, Mixer, MixerOptions, run_gated_delta
+from harness.mixers.base import GateOptions, HeadRMSNorm, Mixer, init_output_gate, run_gated_delta
 
 
 @dataclass
-class GLAOptions(MixerOptions):
+class GLAOptions(GateOptions):
     gate_low_rank_dim: int = field(default=16, metadata={"help": "Rank of the forget-gate projection."})
     gate_logit_normalizer: float = field(default=16.0, metadata={"help": "g = logsigmoid(.) / this."})
 
@@ -29,7 +29,7 @@ class GLA(Mixer):
             nn.Linear(shape.hidden_size, options.gate_low_rank_dim, bias=False),
             nn.Linear(options.gate_low_rank_dim, inner, bias=True),
         )
-        self.g_proj = nn.Linear(shape.hidden_size, inner, bias=False)
+        self.g_proj = nn.Linear(shape.hidden_size, inner, bias=True)  # the open gate's constant
         self.o_norm = HeadRMSNorm(shape.head_dim, activation="silu")
 
     def _mix(self, x, q, k, v, prior, backend):
@@ -41,11 +41,11 @@ class GLA(Mixer):
         return self.o_norm(o, self._heads(self.g_proj(x)), fused=self.fused_ops(x))
 
     def reset_new_parameters(self) -> None:
-        for lin in (*self.gk_proj, self.g_proj):
+        for lin in self.gk_proj:
             nn.init.normal_(lin.weight, std=0.02)
             if lin.bias is not None:
                 nn.init.zeros_(lin.bias)
-        nn.init.ones_(self.o_norm.weight)
+        init_output_gate(self.g_proj, self.o_norm.weight, "silu", self.options.gate_init)
 
     @classmethod
     def new_parameter_names(cls):

@@ -9,12 +9,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from harness.mixers.base import ConvMixer, ConvOptions, HeadRMSNorm, mamba_dt_bias, run_gated_delta
+from harness.mixers.base import ConvMixer, GatedConvOptions, HeadRMSNorm, init_output_gate, mamba_dt_bias, run_gated_delta
 
 
 class KDA(ConvMixer):
     name = "kda"
-    Options = ConvOptions
+    Options = GatedConvOptions
 
     def __init__(self, shape, options, layer_idx=0):
         super().__init__(shape, options, layer_idx)
@@ -37,10 +37,9 @@ class KDA(ConvMixer):
         return self.o_norm(o, self._heads(self.g_proj(x)), fused=self.fused_ops(x))
 
     def reset_new_parameters(self) -> None:
-        for lin in (*self.f_proj, self.b_proj, *self.g_proj):
+        for lin in (*self.f_proj, self.b_proj, self.g_proj[0]):
             nn.init.normal_(lin.weight, std=0.02)
-            if lin.bias is not None:
-                nn.init.zeros_(lin.bias)
+        init_output_gate(self.g_proj[1], self.o_norm.weight, "sigmoid", self.options.gate_init)
         self._reset_decay_norm_conv(a_low=1)
 
     @classmethod

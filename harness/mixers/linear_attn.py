@@ -36,9 +36,12 @@ class LinearAttention(Mixer):
     name = "linear_attn"
     Options = LinearAttnOptions
 
-    def _mix(self, x, q, k, v, prior, backend):
+    def score_features(self, q, k):
         phi = FEATURE_MAPS[self.options.feature_map]
-        q, k = phi(q), phi(k)
+        return phi(q), phi(k)
+
+    def _mix(self, x, q, k, v, prior, backend):
+        q, k = self.score_features(q, k)
         S0, z0 = prior if prior is not None else (None, None)
         if not self.options.normalize:
             o, S = run_gated_delta(q, k, v, None, None, scale=self.shape.head_dim**-0.5, prior=S0, backend=backend,

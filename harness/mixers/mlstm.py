@@ -11,11 +11,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from harness.mixers.base import Mixer, MixerOptions
+from harness.mixers.base import GateOptions, Mixer, init_output_gate
 
 
 @dataclass
-class MLSTMOptions(MixerOptions):
+class MLSTMOptions(GateOptions):
     gate_soft_cap: float = field(default=15.0, metadata={"help": "cap * tanh(x / cap) on gate pre-activations."})
     eps: float = field(default=1e-6, metadata={"help": "Added to the mLSTM denominator."})
 
@@ -63,8 +63,8 @@ class MLSTM(Mixer):
             self.igate.bias.fill_(-10.0)
             nn.init.zeros_(self.fgate.weight)
             self.fgate.bias.copy_(torch.linspace(3.0, 6.0, self.fgate.bias.numel()))
-            nn.init.normal_(self.ogate.weight, std=(2 / (5 * self.shape.hidden_size)) ** 0.5)  # xLSTM small_init
-            self.norm_weight.fill_(1.0)
+        small_init = (2 / (5 * self.shape.hidden_size)) ** 0.5  # xLSTM's output-gate init
+        init_output_gate(self.ogate, self.norm_weight, "sigmoid", self.options.gate_init, std=small_init)
 
     @classmethod
     def new_parameter_names(cls):

@@ -6,16 +6,17 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from harness.mixers.base import HeadRMSNorm, Mixer, run_gated_delta
+from harness.mixers.base import GateOptions, HeadRMSNorm, Mixer, init_output_gate, run_gated_delta
 
 
 class RetNet(Mixer):
     name = "retnet"
+    Options = GateOptions
 
     def __init__(self, shape, options, layer_idx=0):
         super().__init__(shape, options, layer_idx)
         inner = shape.num_heads * shape.head_dim
-        self.g_proj = nn.Linear(shape.hidden_size, inner, bias=False)
+        self.g_proj = nn.Linear(shape.hidden_size, inner, bias=True)  # the open gate's constant
         self.o_norm = HeadRMSNorm(shape.head_dim, activation="silu")
 
     def _mix(self, x, q, k, v, prior, backend):
@@ -28,8 +29,7 @@ class RetNet(Mixer):
         return self.o_norm(o, self._heads(self.g_proj(x)), fused=self.fused_ops(x))
 
     def reset_new_parameters(self) -> None:
-        nn.init.normal_(self.g_proj.weight, std=0.02)
-        nn.init.ones_(self.o_norm.weight)
+        init_output_gate(self.g_proj, self.o_norm.weight, "silu", self.options.gate_init)
 
     @classmethod
     def new_parameter_names(cls):

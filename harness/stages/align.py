@@ -19,6 +19,9 @@ Group independence: a group's results depend only on its layers, not on how the 
   `reset_new_parameters()` with torch seeded by `layer_seed(job.seed, l)`. This is what `build_student`
   gives for that layer with the same RNG state; build_student itself draws all layers from one stream,
   whose position at layer l depends on the depth of the (truncated) teacher, i.e. on the grouping.
+- Then, before stage 1 trains, each mixer's output scale is fitted to the teacher's attention heads
+  (`fit_output_scales`, `student.options.output_scale`) on the first micro-batch of the stage's stream, which every
+  group reads alike. `harness transfer` measures the mixers at exactly this start (docs/TRANSFER.md).
 So groups [0, 1] and [2, 3] give bit-for-bit the weights of group [0..3] (on CPU).
 
 Run-directory files of a group (`group_dir(job, stage, layers)`): checkpoints/step-*/state.pt, metrics.jsonl,
@@ -52,7 +55,7 @@ from harness.observe import RunLogger, check_finite
 from harness.schedule import build_scheduler
 from harness.stages.common import (PER_LAYER_STAGES, group_dir, load_job_teacher, num_student_layers, resolve_device,
                                    run_dir, teacher_dtype)
-from harness.student import StudentBlock, student_config
+from harness.student import FIT_KINDS, StudentBlock, fit_output_scales, student_config, student_rotary
 from harness.teacher import capture_activations
 
 WEIGHTS = "weights.safetensors"
@@ -163,9 +166,10 @@ def layer_seed(seed: int, layer: int) -> int:
 
 
 def init_mixer(teacher_layer: nn.Module, config: Any, layer: int, seed: int) -> Mixer:
-    """Layer `layer`'s stage-1 mixer: the teacher attention's Q/K/V/O, new parameters drawn under
-    `layer_seed(seed, layer)` (fp32). Equals build_student's mixer for that layer given the same RNG state
-    at its reset_new_parameters(), which redraws every parameter the teacher lacks."""
+    """Layer `layer`'s stage-1 mixer before its output scale is fitted (`fit_output_scales`): the teacher
+    attention's Q/K/V/O, new parameters drawn under `layer_seed(seed, layer)` (fp32). Equals build_student's mixer
+    for that layer given the same RNG state at its reset_new_parameters(), which redraws every parameter the
+    teacher lacks."""
     options = mixer_options(config.mixer, config.mixer_options)
     mixer = mixer_class(config.mixer)(MixerShape.from_config(config), options, layer).float()
     mixer.transfer_from_attention(teacher_layer.self_attn)
@@ -188,8 +192,16 @@ def init_block(stage1: dict[int, Path], teacher_layer: nn.Module, config: Any, l
     if result.missing_keys or result.unexpected_keys:
         raise ConfigError(f"{stage1[layer]} does not match the {config.mixer} mixer of layer {layer} (missing "
                           f"{result.missing_keys}, unexpected {result.unexpected_keys}); was stage 1 run with "
-                          "another student.mixer or student.options?")
+                          "another student.mixer or student.options? (docs/TRANSFER.md, 'Compatibility', for runs "
+                          "begun under older defaults)")
     return block
+
+
+def first_batch(job: JobConfig, corpus: Any) -> torch.Tensor:
+    """The first micro-batch of stage 1's stream (input_ids `[b, T]`): what `fit_output_scales` fits on, the same
+    for every layer group (each reads the stage's whole stream)."""
+    cfg = job.stages.align_mixer
+    return next(iter(corpus.stage_stream("align_mixer", job).loader(0, 1, cfg.micro_batch_size, 1)))["input_ids"]
 
 
 def build_group(job: JobConfig, stage: str, layers: list[int], teacher: Any, config: Any) -> nn.ModuleDict:
@@ -254,17 +266,24 @@ def clip_per_layer(group: nn.ModuleDict, max_norm: float) -> dict[int, float]:
 
 def _rope_fn(config: Any, device: torch.device):
     """position_embeddings for a [B, T] batch when the mixer uses RoPE (positions 0..T-1, as the teacher's)."""
-    if not (config.mixer_options or {}).get("rope", False):
+    rotary = student_rotary(config)
+    if rotary is None:
         return lambda ids: None
-    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
-
-    rotary = LlamaRotaryEmbedding(config).to(device)
+    rotary = rotary.to(device)
 
     def rope(ids: torch.Tensor):
         pos = torch.arange(ids.shape[1], device=device)[None].expand(ids.shape[0], -1)
         return rotary(torch.empty(0, device=device, dtype=torch.float32), pos)
 
     return rope
+
+
+def stage_autocast(job: JobConfig, device: torch.device) -> Any:
+    """The autocast stages 1-2 run their modules under: teacher.dtype on a GPU (fp32 masters), none on a CPU."""
+    dtype = teacher_dtype(job, device)
+    if device.type == "cuda" and dtype != torch.float32:
+        return torch.autocast("cuda", dtype=dtype)
+    return contextlib.nullcontext()
 
 
 def _write_weights(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> None:
@@ -334,6 +353,11 @@ def _setup(job: JobConfig, stage: str, layers: list[int], gdir: Path, device: to
     torch.manual_seed(job.seed)
     config = student_config(teacher.model.config, job.student.mixer, dict(job.student.options))
     group = build_group(job, stage, layers, teacher, config).to(device).train()
+    if stage == "align_mixer":  # before training, and again on resume (the checkpoint then overwrites it)
+        ids = first_batch(job, corpus).to(device)
+        acts = capture_activations(teacher.model, ids, layers=layers, kinds=FIT_KINDS)
+        fit_output_scales({int(k): m for k, m in group.items()}, acts, _rope_fn(config, device)(ids),
+                          stage_autocast(job, device))
     optimizer = torch.optim.AdamW(param_groups(group, cfg.weight_decay), lr=cfg.lr, betas=(0.9, 0.95))
     identity = {"stage": stage, "layers": layers, "mixer": job.student.mixer,
                 "options": dict(job.student.options), "total_steps": total_steps}
@@ -348,7 +372,12 @@ def _restore(run: _Run) -> Optional[CheckpointInfo]:
         return None
     _check_identity(latest.meta, run.identity, run.gdir)
     state = torch.load(latest.path / STATE, map_location="cpu", weights_only=True)
-    run.group.load_state_dict(state["model"])
+    try:
+        run.group.load_state_dict(state["model"])
+    except RuntimeError as err:
+        raise ConfigError(f"The checkpoint {latest.path} does not fit this group's mixers ({str(err).splitlines()[0]}"
+                          f" ...): was it written under other student.options? (docs/TRANSFER.md, 'Compatibility', "
+                          "for runs begun under older defaults)") from err
     run.optimizer.load_state_dict(state["optimizer"])
     run.scheduler.load_state_dict(state["scheduler"])
     run.loader.load_state_dict(state["data"])
@@ -374,9 +403,7 @@ def _train(run: _Run, resumed: Optional[CheckpointInfo], stop_after_steps: Optio
     device = next(run.group.parameters()).device
     total_steps = run.identity["total_steps"]
     rope = _rope_fn(student_config(run.teacher.model.config, job.student.mixer, dict(job.student.options)), device)
-    dtype = teacher_dtype(job, device)
-    autocast = (torch.autocast("cuda", dtype=dtype) if device.type == "cuda" and dtype != torch.float32
-                else contextlib.nullcontext())
+    autocast = stage_autocast(job, device)
     every, done_here, saved_at = job.run.checkpoint_every_tokens, 0, run.step if resumed else -1
     name = f"{run.stage}/{run.gdir.name}"
     with RunLogger(run.gdir, stage=name, total_tokens=run.loader.tokens_total,

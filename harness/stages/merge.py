@@ -73,7 +73,8 @@ def load_layers(student: HarnessForCausalLM, files: dict[int, Path]) -> None:
         if set(tensors) != want:
             raise ConfigError(f"{path} does not hold exactly the tensors of student layer {layer} (missing "
                               f"{sorted(want - set(tensors))}, unexpected {sorted(set(tensors) - want)}); was stage "
-                              "2 run with another student.mixer or student.options?")
+                              "2 run with another student.mixer or student.options? (docs/TRANSFER.md, "
+                              "'Compatibility', for runs begun under older defaults)")
         with torch.no_grad():
             for name, t in tensors.items():
                 params[prefix + name].copy_(t)

@@ -37,16 +37,30 @@ def run(layer, x):
 @pytest.mark.parametrize("layout, seq", [("135M", 2048), ("135M", 1000), ("1.7B", 2048)])
 @pytest.mark.parametrize("name", list(MIXERS))
 def test_kernel_layer_matches_reference(name, layout, seq):
-    shape = LAYOUTS[layout]
+    check_kernel_against_reference(name, LAYOUTS[layout], seq, {})
+
+
+OTHER_INITS = ([(n, {"qkv_activation": "identity"}) for n in ("deltanet", "gated_deltanet", "kda")]
+               + [(n, {"conv_init": "random"}) for n in ("deltanet", "gated_deltanet", "kda")]
+               + [(n, {"gate_init": "random"}) for n in ("retnet", "gla", "gated_deltanet", "kda", "mlstm")])
+
+
+@pytest.mark.parametrize("name, options", OTHER_INITS)
+def test_kernel_layer_matches_reference_under_the_other_init_options(name, options):
+    """The options docs/TRANSFER.md compares change the fused operators (convolution without SiLU, a random gate)."""
+    check_kernel_against_reference(name, LAYOUTS["135M"], 2048, options)
+
+
+def check_kernel_against_reference(name, shape, seq, options):
     torch.manual_seed(0)
-    kernel = mixer_class(name)(shape, mixer_options(name, {"backend": "kernel"}))
+    kernel = mixer_class(name)(shape, mixer_options(name, {"backend": "kernel", **options}))
     kernel.reset_new_parameters()
     with torch.no_grad():
         for proj in (kernel.q_proj, kernel.k_proj, kernel.v_proj, kernel.o_proj):
             proj.weight.normal_(0, shape.hidden_size**-0.5)
-    ref = mixer_class(name)(shape, mixer_options(name, {"backend": "reference"}))
+    ref = mixer_class(name)(shape, mixer_options(name, {"backend": "reference", **options}))
     ref.load_state_dict(kernel.state_dict())
-    floor = mixer_class(name)(shape, mixer_options(name, {"backend": "reference"}))
+    floor = mixer_class(name)(shape, mixer_options(name, {"backend": "reference", **options}))
     floor.load_state_dict(kernel.state_dict())
     kernel, ref, floor = kernel.cuda().bfloat16(), ref.cuda().float(), floor.cuda().bfloat16()
     x = torch.randn(2, seq, shape.hidden_size, device="cuda", dtype=torch.bfloat16)
