@@ -180,6 +180,35 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("--merged", help="The run's merged student (for the config); default: RUN_DIR/merged.")
     export.set_defaults(handler=cmd_export)
 
+    transfer = sub.add_parser(
+        "transfer", help="Measure how close each student mixer starts to the teacher's attention, per layer.",
+        description="Before any training: build each layer's mixer as stage 1 starts it, feed it the teacher's "
+        "normalised input on held-out sequences of the job's data, and compare it with the teacher's attention: "
+        "output error (mse = the stage-1 loss at step 0, rel_mse, cosine, norm_ratio), and per query row the "
+        "correlation of the mixer's q.k scores with the teacher's logits (qk_corr) and of its effective mixing "
+        "weights with the teacher's attention probabilities (mix_corr). With a finished stage 1 in the run "
+        "directory, the job's mixer is measured again with its stage-1 weights. Writes transfer.json and "
+        "transfer.md (docs/TRANSFER.md explains the columns).",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="examples:\n  harness transfer jobs/quickstart.yaml\n"
+        "  harness transfer jobs/quickstart.yaml --mixer all --variant gate_init=random --variant conv_init=random\n"
+        "  harness transfer jobs/study-small/smollm2-135m-gla-small.yaml --layers 0-5 --sequences 4 --per-layer",
+    )
+    _add_job_args(transfer)
+    transfer.add_argument("--mixer", help="Mixers to measure: a name, a comma list, or 'all' (default: the job's).")
+    transfer.add_argument("--variant", action="append", default=[], metavar="OPTIONS",
+                          help="Also measure with these mixer options on top of the job's, e.g. "
+                          "conv_init=random or rope=true,rope_theta=10000 (repeatable; applies to the mixers that "
+                          "have the options).")
+    transfer.add_argument("--layers", help="Layers to measure, e.g. 0-9 or 3,7 (default: all).")
+    transfer.add_argument("--sequences", type=int, default=2, help="Held-out sequences (default 2).")
+    transfer.add_argument("--seq-len", type=int,
+                          help="Tokens per sequence, at most data.seq_len (default: data.seq_len, at most 512; the "
+                          "mixing weights cost T x T per head).")
+    transfer.add_argument("--out", help="Folder for transfer.json and transfer.md (default: RUN_DIR/transfer).")
+    transfer.add_argument("--per-layer", action="store_true", help="Print (and write) the per-layer rows too.")
+    transfer.set_defaults(handler=cmd_transfer)
+
     mixers = sub.add_parser("mixers", help="List the seven mixers and their options.",
                             description="List the mixers and each one's options with defaults and descriptions.")
     mixers.set_defaults(handler=cmd_mixers)
@@ -356,6 +385,35 @@ def cmd_export(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_transfer(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from harness.config import load_job
+    from harness.stages.common import num_student_layers, parse_layers, run_dir
+    from harness.transfer import markdown, resolve_mixers, transfer_report, write_report
+
+    job = load_job(args.job, args.overrides)
+    args.seq_len = args.seq_len if args.seq_len is not None else min(512, job.data.seq_len)
+    for name, value in (("--sequences", args.sequences), ("--seq-len", args.seq_len)):
+        if value < 1:
+            raise ConfigError(f"{name} {value} must be at least 1.")
+    if args.seq_len > job.data.seq_len:
+        raise ConfigError(f"--seq-len {args.seq_len} is longer than the job's data.seq_len={job.data.seq_len}.")
+    try:
+        mixers = resolve_mixers(args.mixer, job.student.mixer)
+        layers = parse_layers(args.layers, num_student_layers(job)) if args.layers else None
+        report = transfer_report(job, mixers=mixers, variants=args.variant, layers=layers,
+                                 sequences=args.sequences, seq_len=args.seq_len)
+    except ValueError as err:
+        if isinstance(err, ConfigError):
+            raise
+        raise ConfigError(str(err)) from err
+    paths = write_report(report, Path(args.out) if args.out else run_dir(job) / "transfer", args.per_layer)
+    print(markdown(report, args.per_layer), end="")
+    print(f"\n[harness] wrote {paths[0]} and {paths[1]}")
+    return 0
+
+
 def cmd_mixers(args: argparse.Namespace) -> int:
     from harness.mixers import MIXERS, describe_options
 
@@ -363,7 +421,8 @@ def cmd_mixers(args: argparse.Namespace) -> int:
         doc = (sys.modules[cls.__module__].__doc__ or "").strip().split("\n\n")[0]
         print(f"{name}\n" + textwrap.indent(textwrap.fill(" ".join(doc.split()), 96), "    "))
         for opt, default, help_text in describe_options(name):
-            print(f"      {opt} = {default!r}: {help_text}")
+            print(textwrap.fill(f"{opt} = {default!r}: {help_text}", 110, initial_indent=" " * 6,
+                                subsequent_indent=" " * 10))
     return 0
 
 
