@@ -10,8 +10,13 @@
 # writes the reports, metrics and logs of every run so far (no checkpoints or weights) to $OUT/study-small.tar.xz.
 # GPU_TESTS="pytest arguments" also runs those GPU tests on the last GPU beside the lanes (log: $OUT/gpu_tests.log).
 # HARNESS_DECODE_GRAPHS=0 makes the evaluations decode eagerly (harness/decoding.py).
+# RUNS (default runs/study-small) is where the runs go and what comes back; OVERRIDES (default none) are job
+# overrides given to every run, e.g. OVERRIDES="eval.enabled=false" with RUNS=runs/transfer-small for the
+# transfer-fidelity runs of docs/TRANSFER.md. The payload may leave out lm-eval (evalsite) when nothing evaluates.
+# A lane's job may carry a tag, JOB/TAG (e.g. gated_deltanet-small/authors): the run is NAME-TAG, with the tag's
+# overrides (tag_overrides below) after OVERRIDES.
 set -u
-S=runs/study-small
+S=${RUNS:-runs/study-small}
 STOP_AT=${STOP_AT:-520}
 KILL_AT=${KILL_AT:-555}
 DEFAULT_LANES=("0:gated_deltanet-small kda-small" "0:deltanet-small gla-small"
@@ -23,21 +28,38 @@ setup() {
   rm -rf /tmp/carry
   source .devbundle/setup.sh || exit 4
   export HARNESS_CACHE=/tmp/hc HF_HUB_OFFLINE=1 PYTHONPATH=$PYTHONPATH:/tmp/evalsite
-  python3 -c "import lm_eval, harness; harness.load_teacher('smollm2-135m-instruct-gguf')" || exit 4
+  if [ -d /tmp/evalsite ]; then python3 -c "import lm_eval" || exit 4; fi
+  python3 -c "import harness; harness.load_teacher('smollm2-135m-instruct-gguf')" || exit 4
   python3 -m harness.cli data prepare jobs/study-small/smollm2-135m-gla-small.yaml >/tmp/prepare.log 2>&1 \
     || { tail -n 20 /tmp/prepare.log; exit 4; }
   tail -n 7 /tmp/prepare.log
   touch /tmp/hc/.ready
 }
 
-lane() {  # lane GPU JOB...: the jobs one after another on one GPU; a failed job does not stop the lane
-  local gpu=$1 m n
+tag_overrides() {  # the job overrides of a lane tag
+  case $1 in
+    "") ;;
+    authors) echo "student.options.gate_init=random student.options.output_scale=none" ;;  # before docs/TRANSFER.md
+    authors-delta) echo "student.options.conv_init=random student.options.gate_init=random" \
+                        "student.options.output_scale=none student.options.qkv_activation=silu" ;;
+    *) echo "unknown lane tag '$1'" >&2; return 1 ;;
+  esac
+}
+
+lane() {  # lane GPU JOB[/TAG]...: the jobs one after another on one GPU; a failed job does not stop the lane
+  local gpu=$1 m n job tag extra
   shift
   for m; do
-    n=smollm2-135m-$m
+    job=${m%%/*}
+    tag=${m#"$job"}
+    tag=${tag#/}
+    extra=$(tag_overrides "$tag") || continue
+    n=smollm2-135m-$job${tag:+-$tag}
     [ -f "$S/$n/DONE" ] && continue
     [ -e "$HARNESS_PREEMPT_FILE" ] && return
-    if CUDA_VISIBLE_DEVICES=$gpu python3 -m harness.cli run "jobs/study-small/$n.yaml"; then
+    # shellcheck disable=SC2086 # OVERRIDES and extra are lists of key=value words
+    if CUDA_VISIBLE_DEVICES=$gpu python3 -m harness.cli run "jobs/study-small/smollm2-135m-$job.yaml" ${OVERRIDES:-} \
+         $extra name="$n" output_dir="$S/$n"; then
       touch "$S/$n/DONE"
     else
       echo "lane $gpu: $n stopped or failed (rc $?) at ${SECONDS}s"
@@ -49,8 +71,8 @@ lanes() {
   source .devbundle/setup.sh || exit 4
   test -f /tmp/hc/.ready || { echo "fresh machine: carry the payload again and run setup"; exit 3; }
   export HARNESS_CACHE=/tmp/hc PYTHONPATH=$PYTHONPATH:/tmp/evalsite HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 \
-         HARNESS_PREEMPT_FILE=/tmp/stop S
-  export -f lane
+         HARNESS_PREEMPT_FILE=/tmp/stop S OVERRIDES
+  export -f lane tag_overrides
   rm -f /tmp/stop
   mkdir -p "$S" "$OUT"
   (sleep $((STOP_AT - SECONDS)); touch /tmp/stop) &
@@ -72,9 +94,10 @@ lanes() {
   tail -n 2 "$S"/lane*.log
   ls "$S"/*/DONE 2>/dev/null
   for t in "$S"/*/logs/timings.jsonl; do [ -f "$t" ] && echo "$t: $(tr '\n' ' ' <"$t" | cut -c1-400)"; done
-  (cd runs && find study-small -regex 'study-small/[^/]*/\(student\|merged\|student-sft\)' -prune \
+  local top=${S#runs/}
+  (cd runs && find "$top" -regex "$top/[^/]*/\(student\|merged\|student-sft\)" -prune \
      -o \( -name checkpoints -o -name tb -o -name snapshots \) -prune -o -type f ! -name '*.safetensors' -print \
-     | tar -cJf "$OUT/study-small.tar.xz" -T -)
+     | tar -cJf "$OUT/$top.tar.xz" -T -)
   ls -l "$OUT"
 }
 

@@ -24,20 +24,22 @@ import yaml
 
 from harness.mixers import mixer_options
 
-# What each mixer is compared under: the authors' init as the harness had it before docs/TRANSFER.md ("authors"),
-# the single changes the report singles out, and today's defaults ("default": no override).
-AUTHORS = {"conv": "conv_init=random,gate_init=random,output_scale=none",
+# What each mixer is compared under: the authors' init as the harness had it before docs/TRANSFER.md (the first
+# entry), single changes, and today's defaults ("": no override). Spelt out in full, so that a row keeps its meaning
+# when a default changes (each row also records its resolved options).
+AUTHORS = {"conv": "conv_init=random,gate_init=random,output_scale=none,qkv_activation=silu",
            "gate": "gate_init=random,output_scale=none", "plain": "output_scale=none"}
 VARIANTS = {
     "linear_attn": ["output_scale=none", "", "rope=true"],
     "retnet": [AUTHORS["gate"], "output_scale=none", "", "rope=true", "rope=true,rope_theta=10000", "gate_init=random"],
     "gla": [AUTHORS["gate"], "output_scale=none", "", "rope=true", "gate_init=random"],
-    "deltanet": ["conv_init=random,output_scale=none", "output_scale=none", "", "qkv_activation=identity",
-                 "rope=true"],
-    "gated_deltanet": [AUTHORS["conv"], "gate_init=random,output_scale=none", "output_scale=none", "",
-                       "qkv_activation=identity", "rope=true", "gate_init=random"],
-    "kda": [AUTHORS["conv"], "gate_init=random,output_scale=none", "output_scale=none", "", "gate_init=random",
-            "qkv_activation=identity", "rope=true"],
+    "deltanet": ["conv_init=random,output_scale=none,qkv_activation=silu", "output_scale=none,qkv_activation=silu",
+                 "qkv_activation=silu", "", "rope=true,qkv_activation=silu"],
+    "gated_deltanet": [AUTHORS["conv"], "gate_init=random,output_scale=none,qkv_activation=silu",
+                       "output_scale=none,qkv_activation=silu", "qkv_activation=silu", "",
+                       "rope=true,qkv_activation=silu", "gate_init=random"],
+    "kda": [AUTHORS["conv"], "gate_init=random,output_scale=none,qkv_activation=silu",
+            "output_scale=none,qkv_activation=silu", "qkv_activation=silu", "", "gate_init=random", "rope=true"],
     "mlstm": [AUTHORS["gate"], "output_scale=none", "", "rope=true", "gate_init=random"],
 }
 

@@ -62,9 +62,11 @@ def test_identity_conv_and_identity_activation_keep_the_copied_projections(name)
     q, k, v, _ = m.project_qkv(x, None, False)
     heads = lambda t: t.unflatten(-1, (SHAPE.num_heads, SHAPE.head_dim))  # noqa: E731
     assert torch.equal(q, heads(m.q_proj(x))) and torch.equal(k, heads(m.k_proj(x))) and torch.equal(v, heads(m.v_proj(x)))
-    silu = mixer(name)
-    assert torch.equal(silu.project_qkv(x, None, False)[0], F.silu(heads(silu.q_proj(x))))  # the default: SiLU only
-    assert torch.equal(mixer(name, short_conv=False).project_qkv(x, None, False)[0], F.silu(heads(silu.q_proj(x))))
+    assert torch.equal(mixer(name).project_qkv(x, None, False)[0], q)  # the default
+    silu = mixer(name, qkv_activation="silu")
+    torch.testing.assert_close(silu.project_qkv(x, None, False)[0], F.silu(heads(silu.q_proj(x))), rtol=2.5e-7, atol=0)
+    no_conv = mixer(name, short_conv=False, qkv_activation="silu")
+    assert torch.equal(no_conv.project_qkv(x, None, False)[0], F.silu(heads(no_conv.q_proj(x))))
 
 
 @pytest.mark.parametrize("name", GATED)

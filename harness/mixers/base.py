@@ -398,9 +398,9 @@ class ConvOptions(MixerOptions):
                                       "random: PyTorch's default, as fla's layers (trained from scratch) use."})
 
     qkv_activation: str = field(
-        default="silu", metadata={"help": "After the short convolution (or alone without it): silu, as fla's "
-                                  "delta-rule layers, or identity, which keeps the copied q, k, v linear (q and k are "
-                                  "L2-normalised either way)."})
+        default="identity", metadata={"help": "After the short convolution (or alone without it): identity keeps the "
+                                      "copied q, k, v linear, as the teacher's are (q and k are L2-normalised either "
+                                      "way); silu, as fla's delta-rule layers (docs/TRANSFER.md)."})
 
     def __post_init__(self) -> None:
         super().__post_init__()

@@ -40,7 +40,7 @@ def test_kernel_layer_matches_reference(name, layout, seq):
     check_kernel_against_reference(name, LAYOUTS[layout], seq, {})
 
 
-OTHER_INITS = ([(n, {"qkv_activation": "identity"}) for n in ("deltanet", "gated_deltanet", "kda")]
+OTHER_INITS = ([(n, {"qkv_activation": "silu"}) for n in ("deltanet", "gated_deltanet", "kda")]
                + [(n, {"conv_init": "random"}) for n in ("deltanet", "gated_deltanet", "kda")]
                + [(n, {"gate_init": "random"}) for n in ("retnet", "gla", "gated_deltanet", "kda", "mlstm")])
 
