@@ -27,8 +27,17 @@ from harness.stages.common import load_job_teacher
 from tests.pipeline import tiny_job
 
 REPO = Path(__file__).resolve().parents[1]
-SMALL = ["budget.split=[0.05,0.05,0.9]", "data.validation_tokens=128", "stages.distill.lr=3e-3",
+SMALL = ["budget.split=[0.05,0.05,0.9]", "data.validation_tokens=128", "stages.distill.lr=1e-3",
          "stages.distill.warmup_fraction=0.2"]
+# Engine-against-reference comparisons start from the authors' init (random gate and conv, SiLU on q, k, v), whose
+# trajectories agree to ~1e-7 in loss over these steps. The transfer init is worse conditioned at this scale: an
+# open gate's weights are 0, and Adam's first step moves every entry by ~lr * sign(gradient), so entries whose
+# gradient is at rounding level take a random sign (no bulk of weights dilutes it), and linear q, k add
+# cancellation; engine and reference then differ by ~1.5e-4 in that gate's weights (at lr 3e-3 by ~1e-4 in loss by
+# step 9), beyond the tolerances that find the errors looked for here. The defaults train end to end in
+# tests/test_pipeline.py.
+CONDITIONED = ["student.options.gate_init=random", "student.options.conv_init=random",
+               "student.options.qkv_activation=silu"]
 
 
 def partition_everything(tmp: Path) -> list[str]:
@@ -131,7 +140,7 @@ PLACEMENTS = {
 @pytest.mark.parametrize("placement", list(PLACEMENTS))
 def test_two_processes_match_plain_single_process(tmp_path, placement):
     out = tmp_path / "zero3"
-    job_path = write_job(tmp_path, out, "deepspeed.world_size=2", *PLACEMENTS[placement])
+    job_path = write_job(tmp_path, out, "deepspeed.world_size=2", *CONDITIONED, *PLACEMENTS[placement])
     output = launch(job_path, world=2)
     teacher = "zero3" if placement == "zero3" else "replicated"
     assert f"distill: teacher {teacher}" in output
@@ -160,7 +169,7 @@ def test_plain_engine_matches_the_plain_pytorch_reference(tmp_path, batch):
     gradient accumulation too: the same 4 sequences per step) and exports through the same path."""
     out = tmp_path / "plain"
     job_path = write_job(tmp_path, out, "deepspeed.student_engine=plain", "deepspeed.teacher_placement=replicated",
-                         *batch)
+                         *CONDITIONED, *batch)
     launch(job_path)
     assert list((out / "distill" / "checkpoints").glob("step-*/ds/plain_engine.pt")), "not the plain engine's format"
     engine_losses = losses(out)
@@ -169,11 +178,13 @@ def test_plain_engine_matches_the_plain_pytorch_reference(tmp_path, batch):
     assert len(engine_losses) == len(plain_losses) >= 5
     for step, value in engine_losses.items():
         assert value == pytest.approx(plain_losses[step - 1], rel=1e-5), step
-    # the logged norm is the whole step's gradient before clipping: it sees a wrong accumulation scale, which
-    # clipping and Adam would hide from the losses
+    # the logged norm is the whole step's gradient before clipping: it sees a wrong accumulation scale (a factor of
+    # at least sqrt(2)), which clipping and Adam would hide from the losses. It is the worse conditioned
+    # figure (a zero-initialised bias's gradient is a sum over tokens that cancels, and 2 x 2 micro-batches sum in
+    # another order than 4 at once)
     logged = [json.loads(line) for line in (out / "distill" / "metrics.jsonl").read_text().splitlines()]
     norms = {r["step"]: r["grad_norm"] for r in logged if "grad_norm" in r}
-    assert norms and all(v == pytest.approx(plain_norms[step - 1], rel=1e-4) for step, v in norms.items()), norms
+    assert norms and all(v == pytest.approx(plain_norms[step - 1], rel=1e-3) for step, v in norms.items()), norms
     exported = student_weights(out)
     for name, tensor in exported.items():
         rel = ((tensor - plain_state[name]).norm() / plain_state[name].norm()).item()

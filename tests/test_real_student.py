@@ -16,10 +16,11 @@ CONV = 3 * INNER * 4  # depthwise short conv over q, k, v, kernel 4, no bias
 KV_EXPANSION = 2 * (INNER - KVH * D) * C  # k_proj and v_proj grow from 3 to 9 heads
 NEW_PER_LAYER = {  # written from the mixers' definitions, not from the code
     "linear_attn": 0,
-    "retnet": C * INNER + D,
-    "gla": C * 16 + 16 * INNER + INNER + C * INNER + D,
+    # a swish output gate (retnet, gla, gated_deltanet) has a bias: silu(bias) = 1 opens it at step 0
+    "retnet": C * INNER + INNER + D,
+    "gla": C * 16 + 16 * INNER + INNER + C * INNER + INNER + D,
     "deltanet": CONV + C * H + D,
-    "gated_deltanet": CONV + 2 * C * H + 2 * H + C * INNER + D,
+    "gated_deltanet": CONV + 2 * C * H + 2 * H + C * INNER + INNER + D,
     "kda": CONV + (C * D + D * INNER) + C * H + H + INNER + (C * D + D * INNER + INNER) + D,
     "mlstm": 2 * (C * H + H) + C * INNER + INNER,
 }
