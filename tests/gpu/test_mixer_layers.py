@@ -24,7 +24,10 @@ def within_floor(kernel_err: float, floor_err: float) -> bool:
 
 
 def rel(a, b):
-    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+    """Relative error of a against b; the absolute error where b is exactly 0 (e.g. the gradient of the factor
+    in front of an open gate's zero weights: it is 0 at step 0 on either path)."""
+    diff, ref = (a.float() - b.float()).norm(), b.float().norm()
+    return (diff / ref if ref > 0 else diff).item()
 
 
 def run(layer, x):
