@@ -22,12 +22,14 @@ from transformers.cache_utils import Cache
 from transformers.modeling_outputs import ModelOutput
 from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm, LlamaRotaryEmbedding
 
-from harness.mixers import Mixer, MixerShape, MixerState, mixer_class, mixer_options
+from harness.mixers import Mixer, MixerShape, MixerState, mixer_class, mixer_options, resolved_options, saved_options
 
 
 @strict
 class HarnessConfig(LlamaConfig):
-    """A Llama config plus the mixer that replaces attention (and its options)."""
+    """A Llama config plus the mixer that replaces attention and its options: every option, as `student_config`
+    writes them; a key missing (a student saved before that option existed) is read as it was then
+    (`harness.mixers.saved_options`)."""
 
     model_type = "harness_student"
     mixer: str = "gated_deltanet"
@@ -125,7 +127,7 @@ class StudentBlock(nn.Module):
 
     def __init__(self, config: HarnessConfig, layer_idx: int):
         super().__init__()
-        options = mixer_options(config.mixer, config.mixer_options)
+        options = saved_options(config.mixer, config.mixer_options)
         self.input_layernorm = BlockRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.mixer: Mixer = mixer_class(config.mixer)(MixerShape.from_config(config), options, layer_idx)
         self.post_attention_layernorm = BlockRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
@@ -144,6 +146,8 @@ class HarnessPreTrainedModel(PreTrainedModel):
     base_model_prefix = "model"
     supports_gradient_checkpointing = True
     _no_split_modules = ["StudentBlock"]
+    # students saved before gate_init existed have swish gates without a bias; initialised to 0 it computes the same
+    _keys_to_ignore_on_load_missing = [r"\.mixer\.g_proj\.bias$"]
 
 
 class HarnessModel(HarnessPreTrainedModel):
@@ -341,7 +345,8 @@ def student_config(teacher_config: Any, mixer: str, options: dict[str, Any]) -> 
     fields = {k: v for k, v in teacher_config.to_dict().items() if k in HarnessConfig.__dataclass_fields__}
     for drop in ("model_type", "architectures", "quantization_config", "transformers_version", "dtype"):
         fields.pop(drop, None)
-    return HarnessConfig(**fields, mixer=mixer, mixer_options=dict(options), architectures=["HarnessForCausalLM"])
+    return HarnessConfig(**fields, mixer=mixer, mixer_options=resolved_options(mixer, options),
+                         architectures=["HarnessForCausalLM"])
 
 
 @torch.no_grad()

@@ -224,7 +224,10 @@ def test_rope_mixer_trains_and_merges(make_job, tmp_path):
     from transformers import AutoModelForCausalLM
 
     student = AutoModelForCausalLM.from_pretrained(merge_student(job))
-    assert student.config.mixer_options == {"rope": True} and student.config.num_hidden_layers == 1
+    from harness.mixers import resolved_options
+
+    assert student.config.mixer_options == resolved_options(job.student.mixer, {"rope": True})  # every option
+    assert student.config.num_hidden_layers == 1
     assert torch.isfinite(student(torch.arange(20)[None]).logits).all()
 
 
@@ -305,3 +308,34 @@ def test_stage2_needs_stage1(runs, make_job, tmp_path):
     shutil.copytree(src, group_dir(job, "align_mixer", [2, 3]))
     with pytest.raises(ConfigError, match=r"layer\(s\) \[1\].*--layers 1`"):
         align_group(job, "align_hidden", [1, 2])
+
+
+def test_groups_made_under_other_options_are_refused_with_the_overrides_that_continue_them(runs, make_job, tmp_path):
+    """A finished group records every mixer option it was made under; one from before the init options existed
+    records none of them, so it was made under their old values: a job with today's defaults refuses it (its
+    weights belong to another network) and names the overrides that continue the run as it began."""
+    import shutil
+
+    from harness.mixers import LEGACY_OPTION_VALUES, resolved_options
+
+    a, _ = runs
+    job = make_job(tmp_path)
+    for stage, groups in (("align_mixer", [[0, 1, 2, 3]]), ("align_hidden", [[0, 1], [2, 3]])):
+        for layers in groups:
+            dst = group_dir(job, stage, layers)
+            shutil.copytree(group_dir(a, stage, layers), dst)
+            record = json.loads((dst / "COMPLETE.json").read_text())
+            assert record["meta"]["options"] == resolved_options(a.student.mixer, a.student.options)
+            record["meta"]["options"] = {}  # as written before 2026-12-01
+            (dst / "COMPLETE.json").write_text(json.dumps(record))
+    keep = [f"student.options.{k}={v}" for k, v in LEGACY_OPTION_VALUES.items()
+            if k in resolved_options(job.student.mixer)]
+    assert len(keep) == 4  # gated_deltanet has all four
+    for attempt in (lambda: align_group(job, "align_mixer", [0, 1, 2, 3]), lambda: merge_student(job)):
+        with pytest.raises(ConfigError, match="made under other student.options") as err:
+            attempt()
+        assert all(k in str(err.value) for k in keep), str(err.value)
+    legacy = make_job(tmp_path, *keep)
+    assert align_group(legacy, "align_mixer", [0, 1, 2, 3]) == group_dir(job, "align_mixer", [0, 1, 2, 3])
+    with pytest.raises(ConfigError, match="student.mixer=gated_deltanet, not retnet"):
+        align_group(make_job(tmp_path, "student.mixer=retnet"), "align_mixer", [0, 1, 2, 3])

@@ -194,3 +194,38 @@ def test_a_zero_embedding_row_is_named_when_the_student_is_built():
     student.model(ids)
     assert float(hidden["x"][0, 2].abs().max()) == 0.0  # what the warning is about
     assert float(hidden["x"][0, 1].abs().max()) > 0.0
+
+
+@pytest.mark.parametrize("name", list(MIXERS))
+def test_a_student_saved_before_the_init_options_loads_as_it_was_made(teacher, name, tmp_path):
+    """A student saved before conv_init, qkv_activation, gate_init and output_scale existed (its config lacks them,
+    and a swish gate had no bias) loads under those options' old values (LEGACY_OPTION_VALUES) and computes what
+    it computed then: the same logits."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    from harness.mixers import LEGACY_OPTION_VALUES, resolved_options
+
+    legacy = {k: v for k, v in LEGACY_OPTION_VALUES.items() if k in resolved_options(name)}
+    student = harness.build_student(teacher, name, backend="reference", **legacy)
+    randomize_new_parameters(student)
+    swish_bias = [n for n in student.state_dict() if n.endswith("mixer.g_proj.bias")]  # added with gate_init
+    with torch.no_grad():
+        for n in swish_bias:
+            student.get_parameter(n).zero_()  # what the old gate without a bias computed
+    ids = torch.randint(3, 97, (2, 21))
+    with torch.no_grad():
+        before = student(ids).logits
+    student.save_pretrained(tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    config["mixer_options"] = {k: v for k, v in config["mixer_options"].items() if k not in legacy}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    weights = load_file(tmp_path / "model.safetensors")
+    save_file({k: v for k, v in weights.items() if k not in swish_bias}, tmp_path / "model.safetensors",
+              metadata={"format": "pt"})
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path)
+    for option, value in legacy.items():
+        assert getattr(loaded.model.layers[0].mixer.options, option) == value, option
+    with torch.no_grad():
+        assert torch.equal(loaded(ids).logits, before)

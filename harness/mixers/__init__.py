@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import fields
+from dataclasses import asdict, fields
 from typing import Any, Mapping
 
 from harness.mixers.base import Mixer, MixerOptions, MixerShape, MixerState
@@ -36,10 +36,28 @@ def mixer_options(name: str, options: Mapping[str, Any] | None = None) -> MixerO
     return cls(**dict(options or {}))
 
 
+# What the init options were before they existed (until 2026-12-01, docs/TRANSFER.md "Compatibility"). Students and
+# run records written since hold every option; one that lacks a key was made under this value.
+LEGACY_OPTION_VALUES = {"conv_init": "random", "qkv_activation": "silu", "gate_init": "random", "output_scale": "none"}
+
+
+def resolved_options(name: str, options: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """Every option of a mixer, given or default (what a student's config and a run's records store)."""
+    return asdict(mixer_options(name, options))
+
+
+def saved_options(name: str, saved: Mapping[str, Any] | None) -> MixerOptions:
+    """The options a saved student or run record was made under: its keys, and for an init option it lacks, that
+    option's value before it existed (LEGACY_OPTION_VALUES); everything else at its default."""
+    allowed = {f.name for f in fields(mixer_class(name).Options)}
+    legacy = {k: v for k, v in LEGACY_OPTION_VALUES.items() if k in allowed}
+    return mixer_options(name, {**legacy, **dict(saved or {})})
+
+
 def describe_options(name: str) -> list[tuple[str, Any, str]]:
     """(option, default, description) for each option of a mixer."""
     return [(f.name, f.default, f.metadata.get("help", "")) for f in fields(mixer_class(name).Options)]
 
 
-__all__ = ["MIXERS", "Mixer", "MixerOptions", "MixerShape", "MixerState", "mixer_class", "mixer_options",
-           "describe_options"]
+__all__ = ["LEGACY_OPTION_VALUES", "MIXERS", "Mixer", "MixerOptions", "MixerShape", "MixerState", "mixer_class",
+           "mixer_options", "describe_options", "resolved_options", "saved_options"]

@@ -36,7 +36,7 @@ import os
 import re
 import secrets
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
@@ -50,7 +50,7 @@ from harness.config import ConfigError, JobConfig
 from harness import preempt
 from harness.engine import decays
 from harness.losses import alignment_mse
-from harness.mixers import Mixer, MixerShape, mixer_class, mixer_options
+from harness.mixers import Mixer, MixerShape, mixer_class, mixer_options, resolved_options, saved_options
 from harness.observe import RunLogger, check_finite
 from harness.schedule import build_scheduler
 from harness.stages.common import (PER_LAYER_STAGES, group_dir, load_job_teacher, num_student_layers, resolve_device,
@@ -326,6 +326,7 @@ def align_group(job: JobConfig, stage: str, layers: list[int], *, device: Option
     layers = check_group(job, stage, layers)
     gdir = group_dir(job, stage, layers)
     if group_complete(job, stage, layers):
+        check_made_under(CheckpointManager(gdir).complete_meta() or {}, job, gdir)
         return gdir
     if stage == "align_hidden" and (missing := missing_layers(job, "align_mixer", layers)):
         raise missing_error("align_mixer", missing, f"align_hidden for layers {_spans(layers)}")
@@ -360,7 +361,7 @@ def _setup(job: JobConfig, stage: str, layers: list[int], gdir: Path, device: to
                           stage_autocast(job, device))
     optimizer = torch.optim.AdamW(param_groups(group, cfg.weight_decay), lr=cfg.lr, betas=(0.9, 0.95))
     identity = {"stage": stage, "layers": layers, "mixer": job.student.mixer,
-                "options": dict(job.student.options), "total_steps": total_steps}
+                "options": resolved_options(job.student.mixer, job.student.options), "total_steps": total_steps}
     return _Run(job, stage, layers, gdir, teacher, group, optimizer, build_scheduler(optimizer, cfg, total_steps),
                 loader, CheckpointManager(gdir / "checkpoints", keep_last=job.run.keep_last), identity)
 
@@ -457,8 +458,33 @@ def _finish(run: _Run) -> None:
     }, collective=False)
 
 
+def check_made_under(record: dict[str, Any], job: JobConfig, where: Path) -> None:
+    """Refuse a finished group (the meta of its COMPLETE.json, `record`) made under another mixer or other mixer options than the
+    job's: its weights belong to that network. A record without a new option was made under its old value."""
+    if record.get("mixer") != job.student.mixer:
+        raise ConfigError(f"{where} was made for student.mixer={record.get('mixer')}, not {job.student.mixer}: use "
+                          "the job that made it, another output_dir, or delete the folder to redo it.")
+    now = resolved_options(job.student.mixer, job.student.options)
+    then = asdict(saved_options(job.student.mixer, record.get("options")))
+    changed = {k: (then[k], now[k]) for k in now if then.get(k) != now[k] and k != "backend"}
+    if changed:
+        keep = " ".join(f"student.options.{k}={_spell(old)}" for k, (old, _) in changed.items())
+        raise ConfigError(
+            f"{where} was made under other student.options than the job's ("
+            + "; ".join(f"{k}: {old!r} then, {new!r} now" for k, (old, new) in changed.items())
+            + f"). Its weights belong to that network: add `{keep}` to continue the run as it began (docs/TRANSFER.md, "
+            "'Compatibility'), or use another output_dir.")
+
+
+def _spell(value: Any) -> str:
+    """An option value as a command-line override spells it."""
+    return "null" if value is None else str(value).lower() if isinstance(value, bool) else str(value)
+
+
 def _check_identity(saved: dict[str, Any], now: dict[str, Any], gdir: Path) -> None:
     """Refuse to resume a checkpoint written under another mixer, options, layers or step count."""
+    if "options" in saved and "mixer" in saved:  # options as saved: a missing init option had its old value
+        saved = {**saved, "options": asdict(saved_options(saved["mixer"], saved["options"]))}
     changed = [k for k, v in now.items() if k in saved and saved[k] != v]
     if changed:
         detail = "; ".join(f"{k}: saved {saved[k]!r}, now {now[k]!r}" for k in changed)

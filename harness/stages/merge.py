@@ -18,9 +18,10 @@ from pathlib import Path
 
 import torch
 
-from harness.checkpoint import file_digest
+from harness.checkpoint import CheckpointManager, file_digest
 from harness.config import ConfigError, JobConfig
-from harness.stages.align import find_group_weights, missing_error, read_layer_tensors
+from harness.mixers import resolved_options
+from harness.stages.align import check_made_under, find_group_weights, missing_error, read_layer_tensors
 from harness.stages.common import load_job_teacher, num_student_layers, run_dir
 from harness.student import HarnessForCausalLM, build_student
 
@@ -48,13 +49,16 @@ def merge_student(job: JobConfig) -> Path:
     missing = [l for l in range(n) if l not in files]
     if missing:
         raise missing_error("align_hidden", missing, "merge")
+    for path in sorted(set(files.values())):
+        check_made_under(CheckpointManager(path.parent).complete_meta() or {}, job, path.parent)
     teacher = load_job_teacher(job, torch.device("cpu"))
     torch.manual_seed(job.seed)
     student = build_student(teacher, job.student.mixer, **dict(job.student.options)).float()
     load_layers(student, files)
     groups = sorted(set(files.values()))
     record = {
-        "time": time.time(), "num_layers": n, "mixer": job.student.mixer, "options": dict(job.student.options),
+        "time": time.time(), "num_layers": n, "mixer": job.student.mixer,
+        "options": resolved_options(job.student.mixer, job.student.options),
         "teacher": job.teacher.source,
         "groups": [{"file": str(p.relative_to(run_dir(job))), "layers": [l for l, q in files.items() if q == p],
                     "sha256": file_digest(p)["sha256"]} for p in groups],
