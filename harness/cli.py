@@ -199,7 +199,9 @@ def build_parser() -> argparse.ArgumentParser:
     transfer.add_argument("--variant", action="append", default=[], metavar="OPTIONS",
                           help="Also measure with these mixer options on top of the job's, e.g. "
                           "conv_init=random or rope=true,rope_theta=10000 (repeatable; applies to the mixers that "
-                          "have the options).")
+                          "have all its options); 'authors': each mixer's new parameters as its authors initialise "
+                          "them (conv_init=random qkv_activation=silu gate_init=random output_scale=none, where it "
+                          "has them).")
     transfer.add_argument("--layers", help="Layers to measure, e.g. 0-9 or 3,7 (default: all).")
     transfer.add_argument("--sequences", type=int, default=2, help="Held-out sequences (default 2).")
     transfer.add_argument("--seq-len", type=int,

@@ -207,6 +207,19 @@ def parse_variant(text: str) -> dict[str, Any]:
     return out
 
 
+# --variant authors: each mixer's new parameters as its authors initialise them (the options it has of
+# LEGACY_OPTION_VALUES), whatever those options are called
+AUTHORS = "authors"
+
+
+def authors_options(mixer: str) -> dict[str, Any]:
+    """The options that make `mixer` start as its authors' layers do (the harness's init until 2026-12-01)."""
+    from harness.mixers import LEGACY_OPTION_VALUES
+
+    allowed = {f.name for f in fields(mixer_class(mixer).Options)}
+    return {k: v for k, v in LEGACY_OPTION_VALUES.items() if k in allowed}
+
+
 def subjects(mixers: Sequence[str], job_options: dict[str, Any], variants: Sequence[str]) -> tuple[list[Subject], list[str]]:
     """Every (mixer, variant) to measure, and notes on what was left out. The job's options apply to each mixer
     that has them; a variant applies to the mixers that have all of its options."""
@@ -219,7 +232,7 @@ def subjects(mixers: Sequence[str], job_options: dict[str, Any], variants: Seque
             notes.append(f"{name}: the job's option(s) {', '.join(dropped)} do not apply to it")
         out.append(Subject(name, "default", base))
         for text in variants:
-            extra = parse_variant(text)
+            extra = authors_options(name) if text == AUTHORS else parse_variant(text)
             if set(extra) - allowed:
                 notes.append(f"{name}: variant '{text}' left out ({', '.join(sorted(set(extra) - allowed))} "
                              "is not one of its options)")

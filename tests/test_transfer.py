@@ -201,6 +201,13 @@ def test_variants_apply_where_the_mixer_has_the_options():
         ("kda", "qkv_activation=identity", {"conv_init": "random", "qkv_activation": "identity"})]
     assert any("gla: the job's option(s) conv_init" in n for n in notes)
     assert any("gla: variant 'qkv_activation=identity' left out" in n for n in notes)
+    # 'authors': the old init under the options each mixer has, none left out
+    todo, notes = subjects(["linear_attn", "gla", "deltanet"], {}, ["authors"])
+    assert [(s.mixer, s.variant, s.options) for s in todo if s.variant == "authors"] == [
+        ("linear_attn", "authors", {"output_scale": "none"}),
+        ("gla", "authors", {"gate_init": "random", "output_scale": "none"}),
+        ("deltanet", "authors", {"conv_init": "random", "qkv_activation": "silu", "output_scale": "none"})]
+    assert not notes
 
 
 # ------------------------------------------------------------------------------------------ the report
