@@ -42,6 +42,7 @@ tag_overrides() {  # the job overrides of a lane tag
     authors) echo "student.options.gate_init=random student.options.output_scale=none" ;;  # before docs/TRANSFER.md
     authors-delta) echo "student.options.conv_init=random student.options.gate_init=random" \
                         "student.options.output_scale=none student.options.qkv_activation=silu" ;;
+    seed2) echo "seed=2" ;;  # seed noise: another init draw and data order
     *) echo "unknown lane tag '$1'" >&2; return 1 ;;
   esac
 }

@@ -34,10 +34,10 @@ VARIANTS = {
     "retnet": [AUTHORS["gate"], "output_scale=none", "", "rope=true", "rope=true,rope_theta=10000", "gate_init=random"],
     "gla": [AUTHORS["gate"], "output_scale=none", "", "rope=true", "gate_init=random"],
     "deltanet": ["conv_init=random,output_scale=none,qkv_activation=silu", "output_scale=none,qkv_activation=silu",
-                 "qkv_activation=silu", "", "rope=true,qkv_activation=silu"],
+                 "qkv_activation=silu", "", "rope=true,qkv_activation=silu", "short_conv=false"],
     "gated_deltanet": [AUTHORS["conv"], "gate_init=random,output_scale=none,qkv_activation=silu",
                        "output_scale=none,qkv_activation=silu", "qkv_activation=silu", "",
-                       "rope=true,qkv_activation=silu", "gate_init=random"],
+                       "rope=true,qkv_activation=silu", "gate_init=random", "short_conv=false"],
     "kda": [AUTHORS["conv"], "gate_init=random,output_scale=none,qkv_activation=silu",
             "output_scale=none,qkv_activation=silu", "qkv_activation=silu", "", "gate_init=random", "rope=true"],
     "mlstm": [AUTHORS["gate"], "output_scale=none", "", "rope=true", "gate_init=random"],
@@ -89,7 +89,13 @@ def table(runs: list[dict]) -> str:
         groups.setdefault((r["mixer"], r["variant"]), []).append(r)
     lines = ["| mixer | variant | seeds | held-out MSE at init | after stage 1 | training loss, step 1 -> last |",
              "|---|---|---|---|---|---|"]
-    for (mixer, variant), rs in groups.items():
+    def order(key: tuple[str, str]) -> tuple[int, int]:  # as VARIANTS lists them
+        mixer, variant = key
+        listed = [v or "default" for v in VARIANTS.get(mixer, [])]
+        return (list(VARIANTS).index(mixer) if mixer in VARIANTS else len(VARIANTS),
+                listed.index(variant) if variant in listed else len(listed))
+
+    for (mixer, variant), rs in sorted(groups.items(), key=lambda item: order(item[0])):
         def mean_over_layers(r, when):
             vals = [x["mse"] for x in r["transfer"] if x["when"] == when]
             return sum(vals) / len(vals)
@@ -98,7 +104,8 @@ def table(runs: list[dict]) -> str:
         first = [sum(v[0] for v in r["train_loss"].values()) / len(r["train_loss"]) for r in rs]
         last = [sum(v[1] for v in r["train_loss"].values()) / len(r["train_loss"]) for r in rs]
         spread = f" +- {(max(after) - min(after)) / 2:.3f}" if len(rs) > 1 else ""
-        lines.append(f"| {mixer} | {variant} | {len(rs)} | {sum(init) / len(init):.3f} | "
+        label = f"{variant} (authors)" if variant == (VARIANTS.get(mixer) or [None])[0] else variant
+        lines.append(f"| {mixer} | {label} | {len(rs)} | {sum(init) / len(init):.3f} | "
                      f"{sum(after) / len(after):.3f}{spread} | {sum(first) / len(first):.3f} -> "
                      f"{sum(last) / len(last):.3f} |")
     return "\n".join(lines)
