@@ -90,3 +90,46 @@ def test_model_flops_per_token_counts_embeddings_and_a_tied_head_once():
     student = torch.nn.ModuleDict({"emb": emb, "head": head, "mix": torch.nn.Linear(4, 4)})  # 40 + 20
     teacher = torch.nn.ModuleDict({"emb": torch.nn.Embedding(10, 4), "norm": torch.nn.LayerNorm(4)})  # 40 + 8
     assert flops.model_flops_per_token(student, teacher) == 6 * 60 + 2 * 48
+
+
+class _Logger:
+    """RunLogger's throughput and write(), nothing else."""
+
+    def __init__(self) -> None:
+        from harness.observe import Throughput
+
+        self.throughput, self.lines = Throughput(), []
+
+    def write(self, message: str) -> None:
+        self.lines.append(message)
+
+
+def test_stage_logs_mfu_by_the_datasheet_and_names_an_unknown_gpu(monkeypatch, no_env):
+    """harness.stages.distill.setup_mfu, as stage 3 and SFT call it: both peaks over all ranks on an H200,
+    a log line naming the GPU (and no `mfu`) on an unknown one, silence on a CPU."""
+    from harness.stages.distill import setup_mfu
+
+    cuda = torch.device("cuda", 0)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H200")
+    log = _Logger()
+    setup_mfu(log, cuda, 4, 1.4e10, "distill")
+    tp = log.throughput
+    assert (tp.flops_per_token, tp.peak_flops, tp.measured_peak_flops) == (1.4e10, 4 * 989e12, 4 * 788e12)
+    assert log.lines == []
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA L40S")
+    log = _Logger()
+    setup_mfu(log, cuda, 1, 1.4e10, "sft")
+    assert log.throughput.peak_flops is None and log.throughput.measured_peak_flops is None
+    assert len(log.lines) == 1 and log.lines[0].startswith("sft: ") and "'NVIDIA L40S'" in log.lines[0]
+    assert "HARNESS_PEAK_FLOPS" in log.lines[0]
+    log.throughput.update(0, now=0.0)
+    log.throughput.update(1000, now=1.0)
+    assert "mfu" not in log.throughput.summary()
+    monkeypatch.setenv(flops.PEAK_ENV, "5e14")
+    log = _Logger()
+    setup_mfu(log, cuda, 2, 1.4e10, "distill")
+    assert log.throughput.peak_flops == 1e15 and log.lines == []
+    monkeypatch.delenv(flops.PEAK_ENV)
+    log = _Logger()
+    setup_mfu(log, torch.device("cpu"), 1, 1.4e10, "distill")
+    assert log.throughput.peak_flops is None and log.lines == []
