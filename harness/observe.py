@@ -29,6 +29,8 @@ from typing import Any, Optional
 import torch
 from tqdm import tqdm
 
+from harness.flops import mfu
+
 METRICS = "metrics.jsonl"
 
 
@@ -87,11 +89,6 @@ def check_finite(loss: float | torch.Tensor, step: int, tokens: int) -> float:
 # ----------------------------------------------------------------------------------------- throughput
 
 
-def mfu(tokens_per_s: float, flops_per_token: float, peak_flops: float) -> float:
-    """Model FLOPs utilisation: achieved FLOP/s over the hardware's peak FLOP/s (0..1)."""
-    return tokens_per_s * flops_per_token / peak_flops
-
-
 def dense_flops_per_token(n_params: int, training: bool = True) -> float:
     """The usual 6N (forward + backward) or 2N (forward only) estimate, without attention terms."""
     return (6.0 if training else 2.0) * n_params
@@ -108,17 +105,21 @@ def peak_memory_bytes() -> int:
 class Throughput:
     """Tokens/s over a sliding window of `update` calls, and MFU when the FLOP figures are given.
 
-    `update(tokens)` takes the cumulative token count (as the training loop keeps it), so a resumed run
-    measures only what it processes itself.
+    `peak_flops` is the datasheet peak of all devices together (`mfu`, the usual definition: harness.flops),
+    `measured_peak_flops` the measured matmul peak of all devices (`mfu_measured_peak`, the figure used before
+    issue 25). `update(tokens)` takes the cumulative token count (as the training loop keeps it), so a resumed
+    run measures only what it processes itself.
     """
 
     def __init__(
-        self, window: int = 20, flops_per_token: Optional[float] = None, peak_flops: Optional[float] = None
+        self, window: int = 20, flops_per_token: Optional[float] = None, peak_flops: Optional[float] = None,
+        measured_peak_flops: Optional[float] = None,
     ) -> None:
         if window < 2:
             raise ValueError("window must hold at least 2 updates")
         self.flops_per_token = flops_per_token
         self.peak_flops = peak_flops
+        self.measured_peak_flops = measured_peak_flops
         self._points: deque[tuple[float, int]] = deque(maxlen=window)
 
     def update(self, tokens: int, now: Optional[float] = None) -> None:
@@ -134,15 +135,22 @@ class Throughput:
 
     @property
     def mfu(self) -> Optional[float]:
-        if not self.flops_per_token or not self.peak_flops:
+        """Against the datasheet peak; None without FLOP figures."""
+        return mfu(self.tokens_per_s, self.flops_per_token, self.peak_flops) if self.flops_per_token else None
+
+    @property
+    def mfu_measured_peak(self) -> Optional[float]:
+        """Against the measured matmul peak; None without FLOP figures."""
+        if not self.flops_per_token:
             return None
-        return mfu(self.tokens_per_s, self.flops_per_token, self.peak_flops)
+        return mfu(self.tokens_per_s, self.flops_per_token, self.measured_peak_flops)
 
     def summary(self) -> dict[str, float]:
-        """Scalars for a log line: tokens_per_s, mfu (when known), peak_mem_gib."""
+        """Scalars for a log line: tokens_per_s, mfu and mfu_measured_peak (when known), peak_mem_gib."""
         out = {"tokens_per_s": self.tokens_per_s, "peak_mem_gib": peak_memory_bytes() / 2**30}
-        if (m := self.mfu) is not None:
-            out["mfu"] = m
+        for key, value in (("mfu", self.mfu), ("mfu_measured_peak", self.mfu_measured_peak)):
+            if value is not None:
+                out[key] = value
         return out
 
 

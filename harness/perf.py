@@ -15,10 +15,12 @@ Three measurements (``--what step,kernels,decode``), each a list of rows in one 
   the bf16 weights on CUDA; data parallel under torchrun, averaging the gradients at each step).
 
   Reported: tokens/s (input tokens, `micro_batch x seq_len x world` per micro-step, over the measured steps'
-  wall time), MFU = tokens/s x (6 N_student + 2 N_teacher) / (peak x world) (dense FLOPs only: the mixers'
-  recurrences and the teacher's attention scores are not counted), peak memory (CUDA max allocated after the
-  models and engines are built, i.e. the training steps' peak; on a CPU the process's peak RSS), and the
-  breakdown of a step in ms and %:
+  wall time), MFU = tokens/s x (6 N_student + 2 N_teacher) / (peak x world) by the usual definition: the peak is
+  the GPU's datasheet dense bf16 figure (harness.flops; `mfu_measured_peak` divides by the measured 8192^3 matmul
+  peak instead, the figure used before issue 25), N every distinct parameter, embeddings included, a tied head
+  once (dense FLOPs only: the mixers' recurrences and the teacher's attention scores are not counted), peak
+  memory (CUDA max allocated after the models and engines are built, i.e. the training steps' peak; on a CPU the
+  process's peak RSS), and the breakdown of a step in ms and %:
 
     teacher_forward      the teacher engine's forward (under ZeRO-3 it includes gathering its layers)
     gather_teacher_head  `gathered([teacher head])` and the student engine's forward prologue
@@ -52,8 +54,8 @@ Three measurements (``--what step,kernels,decode``), each a list of rows in one 
   flatness = ms/token at the longest context / at the shortest (1.0 = flat).
 
 Targets (issue 8; bf16, seq 2048): 135M gated_deltanet step >= 150k tokens/s on one H200 (naive baseline:
-26k tok/s at 4.6% MFU, 76 GiB); 1.7B step >= 40% MFU with peak memory <= 80 GiB at micro-batch 8 x 2048; every
-mixer's kernel >= 5x its reference at the 1.7B layout. Results and commands: docs/BENCHMARKS.md.
+26k tok/s at 4.6% MFU, 76 GiB); 1.7B step >= 40% MFU (datasheet peak) with peak memory <= 80 GiB at micro-batch
+8 x 2048; every mixer's kernel >= 5x its reference at the 1.7B layout. Results and commands: docs/BENCHMARKS.md.
 """
 
 from __future__ import annotations
@@ -76,6 +78,9 @@ from typing import Any, Callable, Iterable, Optional, Sequence
 
 import torch
 from torch import nn
+
+from harness import flops
+from harness.flops import flops_per_token, mfu
 
 REPO = Path(__file__).resolve().parents[1]
 GIB = 2**30
@@ -150,18 +155,7 @@ def count_params(model: nn.Module) -> int:
 # ------------------------------------------------------------------------------------------ FLOPs and MFU
 
 
-def flops_per_token(n_student: int, n_teacher: int) -> float:
-    """Stage-3 FLOPs per token: 6 N_student (forward + backward) + 2 N_teacher (forward only), dense only."""
-    return 6.0 * n_student + 2.0 * n_teacher
-
-
-def mfu(tokens_per_s: float, flops_per_tok: float, peak_flops_per_device: Optional[float],
-        world: int = 1) -> Optional[float]:
-    """Model FLOPs utilisation (0..1): `tokens_per_s` (global, all devices) x FLOPs/token over the peak of all
-    `world` devices; None when the peak is unknown."""
-    if not peak_flops_per_device:
-        return None
-    return tokens_per_s * flops_per_tok / (peak_flops_per_device * world)
+# flops_per_token (6 N_student + 2 N_teacher) and mfu live in harness.flops, with the GPUs' datasheet peaks.
 
 
 def measure_matmul_peak(device: torch.device, dtype: torch.dtype = torch.bfloat16, n: Optional[int] = None,
@@ -185,26 +179,30 @@ def measure_matmul_peak(device: torch.device, dtype: torch.dtype = torch.bfloat1
     return 2.0 * n**3 / sorted(times)[len(times) // 2]
 
 
-def resolve_peak(device: torch.device, dtype: torch.dtype, override: Optional[float] = None,
-                 measure: bool = False) -> tuple[Optional[float], str]:
-    """(peak FLOP/s per device, where it came from): --peak-flops, a fresh measurement (--measure-peak),
-    $HARNESS_PEAK_FLOPS or the measured figure for this GPU (harness.stages.distill.peak_flops, as stage 3
-    logs MFU), else a measurement on CUDA; on a CPU without any of these: None."""
-    from harness.stages.distill import MEASURED_PEAK_FLOPS, peak_flops
-
+def resolve_peak(device: torch.device, override: Optional[float] = None) -> tuple[Optional[float], str]:
+    """(peak FLOP/s per device of `mfu`, where it came from): --peak-flops, else $HARNESS_PEAK_FLOPS or the
+    GPU's datasheet dense bf16 peak (harness.flops.resolve_peak, as stage 3 logs MFU); an unknown GPU or a CPU:
+    None, and the source says why and what to pass."""
     if override:
         return float(override), "--peak-flops"
+    peak = flops.resolve_peak(device)
+    return peak.flops, peak.source
+
+
+def resolve_measured_peak(device: torch.device, dtype: torch.dtype,
+                          measure: bool = False) -> tuple[Optional[float], str]:
+    """(peak FLOP/s per device of `mfu_measured_peak`, where it came from): a fresh matmul measurement
+    (--measure-peak), else the figure measured before for this GPU (harness.flops.MEASURED_PEAK_FLOPS), else a
+    measurement on CUDA; on a CPU without --measure-peak: None."""
     if measure:
         return measure_matmul_peak(device, dtype), f"measured now ({_matmul_desc(device, dtype)})"
-    known = peak_flops(device)
-    if known:
-        if os.environ.get("HARNESS_PEAK_FLOPS"):
-            return known, "$HARNESS_PEAK_FLOPS"
-        name = torch.cuda.get_device_name(device)
-        return known, f"harness.stages.distill.MEASURED_PEAK_FLOPS[{name!r}] = {MEASURED_PEAK_FLOPS[name]:.3g}"
     if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+        if name in flops.MEASURED_PEAK_FLOPS:
+            return flops.MEASURED_PEAK_FLOPS[name], (f"harness.flops.MEASURED_PEAK_FLOPS[{name!r}] = "
+                                                     f"{flops.MEASURED_PEAK_FLOPS[name]:.3g} (8192^3 bf16 matmul)")
         return measure_matmul_peak(device, dtype), f"measured now ({_matmul_desc(device, dtype)})"
-    return None, "unknown on CPU (pass --peak-flops or --measure-peak)"
+    return None, "none on CPU (pass --measure-peak)"
 
 
 def _matmul_desc(device: torch.device, dtype: torch.dtype) -> str:
@@ -626,6 +624,7 @@ def bench_step(shape: str = "135M", mixer: str = "gated_deltanet", *, micro_batc
         "recompute_fraction": recompute_fraction if gradient_checkpointing else 0.0, "world": world,
         "dtype": str(dtype).removeprefix("torch."), "device": str(device), "steps": steps, "warmup": warmup,
         "n_student": n_student, "n_teacher": n_teacher, "flops_per_token": fpt,
+        "flops_per_token_formula": f"6 x {n_student:,} + 2 x {n_teacher:,} = {fpt:,.0f}",
     }
     model = DistillModel(student, cfg.ce_weight, cfg.kl_weight, cfg.temperature)
     bf16 = dtype == torch.bfloat16
@@ -706,24 +705,38 @@ def bench_step(shape: str = "135M", mixer: str = "gated_deltanet", *, micro_batc
     tokens_per_step = micro_batch * seq_len * grad_accum * world
     step_ms = wall * 1e3 / max(steps, 1)
     tps = tokens_per_step * steps / wall if wall > 0 else 0.0
-    peak, source = resolve_peak(dev, dtype, peak_flops, measure_peak)
     breakdown = summarise_phases(per_step)
     row.update({
         "tokens_per_step": tokens_per_step, "step_ms": step_ms, "step_ms_each": [sum(s.values()) for s in per_step],
         "tokens_per_s": tps, "tokens_per_s_per_device": tps / world,
-        "peak_flops_per_device": peak, "peak_flops_source": source, "mfu": mfu(tps, fpt, peak, world),
+        **mfu_fields(dev, dtype, tps, fpt, world, peak_flops, measure_peak),
         "breakdown_ms": breakdown["ms"], "breakdown_pct": breakdown["pct"], "breakdown_sum_ms": breakdown["sum_ms"],
         # kernel time (profiled pass) over the measured step: well below 1 = the host cannot feed the GPU
         "gpu_busy": (row["comm"]["compute_kernel_ms"] / step_ms
                      if step_ms > 0 and "compute_kernel_ms" in row.get("comm", {}) else None),
         "notes": [
             "tokens = input tokens (micro_batch x seq_len x grad_accum x world per step)",
-            "MFU counts dense FLOPs only: 6 x student params + 2 x teacher params per token",
+            "mfu = tokens/s x flops_per_token / (world x datasheet dense bf16 peak); mfu_measured_peak: the same "
+            "over the measured matmul peak (harness.flops)",
+            "flops_per_token counts dense FLOPs only: 6 x student params + 2 x teacher params (embeddings "
+            "included, a tied head once; no attention scores, no recurrences)",
             "loss includes the logits' gradient (computed in the loss forward); backward is the body's",
             "communication is inside teacher_forward / student_forward / loss / backward; see comm",
         ],
     })
     return row
+
+
+def mfu_fields(device: torch.device, dtype: torch.dtype, tokens_per_s: float, flops_per_tok: float, world: int,
+               override: Optional[float] = None, measure: bool = False) -> dict[str, Any]:
+    """A step row's MFU fields: `mfu` against the datasheet peak (or --peak-flops / $HARNESS_PEAK_FLOPS) and
+    `mfu_measured_peak` against the measured matmul peak, each with its per-device peak and source."""
+    peak, source = resolve_peak(device, override)
+    measured, measured_source = resolve_measured_peak(device, dtype, measure)
+    return {"peak_flops_per_device": peak, "peak_flops_source": source,
+            "mfu": mfu(tokens_per_s, flops_per_tok, peak, world),
+            "measured_peak_flops_per_device": measured, "measured_peak_source": measured_source,
+            "mfu_measured_peak": mfu(tokens_per_s, flops_per_tok, measured, world)}
 
 
 def training_health(totals: list[float], skipped: Optional[int]) -> dict[str, Any]:
@@ -1144,7 +1157,8 @@ def step_targets(row: dict[str, Any]) -> list[dict[str, Any]]:
                     "met": row["tokens_per_s"] >= 150_000})
     if row["shape"] == "1.7B" and row.get("micro_batch") == 8:
         if row.get("mfu") is not None:
-            out.append({"target": "1.7B >= 40% MFU", "value": row["mfu"], "met": row["mfu"] >= 0.40})
+            out.append({"target": "1.7B >= 40% MFU (datasheet peak)", "value": row["mfu"],
+                        "met": row["mfu"] >= 0.40})
         if row.get("peak_mem_kind", "").startswith("torch.cuda"):
             out.append({"target": "1.7B peak memory <= 80 GiB at micro-batch 8 x 2048", "value": row["peak_mem_gib"],
                         "met": row["peak_mem_gib"] <= 80})
@@ -1194,6 +1208,12 @@ def _recompute_label(row: dict[str, Any]) -> str:
     return "+ckpt" if fraction >= 1.0 else f"+ckpt{fraction:g}"
 
 
+MFU_LEGEND = ("MFU = tokens/s x (6 N_student + 2 N_teacher) / (world x the GPU's datasheet dense bf16 peak, "
+              "e.g. 989 TFLOP/s for an H100 / H200 SXM; or --peak-flops / $HARNESS_PEAK_FLOPS); MFU (measured "
+              "peak): the same over the measured 8192^3 bf16 matmul peak (788 TFLOP/s on our H200). "
+              "Each row's peaks and their sources are in the JSON.")
+
+
 def markdown(results: dict[str, Any]) -> str:
     """The results as Markdown: environment, step table + breakdown, kernel table, decode table, targets."""
     meta = results.get("meta", {})
@@ -1204,9 +1224,9 @@ def markdown(results: dict[str, Any]) -> str:
     steps = results.get("step") or []
     if steps:
         lines += ["### Stage-3 step", "",
-                  "| shape | mixer | engine | teacher | batch x seq x world | tokens/s | MFU | peak GiB | step ms | "
-                  + " | ".join(PHASES) + " | comm ms (exposed) | GPU busy |",
-                  "|---|---|---|---|---|---|---|---|---|" + "---|" * len(PHASES) + "---|---|"]
+                  "| shape | mixer | engine | teacher | batch x seq x world | tokens/s | MFU | MFU (measured peak) | "
+                  "peak GiB | step ms | " + " | ".join(PHASES) + " | comm ms (exposed) | GPU busy |",
+                  "|---|---|---|---|---|---|---|---|---|---|" + "---|" * len(PHASES) + "---|---|"]
         for r in steps:
             if "error" in r:
                 lines.append(f"| {r.get('shape')} | {r.get('mixer')} | error: {r['error'][:100]} |")
@@ -1217,14 +1237,16 @@ def markdown(results: dict[str, Any]) -> str:
             comm = r.get("comm", {})
             comm_s = "-" if "comm_ms" not in comm else (
                 f"{comm['comm_ms']:.1f}" + (f" ({comm['exposed_ms']:.1f})" if "exposed_ms" in comm else ""))
-            m = "-" if r.get("mfu") is None else f"{100 * r['mfu']:.1f}%"
+            m = " | ".join("-" if r.get(k) is None else f"{100 * r[k]:.1f}%" for k in ("mfu", "mfu_measured_peak"))
             engine = r["engine"] + _recompute_label(r)
             busy = "-" if r.get("gpu_busy") is None else f"{100 * r['gpu_busy']:.0f}%"
             lines.append(f"| {r['shape']} | {r['mixer']} | {engine} | {r.get('teacher_placement', '-')} | "
                          f"{r['micro_batch']} x {r['seq_len']} x "
                          f"{r['world']} | {r['tokens_per_s']:,.0f} | {m} | {r['peak_mem_gib']:.1f} | "
                          f"{r['step_ms']:.1f} | {phases} | {comm_s} | {busy} |")
-        lines.append("")
+        lines += ["", MFU_LEGEND, ""]
+        lines += [f"**{r['shape']} {r['mixer']}: no MFU: {r['peak_flops_source']}**" for r in steps
+                  if "error" not in r and r.get("mfu") is None and str(r.get("device", "")).startswith("cuda")]
         lines += [f"**{r['shape']} {r['mixer']}: {r['health']}** (losses per step: {r['losses_each']})" for r in steps
                   if "health" in r] + [""]
     kernels = results.get("kernels") or []
@@ -1295,7 +1317,8 @@ JSON (+ the same tables next to it as .md).
 
   step     the stage-3 step exactly as `harness stage distill` runs it (DistillModel + TeacherBody under
            DeepSpeed ZeRO-3 from ds_configs/, bf16 on GPUs), with random-weight SmolLM2 teachers of the chosen
-           shape. Reports tokens/s, MFU = tokens/s x (6 N_student + 2 N_teacher) / (peak x world), peak GPU
+           shape. Reports tokens/s, MFU = tokens/s x (6 N_student + 2 N_teacher) / (peak x world) with the
+           GPU's datasheet dense bf16 peak (and beside it against the measured matmul peak), peak GPU
            memory, and where a step's time goes: teacher_forward, gather_teacher_head, student_forward, loss
            (chunked CE + KL including the logits' gradient), backward, optimizer, other. ZeRO-3 communication
            overlaps compute inside the forward/backward phases; a short torch.profiler pass reports its busy
@@ -1365,9 +1388,12 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
                       help="The teacher as stage 3 holds it (deepspeed.teacher_placement): a ZeRO-3 engine, a plain "
                       "copy per device, or auto (replicated when it takes <= 10%% of a device). Default auto.")
     step.add_argument("--peak-flops", type=float, default=None,
-                      help="Per-device peak FLOP/s for MFU (default: $HARNESS_PEAK_FLOPS, the measured figure for "
-                      "known GPUs, else measured now on CUDA).")
-    step.add_argument("--measure-peak", action="store_true", help="Measure the peak now (8192^3 bf16 matmul).")
+                      help="Per-device peak FLOP/s for mfu (default: $HARNESS_PEAK_FLOPS, else the GPU's datasheet "
+                      "dense bf16 peak, e.g. 989e12 for an H100 / H200 SXM; a GPU not in harness.flops gets no mfu "
+                      "and says so).")
+    step.add_argument("--measure-peak", action="store_true", help="Measure the matmul peak of mfu_measured_peak now "
+                      "(8192^3 bf16 matmul; default: the figure measured before for this GPU, else measured now on "
+                      "CUDA).")
     step.add_argument("--grad-ckpt", action="store_true",
                       help="Recompute student blocks in backward (stages.distill.gradient_checkpointing): less "
                       "activation memory for more time.")
@@ -1479,6 +1505,7 @@ def run_cli(args: argparse.Namespace, argv: Optional[Sequence[str]] = None) -> i
                 if rank == 0:
                     print(json.dumps({k: v for k, v in row.items() if k not in ("trace", "step_ms_each")},
                                      default=str), flush=True)
+                    _say_why_no_mfu(row)
                 save()
     if rank == 0 and "kernels" in what:
         layouts = [s for s in shapes if s in SHAPES and s != "tiny"] or ["1.7B"]
@@ -1524,6 +1551,12 @@ def run_cli(args: argparse.Namespace, argv: Optional[Sequence[str]] = None) -> i
         print(f"[harness bench] {len(untrained)} step measurement(s) did not train ({untrained[0]['health']}); "
               "their speed meets no target", file=sys.stderr)
     return 1 if failed or untrained else 0
+
+
+def _say_why_no_mfu(row: dict[str, Any]) -> None:
+    """On stderr: a GPU step row without `mfu` names the GPU and what to pass (a CPU row stays quiet)."""
+    if "error" not in row and row.get("mfu") is None and str(row.get("device", "")).startswith("cuda"):
+        print(f"[harness bench] {row['shape']} {row['mixer']}: {row['peak_flops_source']}", file=sys.stderr)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

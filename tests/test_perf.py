@@ -92,29 +92,61 @@ def test_count_params_reads_zero3_partitioned_sizes():
     assert count_params(model) == 12 + 10
 
 
-def test_mfu_arithmetic_on_known_numbers():
+def test_mfu_arithmetic_on_known_numbers(monkeypatch):
     from harness.observe import mfu as observe_mfu
 
     fpt = flops_per_token(158_260_188, 134_515_008)  # 135M gated_deltanet student and its teacher
     assert fpt == 1_218_591_144
-    # 150k tokens/s at 788 TFLOP/s: 150e3 * 1.2186e9 / 788e12 = 23.2%
-    assert mfu(150_000, fpt, 788e12) == pytest.approx(150_000 * fpt / 788e12) == pytest.approx(0.23196, abs=1e-5)
-    assert mfu(150_000, fpt, 788e12) == observe_mfu(150_000, fpt, 788e12)
+    # 150k tokens/s at the H200's datasheet 989 TFLOP/s: 150e3 * 1.2186e9 / 989e12 = 18.5%
+    assert mfu(150_000, fpt, 989e12) == pytest.approx(150_000 * fpt / 989e12) == pytest.approx(0.18482, abs=1e-5)
+    assert mfu(150_000, fpt, 989e12) == observe_mfu(150_000, fpt, 989e12)
     # 8 devices: global tokens/s over 8 peaks
-    assert mfu(8 * 20_000, fpt, 788e12, world=8) == pytest.approx(mfu(20_000, fpt, 788e12))
+    assert mfu(8 * 20_000, fpt, 989e12, world=8) == pytest.approx(mfu(20_000, fpt, 989e12))
     assert mfu(1.0, fpt, None) is None
+    # a bench row on an H200: mfu over the datasheet peak, mfu_measured_peak over the 788 TFLOP/s matmul
+    monkeypatch.delenv("HARNESS_PEAK_FLOPS", raising=False)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H200")
+    row = perf.mfu_fields(torch.device("cuda", 0), torch.bfloat16, 150_000, fpt, 1)
+    assert row["peak_flops_per_device"] == 989e12 and "datasheet" in row["peak_flops_source"]
+    assert row["measured_peak_flops_per_device"] == 788e12 and "MEASURED_PEAK_FLOPS" in row["measured_peak_source"]
+    assert row["mfu"] == pytest.approx(0.18482, abs=1e-5)
+    assert row["mfu_measured_peak"] == pytest.approx(0.23196, abs=1e-5)  # the figure before issue 25
 
 
 def test_peak_resolution(monkeypatch):
-    cpu = torch.device("cpu")
+    cpu, cuda = torch.device("cpu"), torch.device("cuda", 0)
     monkeypatch.delenv("HARNESS_PEAK_FLOPS", raising=False)
-    assert perf.resolve_peak(cpu, torch.float32, override=5e12) == (5e12, "--peak-flops")
-    value, source = perf.resolve_peak(cpu, torch.float32)
-    assert value is None and "unknown" in source
+    assert perf.resolve_peak(cpu, override=5e12) == (5e12, "--peak-flops")
+    value, source = perf.resolve_peak(cpu)
+    assert value is None and "CPU" in source
+    assert perf.resolve_measured_peak(cpu, torch.float32)[0] is None
+    # a GPU with no datasheet figure: no mfu, and the reason names it and what to pass
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA L40S")
+    value, source = perf.resolve_peak(cuda)
+    assert value is None and "'NVIDIA L40S'" in source and "--peak-flops" in source and "HARNESS_PEAK_FLOPS" in source
+    assert perf.resolve_peak(cuda, override=362e12) == (362e12, "--peak-flops")
     monkeypatch.setenv("HARNESS_PEAK_FLOPS", "1.5e12")
-    assert perf.resolve_peak(cpu, torch.float32) == (1.5e12, "$HARNESS_PEAK_FLOPS")
-    measured = perf.measure_matmul_peak(cpu, n=128, reps=3)
-    assert measured > 1e6
+    assert perf.resolve_peak(cpu) == (1.5e12, "$HARNESS_PEAK_FLOPS")
+    assert perf.resolve_peak(cuda) == (1.5e12, "$HARNESS_PEAK_FLOPS")
+    measured, source = perf.resolve_measured_peak(cpu, torch.float32, measure=True)
+    assert measured > 1e6 and source.startswith("measured now")
+
+
+def test_markdown_names_a_gpu_without_a_peak_and_shows_both_mfu_columns(monkeypatch):
+    monkeypatch.delenv("HARNESS_PEAK_FLOPS", raising=False)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA L40S")
+    monkeypatch.setattr(perf, "measure_matmul_peak", lambda device, dtype: 300e12)
+    base = {"shape": "135M", "mixer": "gla", "engine": "plain", "teacher_placement": "replicated", "micro_batch": 8,
+            "seq_len": 2048, "world": 1, "tokens_per_s": 100_000.0, "peak_mem_gib": 20.0, "step_ms": 163.8,
+            "breakdown_ms": {}, "breakdown_pct": {}, "device": "cuda:0"}
+    row = {**base, **perf.mfu_fields(torch.device("cuda", 0), torch.bfloat16, 100_000.0, 1.2e9, 1)}
+    assert row["mfu"] is None and row["mfu_measured_peak"] == pytest.approx(0.4)
+    text = perf.markdown({"step": [row]})
+    assert "| 100,000 | - | 40.0% |" in text and "MFU (measured peak)" in text
+    assert "135M gla: no MFU: no datasheet dense bf16 peak for GPU 'NVIDIA L40S'" in text
+    h200 = {**base, "mfu": 0.441, "mfu_measured_peak": 0.554}
+    assert "| 100,000 | 44.1% | 55.4% |" in perf.markdown({"step": [h200]})
+    assert "no MFU" not in perf.markdown({"step": [h200]})
 
 
 def test_phase_summary_adds_up():
@@ -203,7 +235,8 @@ def test_a_step_that_did_not_train_meets_no_target():
 
 STEP_FIELDS = ("shape", "mixer", "engine", "micro_batch", "seq_len", "world", "dtype", "n_student", "n_teacher",
                "flops_per_token", "tokens_per_step", "step_ms", "tokens_per_s", "tokens_per_s_per_device",
-               "peak_flops_per_device", "peak_flops_source", "mfu", "peak_mem_bytes", "peak_mem_gib",
+               "peak_flops_per_device", "peak_flops_source", "mfu", "measured_peak_flops_per_device",
+               "measured_peak_source", "mfu_measured_peak", "flops_per_token_formula", "peak_mem_bytes", "peak_mem_gib",
                "peak_mem_kind", "breakdown_ms", "breakdown_pct", "breakdown_sum_ms", "comm", "losses_last")
 
 
@@ -228,6 +261,7 @@ def test_plain_step_bench_on_cpu(one_thread):
     row = bench_step("tiny", "gated_deltanet", micro_batch=2, seq_len=32, steps=2, warmup=1, device="cpu",
                      zero3=False, peak_flops=1e12, options={"chunk_size": 16})
     _check_step_row(row, 1e12)
+    assert row["mfu_measured_peak"] is None and "CPU" in row["measured_peak_source"]  # no --measure-peak
     assert row["engine"] == "plain" and row["world"] == 1 and row["comm"]["comm_ms"] == 0.0
     teacher, student = build_pair("tiny", "gated_deltanet", device="cpu", options={"chunk_size": 16})
     assert (row["n_student"], row["n_teacher"]) == (count_params(student), count_params(teacher))

@@ -33,6 +33,8 @@ from harness.checkpoint import CheckpointManager, load_rng, save_rng
 from harness.config import ConfigError, JobConfig, plan_stages, requested_tokens
 from harness.engine import PlainEngine, all_reduce_host, gathered
 from harness.eval.spec import write_eval_spec
+from harness.flops import MEASURED_PEAK_FLOPS, peak_flops  # noqa: F401 - their old home, still imported from here
+from harness.flops import measured_peak, model_flops_per_token, resolve_peak
 from harness.losses import DistillLosses, distill_loss
 from harness.observe import RunLogger, SkippedStepWatch, check_finite
 from harness.stages.common import load_job_teacher, resolve_device, run_dir
@@ -193,9 +195,7 @@ def distill(job: JobConfig, *, stop_after_steps: Optional[int] = None) -> Path:
     logger = RunLogger(out, "distill", rank=rank, total_tokens=data.tokens,
                        start_step=step if step else None, start_tokens=tokens)
     logger.write(f"distill: teacher {placement} ({job.deepspeed.teacher_placement}), {world} process(es)")
-    logger.throughput.flops_per_token = _flops_per_token(student, teacher.model)
-    peak = peak_flops(device)
-    logger.throughput.peak_flops = peak * world if peak else None  # MFU over all ranks' tokens
+    setup_mfu(logger, device, world, _flops_per_token(student, teacher.model), "distill")
     every = job.run.checkpoint_every_tokens
     next_ckpt = (tokens // every + 1) * every if every else None
     during, tokens_before = DuringTraining(job, rank, params), tokens  # evaluations along stage 3 (eval.every_tokens)
@@ -307,25 +307,22 @@ def skipped_steps(s_engine) -> int:
     return int(getattr(s_engine, "skipped_steps", 0))
 
 
-# bf16 dense matmul peak measured on our GPUs (8192^3 torch.matmul on random data; DESIGN.md)
-MEASURED_PEAK_FLOPS = {"NVIDIA H200": 788e12}
-
-
-def peak_flops(device: torch.device) -> Optional[float]:
-    """Per-device peak FLOP/s for MFU: $HARNESS_PEAK_FLOPS, else the measured figure for this GPU, else None."""
-    import os
-
-    if os.environ.get("HARNESS_PEAK_FLOPS"):
-        return float(os.environ["HARNESS_PEAK_FLOPS"])
-    if device.type == "cuda":
-        return MEASURED_PEAK_FLOPS.get(torch.cuda.get_device_name(device))
-    return None
+def setup_mfu(logger: RunLogger, device: torch.device, world: int, flops_per_token: float, stage: str) -> None:
+    """MFU in a stage's logs over all `world` ranks' tokens: `mfu` against the datasheet dense bf16 peak
+    (harness.flops.resolve_peak; $HARNESS_PEAK_FLOPS overrides) and `mfu_measured_peak` against the matmul peak
+    measured on this GPU model. A GPU without a datasheet figure gets a log line naming it, and no `mfu`."""
+    tp = logger.throughput
+    tp.flops_per_token = flops_per_token
+    peak, measured = resolve_peak(device), measured_peak(device)
+    tp.peak_flops = peak.flops * world if peak.flops else None
+    tp.measured_peak_flops = measured * world if measured else None
+    if peak.flops is None and device.type == "cuda":
+        logger.write(f"{stage}: {peak.source}")
 
 
 def _flops_per_token(student, teacher) -> float:
-    from harness.student import count_parameters
-
-    return 6 * count_parameters(student) + 2 * count_parameters(teacher)
+    """6 N_student + 2 N_teacher (harness.flops.model_flops_per_token)."""
+    return model_flops_per_token(student, teacher)
 
 
 @torch.no_grad()

@@ -39,8 +39,8 @@ from harness.engine import all_reduce_host
 from harness.losses import DistillLosses, lm_loss
 from harness.observe import RunLogger, SkippedStepWatch, check_finite
 from harness.stages.common import resolve_device, run_dir
-from harness.stages.distill import (StageData, chat_data, export_checkpoint, grad_norm, peak_flops, resume_checkpoint,
-                                    save_checkpoint, scaled, skipped_steps, step_means, token_scale)
+from harness.stages.distill import (StageData, chat_data, export_checkpoint, grad_norm, resume_checkpoint,
+                                    save_checkpoint, scaled, setup_mfu, skipped_steps, step_means, token_scale)
 
 STAGE = "sft"
 
@@ -113,9 +113,7 @@ def sft(job: JobConfig, *, stop_after_steps: Optional[int] = None) -> Path:
                        start_step=step if step else None, start_tokens=tokens)
     from harness.student import count_parameters
 
-    logger.throughput.flops_per_token = 6 * count_parameters(student)
-    peak = peak_flops(device)
-    logger.throughput.peak_flops = peak * world if peak else None
+    setup_mfu(logger, device, world, 6 * count_parameters(student), STAGE)  # training only: 6 N_student
     try:
         step, tokens = _train(job, data, s_engine, ckpts, logger, step, tokens, world, stop_after_steps)
         if stop_after_steps is not None and step < data.steps:

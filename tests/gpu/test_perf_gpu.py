@@ -23,7 +23,7 @@ import torch
 if not torch.cuda.is_available():
     pytest.skip("GPU perf tests need CUDA", allow_module_level=True)
 
-from harness import perf  # noqa: E402
+from harness import flops, perf  # noqa: E402
 from harness.losses import VOCAB_BLOCK, distill_loss, tf32_matmuls  # noqa: E402
 from tests.test_losses import direct_distill  # noqa: E402
 
@@ -38,17 +38,27 @@ def _check_row(row: dict, peak: float) -> None:
     assert row["tokens_per_step"] == row["micro_batch"] * row["seq_len"] * row["grad_accum"] * row["world"]
     assert row["tokens_per_s"] == pytest.approx(row["tokens_per_step"] / (row["step_ms"] / 1e3), rel=1e-6)
     assert row["mfu"] == pytest.approx(row["tokens_per_s"] * row["flops_per_token"] / (peak * row["world"]))
+    measured = row["measured_peak_flops_per_device"]  # MEASURED_PEAK_FLOPS for an H200, else measured now
+    assert measured > 0 and row["mfu_measured_peak"] == pytest.approx(
+        row["tokens_per_s"] * row["flops_per_token"] / (measured * row["world"]))
     # CUDA events chained through the step add up to the host's wall time per step
     assert row["breakdown_sum_ms"] == pytest.approx(row["step_ms"], rel=0.05)
     assert set(row["breakdown_ms"]) == set(perf.PHASES)
     assert row["peak_mem_kind"].startswith("torch.cuda") and row["peak_mem_bytes"] > 0
 
 
-def test_plain_step_bench_counts_flops_and_memory():
+def test_plain_step_bench_counts_flops_and_memory(monkeypatch):
+    monkeypatch.delenv("HARNESS_PEAK_FLOPS", raising=False)
     kw = dict(layers=2, options=REF)
     row = perf.bench_step("135M", "linear_attn", micro_batch=2, seq_len=256, steps=3, warmup=1, device="cuda",
-                          zero3=False, peak_flops=788e12, **kw)
-    _check_row(row, 788e12)
+                          zero3=False, **kw)
+    name = torch.cuda.get_device_name()
+    datasheet = flops.datasheet_peak(name)  # 989e12 on an H200
+    if datasheet is None:  # a GPU not in the table: no mfu, and the source names it
+        assert row["mfu"] is None and repr(name) in row["peak_flops_source"]
+    else:
+        _check_row(row, datasheet)
+        assert "datasheet" in row["peak_flops_source"]
     teacher, student = perf.build_pair("135M", "linear_attn", device="cuda", **kw)
     assert row["n_teacher"] == perf.count_params(teacher) == perf.llama_param_count(perf.shape_config("135M", 2))
     assert row["n_student"] == perf.count_params(student)
@@ -61,14 +71,15 @@ def test_zero3_step_bench_and_profiler_pass(tmp_path):
     out = tmp_path / "bench.json"
     cmd = [sys.executable, "-m", "harness.perf", "--shape", "135M", "--layers", "2", "--mixer", "linear_attn",
            "--option", "backend=reference", "--micro-batch", "2", "--seq", "256", "--steps", "3", "--warmup", "1",
-           "--peak-flops", "788e12", "--profile-steps", "2", "--out", str(out)]
+           "--peak-flops", "5e14", "--profile-steps", "2", "--out", str(out)]
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     proc = subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
     res = json.loads(out.read_text())
     assert res["meta"]["gpu"] == torch.cuda.get_device_name()
     (row,) = res["step"]
-    _check_row(row, 788e12)
+    _check_row(row, 5e14)  # --peak-flops overrides the datasheet figure
+    assert row["peak_flops_source"] == "--peak-flops"
     assert row["engine"] == "zero3" and "mem_after_build_gib" in row
     comm = row["comm"]
     assert "error" not in comm, comm
