@@ -114,24 +114,32 @@ def teacher_at_chance(teacher: Optional[float], chance: Optional[float], interva
 
 def task_recovery(name: str, student: Optional[float], teacher: Optional[float], chance: Optional[float],
                   paired: Optional[np.ndarray] = None, teacher_stderr: Optional[float] = None, *,
+                  alone: tuple[Optional[Sequence[float]], Optional[Sequence[float]]] = (None, None),
                   samples: int = BOOTSTRAP_SAMPLES, seed: int = BOOTSTRAP_SEED) -> tuple[dict, Optional[np.ndarray]]:
     """One task's chance, normalised recovery, 95% intervals and at-chance verdict, and its normalised draws.
 
     paired: the per-example (student score, teacher score, chance) columns, a (3, n) array over the same
-    examples in the same order, or None (no per-example results: intervals None). The normalised interval is
-    given only when the teacher is above chance (its interval would divide by a gain that may be zero).
+    examples in the same order, or None. Without it, `alone` may hold either side's own per-example scores,
+    which give that side's interval (so a teacher with per-example results is still judged by its interval);
+    the normalised interval needs `paired`, and is given only when the teacher is above chance (else it would
+    divide by a gain that may be zero).
     """
-    row: dict = {"chance": chance, "recovery_norm": normalised_recovery(student, teacher, chance),
-                 "student_ci": None, "teacher_ci": None, "recovery_norm_ci": None}
-    draws = None
-    if paired is not None:
-        means = paired_bootstrap(paired, samples=samples, seed=seed, stream=name)
-        row["student_ci"], row["teacher_ci"] = percentile_interval(means[0]), percentile_interval(means[1])
+    row: dict = {"chance": chance, "recovery_norm": normalised_recovery(student, teacher, chance)}
+    means = None if paired is None else paired_bootstrap(paired, samples=samples, seed=seed, stream=name)
+    for i, key in enumerate(("student_ci", "teacher_ci")):
+        one = means[i] if means is not None else _resampled(alone[i], name, samples, seed)
+        row[key] = None if one is None else percentile_interval(one)
     row["at_chance"], row["at_chance_basis"] = teacher_at_chance(teacher, chance, row["teacher_ci"], teacher_stderr)
-    if paired is not None and row["at_chance"] is False:
-        draws = normalised_draws(means)
-        row["recovery_norm_ci"] = percentile_interval(draws)
+    draws = normalised_draws(means) if means is not None and row["at_chance"] is False else None
+    row["recovery_norm_ci"] = None if draws is None else percentile_interval(draws)
     return row, draws
+
+
+def _resampled(scores: Optional[Sequence[float]], name: str, samples: int, seed: int) -> Optional[np.ndarray]:
+    """One side's resampled means over its own examples (None without any)."""
+    if scores is None or len(scores) == 0:
+        return None
+    return paired_bootstrap(np.asarray(scores, dtype=float)[None], samples=samples, seed=seed, stream=name)[0]
 
 
 def average_recovery(rows: Mapping[str, dict], draws: Mapping[str, Optional[np.ndarray]]) -> dict:
