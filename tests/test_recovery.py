@@ -10,8 +10,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from harness.eval import recovery
+from harness.eval import curves, recovery
 from harness.eval.bench import EXAMPLES_FILE
+from harness.eval.history import make_entry
 from harness.eval.report import build_report, compare, comparison_markdown, markdown, write_report
 
 
@@ -229,3 +230,10 @@ def test_comparison_and_plots_show_normalised_and_raw(tmp_path):
     assert saved["tasks"]["piqa"]["recovery_norm_ci"] == [low, high] and saved["average"]["excluded"] == ["winogrande"]
     assert (tmp_path / "cmp" / "recovery.png").stat().st_size > 1000
 
+
+def test_curves_read_the_normalised_average_and_the_raw_one(tmp_path):
+    report = _report(tmp_path)
+    entry = make_entry(10, 1, "/c", report, params=10**8)
+    assert curves.metric_series([entry], "average_recovery_norm") == ([10], [report["average"]["recovery_norm"]])
+    assert curves.metric_series([entry], "average_recovery") == ([10], [report["average"]["recovery"]])
+    assert curves.scale_points({"r": [entry]}) == {"gla": [(10**8, report["average"]["recovery_norm"])]}
