@@ -204,7 +204,8 @@ def test_examples_of_different_documents_are_not_paired(tmp_path):
     stored["tasks"]["piqa"]["by_task"]["piqa"]["doc_id"] = list(range(1, 41))
     (tmp_path / "run" / "student" / EXAMPLES_FILE).write_text(json.dumps(stored))
     again = build_report(tmp_path / "run" / "student", tmp_path / "run" / "teacher", label="run", tasks=list(TASKS))
-    assert again["tasks"]["piqa"]["recovery_norm_ci"] is None and "different examples" in again["tasks"]["piqa"]["intervals"]
+    piqa = again["tasks"]["piqa"]
+    assert piqa["recovery_norm_ci"] is None and "different examples" in piqa["intervals"]
     assert again["tasks"]["arc_easy"] == report["tasks"]["arc_easy"]
 
 

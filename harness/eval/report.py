@@ -74,7 +74,8 @@ def _scores_of(examples: Optional[dict]) -> Optional[list[float]]:
     return [x for leaf in sorted(examples["by_task"]) for x in examples["by_task"][leaf]["score"]]
 
 
-def _chance(name: str, student: Optional[dict], teacher: Optional[dict], paired: Optional[np.ndarray]) -> Optional[float]:
+def _chance(name: str, student: Optional[dict], teacher: Optional[dict],
+            paired: Optional[np.ndarray]) -> Optional[float]:
     """The task's chance level: from the paired examples, else bench.json's "chance", else known_chance."""
     if paired is not None:
         return float(paired[2].mean())
