@@ -100,6 +100,18 @@ def test_offline_benchmarks_end_to_end(student, setting, bench_data, tmp_path):
     assert report["tasks"]["piqa"]["all"]["acc"] == pytest.approx(np.mean(acc))
     assert report["tasks"]["piqa"]["all"]["acc_norm"] == pytest.approx(np.mean(acc_norm))
 
+    examples = bench.read_examples(tmp_path, report)  # per-example results beside bench.json
+    assert list(examples) == tasks
+    assert examples["piqa"]["by_task"]["piqa"]["score"] == acc_norm  # our own scoring, example by example
+    arc_rows = local_rows(bench_data, "allenai/ai2_arc/ARC-Easy/test.parquet", LIMIT)
+    expected_choices = {"piqa": [2] * LIMIT, "arc_easy": [len(r["choices"]["text"]) for r in arc_rows],
+                        "lambada_openai": [0] * LIMIT}
+    for name, entry in report["tasks"].items():
+        leaf = examples[name]["by_task"][name]
+        assert leaf["doc_id"] == list(range(LIMIT)) and leaf["choices"] == expected_choices[name]
+        assert np.mean(leaf["score"]) == pytest.approx(entry["score"])
+        assert entry["chance"] == pytest.approx(np.mean([1 / n if n else 0 for n in expected_choices[name]]))
+
 
 def test_resume_skips_finished_tasks(student, setting, tmp_path, monkeypatch, bench_data):
     """A second run with the same label and limit evaluates only the tasks bench.json lacks. The first run
@@ -270,6 +282,9 @@ def test_gsm8k_with_loglikelihood_task_end_to_end(student, setting, tmp_path, mo
     assert 0.0 <= entry["all"]["exact_match,strict-match"] <= 1.0
     assert report["tasks"]["piqa"]["n"] == 2
     assert json.loads((tmp_path / "bench.json").read_text()) == report
+    leaf = bench.read_examples(tmp_path, report)["gsm8k"]["by_task"]["gsm8k"]  # the flexible-extract filter's
+    assert leaf["choices"] == [0, 0] and np.mean(leaf["score"]) == pytest.approx(entry["score"])
+    assert entry["chance"] == 0.0
 
 
 def test_batched_generation_left_padding_is_refused(student, setting):
@@ -393,3 +408,45 @@ def test_summarise_filtered_metrics():
     assert entry["all"]["exact_match,strict-match"] == 0.25
     assert bench.pick_metric("other", {"exact_match,strict-match": 0.1, "exact_match_stderr,strict-match": 0.0}) \
         == "exact_match,strict-match"
+
+
+def _logged(doc_id: int, n_requests: int, filt: str = "none", **metrics) -> dict:
+    """A sample as lm-eval's log_samples writes it (only the fields bench reads)."""
+    return {"doc_id": doc_id, "arguments": [("ctx", f" c{i}") for i in range(n_requests)], "filter": filt,
+            "metrics": list(metrics), **metrics}
+
+
+def test_examples_of_reads_logged_samples():
+    """Per-example scores under the primary metric's filter, ordered by doc id; choices = one request per choice
+    of a multiple-choice task (halved with acc_mutual_info), 0 for other output types; a group per leaf."""
+    results = {"results": {}, "group_subtasks": {"grp": ["mc", "gen"]},
+               "configs": {"mc": {"output_type": "multiple_choice"}, "gen": {"output_type": "generate_until"}},
+               "samples": {"mc": [_logged(1, 3, acc=0.0), _logged(0, 5, acc=1.0)],
+                           "gen": [_logged(0, 1, "strict-match", exact_match=0.0),
+                                   _logged(0, 1, "flexible-extract", exact_match=1.0)]}}
+    got = bench.examples_of("grp", results, "acc")
+    assert got["by_task"]["mc"] == {"doc_id": [0, 1], "score": [1, 0], "choices": [5, 3]}
+    assert got["by_task"]["gen"] == {"doc_id": [], "score": [], "choices": []}  # gsm8k has no "acc"
+    gen = bench.examples_of("gen", results, "exact_match,flexible-extract")["by_task"]["gen"]
+    assert gen == {"doc_id": [0], "score": [1], "choices": [0]}
+    mutual = {**results, "samples": {"mc": [_logged(0, 8, acc=1.0, acc_mutual_info=1.0)]}}
+    assert bench.examples_of("mc", mutual, "acc")["by_task"]["mc"]["choices"] == [4]
+    assert bench.examples_of("mc", {"results": {}}, "acc") is None  # no log_samples
+
+
+def test_read_examples_checks_header_and_counts(tmp_path):
+    """bench_examples.json is read for bench.json's tasks only when label, limit, offline flag and the number of
+    examples agree; a folder without it (older results) reads as {}; known_chance covers fixed-choice tasks."""
+    bench_doc = {"label": "s", "limit": 2, "offline": True,
+                 "tasks": {"piqa": {"n": 2}, "winogrande": {"n": 3}}}
+    assert bench.read_examples(tmp_path, bench_doc) == {}
+    leaf = {"doc_id": [0, 1], "score": [1, 0], "choices": [2, 2]}
+    stored = {"label": "s", "limit": 2, "offline": True,
+              "tasks": {"piqa": {"metric": "acc", "by_task": {"piqa": leaf}},
+                        "winogrande": {"metric": "acc", "by_task": {"winogrande": leaf}}}}
+    (tmp_path / bench.EXAMPLES_FILE).write_text(json.dumps(stored))
+    assert list(bench.read_examples(tmp_path, bench_doc)) == ["piqa"]  # winogrande: 2 examples, bench says 3
+    assert bench.read_examples(tmp_path, {**bench_doc, "limit": 5}) == {}
+    assert (bench.known_chance("piqa"), bench.known_chance("mmlu_anatomy"), bench.known_chance("gsm8k")) == (
+        0.5, 0.25, 0.0)
+    assert bench.known_chance("arc_easy") is None  # 3 to 5 choices: only per-example results know

@@ -84,7 +84,8 @@ def test_eval_job_writes_results_and_a_report_whose_ratios_match(run, capsys):
     assert "# Evaluation: tiny-run (gated_deltanet)" in printed and (out / "report.md").read_text() in printed
     student, teacher = out / "student", out / "teacher"
     for side in (student, teacher):
-        for name in ("bench.json", "niah.json", "niah.csv", "niah_heatmap.png", "perplexity.json", "chat_samples.json"):
+        for name in ("bench.json", "bench_examples.json", "niah.json", "niah.csv", "niah_heatmap.png",
+                     "perplexity.json", "chat_samples.json"):
             assert (side / name).is_file(), side / name
     bench_s = json.loads((student / "bench.json").read_text())["tasks"]
     bench_t = json.loads((teacher / "bench.json").read_text())["tasks"]
@@ -94,6 +95,7 @@ def test_eval_job_writes_results_and_a_report_whose_ratios_match(run, capsys):
         row = report["tasks"][task]
         assert row["student"] == bench_s[task]["score"] and row["teacher"] == bench_t[task]["score"]
         assert row["n"] == 4 and row["metric"] == bench_s[task]["metric"]
+        assert row["chance"] == bench_t[task]["chance"] and row["intervals"] is None  # per-example results paired
         if bench_t[task]["score"]:
             assert row["recovery"] == pytest.approx(bench_s[task]["score"] / bench_t[task]["score"])
             ratios.append(row["recovery"])

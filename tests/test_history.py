@@ -6,6 +6,7 @@ result files that harness.eval.report.build_report turns into the reports the hi
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 import os
@@ -298,7 +299,8 @@ def test_curves_report_writes_json_and_plots(tmp_path):
     assert run["metrics"]["average_recovery"]["plateau"] == int(4e9)
     assert run["metrics"]["niah_overall"]["plateau"] is None  # no threshold for this metric
     assert saved["runs"]["run-gdn"]["metrics"]["average_recovery"]["plateau"] is None  # still climbing at 10e9
-    assert set(saved["plots"]) == {"average_recovery", "average_score", "niah_overall", "perplexity"}
+    assert set(saved["plots"]) == {"average_recovery_norm", "average_recovery", "average_score", "niah_overall",
+                                   "perplexity"}
     for name in saved["plots"].values():
         assert (tmp_path / "out" / name).stat().st_size > 1024
 
@@ -317,9 +319,18 @@ def test_scale_report_fits_each_mixer(tmp_path):
 
 def test_scale_points_and_histories_from_run_dirs(tmp_path):
     histories = _histories(tmp_path / "results")
-    points = curves.scale_points(histories)
+    points = curves.scale_points(histories)  # the chance-normalised recovery, by default
     assert set(points) == {"gla", "gated_deltanet"}
-    assert points["gla"] == [(10**8, pytest.approx(1 - 0.5 * math.exp(-10)))]  # the last entry's recovery
+    last = 0.6 * (1 - 0.5 * math.exp(-10))  # the last entry's piqa score; teacher 0.6, chance 1/2
+    assert points["gla"] == [(10**8, pytest.approx((last - 0.5) / (0.6 - 0.5)))]
+    assert curves.recovery_metric(histories) == "average_recovery_norm"
+    raw = curves.scale_points(histories, "average_recovery")  # the raw ratio stays readable
+    assert raw["gla"] == [(10**8, pytest.approx(last / 0.6))]
+    older = copy.deepcopy(histories)  # as written before the normalised recovery existed
+    for entries in older.values():
+        for e in entries:
+            del e["report"]["average"]["recovery_norm"]
+    assert curves.recovery_metric(older) == "average_recovery" and curves.scale_points(older) == {}
     for name, entries in histories.items():
         for e in reversed(entries):  # appended in any order; read back sorted
             append_entry(tmp_path / "runs" / name / "eval", e)

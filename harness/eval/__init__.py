@@ -5,7 +5,8 @@
     bench.py         benchmarks through lm-evaluation-harness (offline on local data: benchmark_data.py)
     perplexity.py    perplexity on the corpus' held-out slice or any text file
     job.py           `harness eval EVAL.yaml`: all of the above for a student and its teacher, then the report
-    report.py        teacher recovery (student / teacher), NIAH by length, comparisons across runs, plots
+    recovery.py      chance levels, chance-normalised recovery, paired bootstrap intervals over examples
+    report.py        teacher recovery (raw and normalised), NIAH by length, comparisons across runs, plots
 
 Modules import torch, lm-eval and matplotlib lazily where they can, so that `import harness.eval.spec` stays light.
 """

@@ -23,6 +23,14 @@ group's size-weighted aggregate over its 57 subjects), exact_match after the fle
 (the last number of the generation, so a student that drifts from the "#### N" format is still scored on its
 arithmetic; strict-match is kept too); every lm-eval metric is kept under "all".
 
+Per-example results go beside it, to `out_dir/bench_examples.json` (compact JSON, the same label/limit/offline
+header): per task and leaf task (a group's subjects), the lm-eval doc ids, each example's primary-metric score
+and its number of answer choices (0 for generative or single-continuation tasks: LAMBADA, GSM8K), from
+lm-eval's logged samples. They give the task's chance level (entry "chance" in bench.json: the mean of
+1/choices) and the paired bootstrap intervals of harness.eval.report. Result folders written before this file
+existed stay readable: their tasks have no "chance" (`known_chance` knows the fixed-choice tasks) and no
+intervals.
+
 Padding: lm-eval's loglikelihood pads a batch on the right for causal models and calls the model without
 an attention mask. For causal recurrences the padding comes after each row's real tokens and cannot change
 their outputs, so batch_size > 1 gives the batch-1 loglikelihoods (tests/test_bench.py checks it for all seven
@@ -46,6 +54,8 @@ from pathlib import Path
 from typing import Any
 
 from harness.eval.benchmark_data import benchmark_data_dir, datasets_bars_off, ensure_benchmark_data
+from harness.eval.recovery import chance_level
+from harness.files import atomic_write_text
 
 TASKS = ("piqa", "arc_easy", "arc_challenge", "hellaswag", "winogrande", "lambada_openai", "mmlu", "gsm8k",
          "gsm8k_cot")
@@ -64,6 +74,11 @@ PRIMARY_METRICS = {"piqa": "acc_norm", "arc_easy": "acc_norm", "arc_challenge": 
 _STOCK_DIRS = ("piqa", "arc", "hellaswag", "winogrande", "lambada", "mmlu/default", "gsm8k")
 _OFFLINE_ENV = ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE")
 BOOTSTRAP_ITERS = 1000  # lm-eval bootstraps only non-mean aggregations (LAMBADA perplexity's stderr)
+EXAMPLES_FILE = "bench_examples.json"
+# answer choices per example of the tasks where every example has the same number (0: not a choice task), for
+# result files without per-example results; ARC's vary (3 to 5), so its chance needs bench_examples.json
+FIXED_CHOICES = {"piqa": 2, "hellaswag": 4, "winogrande": 2, "mmlu": 4, "lambada_openai": 0, "gsm8k": 0,
+                 "gsm8k_cot": 0}
 
 
 class BenchmarkError(ValueError):
@@ -77,7 +92,8 @@ def run_benchmarks(model: Any, tokenizer: Any, tasks: list[str], out_dir: Path, 
                    limit: int | None = None, batch_size: int = 1, device: str = "cpu", offline: bool | None = None,
                    progress: bool = True, resume: bool = True,
                    cache_dir: str | os.PathLike[str] | None = None, generate_batch_size: int = 1) -> dict:
-    """Evaluate `model` on `tasks` with lm-eval; write out_dir/bench.json after each task and return it.
+    """Evaluate `model` on `tasks` with lm-eval; write out_dir/bench.json (and the per-example results,
+    out_dir/bench_examples.json) after each task and return bench.json's content.
 
     model: a causal LM instance or a model folder (a saved student loads through the Auto classes).
     tokenizer: a tokenizer instance, a folder, or None for the model folder's own.
@@ -94,7 +110,8 @@ def run_benchmarks(model: Any, tokenizer: Any, tasks: list[str], out_dir: Path, 
     out_dir = Path(out_dir)
     path = out_dir / "bench.json"
     report = _previous_report(path, label, limit, offline) if resume else None
-    report = report or new_report(label, limit, offline)
+    examples = _previous_report(out_dir / EXAMPLES_FILE, label, limit, offline) if report else None
+    report, examples = report or new_report(label, limit, offline), examples or new_report(label, limit, offline)
     todo = [t for t in tasks if t not in report["tasks"]]
     _say(progress, f"[bench] {label}: {len(tasks) - len(todo)} of {len(tasks)} tasks already in {path}; "
          f"running {', '.join(todo) or 'none'} ({'offline, local data' if offline else 'online, hub data'}, "
@@ -116,8 +133,7 @@ def run_benchmarks(model: Any, tokenizer: Any, tasks: list[str], out_dir: Path, 
         start = time.time()
         results = evaluate_task(lm, name, manager, limit=limit, offline=offline, cache_dir=cache_dir,
                                 progress=progress)
-        report["tasks"][name] = summarise(name, results, time.time() - start)
-        write_report(path, report)
+        record_task(out_dir, report, examples, name, results, time.time() - start)
         entry = report["tasks"][name]
         _say(progress, f"[bench] {name}: {entry['metric']} = {entry['score']:.4f} (n={entry['n']}, "
              f"{entry['seconds']:.0f} s)")
@@ -299,7 +315,7 @@ def evaluate_task(lm: Any, name: str, manager: Any, *, limit: int | None, offlin
     task = build_offline_task(name, manager, cache_dir) if offline else name
     with _progress(progress):
         return lm_eval.simple_evaluate(model=lm, tasks=[task], limit=limit, task_manager=manager,
-                                       bootstrap_iters=BOOTSTRAP_ITERS, log_samples=False)
+                                       bootstrap_iters=BOOTSTRAP_ITERS, log_samples=True)
 
 
 # ------------------------------------------------------------------------------------------ results
@@ -323,6 +339,75 @@ def summarise(name: str, results: dict, seconds: float) -> dict:
     if subtasks != [name]:
         entry["subtasks"] = {t: _subtask_score(results["results"].get(t, {}), primary) for t in subtasks}
     return entry
+
+
+def record_task(out_dir: Path, report: dict, examples: dict, name: str, results: dict, seconds: float) -> None:
+    """Add task `name` to bench.json (`report`) and its per-example results to bench_examples.json (`examples`),
+    the examples first: a crash between the two leaves the task out of bench.json, so it is run again."""
+    entry = summarise(name, results, seconds)
+    per_example = examples_of(name, results, entry["metric"])
+    out_dir.mkdir(parents=True, exist_ok=True)
+    if per_example is not None:
+        entry["chance"] = chance_level([n for leaf in per_example["by_task"].values() for n in leaf["choices"]])
+        examples["tasks"][name] = per_example
+        atomic_write_text(out_dir / EXAMPLES_FILE, json.dumps(examples, separators=(",", ":")) + "\n")
+    report["tasks"][name] = entry
+    write_report(out_dir / "bench.json", report)
+
+
+def examples_of(name: str, results: dict, metric: str) -> dict | None:
+    """The per-example results of task `name` under its primary `metric`, from lm-eval's logged samples:
+    {"metric", "by_task": {leaf: {"doc_id": [...], "score": [...], "choices": [...]}}}, examples by doc id.
+    None when `results` has no samples (lm-eval ran without log_samples)."""
+    samples = results.get("samples")
+    if not samples:
+        return None
+    base, _, filt = metric.partition(",")
+    by_task = {}
+    for leaf in _leaf_names(name, results):
+        output_type = results.get("configs", {}).get(leaf, {}).get("output_type")
+        rows = sorted((s for s in samples.get(leaf, []) if s.get("filter") == (filt or "none") and base in s),
+                      key=lambda s: s["doc_id"])
+        by_task[leaf] = {"doc_id": [int(s["doc_id"]) for s in rows], "score": [_number(s[base]) for s in rows],
+                         "choices": [_choices(s, output_type) for s in rows]}
+    return {"metric": metric, "by_task": by_task}
+
+
+def _number(value: Any) -> int | float:
+    """A per-example score for JSON: 0/1 as ints (compact), anything else as a float."""
+    value = float(value)
+    return int(value) if value in (0.0, 1.0) else value
+
+
+def _choices(sample: dict, output_type: str | None) -> int:
+    """Answer choices of one logged sample: one loglikelihood request per choice for a multiple-choice task
+    (two with acc_mutual_info, whose unconditional requests double them); 0 for any other output type."""
+    if output_type != "multiple_choice":
+        return 0
+    requests = len(sample.get("arguments") or sample.get("filtered_resps") or [])
+    return requests // 2 if "acc_mutual_info" in sample.get("metrics", []) else requests
+
+
+def known_chance(name: str) -> float | None:
+    """The chance level of a task whose examples all have the same number of choices (FIXED_CHOICES; MMLU's
+    subjects and categories: 4), for result files without per-example results; None when it varies or is
+    unknown."""
+    choices = FIXED_CHOICES.get("mmlu" if name.startswith("mmlu_") else name)
+    return None if choices is None else (1.0 / choices if choices else 0.0)
+
+
+def read_examples(folder: Path | None, bench: dict | None) -> dict[str, dict]:
+    """{task: per-example results} from folder/bench_examples.json for the tasks of `bench` (its bench.json)
+    that it holds for the same label, limit and offline flag and the same number of examples; {} otherwise."""
+    if folder is None or bench is None:
+        return {}
+    stored = _previous_report(Path(folder) / EXAMPLES_FILE, bench.get("label"), bench.get("limit"),
+                              bench.get("offline"))
+    if stored is None:
+        return {}
+    counts = lambda ex: sum(len(leaf["score"]) for leaf in ex["by_task"].values())  # noqa: E731
+    return {name: ex for name, ex in stored.get("tasks", {}).items()
+            if name in bench.get("tasks", {}) and counts(ex) == bench["tasks"][name].get("n")}
 
 
 def pick_metric(name: str, values: dict) -> str:
@@ -383,7 +468,8 @@ def _json_default(value: Any) -> Any:
 
 
 def _previous_report(path: Path, label: str, limit: int | None, offline: bool) -> dict | None:
-    """The existing bench.json if it was written for the same label, limit and offline flag."""
+    """The existing bench.json (or bench_examples.json) if it was written for the same label, limit and offline
+    flag."""
     if not path.is_file():
         return None
     try:

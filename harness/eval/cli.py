@@ -115,8 +115,9 @@ def add_parsers(sub: Any) -> None:
     report.add_argument("runs", nargs="+", help="Run directories (or eval folders, or report.json files).")
     report.add_argument("--out", default="reports/comparison", help="Where a comparison of several runs goes.")
     report.add_argument("--plateau-threshold", type=float, default=None, metavar="GAIN",
-                        help="For runs with an evaluation history: mark where the average recovery gains less "
-                        "than GAIN per 1e9 tokens (e.g. 0.005 = half a point per billion).")
+                        help="For runs with an evaluation history: mark where the average chance-normalised "
+                        "recovery (the raw one for older histories) gains less than GAIN per 1e9 tokens (e.g. "
+                        "0.005 = half a point per billion).")
     report.set_defaults(handler=cmd_report)
 
 
@@ -280,23 +281,28 @@ def cmd_report(args: argparse.Namespace) -> int:
 
 
 def _history_views(histories: dict, out: Path, threshold) -> str:
-    """Curves against tokens (with plateaus) and, across scales, recovery against parameters with alpha."""
-    from harness.eval.curves import curves_report, scale_points, scale_report
+    """Curves against tokens (with plateaus) and, across scales, recovery against parameters with alpha: the
+    chance-normalised average recovery, or the raw one for histories written before it existed."""
+    from harness.eval.curves import curves_report, recovery_metric, scale_points, scale_report
 
-    thresholds = None if threshold is None else {"average_recovery": threshold}
+    metric = recovery_metric(histories)
+    kind = "normalised" if metric == "average_recovery_norm" else "raw (no normalised recovery in the history)"
+    thresholds = None if threshold is None else {metric: threshold}
     curves = curves_report(histories, out, thresholds)
     lines = [f"[harness] curves against tokens in {out}: " + ", ".join(curves["plots"].values())]
     for name, run in curves["runs"].items():
-        rec = run["metrics"].get("average_recovery")
+        rec = run["metrics"].get(metric)
         if rec:
             plateau = rec["plateau"]
-            lines.append(f"  {name}: {len(rec['tokens'])} evaluations, average recovery {rec['values'][-1]:.3f} at "
-                         f"{rec['tokens'][-1]:,} tokens" + (f", plateau from {plateau:,} tokens" if plateau else ""))
-    points = scale_points(histories)
+            lines.append(f"  {name}: {len(rec['tokens'])} evaluations, average recovery ({kind}) "
+                         f"{rec['values'][-1]:.3f} at {rec['tokens'][-1]:,} tokens"
+                         + (f", plateau from {plateau:,} tokens" if plateau else ""))
+    points = scale_points(histories, metric)
     if any(len({n for n, _ in p}) >= 2 for p in points.values()):
-        scaling = scale_report(points, out)
+        scaling = scale_report(points, out, metric)
         for mixer, entry in scaling["mixers"].items():
             fit = entry["fit"]
             alpha = "-" if fit.get("alpha") is None else f"{fit['alpha']:.3f}"
-            lines.append(f"  scaling {mixer}: alpha {alpha} over {fit.get('n_points')} sizes ({fit.get('reason') or 'ok'})")
+            lines.append(f"  scaling {mixer} ({kind} recovery): alpha {alpha} over {fit.get('n_points')} sizes "
+                         f"({fit.get('reason') or 'ok'})")
     return "\n".join(lines)

@@ -3,14 +3,18 @@
     metric_series(history, metric)          -> (tokens, values) of one run (entries without the metric skipped)
     plateau_tokens(tokens, values, thr)     -> the token count after which the gain per 1e9 tokens stays < thr
     fit_power_law(params, recoveries)       -> the recovery gap 1 - r = a * N^-alpha fitted in log-log
-    scale_points(histories)                 -> {mixer: [(params, recovery), ...]} from each run's last entry
+    scale_points(histories, metric)         -> {mixer: [(params, recovery), ...]} from each run's last entry
+    recovery_metric(histories)              -> the recovery to fit: normalised where the reports have it
     plot_against_tokens(histories, metric, path, plateau_threshold)   one line per run (mixer)
     plot_against_scale(points, path)        recovery and gap against parameters, one line per mixer, with alpha
     curves_report(histories, out_dir, threshold)   -> out_dir/curves.json and out_dir/curve_<metric>.png
     scale_report(points, out_dir)           -> out_dir/scaling.json and out_dir/scaling.png
 
 A history is the list of entries of harness.eval.history.read_history; each entry carries the report of
-harness.eval.report.build_report. Metrics are read from it as in METRICS.
+harness.eval.report.build_report. Metrics are read from it as in METRICS. Recovery comes in two kinds:
+"average_recovery_norm", the chance-normalised average (harness.eval.recovery; the figure to fit), and
+"average_recovery", the raw ratio student / teacher, still read from every report (reports written before the
+normalised one existed have only this).
 """
 
 from __future__ import annotations
@@ -24,6 +28,8 @@ PER = 1e9  # plateau thresholds are gains per billion tokens
 
 METRICS: dict[str, tuple[Callable[[dict], Any], str, bool]] = {
     # name: (value from a report, axis label, higher is better)
+    "average_recovery_norm": (lambda r: (r.get("average") or {}).get("recovery_norm"),
+                              "average chance-normalised recovery (1.0 = teacher)", True),
     "average_recovery": (lambda r: (r.get("average") or {}).get("recovery"),
                          "average teacher recovery (1.0 = teacher)", True),
     "average_score": (lambda r: (r.get("average") or {}).get("student"), "average benchmark score", True),
@@ -35,6 +41,7 @@ METRICS: dict[str, tuple[Callable[[dict], Any], str, bool]] = {
                          "perplexity ratio (student / teacher)", False),
 }
 TEACHER: dict[str, Callable[[dict], Any]] = {  # the teacher's value of a metric, drawn as a reference line
+    "average_recovery_norm": lambda r: 1.0,
     "average_recovery": lambda r: 1.0,
     "average_score": lambda r: (r.get("average") or {}).get("teacher"),
     "niah_overall": lambda r: ((r.get("niah") or {}).get("teacher") or {}).get("overall"),
@@ -186,8 +193,16 @@ def power_law_value(fit: dict, n: float) -> Optional[float]:
     return fit["ceiling"] - fit["a"] * n ** (-fit["alpha"])
 
 
+def recovery_metric(histories: Mapping[str, Sequence[dict]]) -> str:
+    """"average_recovery_norm" when some entry's report has the normalised average, else "average_recovery"
+    (histories written before it: the raw ratio is all they have)."""
+    get = _metric("average_recovery_norm")[0]
+    has = any(_finite(get(e.get("report") or {})) for h in histories.values() for e in h)
+    return "average_recovery_norm" if has else "average_recovery"
+
+
 def scale_points(histories: Mapping[str, Sequence[dict]],
-                 metric: str = "average_recovery") -> dict[str, list[tuple[int, float]]]:
+                 metric: str = "average_recovery_norm") -> dict[str, list[tuple[int, float]]]:
     """{mixer: [(params, value), ...] ascending by params}: each run's last entry that has the metric and params.
 
     A run is one point (its most trained evaluation); runs without "params" or "mixer" are left out.
@@ -286,8 +301,10 @@ def _teacher_lines(ax: Any, histories: Mapping[str, Sequence[dict]], metric: str
         ax.plot([], [], color="gray", linestyle="--", linewidth=1, label="teacher")
 
 
-def plot_against_scale(points: Mapping[str, Sequence[tuple[float, float]]], path: str | Path) -> Path:
-    """Recovery against student parameters (log x) and the gap 1 - r (log-log), one line per mixer.
+def plot_against_scale(points: Mapping[str, Sequence[tuple[float, float]]], path: str | Path,
+                       metric: str = "average_recovery_norm") -> Path:
+    """Recovery (`metric`: normalised or raw) against student parameters (log x) and the gap 1 - r (log-log),
+    one line per mixer.
 
     Each mixer's fitted power law (`fit_power_law`) is drawn dashed, with alpha in the legend.
     """
@@ -312,7 +329,7 @@ def plot_against_scale(points: Mapping[str, Sequence[tuple[float, float]]], path
     left.axhline(100, color="gray", linestyle="--", linewidth=1)
     left.set_xscale("log")
     left.set_xlabel("student parameters")
-    left.set_ylabel("teacher recovery (%)")
+    left.set_ylabel(("normalised " if metric == "average_recovery_norm" else "") + "teacher recovery (%)")
     left.set_title(f"Recovery against scale; dashed: fit {POWER_LAW}", fontsize=9)
     left.legend(fontsize=7)
     right.set_xscale("log")
@@ -330,7 +347,8 @@ def plot_against_scale(points: Mapping[str, Sequence[tuple[float, float]]], path
 
 def curves_report(histories: Mapping[str, Sequence[dict]], out_dir: str | Path,
                   threshold: Optional[float | Mapping[str, float]] = None, *, smooth: bool = False,
-                  metrics: Sequence[str] = ("average_recovery", "average_score", "niah_overall", "perplexity"),
+                  metrics: Sequence[str] = ("average_recovery_norm", "average_recovery", "average_score",
+                                            "niah_overall", "perplexity"),
                   ) -> dict:
     """out_dir/curves.json and out_dir/curve_<metric>.png for every metric some run has; returns the json's dict.
 
@@ -371,11 +389,12 @@ def curves_report(histories: Mapping[str, Sequence[dict]], out_dir: str | Path,
     return result
 
 
-def scale_report(points: Mapping[str, Sequence[tuple[float, float]]], out_dir: str | Path) -> dict:
+def scale_report(points: Mapping[str, Sequence[tuple[float, float]]], out_dir: str | Path,
+                 metric: str = "average_recovery_norm") -> dict:
     """out_dir/scaling.json and out_dir/scaling.png (if there are points); returns the json's dict:
 
-        {"form": "1 - r = a * N^(-alpha)", "mixers": {mixer: {"points": [[params, recovery], ...],
-                                                             "fit": fit_power_law(...)}}, "plot": str|null}
+        {"form": "1 - r = a * N^(-alpha)", "metric": the recovery the points hold (see METRICS),
+         "mixers": {mixer: {"points": [[params, recovery], ...], "fit": fit_power_law(...)}}, "plot": str|null}
     """
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -387,7 +406,7 @@ def scale_report(points: Mapping[str, Sequence[tuple[float, float]]], out_dir: s
     plot = None
     if any(points.values()):
         plot = "scaling.png"
-        plot_against_scale(points, out / plot)
-    result = {"form": POWER_LAW, "mixers": mixers, "plot": plot}
+        plot_against_scale(points, out / plot, metric)
+    result = {"form": POWER_LAW, "metric": metric, "mixers": mixers, "plot": plot}
     (out / "scaling.json").write_text(json.dumps(result, indent=1))
     return result

@@ -1,12 +1,19 @@
 """Teacher-recovery reports: one run's student against its teacher, and several runs side by side.
 
-Recovery of a task is the student's score over the teacher's on the same examples (both with the task's primary
-metric, see harness.eval.bench). The average recovery is the mean of the per-task recoveries over the tasks both
-models have; the average scores are plain means. NIAH is compared by length (accuracy over kinds, depths and
-samples) and overall; perplexity is compared as the ratio student / teacher (1.0 = as good as the teacher).
+Per task (both models scored with the task's primary metric on the same examples, see harness.eval.bench):
+  recovery       the raw ratio student / teacher;
+  recovery_norm  the chance-normalised recovery (student - chance) / (teacher - chance), chance being the
+                 mean of 1/choices over the examples (0 for generative tasks); see harness.eval.recovery;
+  *_ci           95% paired bootstrap intervals over examples of the student's and teacher's scores and of
+                 recovery_norm, from the per-example results (bench_examples.json); None for result folders
+                 without them (older ones), and the report says so.
+The average raw recovery is the mean over the tasks both models have; the average normalised recovery leaves
+out (and names) the tasks whose teacher's interval reaches chance. NIAH is compared by length (accuracy over
+kinds, depths and samples) and overall; perplexity as the ratio student / teacher (1.0 = as good as the teacher).
 
     build_report(student_dir, teacher_dir, ...)  -> report dict  (one run; reads bench/niah/perplexity.json)
-    write_report(report, out)                    -> out/report.json, out/report.md, out/niah_by_length.png
+    write_report(report, out)                    -> out/report.json, out/report.md, out/recovery.png,
+                                                    out/niah_by_length.png
     compare(reports, out)                        -> out/comparison.{json,md}, recovery.png, niah_by_length.png,
                                                     loss_curves.png (reports with attach_training)
     attach_training(report, run_dir)             -> the report with the run's stage losses and curves
@@ -20,7 +27,13 @@ import math
 from pathlib import Path
 from typing import Optional
 
+import numpy as np
+
+from harness.eval.bench import known_chance, read_examples
+from harness.eval.recovery import BOOTSTRAP_SAMPLES, BOOTSTRAP_SEED, LEVEL, average_recovery, task_recovery
+
 REPORT_FILE = "report.json"
+BOOTSTRAP = {"samples": BOOTSTRAP_SAMPLES, "seed": BOOTSTRAP_SEED, "level": LEVEL, "paired": True}
 
 
 def _read(path: Optional[Path]) -> Optional[dict]:
@@ -35,25 +48,77 @@ def _mean(values: list[float]) -> Optional[float]:
     return sum(values) / len(values) if values else None
 
 
-def task_rows(student: dict[str, dict], teacher: dict[str, dict], order: list[str]) -> dict[str, dict]:
-    """Per task: the primary metric, both scores and the recovery (None where a side is missing or zero)."""
+def paired_columns(student: Optional[dict], teacher: Optional[dict]) -> tuple[Optional[np.ndarray], Optional[str]]:
+    """The per-example (student score, teacher score, chance) columns of one task, a (3, n) array over the
+    examples both sides scored (bench_examples.json entries, matched by leaf task and doc id), or None and why."""
+    if student is None or teacher is None:
+        side = " and ".join(name for name, ex in (("student", student), ("teacher", teacher)) if ex is None)
+        return None, f"no per-example results for the {side} (result files from before they were stored)"
+    if student["metric"] != teacher["metric"]:
+        return None, f"the sides were scored with different metrics ({student['metric']}, {teacher['metric']})"
+    s, t = student["by_task"], teacher["by_task"]
+    if sorted(s) != sorted(t) or any(s[leaf]["doc_id"] != t[leaf]["doc_id"] for leaf in s):
+        return None, "the student and the teacher were scored on different examples"
+    leaves = sorted(t)
+    columns = [[x for leaf in leaves for x in side[leaf]["score"]] for side in (s, t)]
+    chance = [1.0 / n if n > 0 else 0.0 for leaf in leaves for n in t[leaf]["choices"]]
+    if not chance:
+        return None, "no examples"
+    return np.array([*columns, chance], dtype=float), None
+
+
+def _scores_of(examples: Optional[dict]) -> Optional[list[float]]:
+    """One side's per-example scores of a task (all leaf tasks), None without per-example results."""
+    if examples is None:
+        return None
+    return [x for leaf in sorted(examples["by_task"]) for x in examples["by_task"][leaf]["score"]]
+
+
+def _chance(name: str, student: Optional[dict], teacher: Optional[dict],
+            paired: Optional[np.ndarray]) -> Optional[float]:
+    """The task's chance level: from the paired examples, else bench.json's "chance", else known_chance."""
+    if paired is not None:
+        return float(paired[2].mean())
+    stored = (teacher or {}).get("chance", (student or {}).get("chance"))
+    return stored if stored is not None else known_chance(name)
+
+
+def task_row(name: str, s: Optional[dict], t: Optional[dict], ex_s: Optional[dict],
+             ex_t: Optional[dict]) -> tuple[dict, Optional[np.ndarray]]:
+    """One task's row (scores, raw and normalised recovery, intervals, at-chance verdict) and its normalised
+    bootstrap draws; s, t: the bench.json entries, ex_s, ex_t: the per-example results (None where missing)."""
+    s_score, t_score = (s or {}).get("score"), (t or {}).get("score")
+    paired, why = paired_columns(ex_s, ex_t)
+    stats, draws = task_recovery(name, s_score, t_score, _chance(name, s, t, paired), paired,
+                                 (t or {}).get("stderr"), alone=(_scores_of(ex_s), _scores_of(ex_t)))
+    row = {"metric": (s or t)["metric"], "student": s_score, "teacher": t_score,
+           "recovery": s_score / t_score if s_score is not None and t_score else None, "n": (s or t).get("n"),
+           **stats, "intervals": None if paired is not None else why}
+    return row, draws
+
+
+def task_rows(student: dict[str, dict], teacher: dict[str, dict], order: list[str],
+              examples: tuple[dict, dict] = ({}, {})) -> tuple[dict[str, dict], dict[str, Optional[np.ndarray]]]:
+    """Per task in `order` (then the rest, sorted): task_row's row, and its normalised draws.
+
+    examples: the student's and the teacher's per-example results ({task: bench_examples.json entry})."""
     names = [t for t in order if t in student or t in teacher]
     names += sorted(set(student) | set(teacher) - set(names))
-    rows = {}
+    rows, draws = {}, {}
     for name in names:
-        s, t = student.get(name), teacher.get(name)
-        s_score, t_score = (s or {}).get("score"), (t or {}).get("score")
-        recovery = s_score / t_score if s_score is not None and t_score else None
-        rows[name] = {"metric": (s or t)["metric"], "student": s_score, "teacher": t_score, "recovery": recovery,
-                      "n": (s or t).get("n")}
-    return rows
+        rows[name], draws[name] = task_row(name, student.get(name), teacher.get(name), examples[0].get(name),
+                                           examples[1].get(name))
+    return rows, draws
 
 
-def average_row(rows: dict[str, dict]) -> dict:
+def average_row(rows: dict[str, dict], draws: Optional[dict[str, Optional[np.ndarray]]] = None) -> dict:
+    """Mean scores and raw recovery over the tasks both sides have; the normalised average, its interval and
+    the tasks left out of it (harness.eval.recovery.average_recovery)."""
     both = [r for r in rows.values() if r["student"] is not None and r["teacher"] is not None]
     return {"tasks": len(both), "student": _mean([r["student"] for r in both]),
             "teacher": _mean([r["teacher"] for r in both]),
-            "recovery": _mean([r["recovery"] for r in both if r["recovery"] is not None])}
+            "recovery": _mean([r["recovery"] for r in both if r["recovery"] is not None]),
+            **average_recovery(rows, draws or {})}
 
 
 def niah_summary(student: Optional[dict], teacher: Optional[dict]) -> Optional[dict]:
@@ -80,12 +145,13 @@ def build_report(student_dir: Path, teacher_dir: Optional[Path], *, label: str, 
     teacher_dir = Path(teacher_dir) if teacher_dir is not None else None
     get = lambda d, name: _read(d / name) if d is not None else None  # noqa: E731
     bench_s, bench_t = get(student_dir, "bench.json"), get(teacher_dir, "bench.json")
-    rows = task_rows(_scores(bench_s), _scores(bench_t), list(tasks or []))
+    examples = read_examples(student_dir, bench_s), read_examples(teacher_dir, bench_t)
+    rows, draws = task_rows(_scores(bench_s), _scores(bench_t), list(tasks or []), examples)
     return {
         "label": label, "mixer": mixer,
         "student_dir": str(student_dir), "teacher_dir": str(teacher_dir) if teacher_dir else None,
         "limit": (bench_s or bench_t or {}).get("limit"),
-        "tasks": rows, "average": average_row(rows),
+        "tasks": rows, "average": average_row(rows, draws), "bootstrap": BOOTSTRAP,
         "niah": niah_summary(get(student_dir, "niah.json"), get(teacher_dir, "niah.json")),
         "perplexity": perplexity_summary(get(student_dir, "perplexity.json"), get(teacher_dir, "perplexity.json")),
         "chat_samples": {"student": get(student_dir, "chat_samples.json"),
@@ -99,20 +165,74 @@ def _fmt(value: Optional[float], pct: bool = False) -> str:
     return f"{100 * value:.1f}%" if pct else f"{value:.4g}"
 
 
+def _fmt_ci(value: Optional[float], interval: Optional[list[float]], pct: bool = False) -> str:
+    """A value and its interval: '0.512 [0.48, 0.54]', '85.2% [70.1, 99.3]'; the value alone without one."""
+    if value is None or not interval:
+        return _fmt(value, pct)
+    scale, digits = (100, ".1f") if pct else (1, ".3f")
+    return f"{_fmt(value, pct)} [{scale * interval[0]:{digits}}, {scale * interval[1]:{digits}}]"
+
+
+def _benchmark_table(report: dict) -> list[str]:
+    """The one-run benchmark table: per task chance, scores and recoveries with their 95% intervals."""
+    limit = report.get("limit")
+    lines = [f"## Benchmarks (lm-eval, {'limit ' + str(limit) if limit else 'all examples'})", "",
+             "| task | metric | n | chance | student [95% CI] | teacher [95% CI] | recovery (raw) | "
+             "normalised recovery [95% CI] |", "|---|---|---|---|---|---|---|---|"]
+    for name, r in report["tasks"].items():
+        norm = _fmt_ci(r.get("recovery_norm"), r.get("recovery_norm_ci"), pct=True)
+        norm += " (not averaged)" if r.get("at_chance") and r.get("recovery_norm") is not None else ""
+        lines.append(f"| {name} | {r['metric']} | {r['n']} | {_fmt(r.get('chance'))} | "
+                     f"{_fmt_ci(r['student'], r.get('student_ci'))} | {_fmt_ci(r['teacher'], r.get('teacher_ci'))} | "
+                     f"{_fmt(r['recovery'], pct=True)} | {norm} |")
+    a = report["average"]
+    norm_tasks = a.get("norm_tasks")
+    norm = _fmt_ci(a.get("recovery_norm"), a.get("recovery_norm_ci"), pct=True)
+    lines += [f"| **average** ({a['tasks']} tasks) | | | | {_fmt(a['student'])} | {_fmt(a['teacher'])} | "
+              f"**{_fmt(a['recovery'], pct=True)}** | **{norm}**"
+              + (f" ({len(norm_tasks)} tasks)" if norm_tasks is not None else "") + " |", ""]
+    return lines
+
+
+def recovery_notes(report: dict) -> list[str]:
+    """What the recovery columns mean, which tasks the normalised average leaves out and why, and which tasks
+    have no intervals (result files without per-example results)."""
+    boot = report.get("bootstrap") or BOOTSTRAP
+    lines = ["Recovery (raw): student / teacher, averaged over every task both have. Normalised recovery: "
+             "(student - chance) / (teacher - chance), chance = the mean of 1/choices over the examples (0 for "
+             f"generative tasks). {100 * boot['level']:.0f}% intervals: paired bootstrap over examples "
+             f"({boot['samples']} resamples, seed {boot['seed']}).", ""]
+    rows, average = report["tasks"], report["average"]
+    if average.get("excluded"):
+        lines += ["Left out of the normalised average (the teacher is not clearly above chance: its interval "
+                  "reaches chance): " + "; ".join(_at_chance(name, rows[name]) for name in average["excluded"])
+                  + ".", ""]
+    if average.get("no_chance"):
+        lines += [f"Not normalised (chance unknown without per-example results): {', '.join(average['no_chance'])}.",
+                  ""]
+    missing = {name: r["intervals"] for name, r in rows.items()
+               if r.get("intervals") and r["student"] is not None and r["teacher"] is not None}
+    for why in dict.fromkeys(missing.values()):
+        names = [name for name, w in missing.items() if w == why]
+        lines += [f"Paired intervals (normalised recovery; a side without per-example results gets none) "
+                  f"unavailable for {', '.join(names)}: {why}. Re-running the benchmarks into a fresh result "
+                  "folder stores them.", ""]
+    return lines
+
+
+def _at_chance(name: str, row: dict) -> str:
+    """'winogrande (teacher 0.505 [0.477, 0.533], chance 0.5)', saying how it was judged without an interval."""
+    basis = {"stderr": ", judged by teacher - 1.96 stderr", "score": ", judged by the score alone"}
+    return (f"{name} (teacher {_fmt_ci(row['teacher'], row.get('teacher_ci'))}, chance {_fmt(row['chance'])}"
+            f"{basis.get(row.get('at_chance_basis'), '')})")
+
+
 def markdown(report: dict) -> str:
     """One run's report as Markdown: tasks, average, NIAH by length, perplexity."""
     title = report["label"] + (f" ({report['mixer']})" if report.get("mixer") else "")
     lines = [f"# Evaluation: {title}", ""]
     if report["tasks"]:
-        limit = report.get("limit")
-        lines += [f"## Benchmarks (lm-eval, {'limit ' + str(limit) if limit else 'all examples'})", "",
-                  "| task | metric | n | student | teacher | recovery |", "|---|---|---|---|---|---|"]
-        for name, r in report["tasks"].items():
-            lines.append(f"| {name} | {r['metric']} | {r['n']} | {_fmt(r['student'])} | {_fmt(r['teacher'])} | "
-                         f"{_fmt(r['recovery'], pct=True)} |")
-        a = report["average"]
-        lines += [f"| **average** ({a['tasks']} tasks) | | | {_fmt(a['student'])} | {_fmt(a['teacher'])} | "
-                  f"**{_fmt(a['recovery'], pct=True)}** |", ""]
+        lines += _benchmark_table(report) + recovery_notes(report)
     niah = report.get("niah")
     if niah:
         sides = [(side, niah[side]) for side in ("student", "teacher") if niah[side]]
@@ -133,11 +253,14 @@ def markdown(report: dict) -> str:
 
 
 def write_report(report: dict, out: Path) -> None:
-    """out/report.json, out/report.md, and out/niah_by_length.png when there are NIAH results."""
+    """out/report.json, out/report.md, out/recovery.png when there are benchmark results, and
+    out/niah_by_length.png when there are NIAH results."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     (out / REPORT_FILE).write_text(json.dumps(report, indent=1))
     (out / "report.md").write_text(markdown(report))
+    if report["tasks"]:
+        plot_recovery([report], out / "recovery.png")
     if report.get("niah"):
         plot_niah_by_length([report], out / "niah_by_length.png")
 
@@ -157,24 +280,57 @@ def _name(report: dict) -> str:
 
 
 def comparison_markdown(reports: list[dict]) -> str:
-    """Several runs: recovery per task with NIAH overall and the perplexity ratio; then the raw scores, NIAH by
-    length, and (for runs read from their run directories) the final loss of each training stage."""
+    """Several runs: normalised (and raw) recovery per task with NIAH overall and the perplexity ratio; then the
+    raw scores, NIAH by length, and (for runs read from their run directories) the final loss of each stage."""
     tasks = list(dict.fromkeys(t for r in reports for t in r["tasks"]))
-    head = ["run"] + tasks + ["average recovery", "NIAH student", "NIAH teacher", "ppl ratio"]
+    head = ["run"] + tasks + ["average normalised", "average raw", "NIAH student", "NIAH teacher", "ppl ratio"]
     lines = ["# Teacher recovery, by run", "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in reports:
-        niah = r.get("niah") or {}
-        cells = [_fmt(r["tasks"].get(t, {}).get("recovery"), pct=True) for t in tasks]
-        cells += [_fmt(r["average"]["recovery"], pct=True),
+        niah, average = r.get("niah") or {}, r["average"]
+        cells = [_recovery_cell(r["tasks"].get(t)) for t in tasks]
+        cells += [_fmt_ci(average.get("recovery_norm"), average.get("recovery_norm_ci"), pct=True),
+                  _fmt(average["recovery"], pct=True),
                   _fmt((niah.get("student") or {}).get("overall"), pct=True),
                   _fmt((niah.get("teacher") or {}).get("overall"), pct=True),
                   _fmt((r.get("perplexity") or {}).get("ratio"))]
         lines.append(f"| {_name(r)} | " + " | ".join(cells) + " |")
-    lines += ["", "Recovery: student score / teacher score on the same examples; average over the tasks both have.",
+    lines += ["", "Per task: chance-normalised recovery (student - chance) / (teacher - chance) with its 95% paired "
+              "bootstrap interval, the raw ratio student / teacher in parentheses; * = the teacher's interval "
+              "reaches chance, so the task is left out of the normalised average (the raw average keeps every "
+              "task both have).",
               "NIAH: exact-match accuracy over all lengths, depths, kinds; ppl ratio: student / teacher perplexity.",
               ""]
+    lines += _left_out(reports)
     lines += _scores_table(reports, tasks) + _niah_table(reports) + _training_table(reports, plotted=True)
     return "\n".join(lines)
+
+
+def _recovery_cell(row: Optional[dict]) -> str:
+    """'85.2% [70.1, 99.3] (97.1%)': normalised recovery, its interval, the raw ratio; '*' when not averaged."""
+    if row is None:
+        return "-"
+    mark = "*" if row.get("at_chance") and row.get("recovery_norm") is not None else ""
+    return (f"{_fmt_ci(row.get('recovery_norm'), row.get('recovery_norm_ci'), pct=True)}{mark} "
+            f"({_fmt(row['recovery'], pct=True)})")
+
+
+def _left_out(reports: list[dict]) -> list[str]:
+    """Per run, the tasks its normalised average leaves out (teacher at chance), or that have no intervals."""
+    lines = []
+    for r in reports:
+        average = r["average"]
+        if average.get("excluded"):
+            lines.append(f"- {_name(r)}: left out of the normalised average (teacher at chance): "
+                         + ", ".join(average["excluded"]))
+        if average.get("no_chance"):
+            lines.append(f"- {_name(r)}: chance unknown, not normalised: " + ", ".join(average["no_chance"]))
+        if "recovery_norm" not in average:
+            lines.append(f"- {_name(r)}: its report predates normalised recovery; `harness eval` on its eval.yaml "
+                         "rebuilds it (finished benchmarks are reused)")
+        no_ci = [t for t, row in r["tasks"].items() if row.get("intervals")]
+        if no_ci:
+            lines.append(f"- {_name(r)}: no intervals (no per-example results) for " + ", ".join(no_ci))
+    return lines + [""] if lines else []
 
 
 def _teachers(reports: list[dict]) -> list[dict]:
@@ -270,19 +426,38 @@ def _figure(width: float = 7.0, height: float = 4.0):
     return fig
 
 
+def _xerr(value: float, interval: Optional[list[float]]) -> Optional[list[list[float]]]:
+    """Matplotlib's xerr (in %) for a value and its interval; None without one."""
+    if not interval:
+        return None
+    return [[max(0.0, 100 * (value - interval[0]))], [max(0.0, 100 * (interval[1] - value))]]
+
+
 def plot_recovery(reports: list[dict], path: Path) -> None:
-    """Horizontal bars (run names are long): average recovery per run (mixer), per-task recoveries as dots."""
+    """Horizontal bars (run names are long): the average chance-normalised recovery per run, per-task
+    normalised recoveries as dots; whiskers are 95% bootstrap intervals; hollow dots: teacher at chance (not
+    averaged)."""
     fig = _figure(height=1.5 + 0.45 * len(reports))
     ax = fig.add_subplot()
     for i, r in enumerate(reports):
-        ax.barh(i, 100 * (r["average"]["recovery"] or 0), color="tab:blue", alpha=0.7)
-        per_task = [t["recovery"] for t in r["tasks"].values() if t["recovery"] is not None]
-        ax.scatter([100 * v for v in per_task], [i] * len(per_task), color="black", s=10, zorder=3)
+        average = r["average"].get("recovery_norm")
+        if average is not None:
+            ax.barh(i, 100 * average, color="tab:blue", alpha=0.7,
+                    xerr=_xerr(average, r["average"].get("recovery_norm_ci")), capsize=3)
+        per_task = [t for t in r["tasks"].values() if t.get("recovery_norm") is not None]
+        for j, t in enumerate(per_task):
+            y = i + (0.5 * (j / (len(per_task) - 1)) - 0.25 if len(per_task) > 1 else 0.0)
+            hollow = bool(t.get("at_chance"))
+            ax.errorbar(100 * t["recovery_norm"], y, xerr=_xerr(t["recovery_norm"], t.get("recovery_norm_ci")),
+                        fmt="o", markersize=3.5, color="black", mfc="white" if hollow else "black",
+                        elinewidth=0.8, capsize=2, zorder=3)
     ax.axvline(100, color="gray", linestyle="--", linewidth=1)
+    ax.axvline(0, color="gray", linestyle=":", linewidth=1)
     ax.set_yticks(range(len(reports)), [_name(r) for r in reports], fontsize=8)
     ax.invert_yaxis()  # the first run on top, as in the tables
-    ax.set_xlabel("teacher recovery (%)")
-    ax.set_title("Recovery: average (bars), per task (dots)", fontsize=10)
+    ax.set_xlabel("chance-normalised teacher recovery (%): (student - chance) / (teacher - chance)")
+    ax.set_title("Normalised recovery: average (bars), per task (dots; hollow: teacher at chance, not averaged); "
+                 "95% intervals", fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=120, bbox_inches="tight")
 
