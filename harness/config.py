@@ -278,7 +278,13 @@ class NiahConfig:
     haystack: str = described(
         "essays", "The prose: 'essays', 'wikipedia' (both from the embedded RULER data) or a .txt/.jsonl path."
     )
-    prompt: str = described("auto", "'chat' (the tokenizer's chat template), 'plain', or 'auto' (chat if it has one).")
+    prompt: str = described(
+        "plain", "How the NIAH prompt is framed, the same for the student and its teacher (one report compares "
+        "them): 'plain' (the instruction, the prose, then 'Question: ...\\nAnswer: ...' as text, no chat template: "
+        "for students distilled on prose, which never saw chat turns), 'chat' (the tokenizer's chat template: for "
+        "instruction-tuned students, e.g. after SFT or stages.distill.data: instructions), or 'auto' (chat if the "
+        "tokenizer has a template)."
+    )
 
 
 @dataclass

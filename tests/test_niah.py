@@ -51,7 +51,7 @@ def find_all(haystack: list[int], needle: list[int]) -> list[int]:
 def test_prompt_has_the_requested_length_and_the_needle_sits_at_the_requested_depth(smollm2_tokenizer, kind):
     tok = smollm2_tokenizer
     essays = "\n\n".join(json.loads(line)["text"] for line in open(embedded_subset_path("essays")))
-    grid = NiahGrid()
+    grid = NiahGrid(prompt="chat")
     for length in (256, 1000, 4096):
         for depth in (0.0, 0.1, 0.33, 0.5, 0.9, 1.0):
             s = build_sample(tok, grid, kind, length, depth, index=1)
@@ -98,6 +98,23 @@ def test_plain_prompt_for_a_tokenizer_without_chat_template(tiny_tok, tmp_path):
     assert before.endswith(".") and abs(s.needle_depth - 0.5) <= niah.DEPTH_SNAP
     with pytest.raises(ValueError, match="needs a tokenizer with a chat template"):
         build_sample(tiny_tok, NiahGrid(haystack=str(text), prompt="chat"), "passkey", 512, 0.5, 0)
+
+
+def test_the_default_prompt_is_plain_text_even_when_the_tokenizer_has_a_chat_template(smollm2_tokenizer):
+    from harness.config import NiahConfig
+
+    assert NiahConfig().prompt == NiahGrid().prompt == "plain"  # the job's default and the library's agree
+    for mode in ("plain", "chat", "auto"):
+        s = build_sample(smollm2_tokenizer, NiahGrid(prompt=mode), "kv", 512, 0.5, 0)
+        text = smollm2_tokenizer.decode(s.input_ids)
+        assert len(s.input_ids) == 512 and s.prompt_mode == ("plain" if mode == "plain" else "chat")
+        if mode == "plain":  # no turn markers: instruction, prose, then the question as text
+            assert "<|im_start|>" not in text and "<|im_end|>" not in text
+            assert text.startswith(niah.INSTRUCTION)
+            assert text.endswith(f"\n\nQuestion: {s.needle.question}\nAnswer: {s.needle.answer_prefix}")
+        else:
+            assert text.startswith("<|im_start|>system\n") and "<|im_start|>assistant\n" in text
+        assert text.count(s.needle.text.strip()) == 1
 
 
 def test_samples_are_deterministic_and_differ_between_indices_and_seeds(smollm2_tokenizer):
@@ -195,7 +212,7 @@ def test_a_reader_of_the_needle_scores_100_and_others_score_0(smollm2_tokenizer,
     assert set(saved) >= {"label", "grid", "overall", "by_length", "by_kind", "cells"}
     assert len(saved["cells"]) == cells and saved["grid"]["lengths"] == [256, 384] and saved["label"] == "echo"
     assert set(saved["cells"][0]) >= {"kind", "length", "depth", "samples", "correct", "accuracy"}
-    assert saved["prompt_mode"] == "chat" and saved["max_position_embeddings"] is None
+    assert saved["prompt_mode"] == "plain" and saved["max_position_embeddings"] is None
     rows = list(csv.DictReader(open(out / "niah.csv")))
     assert len(rows) == cells and rows[0]["kind"] == "passkey" and float(rows[0]["accuracy"]) == 1.0
     assert (out / "niah_heatmap.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

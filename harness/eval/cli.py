@@ -60,7 +60,9 @@ def add_parsers(sub: Any) -> None:
     niah.add_argument("--kinds", default="passkey,uuid,kv", help="Needle kinds: passkey, uuid, kv.")
     niah.add_argument("--samples", type=int, default=3, help="Samples per (kind, length, depth) cell.")
     niah.add_argument("--haystack", default="essays", help="essays, wikipedia, or a .txt/.jsonl file.")
-    niah.add_argument("--prompt", default="auto", help="auto, chat or plain.")
+    niah.add_argument("--prompt", default="plain", choices=("plain", "chat", "auto"),
+                      help="plain (no chat template: students distilled on prose), chat (the tokenizer's template), "
+                      "auto (chat if the tokenizer has one). Score a student and its teacher the same way.")
     niah.add_argument("--max-new-tokens", type=int, default=48, help="Generation budget per sample.")
     niah.add_argument("--overwrite", action="store_true", help="Start over instead of resuming.")
     niah.set_defaults(handler=cmd_eval_niah)

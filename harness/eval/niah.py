@@ -29,8 +29,12 @@ Randomness is a pure function of (seed, ...): the prose of sample i starts at th
 kind, length and depth (a longer prompt extends a shorter one's prose, which isolates length and depth), and
 the needle's key and value depend on (seed, kind, length, depth, i).
 
-Prompt mode: "auto" uses the tokenizer's chat template when it has one, else "plain" ("Question: ...\\nAnswer:
-The pass key is"); "chat" requires a template.
+Prompt mode: "plain" (the default) frames the question as text, "Question: ...\\nAnswer: The pass key is",
+after the instruction and the prose, with no chat template: students distilled on prose never saw chat turns,
+and a chat-format question would test instruction following too. "chat" renders the instruction, prose and
+question as one user turn of the tokenizer's chat template (it needs one), then the assistant header; "auto"
+picks "chat" when the tokenizer has a template, else "plain". Student and teacher of one report are scored with
+the same mode (the evaluation job passes eval.niah.prompt to both).
 
 Decoding: greedy, batch 1, no padding (recurrent students are padding-sensitive): students (HarnessForCausalLM)
 through harness.decoding (one recurrent step per token, captured as a CUDA graph on GPUs), teachers through
@@ -125,7 +129,8 @@ class NiahGrid:
     samples:        prompts per (kind, length, depth) cell, each with its own prose start and needle value.
     haystack:       "essays" (Paul Graham, the classic NIAH prose), "wikipedia" (HotpotQA/SQuAD paragraphs),
                     or the path of a .jsonl ({"text": ...} per line) or .txt file.
-    prompt:         "auto" (the chat template if the tokenizer has one, else plain), "chat" or "plain".
+    prompt:         "plain" (no chat template; for students distilled on prose), "chat" (the tokenizer's chat
+                    template) or "auto" (chat if the tokenizer has a template, else plain).
     seed:           seeds prose starts and needle values; the same seed gives the same prompts.
     max_new_tokens: generation budget per sample; a UUID alone is ~32 SmolLM2 tokens.
     """
@@ -135,7 +140,7 @@ class NiahGrid:
     kinds: list[str] = field(default_factory=lambda: list(KINDS))
     samples: int = 3
     haystack: str = "essays"
-    prompt: str = "auto"
+    prompt: str = "plain"
     seed: int = 0
     max_new_tokens: int = 48
 
