@@ -531,6 +531,56 @@ def test_records_without_the_likelihood_score_keep_their_answers_and_are_only_sc
     assert four["likelihood"]["chance"] == 0.2 and four["likelihood"]["overall"] == pytest.approx(0.2)
 
 
+def test_the_report_shows_both_scores_by_length_and_reads_older_niah_files(smollm2_tokenizer, tmp_path):
+    from harness.eval.report import build_report, compare, markdown, write_report
+
+    tok, grid = smollm2_tokenizer, NiahGrid(**{**SMALL, "kinds": ["passkey"]})
+    run_niah(Copier(len(tok)), tok, grid, tmp_path / "student", label="s", progress=False)
+    run_niah(Uniform(len(tok)), tok, grid, tmp_path / "teacher", label="t", progress=False)
+    report = build_report(tmp_path / "student", tmp_path / "teacher", label="run")
+    student, teacher = report["niah"]["student"], report["niah"]["teacher"]
+    assert student["likelihood"]["by_length"] == {"256": 1.0, "384": 1.0} and student["likelihood"]["chance"] == 0.1
+    assert teacher["likelihood"]["overall"] == pytest.approx(0.1) and teacher["likelihood"]["mean_rank"] == 5.5
+    assert student["prompt_mode"] == teacher["prompt_mode"] == "plain"
+    md = markdown(report)
+    assert "## Needle in a haystack (exact match)" in md and "## Needle in a haystack (likelihood)" in md
+    assert "| model | 256 | 384 | overall | chance | mean rank |" in md
+    assert "| student | 100.0% | 100.0% | 100.0% | 10.0% | 1 |" in md
+    assert "| teacher | 10.0% | 10.0% | 10.0% | 10.0% | 5.5 |" in md
+    assert "| teacher | 0.0% | 0.0% | 0.0% |" in md  # its exact match
+    assert "NIAH prompts: plain." in md and "Warning" not in md
+    write_report(report, tmp_path / "out")
+    assert (tmp_path / "out" / "niah_by_length.png").stat().st_size > 1000
+
+    # a niah.json from before the likelihood score: its exact match is reported, its likelihood row left out
+    old = json.loads((tmp_path / "teacher" / "niah.json").read_text())
+    del old["likelihood"]
+    old["cells"] = [{k: v for k, v in c.items() if k not in ("likelihood_accuracy", "mean_rank")}
+                    for c in old["cells"]]
+    (tmp_path / "old").mkdir()
+    (tmp_path / "old" / "niah.json").write_text(json.dumps(old))
+    older = build_report(tmp_path / "student", tmp_path / "old", label="older")
+    assert older["niah"]["teacher"]["likelihood"] is None and older["niah"]["teacher"]["overall"] == 0.0
+    md = markdown(older)
+    assert "| teacher | 0.0% | 0.0% | 0.0% |" in md and "| teacher | 10.0%" not in md
+    assert "| student | 100.0% | 100.0% | 100.0% | 10.0% | 1 |" in md
+    table = (compare([report, older], tmp_path / "cmp")).read_text()
+    assert "NIAH lik. student | NIAH lik. teacher" in table
+    assert "| run | - | 100.0% | 0.0% | 100.0% | 10.0% | - |" in table  # no benchmarks, no perplexity here
+    assert "| older | - | 100.0% | 0.0% | 100.0% | - | - |" in table
+    from harness.eval.curves import METRICS, TEACHER  # learning curves read it from the reports too
+
+    assert METRICS["niah_likelihood"][0](report) == 1.0 and TEACHER["niah_likelihood"](report) == pytest.approx(0.1)
+    assert TEACHER["niah_likelihood"](older) is None
+    assert (tmp_path / "cmp" / "niah_by_length.png").stat().st_size > 1000
+
+    # a teacher scored with chat prompts beside a student with plain ones: flagged
+    run_niah(Uniform(len(tok)), tok, NiahGrid(**{**SMALL, "kinds": ["passkey"], "prompt": "chat"}), tmp_path / "chat",
+             label="t", progress=False)
+    mixed = markdown(build_report(tmp_path / "student", tmp_path / "chat", label="mixed"))
+    assert "**Warning:** these NIAH results used different prompt modes (student: plain, teacher: chat)" in mixed
+
+
 # ---------------------------------------------------------------------------------------------- real models
 
 

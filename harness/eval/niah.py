@@ -888,17 +888,17 @@ def plot_heatmap(result: dict, path: Path, metric: str = "accuracy") -> None:
             for col, value in enumerate(values):
                 ax.text(col, row, f"{value:.0%}", ha="center", va="center", fontsize=8)
     fig.colorbar(image, ax=axes, label="accuracy", shrink=0.9)
-    fig.suptitle(_heatmap_title(result, metric))
+    fig.suptitle(_heatmap_title(result, metric), fontsize=9)
     fig.savefig(path, dpi=120)
 
 
 def _heatmap_title(result: dict, metric: str) -> str:
     samples = f"{result['grid']['samples']} samples per cell"
     if metric == "accuracy":
-        return f"NIAH exact match: {result['label']} (overall {result['overall']:.1%}, {samples})"
+        return f"NIAH exact match: {result['label']}\n(overall {result['overall']:.1%}, {samples})"
     lik = result["likelihood"]
-    return (f"NIAH likelihood, true value first of {lik['candidates']}: {result['label']} (overall "
-            f"{lik['overall']:.1%}, chance {lik['chance']:.1%}, {samples})")
+    return (f"NIAH likelihood: {result['label']}\n(true value first of {lik['candidates']}: "
+            f"{lik['overall']:.1%}, chance {lik['chance']:.0%}; {samples})")
 
 
 def _short_length(n: int) -> str:
