@@ -137,10 +137,23 @@ def test_samples_are_deterministic_and_differ_between_indices_and_seeds(smollm2_
     ({"prompt": "fancy"}, r"unknown NIAH prompt mode 'fancy'; choose from \('auto', 'chat', 'plain'\)"),
     ({"haystack": "novels"}, r"unknown NIAH haystack 'novels': use one of \('essays', 'wikipedia'\)"),
     ({"samples": 0}, "samples must hold positive integers"),
+    ({"distractors": 0}, "distractors must hold positive integers"),
+    ({"distractors": 21}, r"distractors=21 is above 20"),
 ])
 def test_bad_grid_settings_are_named(kwargs, message):
     with pytest.raises(ValueError, match=message):
         NiahGrid(**kwargs)
+
+
+def test_the_jobs_niah_settings_check_the_distractors_and_the_prompt():
+    from harness.config import ConfigError, EvalConfig, NiahConfig, check_eval
+
+    check_eval(EvalConfig(niah=NiahConfig(distractors=20, prompt="chat")))
+    for bad, message in ((NiahConfig(distractors=0), "eval.niah.distractors=0 must lie in 1..20"),
+                         (NiahConfig(prompt="fancy"), "eval.niah.prompt")):
+        with pytest.raises(ConfigError, match=message):
+            check_eval(EvalConfig(niah=bad))
+    assert NiahConfig().distractors == NiahGrid().distractors == niah.DEFAULT_DISTRACTORS
 
 
 def test_too_short_length_says_the_minimum(smollm2_tokenizer):
