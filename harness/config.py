@@ -278,7 +278,18 @@ class NiahConfig:
     haystack: str = described(
         "essays", "The prose: 'essays', 'wikipedia' (both from the embedded RULER data) or a .txt/.jsonl path."
     )
-    prompt: str = described("auto", "'chat' (the tokenizer's chat template), 'plain', or 'auto' (chat if it has one).")
+    prompt: str = described(
+        "plain", "How the NIAH prompt is framed, the same for the student and its teacher (one report compares "
+        "them): 'plain' (the instruction, the prose, then 'Question: ...\\nAnswer: ...' as text, no chat template: "
+        "for students distilled on prose, which never saw chat turns), 'chat' (the tokenizer's chat template: for "
+        "instruction-tuned students, e.g. after SFT or stages.distill.data: instructions), or 'auto' (chat if the "
+        "tokenizer has a template)."
+    )
+    distractors: int = described(
+        9, "The likelihood score ranks each needle's true value among this many other values of its kind (same "
+        "format, drawn from the sample's seed), teacher-forced: chance is 1 / (1 + distractors). 1 to 20; "
+        "changing it rescores saved samples without generating again."
+    )
 
 
 @dataclass
@@ -543,6 +554,9 @@ def check_eval(ev: EvalConfig) -> None:
         if not 0.0 <= depth <= 1.0:
             raise ConfigError(f"Bad depth {depth} in eval.niah.depths: depths are fractions in [0, 1] (50% is 0.5).")
     _check_positive("eval.niah.samples", ev.niah.samples)
+    if not 1 <= ev.niah.distractors <= 20:  # harness.eval.niah.MAX_DISTRACTORS
+        raise ConfigError(f"eval.niah.distractors={ev.niah.distractors} must lie in 1..20 (the likelihood score's "
+                          "chance level is 1 / (1 + distractors)).")
     _check_positive("eval.batch_size", ev.batch_size)
     _check_positive("eval.limit", ev.limit, allow_none=True)
     if ev.perplexity_tokens is not None and ev.perplexity_tokens < 0:

@@ -33,6 +33,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--kinds", default=",".join(KINDS), help=f"needle kinds, comma-separated, from {KINDS}")
     p.add_argument("--samples", type=int, default=2, help="samples per (kind, length, depth) cell")
     p.add_argument("--haystack", default="essays", help="essays, wikipedia, or a .jsonl/.txt path")
+    p.add_argument("--prompt", default="auto", help="plain, chat or auto (the reference numbers: auto, i.e. chat)")
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
     p.add_argument("--work-dir", type=Path, default=ROOT / "runs" / "niah" / "teacher-smollm2-135m")
     p.add_argument("--out", type=Path, default=ROOT / "docs" / "results" / "niah_teacher_smollm2_135m.json")
@@ -45,7 +46,8 @@ def main(argv: list[str] | None = None) -> None:
         torch.set_num_threads(args.threads)
     grid = NiahGrid(lengths=[int(x) for x in args.lengths.split(",")],
                     depths=[float(x) for x in args.depths.split(",")],
-                    kinds=args.kinds.split(","), samples=args.samples, haystack=args.haystack)
+                    kinds=args.kinds.split(","), samples=args.samples, haystack=args.haystack,
+                    prompt=args.prompt)
     teacher = load_teacher(SMOLLM2_ALIAS)
     start = time.time()
     result = run_niah(teacher.model, teacher.tokenizer, grid, args.work_dir, label="SmolLM2-135M-Instruct (teacher)")

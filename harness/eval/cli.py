@@ -50,7 +50,9 @@ def add_parsers(sub: Any) -> None:
 
     niah = ev_sub.add_parser("niah", help="Needle in a haystack on one model.",
                              description="Greedy retrieval of a needle hidden at depth x length in real prose "
-                             "(exact match), batch 1; writes niah.json, niah.csv and niah_heatmap.png.",
+                             "(exact match), batch 1, and the teacher-forced likelihood score (the true value "
+                             "ranked first among it and --distractors others); writes niah.json, niah.csv and "
+                             "the heatmaps.",
                              epilog="example:\n  harness eval niah runs/quickstart/student --lengths 256,512 "
                              "--depths 0,0.5,1 --kinds passkey --samples 2 --out /tmp/niah",
                              formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -60,8 +62,12 @@ def add_parsers(sub: Any) -> None:
     niah.add_argument("--kinds", default="passkey,uuid,kv", help="Needle kinds: passkey, uuid, kv.")
     niah.add_argument("--samples", type=int, default=3, help="Samples per (kind, length, depth) cell.")
     niah.add_argument("--haystack", default="essays", help="essays, wikipedia, or a .txt/.jsonl file.")
-    niah.add_argument("--prompt", default="auto", help="auto, chat or plain.")
+    niah.add_argument("--prompt", default="plain", choices=("plain", "chat", "auto"),
+                      help="plain (no chat template: students distilled on prose), chat (the tokenizer's template), "
+                      "auto (chat if the tokenizer has one). Score a student and its teacher the same way.")
     niah.add_argument("--max-new-tokens", type=int, default=48, help="Generation budget per sample.")
+    niah.add_argument("--distractors", type=int, default=9, help="Other values the likelihood score ranks each "
+                      "needle's value against (chance: 1 / (1 + distractors)).")
     niah.add_argument("--overwrite", action="store_true", help="Start over instead of resuming.")
     niah.set_defaults(handler=cmd_eval_niah)
 
@@ -193,14 +199,18 @@ def cmd_eval_niah(args: argparse.Namespace) -> int:
     try:
         grid = NiahGrid(lengths=_list(args.lengths, int, "lengths"), depths=_list(args.depths, float, "depths"),
                         kinds=_list(args.kinds, str, "kinds"), samples=args.samples, haystack=args.haystack,
-                        prompt=args.prompt, max_new_tokens=args.max_new_tokens)
+                        prompt=args.prompt, max_new_tokens=args.max_new_tokens, distractors=args.distractors)
     except ValueError as err:
         raise ConfigError(str(err)) from None
     model, tokenizer, device = load_any(args)
     out = _out(args, "niah")
     result = run_niah(model, tokenizer, grid, out, label=_label(args), device=device, overwrite=args.overwrite)
     lengths = ", ".join(f"{k}: {100 * v:.0f}%" for k, v in result["by_length"].items())
-    print(f"NIAH {result['label']}: overall {100 * result['overall']:.1f}% ({lengths}); results in {out}")
+    lik = result["likelihood"]
+    ranked = ", ".join(f"{k}: {100 * v:.0f}%" for k, v in lik["by_length"].items())
+    print(f"NIAH {result['label']}: exact match overall {100 * result['overall']:.1f}% ({lengths}); likelihood "
+          f"overall {100 * lik['overall']:.1f}% ({ranked}; chance {100 * lik['chance']:.0f}%, mean rank "
+          f"{lik['mean_rank']:.2f} of {lik['candidates']}); results in {out}")
     return 0
 
 

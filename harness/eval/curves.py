@@ -26,6 +26,12 @@ from typing import Any, Callable, Mapping, Optional, Sequence
 
 PER = 1e9  # plateau thresholds are gains per billion tokens
 
+def _niah_likelihood(report: dict, side: str) -> Optional[float]:
+    """The overall NIAH likelihood score of a report's side; None for reports made before it."""
+    niah = (report.get("niah") or {}).get(side) or {}
+    return (niah.get("likelihood") or {}).get("overall")
+
+
 METRICS: dict[str, tuple[Callable[[dict], Any], str, bool]] = {
     # name: (value from a report, axis label, higher is better)
     "average_recovery_norm": (lambda r: (r.get("average") or {}).get("recovery_norm"),
@@ -36,6 +42,7 @@ METRICS: dict[str, tuple[Callable[[dict], Any], str, bool]] = {
     "niah_overall": (lambda r: ((r.get("niah") or {}).get("student") or {}).get("overall"),
                      "NIAH accuracy (overall)", True),
     "niah_recovery": (lambda r: (r.get("niah") or {}).get("recovery"), "NIAH recovery (1.0 = teacher)", True),
+    "niah_likelihood": (lambda r: _niah_likelihood(r, "student"), "NIAH likelihood: true value first (overall)", True),
     "perplexity": (lambda r: (r.get("perplexity") or {}).get("student"), "held-out perplexity", False),
     "perplexity_ratio": (lambda r: (r.get("perplexity") or {}).get("ratio"),
                          "perplexity ratio (student / teacher)", False),
@@ -46,6 +53,7 @@ TEACHER: dict[str, Callable[[dict], Any]] = {  # the teacher's value of a metric
     "average_score": lambda r: (r.get("average") or {}).get("teacher"),
     "niah_overall": lambda r: ((r.get("niah") or {}).get("teacher") or {}).get("overall"),
     "niah_recovery": lambda r: 1.0,
+    "niah_likelihood": lambda r: _niah_likelihood(r, "teacher"),
     "perplexity": lambda r: (r.get("perplexity") or {}).get("teacher"),
     "perplexity_ratio": lambda r: 1.0,
 }

@@ -104,7 +104,8 @@ def evaluate_model(model: Any, tokenizer: Any, spec: EvalSpec, out: Path, *, lab
         from harness.eval.niah import NiahGrid, run_niah
 
         grid = NiahGrid(lengths=list(spec.niah.lengths), depths=list(spec.niah.depths), kinds=list(spec.niah.kinds),
-                        samples=spec.niah.samples, haystack=spec.niah.haystack, prompt=spec.niah.prompt)
+                        samples=spec.niah.samples, haystack=spec.niah.haystack, prompt=spec.niah.prompt,
+                        distractors=spec.niah.distractors)
         results["niah"] = run_niah(model, tokenizer, grid, out, label=label, device=device, progress=progress)
     if spec.chat_samples:
         results["chat_samples"] = chat_samples(model, tokenizer, out, label=label, device=device)

@@ -29,8 +29,12 @@ Randomness is a pure function of (seed, ...): the prose of sample i starts at th
 kind, length and depth (a longer prompt extends a shorter one's prose, which isolates length and depth), and
 the needle's key and value depend on (seed, kind, length, depth, i).
 
-Prompt mode: "auto" uses the tokenizer's chat template when it has one, else "plain" ("Question: ...\\nAnswer:
-The pass key is"); "chat" requires a template.
+Prompt mode: "plain" (the default) frames the question as text, "Question: ...\\nAnswer: The pass key is",
+after the instruction and the prose, with no chat template: students distilled on prose never saw chat turns,
+and a chat-format question would test instruction following too. "chat" renders the instruction, prose and
+question as one user turn of the tokenizer's chat template (it needs one), then the assistant header; "auto"
+picks "chat" when the tokenizer has a template, else "plain". Student and teacher of one report are scored with
+the same mode (the evaluation job passes eval.niah.prompt to both).
 
 Decoding: greedy, batch 1, no padding (recurrent students are padding-sensitive): students (HarnessForCausalLM)
 through harness.decoding (one recurrent step per token, captured as a CUDA graph on GPUs), teachers through
@@ -38,7 +42,7 @@ through harness.decoding (one recurrent step per token, captured as a CUDA graph
 token (the tokenizer's and the model's generation config's), at the end of the first non-empty line, or after
 `max_new_tokens`.
 
-Scoring (`is_correct`): the new tokens are decoded (special tokens skipped); the answer is the first non-empty
+Exact match (`is_correct`): the new tokens are decoded (special tokens skipped); the answer is the first non-empty
 line of that text, stripped (`answer_line`; generation stops once that line is complete). The sample is
 correct iff the needle value occurs in the answer as a whole word, case-insensitively: not preceded or
 followed by a letter or digit ("4829173." and "it is 4829173" count, "48291730" and a value on a later line do
@@ -46,21 +50,39 @@ not). Cell accuracy = correct /
 samples; `overall`, `by_length`, `by_kind` and `by_depth` are means over samples (every cell has the same
 number of samples, so they are also means over cells).
 
+Likelihood score (teacher-forced, no generation): exact match of a generated needle is too coarse for small
+models (0% everywhere says nothing about the mixer), so each sample also ranks its true value among
+`grid.distractors` (default 9) other values of the same kind (`make_distractors`): 7-digit numbers, UUID4s, or
+the other words of the kv word list for that key, drawn deterministically from the sample's own seed as the
+true value was drawn, so that a model that does not read the context cannot tell them apart. Each candidate
+is scored as the continuation " VALUE" of the same prompt, by the sum of its tokens' log-probabilities
+(`candidate_logprobs`: one forward over the prompt, its cache repeated per candidate, one batched forward of
+the candidates). The distractors have the true value's token count wherever the kind has enough such values
+(passkeys and UUIDs always do with SmolLM2's tokenizer; a kv word of a rare token count may not); else the
+nearest counts fill in and the sum is still not length-normalised (`same_token_count` in niah.json says how
+often every candidate had one count). `rank_of_true`: rank 1 = best, ties within TIE_TOLERANCE share the mean
+rank; top1 = 1 if the true value is first, 1 / (1 + tied) when it ties at the top, so that a model that scores
+all candidates alike gets chance exactly: 1 / (1 + distractors), 10% by default; the chance rank is
+(2 + distractors) / 2. Accuracy = mean top1, reported overall and by length, kind and depth beside exact match.
+
 Position limits: a model whose config has `max_position_embeddings` (a rope teacher; students are recurrent
 and have none) is still scored at longer prompts, with a warning and `beyond_max_positions: true` on those
 cells: how a teacher degrades past its trained length is what a linearised student is compared with.
 
 Outputs in `out_dir`:
     niah_cells.jsonl   a header line (the settings a sample depends on), then one line per finished sample
-                       (key, value, model output, correct, needle offset and depth). A rerun skips every sample
+                       (key, value, model output, correct, needle offset and depth; distractors, logprobs and
+                       candidate_tokens with the true value first, rank, top1). A rerun skips every sample
                        already there, so an interrupted evaluation resumes; records are keyed on (kind, length,
                        depth, index), so changing lengths / depths / kinds / samples reuses the overlap, while a
                        change of label, haystack, prompt mode, seed, max_new_tokens or tokenizer is an error
-                       (pass overwrite=True to start over).
-    niah.json          see `summarise` (label, grid, overall, by_length, by_kind, by_depth, cells, ...)
-    niah.csv           one row per (kind, length, depth) cell
-    niah_heatmap.png   accuracy, depth (rows) x length (columns): one panel per kind, plus their mean when
-                       there are several kinds
+                       (pass overwrite=True to start over). A record without the likelihood fields (written
+                       before them) or with other distractors keeps its answer and gets only the likelihood.
+    niah.json          see `summarise` (label, grid, overall, by_length, by_kind, by_depth, likelihood, cells, ...)
+    niah.csv           one row per (kind, length, depth) cell, both scores
+    niah_heatmap.png   exact-match accuracy, depth (rows) x length (columns): one panel per kind, plus their mean
+                       when there are several kinds
+    niah_likelihood_heatmap.png   the same for the likelihood accuracy
 
 The essays carry no license grant (see harness.data.embedded); they are read, not redistributed, here, as in
 the original NIAH test. `haystack="wikipedia"` (CC BY-SA) is the alternative; any .jsonl ({"text": ...} per
@@ -71,6 +93,7 @@ from __future__ import annotations
 
 import csv
 import hashlib
+import inspect
 import json
 import math
 import numbers
@@ -83,7 +106,7 @@ import weakref
 from dataclasses import asdict, dataclass, field
 from functools import lru_cache
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 from tqdm.auto import tqdm
@@ -96,6 +119,11 @@ MIN_SNAP_TOKENS = 2  # ... or this many tokens, whichever is more (short prompts
 MIN_PROSE_TOKENS = 32  # below this a "depth" means little
 FORMAT_VERSION = 1  # bump when prompts, needles or scoring change, so that old records are not mixed in
 CELLS_FILE, JSON_FILE, CSV_FILE, HEATMAP_FILE = "niah_cells.jsonl", "niah.json", "niah.csv", "niah_heatmap.png"
+LIKELIHOOD_HEATMAP_FILE = "niah_likelihood_heatmap.png"
+DEFAULT_DISTRACTORS = 9  # the likelihood score's chance level is 1 / (1 + distractors): 10%
+MAX_DISTRACTORS = 20  # the kv needle's word list leaves 38 other words for a key; stay well below
+MAX_DISTRACTOR_DRAWS = 2000  # values drawn per sample while looking for ones of the value's token count
+TIE_TOLERANCE = 1e-4  # candidates' log-probabilities (nats) this close count as tied (see rank_of_true)
 
 INSTRUCTION = ("There is an important piece of information hidden inside a lot of irrelevant text. "
                "Find it and memorise it. I will quiz you about it afterwards.\n\n")
@@ -125,9 +153,12 @@ class NiahGrid:
     samples:        prompts per (kind, length, depth) cell, each with its own prose start and needle value.
     haystack:       "essays" (Paul Graham, the classic NIAH prose), "wikipedia" (HotpotQA/SQuAD paragraphs),
                     or the path of a .jsonl ({"text": ...} per line) or .txt file.
-    prompt:         "auto" (the chat template if the tokenizer has one, else plain), "chat" or "plain".
+    prompt:         "plain" (no chat template; for students distilled on prose), "chat" (the tokenizer's chat
+                    template) or "auto" (chat if the tokenizer has a template, else plain).
     seed:           seeds prose starts and needle values; the same seed gives the same prompts.
     max_new_tokens: generation budget per sample; a UUID alone is ~32 SmolLM2 tokens.
+    distractors:    other values of the needle's kind scored beside the true one by the likelihood score
+                    (chance: 1 / (1 + distractors)); at most MAX_DISTRACTORS.
     """
 
     lengths: list[int] = field(default_factory=lambda: [256, 512, 1024, 2048, 4096, 8192])
@@ -135,9 +166,10 @@ class NiahGrid:
     kinds: list[str] = field(default_factory=lambda: list(KINDS))
     samples: int = 3
     haystack: str = "essays"
-    prompt: str = "auto"
+    prompt: str = "plain"
     seed: int = 0
     max_new_tokens: int = 48
+    distractors: int = DEFAULT_DISTRACTORS
 
     def __post_init__(self) -> None:
         self.validate()
@@ -156,6 +188,10 @@ class NiahGrid:
             _check_kind(kind)
         self.samples = _positive_int("samples", self.samples)
         self.max_new_tokens = _positive_int("max_new_tokens", self.max_new_tokens)
+        self.distractors = _positive_int("distractors", self.distractors)
+        if self.distractors > MAX_DISTRACTORS:
+            raise ValueError(f"NiahGrid.distractors={self.distractors} is above {MAX_DISTRACTORS} (the kv needle "
+                             "has too few other words of a kind for more)")
         if self.prompt not in PROMPT_MODES:
             raise ValueError(f"unknown NIAH prompt mode {self.prompt!r}; choose from {PROMPT_MODES}")
         if self.haystack not in HAYSTACKS and not Path(self.haystack).is_file():
@@ -206,17 +242,69 @@ def make_needle(kind: str, rng: random.Random) -> Needle:
     """A needle of `kind` with a random key and value drawn from `rng`."""
     _check_kind(kind)
     key = f"{rng.choice(_ADJECTIVES)}-{rng.choice(_NOUNS)}"
+    value = _draw_value(kind, key, rng)
     if kind == "passkey":
-        value = str(rng.randint(1_000_000, 9_999_999))
         return Needle(kind, None, value, f" The pass key is {value}. Remember it. {value} is the pass key.",
                       "What is the pass key?", "The pass key is")
     if kind == "uuid":
-        value = str(uuid.UUID(int=rng.getrandbits(128), version=4))
         return Needle(kind, key, value, f" The special magic UUID for {key} is: {value}.",
                       f"What is the special magic UUID for {key}?", f"The special magic UUID for {key} is:")
-    value = rng.choice([n for n in _NOUNS if n not in key])
     return Needle(kind, key, value, f" The secret word for {key} is {value}.",
                   f"What is the secret word for {key}?", f"The secret word for {key} is")
+
+
+def _kv_words(key: str) -> list[str]:
+    """The words a kv needle's value is drawn from: none that the key contains (the question names the key)."""
+    return [n for n in _NOUNS if n not in key]
+
+
+def _draw_value(kind: str, key: str, rng: random.Random) -> str:
+    """One value of `kind` for a needle whose key is `key`: a 7-digit number, a UUID4, or a word."""
+    if kind == "passkey":
+        return str(rng.randint(1_000_000, 9_999_999))
+    if kind == "uuid":
+        return str(uuid.UUID(int=rng.getrandbits(128), version=4))
+    return rng.choice(_kv_words(key))
+
+
+def other_values(needle: Needle, rng: random.Random) -> Iterator[str]:
+    """Values drawn as the needle's own was (its kind, for its key), without repeats, never the needle's value:
+    endless for passkey and uuid; for kv the other words of `_kv_words(key)` in a random order."""
+    if needle.kind == "kv":
+        words = [w for w in _kv_words(needle.key or "") if w != needle.value]
+        rng.shuffle(words)
+        yield from words
+        return
+    seen = {needle.value}
+    while True:
+        value = _draw_value(needle.kind, needle.key or "", rng)
+        if value not in seen:
+            seen.add(value)
+            yield value
+
+
+def continuation_ids(tokenizer: Any, value: str) -> list[int]:
+    """The tokens of `value` as the answer after the prompt's primer ("The pass key is"): " " + value."""
+    return _encode(tokenizer, " " + value)
+
+
+def make_distractors(tokenizer: Any, needle: Needle, n: int, rng: random.Random) -> tuple[str, ...]:
+    """`n` values of the needle's kind (`other_values` from `rng`), preferring those whose continuation has as many
+    tokens as the true value's: the first `n` such among up to MAX_DISTRACTOR_DRAWS draws, then (when too few
+    exist, e.g. kv words of a rare length) the draws nearest in token count, in draw order."""
+    target = len(continuation_ids(tokenizer, needle.value))
+    draws, counts = [], []
+    stream = other_values(needle, rng)
+    while len(draws) < MAX_DISTRACTOR_DRAWS and counts.count(target) < n:
+        chunk = [v for _, v in zip(range(64), stream)]
+        if not chunk:
+            break
+        draws += chunk
+        counts += [len(ids) for ids in tokenizer([" " + v for v in chunk], add_special_tokens=False)["input_ids"]]
+    if len(draws) < n:
+        raise ValueError(f"only {len(draws)} other {needle.kind} values exist for {n} distractors")
+    order = sorted(range(len(draws)), key=lambda i: (abs(counts[i] - target), i))
+    return tuple(draws[i] for i in order[:n])
 
 
 def answer_line(continuation: str) -> str:
@@ -383,7 +471,8 @@ class NiahSample:
 
     input_ids[haystack_start:haystack_end] is the haystack (prose with the needle);
     input_ids[needle_offset:needle_offset + needle_tokens] is the needle sentence;
-    needle_depth = (needle_offset - haystack_start) / prose tokens, the actual depth (see DEPTH_SNAP).
+    needle_depth = (needle_offset - haystack_start) / prose tokens, the actual depth (see DEPTH_SNAP);
+    distractors are the other values the likelihood score ranks the true one against (`sample_distractors`).
     """
 
     kind: str
@@ -398,6 +487,7 @@ class NiahSample:
     haystack_start: int
     haystack_end: int
     prompt_mode: str  # "chat" or "plain"
+    distractors: tuple[str, ...] = ()
 
     @property
     def value(self) -> str:
@@ -409,12 +499,25 @@ class NiahSample:
         return len(self.input_ids)
 
 
+def sample_needle(grid: NiahGrid, kind: str, length: int, depth: float, index: int) -> Needle:
+    """The needle of sample `index` of cell (kind, length, depth): a function of the grid's seed and the key."""
+    return make_needle(kind, _rng(grid.seed, "needle", kind, length, depth, index))
+
+
+def sample_distractors(tokenizer: Any, grid: NiahGrid, kind: str, length: int, depth: float,
+                       index: int) -> tuple[str, ...]:
+    """The `grid.distractors` other values of that sample's needle, drawn from the cell's own seed."""
+    needle = sample_needle(grid, kind, length, depth, index)
+    return make_distractors(tokenizer, needle, grid.distractors,
+                            _rng(grid.seed, "distractors", kind, length, depth, index))
+
+
 def build_sample(tokenizer: Any, grid: NiahGrid, kind: str, length: int, depth: float, index: int) -> NiahSample:
     """The prompt of sample `index` of cell (kind, length, depth) under `grid` (see the module docstring)."""
     _check_kind(kind)
     length, depth = _positive_int("lengths", length), _depth(depth)
     mode = resolve_prompt_mode(tokenizer, grid.prompt)
-    needle = make_needle(kind, _rng(grid.seed, "needle", kind, length, depth, index))
+    needle = sample_needle(grid, kind, length, depth, index)
     head, tail = prompt_frame(tokenizer, needle, mode)
     needle_ids = _encode(tokenizer, needle.text)
     prose_tokens = length - len(head) - len(tail) - len(needle_ids)
@@ -431,7 +534,8 @@ def build_sample(tokenizer: Any, grid: NiahGrid, kind: str, length: int, depth: 
     assert len(ids) == length, (len(ids), length)
     return NiahSample(kind=kind, length=length, depth=depth, index=index, input_ids=ids, needle=needle,
                       needle_offset=len(head) + at, needle_tokens=len(needle_ids), needle_depth=at / prose_tokens,
-                      haystack_start=len(head), haystack_end=length - len(tail), prompt_mode=mode)
+                      haystack_start=len(head), haystack_end=length - len(tail), prompt_mode=mode,
+                      distractors=sample_distractors(tokenizer, grid, kind, length, depth, index))
 
 
 # ---------------------------------------------------------------------------------------------- generation
@@ -510,6 +614,81 @@ def generate_answer(model: Any, tokenizer: Any, input_ids: list[int], max_new_to
     return tokenizer.decode(new, skip_special_tokens=True)
 
 
+# ---------------------------------------------------------------------------------------------- likelihood
+
+
+@torch.no_grad()
+def candidate_logprobs(model: Any, prompt_ids: list[int], candidates: list[list[int]],
+                       device: str | torch.device = "cpu") -> list[float]:
+    """log p(candidate | prompt) of each candidate token list, teacher-forced: the sum of its tokens' log-probs.
+
+    One forward over the prompt keeps its cache (a teacher's KV cache, a student's RecurrentCache), which is
+    repeated once per candidate (`batch_repeat_interleave`); then one batched forward feeds every candidate but
+    its last token. Shorter candidates are right-padded, which changes none of their positions (causal models).
+    `model` is called as `model(input_ids=, cache=, use_cache=True, logits_to_keep=)` (`past_key_values=` where
+    its forward has no `cache`) and returns `.logits` and its cache (`.cache`, else `.past_key_values`), as
+    transformers causal LMs and HarnessForCausalLM do.
+    """
+    if not candidates or not all(candidates):
+        raise ValueError("candidate_logprobs needs non-empty candidates")
+    out = model(input_ids=torch.tensor([prompt_ids], device=device), use_cache=True, logits_to_keep=1)
+    first = out.logits[0, -1].float().log_softmax(-1)
+    scores = first[torch.tensor([c[0] for c in candidates], device=first.device)]
+    longest = max(len(c) for c in candidates)
+    if longest == 1:
+        return scores.tolist()
+    cache = _output_cache(out)
+    cache.batch_repeat_interleave(len(candidates))
+    ids = torch.tensor([c + c[-1:] * (longest - len(c)) for c in candidates], device=device)
+    logits = model(input_ids=ids[:, :-1], use_cache=True, **{_cache_keyword(model): cache}).logits.float()
+    token_lp = logits.log_softmax(-1).gather(-1, ids[:, 1:, None].to(logits.device))[..., 0]
+    lengths = torch.tensor([len(c) for c in candidates], device=token_lp.device)
+    real = torch.arange(longest - 1, device=token_lp.device)[None] < (lengths - 1)[:, None]
+    return (scores.to(token_lp.device) + torch.where(real, token_lp, 0.0).sum(1)).tolist()
+
+
+def _output_cache(out: Any) -> Any:
+    """The cache a forward with use_cache=True returned: `cache` (transformers >= 5.2x) or `past_key_values`."""
+    for name in ("cache", "past_key_values"):
+        value = getattr(out, name, None)
+        if value is not None:
+            return value
+    raise TypeError("the model returned no cache for use_cache=True; the NIAH likelihood score needs one")
+
+
+def _cache_keyword(model: Any) -> str:
+    """The keyword the model's forward takes its cache by: "cache" (transformers >= 5.2x), else "past_key_values"."""
+    forward = getattr(model, "forward", model)
+    return "cache" if "cache" in inspect.signature(forward).parameters else "past_key_values"
+
+
+def rank_of_true(scores: list[float]) -> tuple[float, float]:
+    """(rank, top1) of scores[0], the true value's, among all `scores` (higher is better).
+
+    Scores within TIE_TOLERANCE of the true one tie with it (non-finite scores count as -inf). rank: 1 +
+    the number of higher scores + half the number of tied ones (the mean rank over the tie, so that a model that
+    scores every candidate alike gets (k + 1) / 2 of k). top1: 1 when no other is higher or tied, 1 / (1 + tied)
+    when none is higher (a tie at the top is shared), else 0: a model that cannot tell candidates apart scores
+    exactly chance, 1 / k.
+    """
+    clean = [s if math.isfinite(s) else -math.inf for s in scores]
+    true, others = clean[0], clean[1:]
+    ties = [s == true or abs(s - true) <= TIE_TOLERANCE for s in others]
+    tied, higher = sum(ties), sum(s > true and not tie for s, tie in zip(others, ties))
+    return 1 + higher + tied / 2, (1 / (1 + tied) if higher == 0 else 0.0)
+
+
+def likelihood_record(model: Any, tokenizer: Any, sample: NiahSample, device: str | torch.device) -> dict:
+    """The likelihood fields of one sample's record: its distractors, every candidate's log-prob and token count
+    (the true value first), and the true value's rank and top1 (`rank_of_true`)."""
+    values = [sample.value, *sample.distractors]
+    ids = [continuation_ids(tokenizer, v) for v in values]
+    scores = candidate_logprobs(model, sample.input_ids, ids, device)
+    rank, top1 = rank_of_true(scores)
+    return {"distractors": list(sample.distractors), "logprobs": [round(x, 6) for x in scores],
+            "candidate_tokens": [len(x) for x in ids], "rank": rank, "top1": top1}
+
+
 def position_limit(model: Any) -> int | None:
     """The trained context of a position-limited model (a rope teacher); None for recurrent students."""
     config = getattr(model, "config", None)
@@ -578,11 +757,17 @@ def _append(path: Path, record: dict) -> None:
 
 
 def sample_record(sample: NiahSample, output: str) -> dict:
-    """What is kept of one evaluated sample (one line of niah_cells.jsonl)."""
+    """What is kept of one generated sample (with `likelihood_record`'s fields: one line of niah_cells.jsonl)."""
     return {"kind": sample.kind, "length": sample.length, "depth": sample.depth, "index": sample.index,
             "value": sample.value, "output": output, "correct": is_correct(sample.value, output),
             "context_length": sample.context_length, "needle_offset": sample.needle_offset,
             "needle_depth": round(sample.needle_depth, 6)}
+
+
+def is_complete(record: Optional[dict], distractors: tuple[str, ...]) -> bool:
+    """Whether a saved record has both scores, its likelihood against these `distractors` (records written before
+    the likelihood score, or with another number of distractors, lack it: only it is then computed)."""
+    return record is not None and "top1" in record and record.get("distractors") == list(distractors)
 
 
 # ---------------------------------------------------------------------------------------------- summary
@@ -592,52 +777,93 @@ def _mean(values: list[float]) -> float:
     return sum(values) / len(values) if values else math.nan
 
 
+LIKELIHOOD_RULE = (
+    "teacher-forced: the needle's value and its distractors (other values of its kind, drawn from the sample's "
+    "seed, of the value's token count where the kind has enough) are each scored as the continuation ' VALUE' of "
+    "the prompt by the sum of their tokens' log-probabilities (not length-normalised; same_token_count is the "
+    "share of samples whose candidates all have one token count); top1 = 1 when the true value scores highest, "
+    f"1/(1 + tied) when it ties (within {TIE_TOLERANCE} nats) at the top, else 0; accuracy = mean top1, chance = "
+    "1/candidates; rank: 1 = best, ties at their mean rank, chance (candidates + 1)/2")
+
+
+def _cell(rows: list[dict], kind: str, length: int, depth: float, max_positions: int | None) -> dict:
+    """One (kind, length, depth) cell of niah.json from its samples' records."""
+    correct = sum(bool(r["correct"]) for r in rows)
+    return {"kind": kind, "length": length, "depth": depth, "samples": len(rows), "correct": correct,
+            "accuracy": correct / len(rows), "likelihood_accuracy": _mean([r["top1"] for r in rows]),
+            "mean_rank": _mean([r["rank"] for r in rows]),
+            "beyond_max_positions": max_positions is not None and length > max_positions}
+
+
+def _by(cells: list[dict], metric: str, field_name: str, values: list) -> dict[str, float]:
+    """The mean of `metric` over the cells with each value of `field_name`, keyed by str(value)."""
+    return {str(v): _mean([c[metric] for c in cells if c[field_name] == v]) for v in values}
+
+
+def likelihood_summary(cells: list[dict], rows: list[dict], grid: NiahGrid) -> dict:
+    """niah.json's "likelihood" block: accuracy (mean top1) and mean rank overall and by length, kind and depth,
+    with the chance levels and the rule (LIKELIHOOD_RULE)."""
+    k = 1 + grid.distractors
+    dims = (("length", grid.lengths), ("kind", grid.kinds), ("depth", grid.depths))
+    summary = {"candidates": k, "distractors": grid.distractors, "chance": 1 / k, "chance_rank": (k + 1) / 2,
+               "scoring": LIKELIHOOD_RULE, "overall": _mean([c["likelihood_accuracy"] for c in cells]),
+               "mean_rank": _mean([c["mean_rank"] for c in cells]),
+               "same_token_count": _mean([float(len(set(r["candidate_tokens"])) == 1) for r in rows])}
+    for name, values in dims:
+        summary[f"by_{name}"] = _by(cells, "likelihood_accuracy", name, values)
+    for name, values in dims:
+        summary[f"mean_rank_by_{name}"] = _by(cells, "mean_rank", name, values)
+    return summary
+
+
 def summarise(records: dict[tuple, dict], grid: NiahGrid, label: str, prompt_mode: str,
               max_positions: int | None) -> dict:
-    """niah.json: the accuracies of `grid` from its sample records (all present).
+    """niah.json: both scores of `grid` from its sample records (all present, with the likelihood fields).
 
     {"label", "grid" (NiahGrid as a dict), "prompt_mode", "max_position_embeddings" (None for students),
-     "scoring" (the rule, in words), "overall", "by_length" {"256": acc, ...}, "by_kind" {"passkey": acc, ...},
-     "by_depth" {"0.5": acc, ...}, "cells": [{"kind", "length", "depth", "samples", "correct", "accuracy",
-     "beyond_max_positions"}, ...] ordered by kind, length, depth}; accuracies are in [0, 1].
+     "scoring" (the exact-match rule, in words), "overall", "by_length" {"256": acc, ...}, "by_kind" {"passkey":
+     acc, ...}, "by_depth" {"0.5": acc, ...} (exact match), "likelihood" (`likelihood_summary`), "cells":
+     [{"kind", "length", "depth", "samples", "correct", "accuracy", "likelihood_accuracy", "mean_rank",
+     "beyond_max_positions"}, ...] ordered by kind, length, depth}; accuracies are in [0, 1]. Files written
+    before the likelihood score lack "likelihood" and the cells' likelihood fields.
     """
-    cells = []
+    cells, rows = [], []
     for kind in grid.kinds:
         for length in grid.lengths:
             for depth in grid.depths:
-                correct = sum(bool(records[(kind, length, depth, i)]["correct"]) for i in range(grid.samples))
-                cells.append({"kind": kind, "length": length, "depth": depth, "samples": grid.samples,
-                              "correct": correct, "accuracy": correct / grid.samples,
-                              "beyond_max_positions": max_positions is not None and length > max_positions})
-
-    def by(field_name: str, values: list) -> dict[str, float]:
-        return {str(v): _mean([c["accuracy"] for c in cells if c[field_name] == v]) for v in values}
-
+                cell_rows = [records[(kind, length, depth, i)] for i in range(grid.samples)]
+                cells.append(_cell(cell_rows, kind, length, depth, max_positions))
+                rows += cell_rows
     return {"label": label, "grid": asdict(grid), "prompt_mode": prompt_mode,
             "max_position_embeddings": max_positions,
             "scoring": "correct iff the needle value occurs as a whole word (no letter or digit on either side), "
                        "case-insensitively, in the first non-empty line of the greedy continuation",
-            "overall": _mean([c["accuracy"] for c in cells]), "by_length": by("length", grid.lengths),
-            "by_kind": by("kind", grid.kinds), "by_depth": by("depth", grid.depths), "cells": cells}
+            "overall": _mean([c["accuracy"] for c in cells]),
+            "by_length": _by(cells, "accuracy", "length", grid.lengths),
+            "by_kind": _by(cells, "accuracy", "kind", grid.kinds),
+            "by_depth": _by(cells, "accuracy", "depth", grid.depths),
+            "likelihood": likelihood_summary(cells, rows, grid), "cells": cells}
 
 
 def write_csv(result: dict, path: Path) -> None:
     """niah.csv: one row per cell."""
-    columns = ["kind", "length", "depth", "samples", "correct", "accuracy", "beyond_max_positions"]
+    columns = ["kind", "length", "depth", "samples", "correct", "accuracy", "likelihood_accuracy", "mean_rank",
+               "beyond_max_positions"]
     with open(path, "w", newline="", encoding="utf-8") as f:
         writer = csv.DictWriter(f, fieldnames=columns)
         writer.writeheader()
         writer.writerows({c: cell[c] for c in columns} for cell in result["cells"])
 
 
-def plot_heatmap(result: dict, path: Path) -> None:
-    """Accuracy heatmaps, depth (rows, 0% on top) x length (columns): one per kind, plus the mean over kinds."""
+def plot_heatmap(result: dict, path: Path, metric: str = "accuracy") -> None:
+    """Heatmaps of a cell metric ("accuracy": exact match, or "likelihood_accuracy"), depth (rows, 0% on top) x
+    length (columns): one per kind, plus the mean over kinds."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
     grid = result["grid"]
     lengths, depths, kinds = grid["lengths"], grid["depths"], grid["kinds"]
-    acc = {(c["kind"], c["length"], c["depth"]): c["accuracy"] for c in result["cells"]}
+    acc = {(c["kind"], c["length"], c["depth"]): c[metric] for c in result["cells"]}
     panels = [(k, [[acc[(k, n, d)] for n in lengths] for d in depths]) for k in kinds]
     if len(kinds) > 1:
         panels.append(("mean over kinds", [[_mean([acc[(k, n, d)] for k in kinds]) for n in lengths]
@@ -662,8 +888,17 @@ def plot_heatmap(result: dict, path: Path) -> None:
             for col, value in enumerate(values):
                 ax.text(col, row, f"{value:.0%}", ha="center", va="center", fontsize=8)
     fig.colorbar(image, ax=axes, label="accuracy", shrink=0.9)
-    fig.suptitle(f"NIAH: {result['label']} (overall {result['overall']:.1%}, {grid['samples']} samples per cell)")
+    fig.suptitle(_heatmap_title(result, metric), fontsize=9)
     fig.savefig(path, dpi=120)
+
+
+def _heatmap_title(result: dict, metric: str) -> str:
+    samples = f"{result['grid']['samples']} samples per cell"
+    if metric == "accuracy":
+        return f"NIAH exact match: {result['label']}\n(overall {result['overall']:.1%}, {samples})"
+    lik = result["likelihood"]
+    return (f"NIAH likelihood: {result['label']}\n(true value first of {lik['candidates']}: "
+            f"{lik['overall']:.1%}, chance {lik['chance']:.0%}; {samples})")
 
 
 def _short_length(n: int) -> str:
@@ -684,9 +919,11 @@ def run_niah(model: Any, tokenizer: Any, grid: NiahGrid, out_dir: str | os.PathL
     """Evaluate `model` on every sample of `grid`, resuming from out_dir/niah_cells.jsonl; return niah.json.
 
     `model` is anything with a transformers-style `generate(input_ids=, attention_mask=, generation_config=)`
-    (HarnessForCausalLM, LlamaForCausalLM, a test double); nn.Modules are put in eval mode on `device`.
-    Writes niah_cells.jsonl (one line per finished sample, flushed), then niah.json, niah.csv and
-    niah_heatmap.png. A rerun after an interruption computes only the samples not yet in niah_cells.jsonl.
+    and a forward with a cache (see `candidate_logprobs`): HarnessForCausalLM, LlamaForCausalLM, a test double;
+    nn.Modules are put in eval mode on `device`. Writes niah_cells.jsonl (one line per finished sample, flushed),
+    then niah.json, niah.csv, niah_heatmap.png and niah_likelihood_heatmap.png. A rerun computes only what
+    niah_cells.jsonl lacks: the samples not there, and the likelihood score of records written without it (or
+    against other distractors), whose generated answers are kept.
     """
     grid.validate()
     out = Path(out_dir)
@@ -694,7 +931,7 @@ def run_niah(model: Any, tokenizer: Any, grid: NiahGrid, out_dir: str | os.PathL
     header = run_header(tokenizer, grid, label)
     records = load_records(out / CELLS_FILE, header, overwrite)
     keys = grid_keys(grid)
-    todo = [k for k in keys if k not in records]
+    todo = [k for k in keys if not is_complete(records.get(k), sample_distractors(tokenizer, grid, *k))]
     for kind in grid.kinds:  # fail now, not hours in, when a length is too short for the frame and needle
         for length in grid.lengths:
             build_sample(tokenizer, grid, kind, length, grid.depths[0], 0)
@@ -702,24 +939,38 @@ def run_niah(model: Any, tokenizer: Any, grid: NiahGrid, out_dir: str | os.PathL
     _warn_beyond_limit(grid, limit, label)
     if isinstance(model, torch.nn.Module):
         model.to(device).eval()
-    done = [k for k in keys if k in records]
-    correct = sum(bool(records[k]["correct"]) for k in done)
-    with tqdm(total=len(keys), initial=len(done), desc=f"NIAH {label}", unit="sample", disable=not progress,
-              dynamic_ncols=True) as bar:
+    with tqdm(total=len(keys), initial=len(keys) - len(todo), desc=f"NIAH {label}", unit="sample",
+              disable=not progress, dynamic_ncols=True) as bar:
         for key in todo:
-            sample = build_sample(tokenizer, grid, *key)
-            output = generate_answer(model, tokenizer, sample.input_ids, grid.max_new_tokens, device)
-            record = sample_record(sample, output)
+            record = evaluate_sample(model, tokenizer, grid, key, records.get(key), device)
             _append(out / CELLS_FILE, record)
             records[key] = record
-            correct += record["correct"]
             bar.update()
-            bar.set_postfix(length=key[1], correct=f"{correct}/{bar.n}")
+            bar.set_postfix(length=key[1], **_tally(records, keys))
     result = summarise(records, grid, label, header["prompt"], limit)
     _write_json(result, out / JSON_FILE)
     write_csv(result, out / CSV_FILE)
     plot_heatmap(result, out / HEATMAP_FILE)
+    plot_heatmap(result, out / LIKELIHOOD_HEATMAP_FILE, metric="likelihood_accuracy")
     return result
+
+
+def evaluate_sample(model: Any, tokenizer: Any, grid: NiahGrid, key: tuple[str, int, float, int],
+                    saved: Optional[dict], device: str | torch.device) -> dict:
+    """The record of sample `key`: generated (exact match) and scored (likelihood); a `saved` record (one without
+    a current likelihood score) keeps its generated answer and is only scored."""
+    sample = build_sample(tokenizer, grid, *key)
+    if saved is None:
+        saved = sample_record(sample, generate_answer(model, tokenizer, sample.input_ids, grid.max_new_tokens,
+                                                      device))
+    return {**saved, **likelihood_record(model, tokenizer, sample, device)}
+
+
+def _tally(records: dict[tuple, dict], keys: list[tuple]) -> dict[str, str]:
+    """The progress bar's running scores over the finished samples: exact matches and likelihood top1s."""
+    done = [records[k] for k in keys if k in records and "top1" in records[k]]
+    return {"correct": f"{sum(bool(r['correct']) for r in done)}/{len(done)}",
+            "top1": f"{sum(r['top1'] for r in done):.1f}/{len(done)}"}
 
 
 def _warn_beyond_limit(grid: NiahGrid, limit: int | None, label: str) -> None:

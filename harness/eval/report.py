@@ -9,7 +9,11 @@ Per task (both models scored with the task's primary metric on the same examples
                  without them (older ones), and the report says so.
 The average raw recovery is the mean over the tasks both models have; the average normalised recovery leaves
 out (and names) the tasks whose teacher's interval reaches chance. NIAH is compared by length (accuracy over
-kinds, depths and samples) and overall; perplexity as the ratio student / teacher (1.0 = as good as the teacher).
+kinds, depths and samples) and overall, with both of its scores: exact match of the greedy answer, and the
+likelihood score (the true value ranked first among it and its distractors, teacher-forced; chance 1 /
+candidates, shown beside it; niah.json files written before it have none, and their rows show only exact match).
+Both sides of a report should use one prompt mode (the evaluation job passes the same one); the report says
+which, and warns if not. Perplexity is compared as the ratio student / teacher (1.0 = as good as the teacher).
 
     build_report(student_dir, teacher_dir, ...)  -> report dict  (one run; reads bench/niah/perplexity.json)
     write_report(report, out)                    -> out/report.json, out/report.md, out/recovery.png,
@@ -121,11 +125,25 @@ def average_row(rows: dict[str, dict], draws: Optional[dict[str, Optional[np.nda
             **average_recovery(rows, draws or {})}
 
 
+LIKELIHOOD_KEYS = ("overall", "by_length", "by_depth", "mean_rank", "mean_rank_by_length", "chance", "chance_rank",
+                   "candidates")
+
+
+def niah_side(result: Optional[dict]) -> Optional[dict]:
+    """What a report keeps of one niah.json: exact match overall and by length, the prompt mode, and the likelihood
+    score's LIKELIHOOD_KEYS (None for a niah.json written before the likelihood score)."""
+    if result is None:
+        return None
+    likelihood = result.get("likelihood")
+    return {"overall": result["overall"], "by_length": result["by_length"], "prompt_mode": result.get("prompt_mode"),
+            "likelihood": None if likelihood is None else {k: likelihood.get(k) for k in LIKELIHOOD_KEYS}}
+
+
 def niah_summary(student: Optional[dict], teacher: Optional[dict]) -> Optional[dict]:
+    """Both sides' NIAH (`niah_side`) and the exact-match recovery, student / teacher overall."""
     if student is None and teacher is None:
         return None
-    pick = lambda r: None if r is None else {"overall": r["overall"], "by_length": r["by_length"]}  # noqa: E731
-    s, t = pick(student), pick(teacher)
+    s, t = niah_side(student), niah_side(teacher)
     recovery = s["overall"] / t["overall"] if s and t and t["overall"] else None
     return {"student": s, "teacher": t, "recovery": recovery}
 
@@ -238,6 +256,7 @@ def markdown(report: dict) -> str:
         sides = [(side, niah[side]) for side in ("student", "teacher") if niah[side]]
         lines += _niah_length_table("Needle in a haystack (exact match)", sides)
         lines += [f"NIAH recovery (overall accuracy, student / teacher): {_fmt(niah['recovery'], pct=True)}", ""]
+        lines += _niah_likelihood_table("Needle in a haystack (likelihood)", sides) + _prompt_note(sides)
     ppl = report.get("perplexity")
     if ppl:
         lines += ["## Perplexity (held-out text)", "",
@@ -283,7 +302,8 @@ def comparison_markdown(reports: list[dict]) -> str:
     """Several runs: normalised (and raw) recovery per task with NIAH overall and the perplexity ratio; then the
     raw scores, NIAH by length, and (for runs read from their run directories) the final loss of each stage."""
     tasks = list(dict.fromkeys(t for r in reports for t in r["tasks"]))
-    head = ["run"] + tasks + ["average normalised", "average raw", "NIAH student", "NIAH teacher", "ppl ratio"]
+    head = ["run"] + tasks + ["average normalised", "average raw", "NIAH student", "NIAH teacher",
+                              "NIAH lik. student", "NIAH lik. teacher", "ppl ratio"]
     lines = ["# Teacher recovery, by run", "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in reports:
         niah, average = r.get("niah") or {}, r["average"]
@@ -292,14 +312,17 @@ def comparison_markdown(reports: list[dict]) -> str:
                   _fmt(average["recovery"], pct=True),
                   _fmt((niah.get("student") or {}).get("overall"), pct=True),
                   _fmt((niah.get("teacher") or {}).get("overall"), pct=True),
+                  _fmt(_likelihood(niah.get("student")).get("overall"), pct=True),
+                  _fmt(_likelihood(niah.get("teacher")).get("overall"), pct=True),
                   _fmt((r.get("perplexity") or {}).get("ratio"))]
         lines.append(f"| {_name(r)} | " + " | ".join(cells) + " |")
     lines += ["", "Per task: chance-normalised recovery (student - chance) / (teacher - chance) with its 95% paired "
               "bootstrap interval, the raw ratio student / teacher in parentheses; * = the teacher's interval "
               "reaches chance, so the task is left out of the normalised average (the raw average keeps every "
               "task both have).",
-              "NIAH: exact-match accuracy over all lengths, depths, kinds; ppl ratio: student / teacher perplexity.",
-              ""]
+              "NIAH: exact-match accuracy over all lengths, depths, kinds; NIAH lik.: the likelihood score, the "
+              "true value ranked first among its candidates (chance: see its table); ppl ratio: student / teacher "
+              "perplexity.", ""]
     lines += _left_out(reports)
     lines += _scores_table(reports, tasks) + _niah_table(reports) + _training_table(reports, plotted=True)
     return "\n".join(lines)
@@ -358,7 +381,44 @@ def _niah_table(reports: list[dict]) -> list[str]:
     sides = [(_name(r), (r.get("niah") or {}).get("student")) for r in reports]
     sides += [("teacher", (r.get("niah") or {}).get("teacher")) for r in _teachers(reports)]
     sides = [(name, result) for name, result in sides if result]
-    return _niah_length_table("Needle in a haystack by length (exact match)", sides) if sides else []
+    if not sides:
+        return []
+    return (_niah_length_table("Needle in a haystack by length (exact match)", sides)
+            + _niah_likelihood_table("Needle in a haystack by length (likelihood)", sides) + _prompt_note(sides))
+
+
+def _likelihood(side: Optional[dict]) -> dict:
+    """The likelihood block of a report's NIAH side; {} when there is none (an older niah.json)."""
+    return (side or {}).get("likelihood") or {}
+
+
+def _niah_likelihood_table(title: str, sides: list[tuple[str, dict]]) -> list[str]:
+    """A Markdown section: one row per NIAH result that has the likelihood score, one column per prompt length,
+    then overall, chance and the mean rank; [] when none has it."""
+    rows = [(name, _likelihood(result)) for name, result in sides if _likelihood(result)]
+    if not rows:
+        return []
+    lengths = sorted({int(k) for _, lik in rows for k in lik["by_length"]})
+    head = " | ".join(str(n) for n in lengths)
+    lines = [f"## {title}", "", f"| model | {head} | overall | chance | mean rank |", "|" + "---|" * (len(lengths) + 4)]
+    for name, lik in rows:
+        cells = [_fmt(lik["by_length"].get(str(n)), pct=True) for n in lengths]
+        cells += [_fmt(lik["overall"], pct=True), _fmt(lik.get("chance"), pct=True), _fmt(lik.get("mean_rank"))]
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    candidates = ", ".join(map(str, sorted({lik.get("candidates") for _, lik in rows if lik.get("candidates")})))
+    return lines + ["", f"Likelihood: per sample, the needle's value and its distractors ({candidates} candidates; "
+                        "other values of its kind, the same for every model) are scored as the answer by their summed "
+                        "token log-probability, teacher-forced; accuracy = the true value ranked first (ties shared), "
+                        "chance = 1 / candidates; mean rank 1 = best, chance (candidates + 1) / 2.", ""]
+
+
+def _prompt_note(sides: list[tuple[str, dict]]) -> list[str]:
+    """One line naming the NIAH prompt mode, or a warning when the results compared used different ones."""
+    modes = {name: result.get("prompt_mode") for name, result in sides if result.get("prompt_mode")}
+    if len(set(modes.values())) > 1:
+        detail = ", ".join(f"{name}: {mode}" for name, mode in modes.items())
+        return [f"**Warning:** these NIAH results used different prompt modes ({detail}): not comparable.", ""]
+    return [f"NIAH prompts: {next(iter(modes.values()))}.", ""] if modes else []
 
 
 def _niah_length_table(title: str, sides: list[tuple[str, dict]]) -> list[str]:
@@ -463,14 +523,29 @@ def plot_recovery(reports: list[dict], path: Path) -> None:
 
 
 def plot_niah_by_length(reports: list[dict], path: Path) -> None:
-    """Lines: NIAH accuracy against prompt length per run; the teacher dashed (once per distinct teacher)."""
-    fig = _figure(width=9.5)
-    ax = fig.add_subplot()
+    """Lines: NIAH accuracy against prompt length per run, the teacher dashed (once per distinct teacher); exact
+    match, and beside it the likelihood score with its chance level dotted when any result has it."""
+    likelihood = any(_likelihood((r.get("niah") or {}).get(side)) for r in reports for side in ("student", "teacher"))
+    fig = _figure(width=14.0 if likelihood else 9.5)
+    axes = fig.subplots(1, 2) if likelihood else [fig.add_subplot()]
+    _plot_niah_panel(axes[0], reports, lambda side: side, "NIAH exact match (%)")
+    if likelihood:
+        _plot_niah_panel(axes[1], reports, _likelihood, "NIAH likelihood: true value first (%)")
+        for chance in {lik.get("chance") for r in reports for side in ("student", "teacher")
+                       if (lik := _likelihood((r.get("niah") or {}).get(side))) and lik.get("chance")}:
+            axes[1].axhline(100 * chance, color="gray", linestyle=":", linewidth=1)
+    axes[-1].legend(fontsize=7, loc="center left", bbox_to_anchor=(1.01, 0.5))  # outside: lines at 0% hide nothing
+    fig.tight_layout()
+    fig.savefig(path, dpi=120, bbox_inches="tight")
+
+
+def _plot_niah_panel(ax, reports: list[dict], pick, ylabel: str) -> None:
+    """One panel of plot_niah_by_length: `pick(side)` gives the {"by_length"} block drawn from a report's side."""
     teachers_drawn: set[str] = set()
     for r in reports:
         niah = r.get("niah") or {}
         for side in ("student", "teacher"):
-            result = niah.get(side)
+            result = pick(niah.get(side)) if niah.get(side) else None
             if not result:
                 continue
             if side == "teacher":
@@ -483,8 +558,5 @@ def plot_niah_by_length(reports: list[dict], path: Path) -> None:
             ax.plot(xs, ys, marker="o", label="teacher" if side == "teacher" else _name(r), **style)
     ax.set_xscale("log", base=2)
     ax.set_xlabel("prompt length (tokens)")
-    ax.set_ylabel("NIAH accuracy (%)")
+    ax.set_ylabel(ylabel)
     ax.set_ylim(-5, 105)
-    ax.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.01, 0.5))  # outside: lines at 0% hide nothing
-    fig.tight_layout()
-    fig.savefig(path, dpi=120, bbox_inches="tight")
