@@ -15,7 +15,7 @@ The peak (`resolve_peak`): $HARNESS_PEAK_FLOPS (FLOP/s per device) when set, els
 (`DATASHEET_PEAK_FLOPS`, matched by `gpu_model`). A GPU not in the table has no peak, and the caller says so
 instead of using another GPU's figure; a CPU has none either.
 
-The figure used before issue 25 is kept as a second, named quantity: `MEASURED_PEAK_FLOPS`, an 8192^3 bf16
+A second, named quantity (the denominator of docs/BENCHMARKS.md's older figures): `MEASURED_PEAK_FLOPS`, an 8192^3 bf16
 `torch.matmul` measured on our H200 (788 TFLOP/s, 0.797 of the datasheet's 989); `harness bench` reports
 `mfu_measured_peak` against it beside `mfu`. MFU by the datasheet = MFU by the measured peak x 788 / 989.
 """

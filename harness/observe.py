@@ -106,8 +106,8 @@ class Throughput:
     """Tokens/s over a sliding window of `update` calls, and MFU when the FLOP figures are given.
 
     `peak_flops` is the datasheet peak of all devices together (`mfu`, the usual definition: harness.flops),
-    `measured_peak_flops` the measured matmul peak of all devices (`mfu_measured_peak`, the figure used before
-    issue 25). `update(tokens)` takes the cumulative token count (as the training loop keeps it), so a resumed
+    `measured_peak_flops` the measured matmul peak of all devices (`mfu_measured_peak`, docs/BENCHMARKS.md
+    says which tables used it). `update(tokens)` takes the cumulative token count (as the training loop keeps it), so a resumed
     run measures only what it processes itself.
     """
 

@@ -17,7 +17,7 @@ Three measurements (``--what step,kernels,decode``), each a list of rows in one 
   Reported: tokens/s (input tokens, `micro_batch x seq_len x world` per micro-step, over the measured steps'
   wall time), MFU = tokens/s x (6 N_student + 2 N_teacher) / (peak x world) by the usual definition: the peak is
   the GPU's datasheet dense bf16 figure (harness.flops; `mfu_measured_peak` divides by the measured 8192^3 matmul
-  peak instead, the figure used before issue 25), N every distinct parameter, embeddings included, a tied head
+  peak instead, see harness.flops), N every distinct parameter, embeddings included, a tied head
   once (dense FLOPs only: the mixers' recurrences and the teacher's attention scores are not counted), peak
   memory (CUDA max allocated after the models and engines are built, i.e. the training steps' peak; on a CPU the
   process's peak RSS), and the breakdown of a step in ms and %:
