@@ -9,6 +9,7 @@ Subclasses add their own parameters and implement `_mix` (recurrence over q, k, 
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Optional
 
@@ -69,14 +70,18 @@ class MixerOptions:
     )
 
     def __post_init__(self) -> None:
-        if self.backend not in ("auto", "kernel", "reference"):
-            raise ValueError(f"backend='{self.backend}' is not one of auto, kernel, reference")
+        self.check_choice("backend", ("auto", "kernel", "reference"))
         if self.chunk_size < 1:
             raise ValueError(f"chunk_size={self.chunk_size} must be >= 1")
-        if self.output_scale not in OUTPUT_SCALES:
-            raise ValueError(f"output_scale='{self.output_scale}' is not one of {', '.join(OUTPUT_SCALES)}")
+        self.check_choice("output_scale", OUTPUT_SCALES)
         if self.rope_theta is not None and self.rope_theta <= 0:
             raise ValueError(f"rope_theta={self.rope_theta} must be > 0 (or null for the teacher's)")
+
+    def check_choice(self, name: str, allowed: Collection[str]) -> None:
+        """A ValueError naming the option, its value and what is allowed, unless the value is one of `allowed`."""
+        value = getattr(self, name)
+        if value not in allowed:
+            raise ValueError(f"{name}='{value}' is not one of {', '.join(allowed)}")
 
 
 @dataclass
@@ -404,10 +409,8 @@ class ConvOptions(MixerOptions):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if self.qkv_activation not in QKV_ACTIVATIONS:
-            raise ValueError(f"qkv_activation='{self.qkv_activation}' is not one of {', '.join(QKV_ACTIVATIONS)}")
-        if self.conv_init not in CONV_INITS:
-            raise ValueError(f"conv_init='{self.conv_init}' is not one of {', '.join(CONV_INITS)}")
+        self.check_choice("qkv_activation", QKV_ACTIVATIONS)
+        self.check_choice("conv_init", CONV_INITS)
         if self.conv_size < 1:
             raise ValueError(f"conv_size={self.conv_size} must be >= 1")
 
@@ -426,8 +429,7 @@ class GateOptions(MixerOptions):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if self.gate_init not in GATE_INITS:
-            raise ValueError(f"gate_init='{self.gate_init}' is not one of {', '.join(GATE_INITS)}")
+        self.check_choice("gate_init", GATE_INITS)
 
 
 @dataclass

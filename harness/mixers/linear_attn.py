@@ -28,8 +28,7 @@ class LinearAttnOptions(MixerOptions):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if self.feature_map not in FEATURE_MAPS:
-            raise ValueError(f"feature_map='{self.feature_map}' is not one of {', '.join(FEATURE_MAPS)}")
+        self.check_choice("feature_map", FEATURE_MAPS)
 
 
 class LinearAttention(Mixer):
