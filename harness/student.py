@@ -12,7 +12,7 @@ import contextlib
 import copy
 import warnings
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 from huggingface_hub.dataclasses import strict
@@ -273,6 +273,21 @@ AutoModelForCausalLM.register(HarnessConfig, HarnessForCausalLM, exist_ok=True)
 # ---------------------------------------------------------------- building from a teacher
 
 
+def rope_for(config: HarnessConfig, device: torch.device) -> Callable[[torch.Tensor], Any]:
+    """ids [B, T] -> the student's position embeddings for them (positions 0..T-1, as the teacher's), or None
+    when its mixer does not use RoPE: what a mixer reads outside a whole student (stages 1-2, the scale fit)."""
+    rotary = student_rotary(config)
+    if rotary is None:
+        return lambda ids: None
+    rotary = rotary.to(device)
+
+    def rope(ids: torch.Tensor) -> Any:
+        pos = torch.arange(ids.shape[1], device=device)[None].expand(ids.shape[0], -1)
+        return rotary(torch.empty(0, device=device, dtype=torch.float32), pos)
+
+    return rope
+
+
 def build_student(teacher: Any, mixer: str, *, fit_on: Optional[torch.Tensor] = None,
                   **options: Any) -> HarnessForCausalLM:
     """A student of `teacher` (a `harness.teacher.Teacher` or a Llama-style causal LM) with `mixer` layers.
@@ -294,11 +309,7 @@ def build_student(teacher: Any, mixer: str, *, fit_on: Optional[torch.Tensor] = 
 
         ids = fit_on.to(next(model.parameters()).device)
         acts = capture_activations(model, ids, kinds=FIT_KINDS)
-        rotary = student_rotary(config)
-        rope = None
-        if rotary is not None:
-            positions = torch.arange(ids.shape[1], device=ids.device)[None].expand(ids.shape[0], -1)
-            rope = rotary.to(ids.device)(acts.attn_input[0], positions)
+        rope = rope_for(config, ids.device)(ids)
         student.to(ids.device)
         fit_output_scales({i: layer.mixer for i, layer in enumerate(student.model.layers)}, acts, rope)
     return student

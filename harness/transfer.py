@@ -288,7 +288,7 @@ def transfer_report(job: Any, *, mixers: Sequence[str], variants: Sequence[str] 
     from harness.data import prepare_job_corpus
     from harness.stages.align import find_group_weights, first_batch, init_mixer, stage_autocast
     from harness.stages.common import load_job_teacher, resolve_device
-    from harness.student import FIT_KINDS, fit_output_scales, student_config, student_rotary
+    from harness.student import FIT_KINDS, fit_output_scales, rope_for, student_config, student_rotary
     from harness.teacher import capture_activations
 
     device = device or resolve_device(job)
@@ -306,7 +306,6 @@ def transfer_report(job: Any, *, mixers: Sequence[str], variants: Sequence[str] 
     acts = capture_activations(model, ids, layers=chosen, kinds=("attn_input", "attn_output"))
     fit_ids = first_batch(job, corpus).to(device)  # what stage 1 fits the output scales on
     fit_acts = capture_activations(model, fit_ids, layers=chosen, kinds=FIT_KINDS)
-    fit_positions = torch.arange(fit_ids.shape[1], device=device)[None].expand(fit_ids.shape[0], -1)
     stage1 = find_group_weights(job, "align_mixer")
     own = Subject(job.student.mixer, "default", dict(job.student.options))
     configs = {id(s): student_config(model.config, s.mixer, s.options) for s in todo}
@@ -325,8 +324,7 @@ def transfer_report(job: Any, *, mixers: Sequence[str], variants: Sequence[str] 
             rotary = student_rotary(config)
             rotary = rotary.to(device) if rotary is not None else None
             start = init_mixer(t_layer, config, layer, job.seed).to(device)
-            fit_output_scales({layer: start}, fit_acts, rotary(fit_acts.attn_input[layer], fit_positions)
-                              if rotary is not None else None, stage_autocast(job, device))
+            fit_output_scales({layer: start}, fit_acts, rope_for(config, device)(fit_ids), stage_autocast(job, device))
             measured = {"init": start}
             if s.mixer == own.mixer and s.options == own.options and layer in stage1:
                 measured["stage1"] = stage1_mixer(job, config, t_layer, layer, stage1[layer])

@@ -55,7 +55,7 @@ from harness.observe import RunLogger, check_finite
 from harness.schedule import build_scheduler
 from harness.stages.common import (PER_LAYER_STAGES, group_dir, load_job_teacher, num_student_layers, resolve_device,
                                    run_dir, teacher_dtype)
-from harness.student import FIT_KINDS, StudentBlock, fit_output_scales, student_config, student_rotary
+from harness.student import FIT_KINDS, StudentBlock, fit_output_scales, rope_for, student_config
 from harness.teacher import capture_activations
 
 WEIGHTS = "weights.safetensors"
@@ -264,20 +264,6 @@ def clip_per_layer(group: nn.ModuleDict, max_norm: float) -> dict[int, float]:
     return {int(k): float(torch.nn.utils.clip_grad_norm_(m.parameters(), limit)) for k, m in group.items()}
 
 
-def _rope_fn(config: Any, device: torch.device):
-    """position_embeddings for a [B, T] batch when the mixer uses RoPE (positions 0..T-1, as the teacher's)."""
-    rotary = student_rotary(config)
-    if rotary is None:
-        return lambda ids: None
-    rotary = rotary.to(device)
-
-    def rope(ids: torch.Tensor):
-        pos = torch.arange(ids.shape[1], device=device)[None].expand(ids.shape[0], -1)
-        return rotary(torch.empty(0, device=device, dtype=torch.float32), pos)
-
-    return rope
-
-
 def stage_autocast(job: JobConfig, device: torch.device) -> Any:
     """The autocast stages 1-2 run their modules under: teacher.dtype on a GPU (fp32 masters), none on a CPU."""
     dtype = teacher_dtype(job, device)
@@ -357,7 +343,7 @@ def _setup(job: JobConfig, stage: str, layers: list[int], gdir: Path, device: to
     if stage == "align_mixer":  # before training, and again on resume (the checkpoint then overwrites it)
         ids = first_batch(job, corpus).to(device)
         acts = capture_activations(teacher.model, ids, layers=layers, kinds=FIT_KINDS)
-        fit_output_scales({int(k): m for k, m in group.items()}, acts, _rope_fn(config, device)(ids),
+        fit_output_scales({int(k): m for k, m in group.items()}, acts, rope_for(config, device)(ids),
                           stage_autocast(job, device))
     optimizer = torch.optim.AdamW(param_groups(group, cfg.weight_decay), lr=cfg.lr, betas=(0.9, 0.95))
     identity = {"stage": stage, "layers": layers, "mixer": job.student.mixer,
@@ -403,7 +389,7 @@ def _train(run: _Run, resumed: Optional[CheckpointInfo], stop_after_steps: Optio
     job, cfg = run.job, getattr(run.job.stages, run.stage)
     device = next(run.group.parameters()).device
     total_steps = run.identity["total_steps"]
-    rope = _rope_fn(student_config(run.teacher.model.config, job.student.mixer, dict(job.student.options)), device)
+    rope = rope_for(student_config(run.teacher.model.config, job.student.mixer, dict(job.student.options)), device)
     autocast = stage_autocast(job, device)
     every, done_here, saved_at = job.run.checkpoint_every_tokens, 0, run.step if resumed else -1
     name = f"{run.stage}/{run.gdir.name}"
