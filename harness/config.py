@@ -16,8 +16,10 @@ from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 STAGES = ("align_mixer", "align_hidden", "distill")  # the pretraining pipeline; `sft` is a post-training stage
+PER_LAYER = STAGES[:2]  # the stages that train each layer on its own
 DISTILL_DATA = ("text", "instructions")
 SCHEDULES = ("wsd", "cosine", "constant")
+ALIGN_LOSSES = ("mse", "l2")  # harness.losses.ALIGNMENT_LOSSES
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 
 
@@ -152,6 +154,15 @@ class StageConfig:
 
 
 @dataclass
+class AlignConfig(StageConfig):
+    loss: str = described(
+        "mse", "Per-layer loss: 'mse' (squared difference, the mean over batch, tokens and hidden features) or 'l2' "
+        "(the Euclidean norm of the difference per token, not squared, averaged over batch and tokens: the paper "
+        "authors' stage 2, jobs/paper-recipe/)."
+    )
+
+
+@dataclass
 class DistillConfig(StageConfig):
     lr: float = described(1e-4, "Peak learning rate.")
     ce_weight: float = described(1.0, "Weight a of the next-token cross-entropy.")
@@ -199,9 +210,9 @@ class SftConfig(StageConfig):
 
 @dataclass
 class StagesConfig:
-    align_mixer: StageConfig = described(help="Stage 1: per-layer mixer-output alignment (MSE).", factory=StageConfig)
-    align_hidden: StageConfig = described(
-        help="Stage 2: per-layer hidden-state alignment (MSE).", factory=lambda: StageConfig(lr=3e-4)
+    align_mixer: AlignConfig = described(help="Stage 1: per-layer mixer-output alignment (MSE).", factory=AlignConfig)
+    align_hidden: AlignConfig = described(
+        help="Stage 2: per-layer hidden-state alignment (MSE).", factory=lambda: AlignConfig(lr=3e-4)
     )
     distill: DistillConfig = described(help="Stage 3: end-to-end distillation (CE + KL).", factory=DistillConfig)
     sft: SftConfig = described(
@@ -465,6 +476,8 @@ def validate(job: JobConfig) -> None:
     _check_split(job.budget.split)
     for stage in STAGES:
         _check_stage(f"stages.{stage}", getattr(job.stages, stage))
+    for stage in PER_LAYER:
+        _check_choice(f"stages.{stage}.loss", getattr(job.stages, stage).loss, ALIGN_LOSSES)
     _check_positive("deepspeed.world_size", job.deepspeed.world_size)
     _check_choice("deepspeed.teacher_placement", job.deepspeed.teacher_placement, TEACHER_PLACEMENTS)
     _check_choice("deepspeed.student_engine", job.deepspeed.student_engine, STUDENT_ENGINES)

@@ -1,4 +1,4 @@
-"""Training losses: MSE alignment (stages 1 and 2), chunked CE + KL distillation (stage 3), chunked CE (SFT).
+"""Training losses: MSE (or L2-norm) alignment (stages 1 and 2), chunked CE + KL distillation (stage 3), chunked CE (SFT).
 
 Stage 3 never builds fp32 logits for the whole batch: `distill_loss` takes the final (post-norm) hidden
 states and the two heads' weights, and computes logits, losses and the logits' gradient for
@@ -39,7 +39,8 @@ IGNORE_INDEX = -100
 # Rows of a low-precision head upcast to fp32 at a time, so that no fp32 copy of a whole head exists.
 VOCAB_BLOCK = 8192
 
-__all__ = ["IGNORE_INDEX", "DistillLosses", "alignment_mse", "distill_loss", "lm_loss"]
+__all__ = ["ALIGNMENT_LOSSES", "IGNORE_INDEX", "DistillLosses", "alignment_l2", "alignment_loss", "alignment_mse",
+           "distill_loss", "lm_loss"]
 
 
 def alignment_mse(pred: Tensor, target: Tensor) -> Tensor:
@@ -52,6 +53,28 @@ def alignment_mse(pred: Tensor, target: Tensor) -> Tensor:
     if pred.shape != target.shape:
         raise ValueError(f"alignment_mse: pred {tuple(pred.shape)} and target {tuple(target.shape)} differ")
     return F.mse_loss(pred.float(), target.float(), reduction="mean")
+
+
+def alignment_l2(pred: Tensor, target: Tensor) -> Tensor:
+    """The Euclidean norm (not squared) of the difference per token, averaged over batch and tokens, in fp32.
+
+    pred, target: [..., C]: the norm runs over the last (hidden) axis. This is the stage-2 loss of the paper
+    authors' public release (`stages.align_hidden.loss=l2`, jobs/paper-recipe/). Unlike MSE, its gradient per
+    token has unit norm whatever the size of the error, so large and small errors pull equally hard.
+    """
+    if pred.shape != target.shape:
+        raise ValueError(f"alignment_l2: pred {tuple(pred.shape)} and target {tuple(target.shape)} differ")
+    return torch.linalg.vector_norm(pred.float() - target.float(), ord=2, dim=-1).mean()
+
+
+ALIGNMENT_LOSSES = {"mse": alignment_mse, "l2": alignment_l2}
+
+
+def alignment_loss(name: str):
+    """The stage-1/2 loss function called `name` (a key of ALIGNMENT_LOSSES)."""
+    if name not in ALIGNMENT_LOSSES:
+        raise ValueError(f"alignment loss '{name}' is not one of {sorted(ALIGNMENT_LOSSES)}")
+    return ALIGNMENT_LOSSES[name]
 
 
 class DistillLosses(NamedTuple):

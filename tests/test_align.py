@@ -19,6 +19,7 @@ from harness.checkpoint import CheckpointWarning
 from harness.config import ConfigError, load_job
 from harness.mixers import MIXERS
 from harness.observe import NonFiniteLoss
+from harness import losses as losses_mod
 from harness.stages import align as align_mod
 from harness.stages.align import WEIGHTS, align_group, init_mixer, layer_seed
 from harness.stages.common import group_dir
@@ -113,8 +114,9 @@ def teacher_model(job):
 # ------------------------------------------------------------------------------------------ training
 
 
-def held_out_losses(job, stage: str, layers: list[int], trained: dict | None = None) -> dict[int, float]:
-    """Per-layer MSE on 8 validation sequences, of the group's initial modules or of `trained` weights."""
+def held_out_losses(job, stage: str, layers: list[int], trained: dict | None = None,
+                    loss: str = "mse") -> dict[int, float]:
+    """Per-layer `loss` on 8 validation sequences, of the group's initial modules or of `trained` weights."""
     from harness.data import prepare_job_corpus
     from harness.stages.common import load_job_teacher
     from harness.teacher import capture_activations
@@ -129,7 +131,7 @@ def held_out_losses(job, stage: str, layers: list[int], trained: dict | None = N
     ids = next(corpus.validation_batches(8))["input_ids"]
     acts = capture_activations(teacher.model, ids, layers=layers, kinds=align_mod.KINDS[stage])
     with torch.no_grad():
-        return {l: float(align_mod.layer_loss(group[str(l)], stage, acts, l)) for l in layers}
+        return {l: float(align_mod.layer_loss(group[str(l)], stage, acts, l, loss=loss)) for l in layers}
 
 
 @pytest.mark.parametrize("stage", ["align_mixer", "align_hidden"])
@@ -265,19 +267,37 @@ def test_corrupt_newest_checkpoint_falls_back(runs, make_job, tmp_path):
 def test_nan_loss_stops_without_a_checkpoint(make_job, tmp_path, monkeypatch):
     job = make_job(tmp_path, "run.checkpoint_every_tokens=256")
     calls = {"n": 0}
-    real = align_mod.alignment_mse
+    real = losses_mod.alignment_mse
 
     def poisoned(pred, target):
         calls["n"] += 1
         loss = real(pred, target)
         return loss * float("nan") if calls["n"] > 2 * 2 * 2 else loss  # step 3: 2 micro x 2 layers per step
 
-    monkeypatch.setattr(align_mod, "alignment_mse", poisoned)
+    monkeypatch.setitem(losses_mod.ALIGNMENT_LOSSES, "mse", poisoned)
     with pytest.raises(NonFiniteLoss, match="step 3"):
         align_group(job, "align_mixer", [0, 1])
     gdir = group_dir(job, "align_mixer", [0, 1])
     assert sorted(p.name for p in (gdir / "checkpoints").glob("step-*")) == ["step-00000002"]
     assert not (gdir / WEIGHTS).exists() and not (gdir / "COMPLETE.json").exists()
+
+
+def test_stage2_trains_on_the_l2_norm_when_asked(runs, make_job, tmp_path):
+    """stages.align_hidden.loss=l2 (the paper authors' stage 2): the group trains on the per-token norm of the
+    difference, which its metrics log and training lowers, and which is not what the MSE run optimised."""
+    import shutil
+    a, _ = runs
+    job = make_job(tmp_path, "stages.align_hidden.loss=l2")
+    shutil.copytree(group_dir(a, "align_mixer", [0, 1, 2, 3]), group_dir(job, "align_mixer", [0, 1, 2, 3]))
+    align_group(job, "align_hidden", [0, 1])
+    before = held_out_losses(job, "align_hidden", [0, 1], loss="l2")
+    after = held_out_losses(job, "align_hidden", [0, 1], weights(job, "align_hidden", [0, 1]), loss="l2")
+    # a norm, not its square: the 0.9 of the MSE test above is about 0.95 here
+    assert all(after[l] < 0.95 * before[l] for l in (0, 1)), (before, after)
+    l2_rows, mse_rows = metrics(job, "align_hidden", [0, 1]), metrics(a, "align_hidden", [0, 1])
+    assert l2_rows[0]["loss"] != pytest.approx(mse_rows[0]["loss"], rel=1e-3)
+    mse_after = held_out_losses(job, "align_hidden", [0, 1], weights(job, "align_hidden", [0, 1]))
+    assert mse_after != held_out_losses(a, "align_hidden", [0, 1], weights(a, "align_hidden", [0, 1]))
 
 
 # ------------------------------------------------------------------------------------------ errors

@@ -58,6 +58,8 @@ def test_every_field_has_a_description():
         (["deepspeed.teacher_placement=sharded"], "teacher_placement.*Allowed: auto, zero3, replicated"),
         (["deepspeed.student_engine=torch"], "student_engine.*Allowed: deepspeed, plain"),
         (["teacher.dtype=fp8"], "teacher.dtype.*auto, float32, bfloat16, float16"),
+        (["stages.align_hidden.loss=l1"], "Bad value 'l1' for stages.align_hidden.loss. Allowed: mse, l2"),
+        (["stages.distill.loss=l2"], "Unknown key 'stages.distill.loss'"),
         (["stages.distill.gradient_checkpointing_fraction=0"], "gradient_checkpointing_fraction=0.* must lie in"),
     ],
 )

@@ -14,7 +14,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from harness import losses
-from harness.losses import alignment_mse, distill_loss
+from harness.losses import ALIGNMENT_LOSSES, alignment_l2, alignment_mse, distill_loss
 
 
 def direct_distill(
@@ -161,6 +161,20 @@ def test_rejects_mismatched_shapes():
         distill_loss(hs, ht, ws, wt[:-1], labels, ce_weight=1, kl_weight=1, temperature=1)
     with pytest.raises(ValueError, match="labels"):
         distill_loss(hs, ht, ws, wt, labels[:, :-1], ce_weight=1, kl_weight=1, temperature=1)
+
+
+def test_alignment_l2_is_the_mean_per_token_norm_not_squared():
+    pred = torch.zeros(2, 2, 2)
+    target = torch.tensor([[[3.0, 4.0], [0.0, 1.0]], [[6.0, 8.0], [0.0, 0.0]]])
+    assert alignment_l2(pred, target).item() == pytest.approx((5 + 1 + 10 + 0) / 4)
+    assert alignment_l2(pred.bfloat16(), target.bfloat16()).dtype == torch.float32
+    with pytest.raises(ValueError, match="differ"):
+        alignment_l2(pred, target[:, :1])
+
+
+def test_alignment_losses_are_the_configs_choices():
+    from harness.config import ALIGN_LOSSES
+    assert tuple(ALIGNMENT_LOSSES) == ALIGN_LOSSES
 
 
 def test_alignment_mse_is_fp32_mean_over_everything():

@@ -7,7 +7,8 @@ Stage 2 (align_hidden): the student block l (norms + mixer + MLP), initialised f
 MLP and the stage-1 mixer of layer l, reads the teacher's h_l (`hidden_in`) and is trained to output h_{l+1}
 (`hidden_out`). The whole block trains.
 
-Loss: `alignment_mse` per layer, the mean over batch, tokens and hidden features (fp32). The optimised
+Loss: stages.<stage>.loss per layer, `alignment_mse` (the mean over batch, tokens and hidden features, fp32) by
+default, or `alignment_l2` (the per-token Euclidean norm of the difference, averaged). The optimised
 objective is the *sum* of the group's per-layer losses, so that layer l's gradient is that of its own loss
 whatever the group holds; the logged `loss` is their mean.
 
@@ -49,7 +50,7 @@ from harness.checkpoint import CheckpointInfo, CheckpointManager, capture_rng, f
 from harness.config import ConfigError, JobConfig
 from harness import preempt
 from harness.engine import decays
-from harness.losses import alignment_mse
+from harness.losses import alignment_loss
 from harness.mixers import Mixer, MixerShape, mixer_class, mixer_options, resolved_options, saved_options
 from harness.observe import RunLogger, check_finite
 from harness.schedule import build_scheduler
@@ -236,25 +237,27 @@ def param_groups(group: nn.ModuleDict, weight_decay: float) -> list[dict[str, An
 # ------------------------------------------------------------------------------------------ training
 
 
-def layer_loss(module: nn.Module, stage: str, acts: Any, layer: int, rope: Any = None) -> torch.Tensor:
-    """alignment_mse of one layer's module on the teacher's activations (fp32 scalar)."""
+def layer_loss(module: nn.Module, stage: str, acts: Any, layer: int, rope: Any = None,
+               loss: str = "mse") -> torch.Tensor:
+    """The alignment loss `loss` (stages.<stage>.loss) of one layer's module on the teacher's activations
+    (fp32 scalar)."""
     src, dst = KINDS[stage]
     x = getattr(acts, src)[layer].float()
     y, _ = module(x, position_embeddings=rope) if stage == "align_mixer" else module(x, rope)
-    return alignment_mse(y, getattr(acts, dst)[layer])
+    return alignment_loss(loss)(y, getattr(acts, dst)[layer])
 
 
 def backward_layers(group: nn.ModuleDict, stage: str, acts: Any, rope: Any, scale: float,
-                    autocast: Any = contextlib.nullcontext()) -> dict[int, torch.Tensor]:
+                    autocast: Any = contextlib.nullcontext(), loss: str = "mse") -> dict[int, torch.Tensor]:
     """Backward of scale x each layer's loss, one layer at a time (its graph is freed before the next, and
     layer l's gradient is that of its own loss); the forward runs under `autocast`. Returns the unscaled,
     detached losses."""
     out = {}
     for key, module in group.items():
         with autocast:
-            loss = layer_loss(module, stage, acts, int(key), rope)
-        (loss * scale).backward()
-        out[int(key)] = loss.detach()
+            value = layer_loss(module, stage, acts, int(key), rope, loss)
+        (value * scale).backward()
+        out[int(key)] = value.detach()
     return out
 
 
@@ -404,7 +407,7 @@ def _train(run: _Run, resumed: Optional[CheckpointInfo], stop_after_steps: Optio
                 ids = next(run.loader)["input_ids"].to(device)
                 acts = capture_activations(run.teacher.model, ids, layers=run.layers, kinds=KINDS[run.stage])
                 for l, v in backward_layers(run.group, run.stage, acts, rope(ids), 1 / cfg.grad_accum,
-                                            autocast).items():
+                                            autocast, cfg.loss).items():
                     sums[l] += float(v)
             run.losses = {l: v / cfg.grad_accum for l, v in sums.items()}
             mean = check_finite(sum(run.losses.values()) / len(run.losses), run.step + 1,

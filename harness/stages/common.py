@@ -25,9 +25,8 @@ from typing import Any, Optional
 
 import torch
 
-from harness.config import ConfigError, JobConfig
+from harness.config import PER_LAYER as PER_LAYER_STAGES, ConfigError, JobConfig
 
-PER_LAYER_STAGES = ("align_mixer", "align_hidden")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
