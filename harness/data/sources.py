@@ -26,9 +26,9 @@ FORMATS = {".txt": "text", ".text": "text", ".jsonl": "json", ".json": "json", "
 COMPRESSIONS = (".gz", ".bz2", ".xz", ".zst", ".lz4")
 EMBEDDED_SUBSETS = ("wikipedia", "essays", "mixed")
 SAMPLE_BY = ("document", "paragraph", "line")
-_FORMS = ("'embedded' (or 'embedded:wikipedia', 'embedded:essays', 'embedded:mixed'), a local .txt/.jsonl/.json/.parquet/.arrow "
-          "file, folder or glob, a folder written by Dataset.save_to_disk, or a Hugging Face dataset name "
-          "('hub:NAME', 'NAME' or 'ORG/NAME')")
+_FORMS = ("'embedded' (or 'embedded:wikipedia', 'embedded:essays', 'embedded:mixed'), a local "
+          ".txt/.jsonl/.json/.parquet/.arrow file, folder or glob, a folder written by Dataset.save_to_disk, "
+          "or a Hugging Face dataset name ('hub:NAME', 'NAME' or 'ORG/NAME')")
 
 
 @dataclass(frozen=True)
