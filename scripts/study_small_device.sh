@@ -13,8 +13,11 @@
 # RUNS (default runs/study-small) is where the runs go and what comes back; OVERRIDES (default none) are job
 # overrides given to every run, e.g. OVERRIDES="eval.enabled=false" with RUNS=runs/transfer-small for the
 # transfer-fidelity runs of docs/TRANSFER.md. The payload may leave out lm-eval (evalsite) when nothing evaluates.
-# A lane's job may carry a tag, JOB/TAG (e.g. gated_deltanet-small/authors): the run is NAME-TAG, with the tag's
-# overrides (tag_overrides below) after OVERRIDES.
+# A lane's job JOB is the file jobs/*/smollm2-135m-JOB.yaml (e.g. gla-small in jobs/study-small/, gla-50m in
+# jobs/study-small-50m/, gated_deltanet-50m-paper in jobs/paper-recipe/). It may carry a tag, JOB/TAG (e.g.
+# gated_deltanet-small/authors): the run is NAME-TAG, with the tag's overrides (tag_overrides below) after OVERRIDES.
+# PREPARE (default: one small-study job) lists the jobs whose corpora `setup` tokenises: one per corpus and seq_len,
+# e.g. PREPARE="jobs/study-small-50m/smollm2-135m-gla-50m.yaml jobs/paper-recipe/smollm2-135m-gated_deltanet-50m-paper.yaml".
 set -u
 S=${RUNS:-runs/study-small}
 STOP_AT=${STOP_AT:-520}
@@ -30,9 +33,11 @@ setup() {
   export HARNESS_CACHE=/tmp/hc HF_HUB_OFFLINE=1 PYTHONPATH=$PYTHONPATH:/tmp/evalsite
   if [ -d /tmp/evalsite ]; then python3 -c "import lm_eval" || exit 4; fi
   python3 -c "import harness; harness.load_teacher('smollm2-135m-instruct-gguf')" || exit 4
-  python3 -m harness.cli data prepare jobs/study-small/smollm2-135m-gla-small.yaml >/tmp/prepare.log 2>&1 \
-    || { tail -n 20 /tmp/prepare.log; exit 4; }
-  tail -n 7 /tmp/prepare.log
+  local job
+  for job in ${PREPARE:-jobs/study-small/smollm2-135m-gla-small.yaml}; do  # one job per corpus and seq_len
+    python3 -m harness.cli data prepare "$job" >/tmp/prepare.log 2>&1 || { tail -n 20 /tmp/prepare.log; exit 4; }
+    tail -n 7 /tmp/prepare.log
+  done
   touch /tmp/hc/.ready
 }
 
@@ -48,7 +53,7 @@ tag_overrides() {  # the job overrides of a lane tag
 }
 
 lane() {  # lane GPU JOB[/TAG]...: the jobs one after another on one GPU; a failed job does not stop the lane
-  local gpu=$1 m n job tag extra
+  local gpu=$1 m n job tag extra file
   shift
   for m; do
     job=${m%%/*}
@@ -58,8 +63,10 @@ lane() {  # lane GPU JOB[/TAG]...: the jobs one after another on one GPU; a fail
     n=smollm2-135m-$job${tag:+-$tag}
     [ -f "$S/$n/DONE" ] && continue
     [ -e "$HARNESS_PREEMPT_FILE" ] && return
+    file=$(ls jobs/*/smollm2-135m-"$job".yaml 2>/dev/null | head -n 1)
+    [ -n "$file" ] || { echo "lane $gpu: no jobs/*/smollm2-135m-$job.yaml"; continue; }
     # shellcheck disable=SC2086 # OVERRIDES and extra are lists of key=value words
-    if CUDA_VISIBLE_DEVICES=$gpu python3 -m harness.cli run "jobs/study-small/smollm2-135m-$job.yaml" ${OVERRIDES:-} \
+    if CUDA_VISIBLE_DEVICES=$gpu python3 -m harness.cli run "$file" ${OVERRIDES:-} \
          $extra name="$n" output_dir="$S/$n"; then
       touch "$S/$n/DONE"
     else

@@ -64,3 +64,95 @@ def test_small_study_is_one_recipe_and_matches_its_generator():
     # its training split is 4,293 sequences = 8,792,064 tokens (`harness data prepare`): no stage may repeat it
     assert sum(p.tokens for p in plan_stages(first)) <= 8_792_064
     assert all(p.steps >= 30 for p in plan_stages(first))
+
+
+def _generator():
+    import importlib.util
+
+    root = Path(__file__).resolve().parents[1]
+    spec = importlib.util.spec_from_file_location("make_study_jobs", root / "scripts" / "make_study_jobs.py")
+    gen = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gen)
+    return gen
+
+
+def _as_dict(job) -> dict:
+    from omegaconf import OmegaConf
+
+    return OmegaConf.to_container(OmegaConf.structured(job))
+
+
+def test_the_50m_study_is_one_recipe_and_matches_its_generator():
+    """jobs/study-small-50m/: the seven mixers, gated_deltanet's second seed and its authors'-init ablation, one
+    recipe at >= 50M tokens on the mixed corpus; the files are what scripts/make_study_jobs.py writes."""
+    from harness.transfer import authors_options
+
+    root, gen = Path(__file__).resolve().parents[1], _generator()
+    folder = root / "jobs" / "study-small-50m"
+    expected = gen.study_50m_jobs()
+    assert {p.name: p.read_text() for p in folder.glob("*.yaml")} == expected
+    base = "smollm2-135m-gated_deltanet-50m"
+    assert set(expected) == {f"smollm2-135m-{m}-50m.yaml" for m in MIXERS} | {f"{base}-seed2.yaml",
+                                                                               f"{base}-authors-init.yaml"}
+    jobs = {name: load_job(folder / name) for name in expected}
+
+    def recipe(job):
+        d = _as_dict(job)
+        for key in ("name", "output_dir", "seed"):
+            d.pop(key)
+        d.pop("student")
+        return d
+
+    first = jobs[f"{base}.yaml"]
+    assert all(recipe(job) == recipe(first) for job in jobs.values())
+    assert first.data.source == "embedded:mixed" and first.budget.total_tokens >= 50_000_000
+    # embedded:mixed holds 50,246,597 tokens; at seq_len 2048, after the held-out 262,144, its training split is
+    # 24,405 sequences = 49,981,440 tokens (`harness data prepare`): the stages take 49,938,432, nothing repeats
+    assert 0.99 * 50_000_000 <= sum(p.tokens for p in plan_stages(first)) <= 49_981_440
+    assert jobs[f"{base}-seed2.yaml"].seed == 1 and sum(j.seed for j in jobs.values()) == 1
+    ablation = jobs[f"{base}-authors-init.yaml"].student
+    assert {k: ablation.options[k] for k in authors_options("gated_deltanet")} == \
+        authors_options("gated_deltanet")
+
+
+def _ours_for(paper_name: str) -> Path:
+    root = Path(__file__).resolve().parents[1]
+    stem = paper_name.removesuffix("-paper.yaml")
+    return root / "jobs" / ("study-small-50m" if stem.endswith("-50m") else "study") / f"{stem}.yaml"
+
+
+PAPER_JOBS = sorted((Path(__file__).resolve().parents[1] / "jobs" / "paper-recipe").glob("*.yaml"))
+
+
+@pytest.mark.parametrize("path", PAPER_JOBS, ids=[p.name for p in PAPER_JOBS])
+def test_a_paper_recipe_job_differs_from_ours_only_by_the_authors_settings(path):
+    """Each jobs/paper-recipe/ file is its counterpart of ours with the authors' context, learning rates, losses and
+    init (jobs/paper-recipe/README.md), and the same tokens per step."""
+    from harness.transfer import authors_options
+
+    paper, ours = load_job(path), load_job(_ours_for(path.name))
+    assert paper.data.seq_len == 512 and ours.data.seq_len == 2048
+    s = paper.stages
+    assert (s.align_mixer.lr, s.align_hidden.lr, s.distill.lr) == (2e-4, 2e-3, 3e-4)
+    assert (s.align_mixer.loss, s.align_hidden.loss) == ("mse", "l2")
+    assert (s.distill.ce_weight, s.distill.kl_weight, s.distill.temperature) == (1.0, 512.0, 1.0)
+    assert {k: paper.student.options[k] for k in authors_options(paper.student.mixer)} == \
+        authors_options(paper.student.mixer)
+    assert [p.tokens_per_step for p in plan_stages(paper)] == [p.tokens_per_step for p in plan_stages(ours)]
+    a, b = _as_dict(paper), _as_dict(ours)
+    for d in (a, b):
+        for key in ("name", "output_dir"):
+            d.pop(key)
+        d["student"].pop("options")
+        d["data"].pop("seq_len")
+        d["eval"].pop("teacher_cache")
+        for stage in ("align_mixer", "align_hidden", "distill"):
+            for key in ("lr", "loss", "micro_batch_size", "ce_weight", "kl_weight", "temperature"):
+                d["stages"][stage].pop(key, None)
+    assert a == b
+
+
+def test_every_mixer_and_scale_has_a_paper_recipe_job():
+    names = {p.name for p in PAPER_JOBS}
+    assert {f"smollm2-{s}-{m}-3b-paper.yaml" for s in ("135m", "360m", "1.7b") for m in MIXERS} <= names
+    assert "smollm2-135m-gated_deltanet-50m-paper.yaml" in names
