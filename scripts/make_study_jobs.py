@@ -104,7 +104,7 @@ eval:
 
 
 # The small study at 50M tokens (docs/results/study-small-50m/): the same teacher on the mixed offline corpus
-# (embedded:mixed, ~60M tokens of eleven domains), the default split of budget.split, stage 3 on the plain engine
+# (embedded:mixed, 50.2M tokens of nine domains), the default split of budget.split, stage 3 on the plain engine
 # at micro-batch 32 x 2048 (166k tokens/s alone on an H200, docs/BENCHMARKS.md runs 19: ~5 minutes of stage 3),
 # two lanes per GPU. Benchmarks at 500 examples a task, NIAH 256-2048 with exact match and the likelihood score.
 STUDY_50M_TEMPLATE = """# {title}
