@@ -25,6 +25,7 @@ from tests.test_distill import CONDITIONED, losses, plain_run, student_weights, 
 
 REPO = Path(__file__).resolve().parents[1]
 TIMEOUT_S = 60  # run.collective_timeout_s of these runs
+HUNG_TIMEOUT_S = 20  # ... and of the one whose peer hangs: short, but longer than any wait of a healthy run here
 # a replicated teacher keeps each run ~15 s on 2 cores; the student is ZeRO-3, every parameter sharded
 JOB = ["deepspeed.world_size=2", "deepspeed.teacher_placement=replicated", "run.checkpoint_every_tokens=256",
        f"run.collective_timeout_s={TIMEOUT_S}", *CONDITIONED]
@@ -106,6 +107,31 @@ def test_two_torchrun_nodes_match_one_node_and_one_process(reference, tmp_path):
     assert [losses(tmp_path / "torchrun-2x1")[s] for s in sorted(losses(ref))] == pytest.approx(single, rel=1e-4)
 
 
+def signal_node_1_after_a_checkpoint(job: Path, out: Path, logs: Path, sig: int) -> tuple[int, float, str]:
+    """Two torchrun agents; once the first checkpoint is written, SIG to node 1's process. Returns node 0's exit
+    code, the seconds it took to exit after the signal, and its log; every process of the run is gone after."""
+    procs, paths = two_nodes("torchrun", job, logs)
+    worker = None
+    try:
+        deadline = time.time() + 240
+        while not list((out / "distill" / "checkpoints").glob("step-*/manifest.json")):
+            assert time.time() < deadline and all(p.poll() is None for p in procs), paths[0].read_text()[-3000:]
+            time.sleep(0.05)
+        worker = next(c for c in psutil.Process(procs[1].pid).children(recursive=True)
+                      if "harness.cli" in c.cmdline())
+        worker.send_signal(sig)
+        signalled = time.time()
+        code = procs[0].wait(timeout=TIMEOUT_S + 60)
+        return code, time.time() - signalled, paths[0].read_text()
+    finally:
+        if worker is not None and worker.is_running():
+            worker.kill()
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+            p.wait(timeout=60)
+
+
 def test_a_killed_node_fails_the_other_within_the_timeout_and_deepspeed_nodes_resume(reference, tmp_path):
     """SIGKILL of node 1's process after the first checkpoint (two torchrun agents): node 0 exits non-zero within
     the collective timeout; the run resumed on two deepspeed "nodes" (hostfile, --no_ssh) ends as the
@@ -113,26 +139,21 @@ def test_a_killed_node_fails_the_other_within_the_timeout_and_deepspeed_nodes_re
     ref, _ = reference
     out = tmp_path / "killed"
     job = write_job(tmp_path, out, *JOB)
-    procs, logs = two_nodes("torchrun", job, tmp_path)
-    try:
-        deadline = time.time() + 240
-        while not list((out / "distill" / "checkpoints").glob("step-*/manifest.json")):
-            assert time.time() < deadline and all(p.poll() is None for p in procs), logs[0].read_text()[-3000:]
-            time.sleep(0.05)
-        worker = next(c for c in psutil.Process(procs[1].pid).children(recursive=True)
-                      if "harness.cli" in c.cmdline())
-        worker.send_signal(signal.SIGKILL)
-        killed_at = time.time()
-        code = procs[0].wait(timeout=TIMEOUT_S + 60)
-        waited = time.time() - killed_at
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-    assert code != 0 and waited < TIMEOUT_S + 30, (code, waited, logs[0].read_text()[-3000:])
-    assert procs[1].wait(timeout=60) != 0 and not (out / "student").exists()
+    code, waited, log = signal_node_1_after_a_checkpoint(job, out, tmp_path, signal.SIGKILL)
+    assert code != 0 and waited < TIMEOUT_S, (code, waited, log[-3000:])
+    assert not (out / "student").exists()
     finish(*two_nodes("deepspeed", job, tmp_path))
     assert_same_run(out, ref)
+
+
+def test_a_hung_node_fails_the_other_after_the_collective_timeout(tmp_path):
+    """SIGSTOP instead: the connection stays open, so node 0 waits for its peer until run.collective_timeout_s,
+    then exits non-zero (gloo's own timeout), instead of hanging."""
+    out = tmp_path / "hung"
+    job = write_job(tmp_path, out, *JOB, f"run.collective_timeout_s={HUNG_TIMEOUT_S}")
+    code, waited, log = signal_node_1_after_a_checkpoint(job, out, tmp_path, signal.SIGSTOP)
+    assert code != 0 and waited < HUNG_TIMEOUT_S + 30, (code, waited, log[-3000:])
+    assert f"Timed out waiting {HUNG_TIMEOUT_S * 1000}ms" in log, log[-3000:]
 
 
 @pytest.mark.parametrize("command", [["stage", "distill", "JOB"], ["stage", "sft", "JOB"], ["bench", "--shape", "tiny"]])
