@@ -30,6 +30,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         parser.print_help()
         return 0
     try:
+        apply_local_rank(args)
         return args.handler(args) or 0
     except ConfigError as err:
         print(f"error: {err}", file=sys.stderr)
@@ -49,6 +50,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="harness", description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter
     )
+    add_local_rank(parser)  # the deepspeed launcher puts it before the command: `-m harness.cli --local_rank=0 stage ...`
     sub = parser.add_subparsers(title="commands", metavar="COMMAND")
     info = sub.add_parser(
         "info",
@@ -118,7 +120,8 @@ def build_parser() -> argparse.ArgumentParser:
         "deepspeed.world_size=2",
     )
     _add_job_args(dist)
-    dist.set_defaults(handler=cmd_stage_distill)
+    add_local_rank(dist)
+    dist.set_defaults(handler=cmd_stage_distill, distributed=True)
     sft = stage_sub.add_parser(
         "sft", help="Post-training: supervised fine-tuning of the student on chat data (loss on assistant tokens).",
         description="SFT of RUN_DIR/student (or stages.sft.student) on the chat data of `instructions`, rendered with "
@@ -130,14 +133,15 @@ def build_parser() -> argparse.ArgumentParser:
         "harness.cli stage sft JOB deepspeed.world_size=2",
     )
     _add_job_args(sft)
-    sft.set_defaults(handler=cmd_stage_sft)
+    add_local_rank(sft)
+    sft.set_defaults(handler=cmd_stage_sft, distributed=True)
 
     submit = sub.add_parser(
         "submit", help="Submit the pipeline to Slurm: job arrays per stage with afterok dependencies.",
         description="Render sbatch scripts from slurm/*.sbatch and submit them: stage 1 as a job array (one task "
         "per layer group), stage 2 as an array after stage 1, the merge, then stage 3 on --nodes nodes (srun, "
-        "one torchrun per node). Finished stages are left out, so submitting again continues a run. Job ids go "
-        "to RUN_DIR/slurm/jobs.json.",
+        "one torchrun or deepspeed launcher per node; or the deepspeed launcher over pdsh/ssh). Finished stages are "
+        "left out, so submitting again continues a run. Job ids go to RUN_DIR/slurm/jobs.json.",
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog="example:\n  harness submit jobs/study/smollm2-1.7b-kda-3b.yaml --partition gpu --account proj "
         "--nodes 1 --gpus-per-node 8 --time 2-00:00:00 --dry-run",
@@ -157,6 +161,13 @@ def build_parser() -> argparse.ArgumentParser:
     submit.add_argument("--mem", help="Memory per node, e.g. 64G.")
     submit.add_argument("--layers-per-task", type=int, default=0,
                         help="Layers per array task of stages 1-2 (default: run.layer_groups groups).")
+    submit.add_argument("--launcher", choices=("torchrun", "deepspeed"), default=None,
+                        help="Stage 3's launcher on each node (default: the job's run.launcher).")
+    submit.add_argument("--node-launch", choices=("srun", "ssh"), default="srun",
+                        help="How a deepspeed stage 3 reaches the nodes: srun starts one launcher per node (--no_ssh; "
+                        "default, works on any Slurm cluster); ssh runs one launcher on the first node that starts "
+                        "every node over pdsh and ssh from a hostfile of the allocation (needs pdsh and "
+                        "passwordless ssh between the nodes).")
     submit.add_argument("--sbatch-option", action="append", default=[], metavar="OPT",
                         help="An extra #SBATCH option, e.g. --sbatch-option=--qos=high (repeatable).")
     submit.set_defaults(handler=cmd_submit)
@@ -218,9 +229,38 @@ def build_parser() -> argparse.ArgumentParser:
     from harness.eval.cli import add_parsers as add_eval_parsers
     from harness.perf import add_parser as add_bench_parser
 
-    add_bench_parser(sub)
+    bench = add_bench_parser(sub)
+    add_local_rank(bench)
+    bench.set_defaults(distributed=True)
     add_eval_parsers(sub)
     return parser
+
+
+def add_local_rank(p: argparse.ArgumentParser) -> None:
+    """`--local_rank=N` (and torch's spelling `--local-rank`), as the deepspeed launcher passes it to each process.
+    Absent from the namespace unless given, so that a subcommand's copy does not reset the top-level one."""
+    p.add_argument("--local_rank", "--local-rank", type=int, default=argparse.SUPPRESS, metavar="N",
+                   help="This process's rank on its node, as the deepspeed launcher passes it (LOCAL_RANK in the "
+                   "environment is read as well; the two must agree). Only for commands that run distributed: "
+                   "stage distill, stage sft, bench.")
+
+
+def apply_local_rank(args: argparse.Namespace) -> None:
+    """Check a launcher's --local_rank against the command and LOCAL_RANK, and export it as LOCAL_RANK."""
+    import os
+
+    rank = getattr(args, "local_rank", None)
+    if rank is None:
+        return
+    if not getattr(args, "distributed", False):
+        raise ConfigError(f"--local_rank={rank} comes from a distributed launcher, but this command runs in one "
+                          "process; start it without the launcher. Commands that run distributed: stage distill, "
+                          "stage sft, bench.")
+    env = os.environ.get("LOCAL_RANK")
+    if env is not None and env != str(rank):
+        raise ConfigError(f"--local_rank={rank} disagrees with LOCAL_RANK={env} in the environment; a launcher "
+                          "sets both to the same value, so start the command under one launcher only.")
+    os.environ["LOCAL_RANK"] = str(rank)
 
 
 def _add_job_args(p: argparse.ArgumentParser) -> None:
@@ -347,7 +387,8 @@ def cmd_submit(args: argparse.Namespace) -> int:
             print(f"# cancelled {len(cancelled)} pending job(s) of the earlier submission: {' '.join(cancelled)}")
     opts = SlurmOptions(partition=args.partition, account=args.account, time=args.time, nodes=args.nodes,
                         gpus_per_node=args.gpus_per_node, cpus_per_task=args.cpus_per_task, mem=args.mem,
-                        layers_per_task=args.layers_per_task, extra=args.sbatch_option)
+                        layers_per_task=args.layers_per_task, extra=args.sbatch_option, launcher=args.launcher,
+                        node_launch=args.node_launch)
     planned = plan_jobs(job, args.job, args.overrides, opts)
     if args.dry_run:
         for p in planned:

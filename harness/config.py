@@ -270,6 +270,20 @@ class RunConfig:
         20, "Stop stage 3 or SFT when this many optimizer steps in a row were skipped for a non-finite gradient "
         "(the weights stopped changing; skipped_steps and grad_norm are in metrics.jsonl); 0: never stop."
     )
+    launcher: str = described(
+        "torchrun", "What `harness run` starts stage 3 with when deepspeed.world_size > 1: 'torchrun' "
+        "(--standalone, a free port of its own) or 'deepspeed' (the DeepSpeed launcher, --num_gpus world_size on "
+        "this machine). `harness submit` renders the same launcher per node. Both pass the ranks in LOCAL_RANK, "
+        "RANK and WORLD_SIZE; the deepspeed launcher also passes --local_rank."
+    )
+    collective_timeout_s: int = described(
+        1800, "Seconds a collective of stage 3 or SFT may wait for the other processes before it fails (the "
+        "process group's timeout): how long a process waits for a peer that died or hangs before it exits with "
+        "an error."
+    )
+
+
+LAUNCHERS = ("torchrun", "deepspeed")  # harness.launch.local.distill_command, harness.launch.slurm
 
 
 @dataclass
@@ -589,6 +603,8 @@ def _check_run(run: RunConfig) -> None:
             raise ConfigError(f"run.{name}={getattr(run, name)} must be >= 0 (0 picks the default).")
     _check_positive("run.keep_last", run.keep_last)
     _check_positive("run.log_every_steps", run.log_every_steps)
+    _check_choice("run.launcher", run.launcher, LAUNCHERS)
+    _check_positive("run.collective_timeout_s", run.collective_timeout_s)
 
 
 def _check_data(data: DataConfig) -> None:

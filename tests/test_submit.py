@@ -48,6 +48,50 @@ def test_multi_node_rendering_and_graph(job_and_path):
     assert "distill after merge succeeds" in graph and "eval after distill succeeds" in graph
 
 
+def test_deepspeed_multi_node_rendering(job_and_path):
+    """run.launcher=deepspeed: srun starts one deepspeed launcher per node (--no_ssh, node rank from Slurm, a
+    hostfile of the allocation); --node-launch ssh runs one launcher that reaches the nodes over pdsh, the ranks'
+    environment passed in DS_ENV_FILE."""
+    job, path = job_and_path
+    job.run.launcher = "deepspeed"
+    distill = next(p.script for p in plan_jobs(job, str(path), ["a=b c"], SlurmOptions(nodes=2, gpus_per_node=4),
+                                                 python="python3") if p.stage == "distill")
+    hostfile = (Path(job.output_dir) / "slurm").resolve() / "hostfile-$SLURM_JOB_ID"
+    assert f'export HOSTFILE="{hostfile}"' in distill and "sed 's/$/ slots=4/' > \"$HOSTFILE\"" in distill
+    assert ("srun --kill-on-bad-exit=1 bash -c 'exec python3 -m deepspeed.launcher.runner --hostfile \"$HOSTFILE\" "
+            "--master_addr=\"$MASTER_ADDR\" --master_port=29500 --no_ssh --node_rank=\"$SLURM_NODEID\" --module "
+            "harness.cli stage distill") in distill
+    assert "torch.distributed.run" not in distill and "one deepspeed launcher per node" in distill
+    ssh = next(p.script for p in plan_jobs(job, str(path), [], SlurmOptions(nodes=8, node_launch="ssh"),
+                                             python="python3") if p.stage == "distill")
+    assert "srun" not in ssh and "\npython3 -m deepspeed.launcher.runner --hostfile" in ssh and "--no_ssh" not in ssh
+    assert 'export DS_ENV_FILE=' in ssh and "HARNESS_PREEMPT_FILE=" in ssh and "DS_ACCELERATOR=cpu\nENV" in ssh
+    with pytest.raises(ConfigError, match="--node-launch ssh is the deepspeed launcher's pdsh mode"):
+        plan_jobs(job, str(path), [], SlurmOptions(nodes=8, node_launch="ssh", launcher="torchrun"))
+    with pytest.raises(ConfigError, match="Bad launcher 'mpirun' for stage 3. Allowed: torchrun, deepspeed"):
+        plan_jobs(job, str(path), [], SlurmOptions(nodes=8, launcher="mpirun"))
+
+
+def test_the_rendered_deepspeed_srun_command_gives_each_node_its_rank(job_and_path, tmp_path):
+    """The srun line of the deepspeed rendering, run with srun and python replaced by recorders: each node's shell
+    expands its own $SLURM_NODEID, the batch shell none."""
+    job, path = job_and_path
+    job.run.launcher = "deepspeed"
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for name, body in (("srun", 'shift; for n in 0 1; do SLURM_NODEID=$n "$@"; done'), ("python3", 'echo "$*"')):
+        (bin_dir / name).write_text(f"#!/bin/bash\n{body}\n")
+        (bin_dir / name).chmod(0o755)
+    distill = next(p.script for p in plan_jobs(job, str(path), [], SlurmOptions(nodes=2, gpus_per_node=4),
+                                                 python="python3") if p.stage == "distill")
+    line = next(x for x in distill.splitlines() if x.startswith("srun "))[:-2]  # without the trailing " &"
+    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "HOSTFILE": "/h", "MASTER_ADDR": "n0"}
+    ran = subprocess.run(["bash", "-c", line], capture_output=True, text=True, env=env, timeout=30)
+    assert ran.returncode == 0, ran.stderr
+    assert [x.split(" --module")[0].split()[-1] for x in ran.stdout.splitlines()] == ["--node_rank=0", "--node_rank=1"]
+    assert "--hostfile /h --master_addr=n0" in ran.stdout
+
+
 def test_world_size_must_match_the_allocation(job_and_path):
     job, path = job_and_path
     with pytest.raises(ConfigError, match="deepspeed.world_size=8"):

@@ -1,8 +1,8 @@
 """`harness run`: every stage in order on this machine, as separate processes, skipping finished work.
 
 Stages 1 and 2 run one process per layer group (run.layer_groups), run.parallel_groups at a time, each pinned
-to one GPU when there are GPUs; then the merge; then stage 3 as deepspeed.world_size processes under torchrun
-(gloo on CPU, nccl on GPUs); then, with eval.enabled, the evaluation job on RUN_DIR/eval.yaml. Every stage resumes from its newest valid checkpoint, so re-running the same
+to one GPU when there are GPUs; then the merge; then stage 3 as deepspeed.world_size processes under torchrun or
+the deepspeed launcher (run.launcher; gloo on CPU, nccl on GPUs); then, with eval.enabled, the evaluation job on RUN_DIR/eval.yaml. Every stage resumes from its newest valid checkpoint, so re-running the same
 command after a crash continues where it stopped. Each process's output goes to run_dir/logs/, and the wall time of
 each part to run_dir/logs/timings.jsonl.
 """
@@ -192,12 +192,7 @@ def run_distill(job: JobConfig, job_path: str, overrides: list[str]) -> None:
         print("[harness] distill: already complete", flush=True)
         return
     world = job.deepspeed.world_size
-    args = ["stage", "distill", *job_args(job_path, overrides)]
-    if world == 1:
-        cmd = cli_command(*args)
-    else:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world}",
-               "-m", "harness.cli", *args]
+    cmd = distill_command(job, job_args(job_path, overrides))
     print(f"[harness] distill on {world} process(es): {' '.join(cmd)}", flush=True)
     marker = stopped_marker(run_dir(job) / "logs" / "distill.log")
     env = with_stopped_marker(dict(os.environ), marker)
@@ -207,6 +202,35 @@ def run_distill(job: JobConfig, job_path: str, overrides: list[str]) -> None:
     if result.returncode != 0:
         raise stage_error("distill", result.returncode, f"its output is above, metrics in {run_dir(job) / 'distill'}",
                           marker)
+
+
+def distill_command(job: JobConfig, args: list[str]) -> list[str]:
+    """Stage 3 on this machine: one plain process, or deepspeed.world_size processes under run.launcher."""
+    world = job.deepspeed.world_size
+    stage = ["-m", "harness.cli", "stage", "distill", *args]
+    if world == 1:
+        return [sys.executable, *stage]
+    if job.run.launcher == "deepspeed":
+        # the launcher has no standalone mode: a port free now (another job could take it before the rendezvous)
+        return [sys.executable, "-m", "deepspeed.launcher.runner", _deepspeed_slots(world),
+                f"--master_port={free_port()}", "--module", *stage[1:]]
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world}", *stage]
+
+
+def _deepspeed_slots(world: int) -> str:
+    """The launcher's device selection. Given --num_gpus it drops CUDA_VISIBLE_DEVICES and takes GPUs 0 .. N-1, so
+    under CUDA_VISIBLE_DEVICES the visible GPUs are named instead."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES", "").strip()
+    gpus = _gpus() if visible else []
+    return f"--include=localhost:{','.join(gpus[:world])}" if gpus else f"--num_gpus={world}"
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def _gpus() -> list[str]:

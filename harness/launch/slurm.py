@@ -3,7 +3,9 @@
     align_mixer   job array, one task per layer group
     align_hidden  job array, afterok on the whole align_mixer array
     merge         afterok on align_hidden
-    distill       afterok on merge; --nodes N, srun starts one torchrun per node (rendezvous: first node)
+    distill       afterok on merge; --nodes N: srun starts one launcher per node (torchrun, or deepspeed with
+                  --no_ssh and a hostfile of the allocation), or the deepspeed launcher on the first node reaches
+                  every node over pdsh/ssh (--node-launch ssh); rendezvous on the first node
     eval          afterok on distill (with eval.enabled): `harness eval job RUN_DIR/eval.yaml` on one GPU
 
 Finished stages are left out (their COMPLETE markers), so re-submitting a run submits only what is left.
@@ -65,6 +67,8 @@ class SlurmOptions:
     cpus_per_task: int = 2
     mem: Optional[str] = None
     layers_per_task: int = 0  # 0: one array task per run.layer_groups group
+    launcher: Optional[str] = None  # stage 3's launcher, torchrun or deepspeed; None: the job's run.launcher
+    node_launch: str = "srun"  # how a deepspeed stage 3 reaches the nodes: srun (one launcher each) or ssh (pdsh)
     signal_seconds: int = 300  # USR1 this long before the time limit: checkpoint and requeue
     extra: list[str] = field(default_factory=list)  # further #SBATCH lines, e.g. "--qos=high"
 
@@ -93,6 +97,7 @@ def plan_jobs(job: JobConfig, job_path: str, overrides: list[str], opts: SlurmOp
 
     if opts.nodes < 1 or opts.cpus_per_task < 1 or opts.gpus_per_node < 0 or opts.layers_per_task < 0:
         raise ConfigError("--nodes and --cpus-per-task must be >= 1, --gpus-per-node and --layers-per-task >= 0.")
+    launcher = check_launch(opts, job)
     procs = opts.nodes * max(1, opts.gpus_per_node)
     if procs != job.deepspeed.world_size:
         raise ConfigError(
@@ -137,11 +142,11 @@ def plan_jobs(job: JobConfig, job_path: str, overrides: list[str], opts: SlurmOp
         previous = "merge"
     if not CheckpointManager(out / "distill" / "checkpoints").is_complete():
         procs = max(1, opts.gpus_per_node)
-        command = (f"srun --kill-on-bad-exit=1 {py} -m torch.distributed.run --nnodes={opts.nodes} "
-                   f"--nproc_per_node={procs} --rdzv_backend=c10d --rdzv_endpoint=\"$MASTER_ADDR:29500\" "
-                   f"--rdzv_id=\"$SLURM_JOB_ID\" -m harness.cli stage distill {job_args}")
-        script = _render("distill.sbatch", nodes=opts.nodes, procs_per_node=procs, port=29500,
-                         resources=opts.resources(opts.gpus_per_node), launch=launch(command), **common)
+        how, prepare, command = distill_launch(opts, launcher, py, f"-m harness.cli stage distill {job_args}",
+                                               out / "slurm")
+        script = _render("distill.sbatch", nodes=opts.nodes, procs_per_node=procs, port=PORT, how=how,
+                         prepare=prepare, resources=opts.resources(opts.gpus_per_node), launch=launch(command),
+                         **common)
         planned.append(PlannedJob("distill", script, previous))
         previous = "distill"
     if job.eval.enabled and not _eval_complete(out):
@@ -152,6 +157,62 @@ def plan_jobs(job: JobConfig, job_path: str, overrides: list[str], opts: SlurmOp
                          launch=launch(command), **common)
         planned.append(PlannedJob("eval", script, previous))
     return planned
+
+
+PORT = 29500  # stage 3's rendezvous port on the allocation's first node
+NODE_LAUNCHES = ("srun", "ssh")
+
+
+def check_launch(opts: SlurmOptions, job: JobConfig) -> str:
+    """Stage 3's launcher (the option, else run.launcher), checked against how it is to reach the nodes."""
+    from harness.config import LAUNCHERS
+
+    launcher = opts.launcher or job.run.launcher
+    if launcher not in LAUNCHERS:
+        raise ConfigError(f"Bad launcher '{launcher}' for stage 3. Allowed: {', '.join(LAUNCHERS)}.")
+    if opts.node_launch not in NODE_LAUNCHES:
+        raise ConfigError(f"Bad --node-launch '{opts.node_launch}'. Allowed: {', '.join(NODE_LAUNCHES)}.")
+    if opts.node_launch == "ssh" and launcher != "deepspeed":
+        raise ConfigError("--node-launch ssh is the deepspeed launcher's pdsh mode; torchrun starts one agent per "
+                          "node through srun. Use --launcher deepspeed, or --node-launch srun.")
+    return launcher
+
+
+# The deepspeed launcher's hostfile, one line per node of the allocation, written where every node can read it.
+# In ssh mode the ranks get their environment only through DS_ENV_FILE (pdsh starts them outside this shell).
+HOSTFILE = """export HOSTFILE="{folder}/hostfile-$SLURM_JOB_ID"
+scontrol show hostnames "$SLURM_JOB_NODELIST" | sed 's/$/ slots={slots}/' > "$HOSTFILE"
+"""
+ENV_FILE = """export DS_ENV_FILE="{folder}/deepspeed-env-$SLURM_JOB_ID"
+cat > "$DS_ENV_FILE" <<ENV
+HARNESS_PREEMPT_FILE={folder}/preempt-$SLURM_JOB_ID
+HARNESS_STOPPED_FILE={folder}/stopped-$SLURM_JOB_ID
+{accelerator}ENV
+"""
+
+
+def distill_launch(opts: SlurmOptions, launcher: str, py: str, target: str, folder: Path) -> tuple[str, str, str]:
+    """(what the script's comment says, lines before the wrapper, the command) of a stage 3 on opts.nodes nodes."""
+    procs = max(1, opts.gpus_per_node)
+    srun = "srun --kill-on-bad-exit=1"
+    if launcher == "torchrun":
+        command = (f"{srun} {py} -m torch.distributed.run --nnodes={opts.nodes} --nproc_per_node={procs} "
+                   f"--rdzv_backend=c10d --rdzv_endpoint=\"$MASTER_ADDR:{PORT}\" --rdzv_id=\"$SLURM_JOB_ID\" {target}")
+        return "srun starts one torchrun per node", "", command
+    folder = folder.resolve()
+    hostfile = HOSTFILE.format(folder=folder, slots=procs)
+    runner = (f"{py} -m deepspeed.launcher.runner --hostfile \"$HOSTFILE\" --master_addr=\"$MASTER_ADDR\" "
+              f"--master_port={PORT}")
+    module = target.replace("-m ", "--module ", 1)
+    if opts.node_launch == "srun":
+        # $SLURM_NODEID differs per node: expanded by each task's own shell, not by the batch shell
+        inner = f'exec {runner} --no_ssh --node_rank="$SLURM_NODEID" {module}'
+        return ("srun starts one deepspeed launcher per node (--no_ssh, its node rank from Slurm)", hostfile,
+                f"{srun} bash -c {shlex.quote(inner)}")
+    accelerator = "" if opts.gpus_per_node else "DS_ACCELERATOR=cpu\n"
+    env = ENV_FILE.format(folder=folder, accelerator=accelerator)
+    return ("the deepspeed launcher on this node starts every node's processes over pdsh/ssh", hostfile + env,
+            f"{runner} {module}")
 
 
 def _eval_complete(out: Path) -> bool:

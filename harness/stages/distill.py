@@ -147,7 +147,7 @@ def distill(job: JobConfig, *, stop_after_steps: Optional[int] = None) -> Path:
 
     device = resolve_device(job)
     preempt.install_handler()
-    rank, world = engine.setup_distributed(device)
+    rank, world = engine.setup_distributed(device, job.run.collective_timeout_s)
     if world != job.deepspeed.world_size:
         raise ConfigError(
             f"Stage 3 runs on {world} process(es) but deepspeed.world_size={job.deepspeed.world_size}: the data "

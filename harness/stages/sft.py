@@ -96,7 +96,7 @@ def sft(job: JobConfig, *, stop_after_steps: Optional[int] = None) -> Path:
     source, cfg = source_student(job), job.stages.sft
     device = resolve_device(job)
     preempt.install_handler()
-    rank, world = engine.setup_distributed(device)
+    rank, world = engine.setup_distributed(device, job.run.collective_timeout_s)
     if world != job.deepspeed.world_size:
         raise ConfigError(f"SFT runs on {world} process(es) but deepspeed.world_size={job.deepspeed.world_size}: the "
                           "data slices and the step plan follow deepspeed.world_size, so set it to the number of "

@@ -1,4 +1,5 @@
-"""A real single-node Slurm cluster for the tests under tests/slurm, started once per session.
+"""A real single-node Slurm cluster for the tests under tests/slurm, started once per session (and a two-node
+one on the same host, for the multi-node tests, once per module that asks for it).
 
 The cluster comes from slurm/local/cluster.sh, in a fresh state directory and on free ports (so it can run
 beside a developer's cluster on the default ports), and is stopped at the end of the session. When the Slurm
@@ -8,6 +9,7 @@ and munge binaries are absent every test here is SKIPPED: install them with `slu
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 from datetime import datetime
@@ -123,8 +125,24 @@ class SlurmCluster:
         return self.states(job_id)
 
 
-@pytest.fixture(scope="session")
-def slurm_cluster() -> SlurmCluster:
+def _free_ports(count: int) -> int:
+    """The first of `count` consecutive TCP ports that are free now."""
+    for _ in range(50):
+        first = _free_port()
+        try:
+            with contextlib.ExitStack() as stack:
+                for port in range(first + 1, first + count):
+                    s = stack.enter_context(socket.socket())
+                    s.bind(("", port))
+            return first
+        except OSError:
+            continue
+    raise RuntimeError(f"no {count} consecutive free ports found")
+
+
+@contextlib.contextmanager
+def _cluster(nodes: int):
+    """A cluster of `nodes` nodes on this host (one slurmd each), started by cluster.sh, stopped and deleted after."""
     missing = _missing_binaries()
     if missing and os.environ.get("HARNESS_SLURM_INSTALL") == "1":
         subprocess.run(["bash", str(CLUSTER_SH), "install"], check=False, timeout=600)
@@ -140,7 +158,8 @@ def slurm_cluster() -> SlurmCluster:
     env = dict(os.environ)
     env.pop("SLURM_CONF", None)
     env["HARNESS_SLURMCTLD_PORT"] = str(_free_port())
-    env["HARNESS_SLURMD_PORT"] = str(_free_port())
+    env["HARNESS_SLURMD_PORT"] = str(_free_ports(nodes))
+    env["HARNESS_SLURM_NODES"] = str(nodes)
     env["PATH"] = env.get("PATH", "") + os.pathsep + "/usr/sbin" + os.pathsep + "/sbin"
     proc = subprocess.run(
         ["bash", str(CLUSTER_SH), "start", str(state_dir)], env=env, capture_output=True, text=True, timeout=90
@@ -158,6 +177,19 @@ def slurm_cluster() -> SlurmCluster:
     finally:
         subprocess.run(["bash", str(CLUSTER_SH), "stop", str(state_dir)], env=env, capture_output=True, timeout=60)
         shutil.rmtree(state_dir, ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def slurm_cluster() -> SlurmCluster:
+    with _cluster(1) as cluster:
+        yield cluster
+
+
+@pytest.fixture(scope="module")
+def slurm_two_nodes() -> SlurmCluster:
+    """Two nodes on this host (node1, node2: one slurmd each, one CPU each on a 2-core machine)."""
+    with _cluster(2) as cluster:
+        yield cluster
 
 
 @pytest.fixture
