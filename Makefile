@@ -25,6 +25,8 @@ quickstart: setup
 test: setup
 	@# a real single-node Slurm for tests/slurm (Debian packages; needs root): skipped, not failed, without it
 	@bash slurm/local/cluster.sh install >/dev/null 2>&1 || echo "note: Slurm not installable here; tests/slurm will skip"
+	@# passwordless ssh to 127.0.0.1:2222 and pdsh, for the deepspeed launcher's pdsh mode (needs root): skipped without
+	@bash scripts/loopback_ssh.sh start >/dev/null 2>&1 || echo "note: no loopback ssh here; the pdsh-mode test will skip"
 	$(PY) -m pytest -q
 
 test-gpu: setup

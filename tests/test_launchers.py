@@ -1,7 +1,8 @@
 """Stage 3 under the launchers users start it with, on this one CPU machine (gloo, rendezvous over loopback):
 the deepspeed launcher with 2 processes gives the losses of torchrun with 2; two "nodes" of 1 process each (two
 torchrun agents with --nnodes 2; two deepspeed launchers with a two-host hostfile and --no_ssh) give the losses of
-1 node x 2 processes and of one process at the same global batch; SIGKILL of one node's process makes the other
+1 node x 2 processes and of one process at the same global batch, as does one deepspeed launcher reaching two
+loopback hosts over pdsh and ssh; SIGKILL of one node's process makes the other
 node fail within the collective timeout, and a resume ends as the uninterrupted run. Every distributed command
 takes the deepspeed launcher's --local_rank."""
 
@@ -130,6 +131,37 @@ def signal_node_1_after_a_checkpoint(job: Path, out: Path, logs: Path, sig: int)
             if p.poll() is None:
                 p.kill()
             p.wait(timeout=60)
+
+
+SSH_PORT = os.environ.get("HARNESS_SSH_PORT", "2222")  # scripts/loopback_ssh.sh, which `make test` starts
+
+
+def loopback_ssh() -> bool:
+    return subprocess.call(["bash", str(REPO / "scripts" / "loopback_ssh.sh"), "check"],
+                           env={**os.environ, "HARNESS_SSH_PORT": SSH_PORT}) == 0
+
+
+@pytest.mark.skipif(not loopback_ssh(), reason="needs pdsh and passwordless ssh to 127.0.0.1 (`scripts/loopback_ssh.sh "
+                    "start`, which `make test` runs as root)")
+def test_one_deepspeed_launcher_reaches_two_loopback_hosts_over_pdsh(reference, tmp_path):
+    """The deepspeed launcher's own multi-node mode: one `deepspeed --hostfile` whose two hosts (localhost and
+    127.0.0.1, the same machine) it starts over pdsh and ssh gives the run of 1 node x 2 processes."""
+    ref, _ = reference
+    job = write_job(tmp_path, tmp_path / "pdsh-2x1", *JOB)
+    hostfile = tmp_path / "hostfile"
+    hostfile.write_text("localhost slots=1\n127.0.0.1 slots=1\n")
+    env_file = tmp_path / "deepspeed_env"  # what the runner exports to every host besides PYTHON*
+    env_file.write_text("DS_ACCELERATOR=cpu\n")
+    cmd = [sys.executable, "-m", "deepspeed.launcher.runner", f"--hostfile={hostfile}", f"--ssh_port={SSH_PORT}",
+           "--master_addr=127.0.0.1", f"--master_port={free_port()}", "--module", "harness.cli", "stage", "distill",
+           str(job)]
+    log = tmp_path / "pdsh.log"
+    proc = subprocess.Popen(cmd, env={**ENV, "DS_ENV_FILE": str(env_file)}, cwd=REPO, stdout=open(log, "w"),
+                            stderr=subprocess.STDOUT)
+    finish([proc], [log])
+    text = log.read_text()
+    assert "localhost: " in text and "127.0.0.1: " in text, text[-3000:]  # pdsh's prefix: each host ran
+    assert_same_run(tmp_path / "pdsh-2x1", ref)
 
 
 def test_a_killed_node_fails_the_other_within_the_timeout_and_deepspeed_nodes_resume(reference, tmp_path):
