@@ -33,14 +33,12 @@ from harness.checkpoint import CheckpointManager, load_rng, save_rng
 from harness.config import ConfigError, JobConfig, plan_stages, requested_tokens
 from harness.engine import PlainEngine, all_reduce_host, gathered
 from harness.eval.spec import write_eval_spec
+from harness.export import TAG, export_checkpoint
 from harness.flops import MEASURED_PEAK_FLOPS, peak_flops  # noqa: F401 - their old home, still imported from here
 from harness.flops import measured_peak, model_flops_per_token, resolve_peak
 from harness.losses import DistillLosses, distill_loss
 from harness.observe import RunLogger, SkippedStepWatch, check_finite
 from harness.stages.common import load_job_teacher, resolve_device, run_dir
-
-TAG = "ds"  # DeepSpeed's tag inside each step-* checkpoint directory
-
 
 class LossHead(nn.Module):
     """Owns the student's output-head weight (shared with lm_head / the tied embedding) so that ZeRO-3 gathers
@@ -356,27 +354,3 @@ def export_student(job: JobConfig, ckpts: CheckpointManager, rank: int) -> Path:
     torch.distributed.barrier()
     return dest
 
-
-def export_checkpoint(checkpoint: Path, dest: Path, merged: Path) -> Path:
-    """A stage-3 checkpoint directory -> a consolidated fp32 Hugging Face student at `dest` (atomically)."""
-    import shutil
-
-    from harness.engine import consolidated_state_dict
-    from harness.student import HarnessForCausalLM
-
-    state = consolidated_state_dict(checkpoint, TAG, prefix="student.")
-    student = HarnessForCausalLM.from_pretrained(merged, dtype=torch.float32)
-    missing, unexpected = student.load_state_dict(state, strict=False)
-    missing = [k for k in missing if k != "lm_head.weight" or not student.config.tie_word_embeddings]
-    if missing or unexpected:
-        raise RuntimeError(f"checkpoint {checkpoint} does not fit the student: missing {missing[:5]}, "
-                           f"unexpected {unexpected[:5]}")
-    tmp = dest.with_name(dest.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    student.save_pretrained(tmp)
-    for name in merged.iterdir():  # the tokenizer files saved with the merged student
-        if name.name.startswith(("tokenizer", "special_tokens", "chat_template")):
-            shutil.copy(name, tmp / name.name)
-    shutil.rmtree(dest, ignore_errors=True)
-    tmp.rename(dest)
-    return dest

@@ -36,11 +36,12 @@ from harness import preempt
 from harness.checkpoint import CheckpointManager
 from harness.config import ConfigError, JobConfig, to_yaml
 from harness.engine import all_reduce_host
+from harness.export import export_checkpoint
 from harness.losses import DistillLosses, lm_loss
 from harness.observe import RunLogger, SkippedStepWatch, check_finite
 from harness.stages.common import resolve_device, run_dir
-from harness.stages.distill import (StageData, chat_data, export_checkpoint, grad_norm, resume_checkpoint,
-                                    save_checkpoint, scaled, setup_mfu, skipped_steps, step_means, token_scale)
+from harness.stages.distill import (StageData, chat_data, grad_norm, resume_checkpoint, save_checkpoint, scaled,
+                                    setup_mfu, skipped_steps, step_means, token_scale)
 
 STAGE = "sft"
 
