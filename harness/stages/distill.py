@@ -20,8 +20,7 @@ Hugging Face format (run_dir/student), the evaluation spec (run_dir/eval.yaml) a
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Optional
 
@@ -38,7 +37,8 @@ from harness.flops import MEASURED_PEAK_FLOPS, peak_flops  # noqa: F401 - their 
 from harness.flops import measured_peak, model_flops_per_token, resolve_peak
 from harness.losses import DistillLosses, distill_loss
 from harness.observe import RunLogger, SkippedStepWatch, check_finite
-from harness.stages.common import load_job_teacher, resolve_device, run_dir
+from harness.stages.common import (StageData, chat_data, load_job_teacher, resolve_device, run_dir, scaled, step_means,
+                                   token_scale)
 
 class LossHead(nn.Module):
     """Owns the student's output-head weight (shared with lm_head / the tied embedding) so that ZeRO-3 gathers
@@ -79,19 +79,6 @@ class TeacherBody(nn.Module):
         return self.teacher.model(input_ids=input_ids, use_cache=False).last_hidden_state
 
 
-@dataclass
-class StageData:
-    """What a training stage reads: its loader, planned steps and tokens, and held-out batches (or None).
-
-    validation(batch_size, rank, world) yields batches with input_ids, labels (-100: no loss) and valid [b].
-    """
-
-    loader: Any
-    steps: int
-    tokens: int
-    validation: Optional[Callable[[int, int, int], Iterator[dict]]]
-
-
 def text_data(job: JobConfig, tokenizer: Any, max_positions: int, rank: int, world: int) -> StageData:
     """Stage 3 on data.source: its slice of the packed text stream and the held-out text."""
     from harness.data import prepare_job_corpus
@@ -107,35 +94,6 @@ def text_data(job: JobConfig, tokenizer: Any, max_positions: int, rank: int, wor
             yield batch
 
     return StageData(loader, plan.steps, plan.tokens, validation if corpus.validation is not None else None)
-
-
-def chat_data(job: JobConfig, stage: str, cfg: Any, tokens: Optional[int], tokenizer: Any,
-              max_positions: Optional[int], rank: int, world: int) -> StageData:
-    """A stage on the chat data of `instructions` (stage 3 with data=instructions, or SFT): steps from the data."""
-    from harness.data.chat import plan_chat_steps, prepare_chat_data
-
-    data = prepare_chat_data(job, tokenizer, max_positions=max_positions)
-    per_step = world * cfg.micro_batch_size * cfg.grad_accum
-    own = stage == "sft" or cfg.tokens is not None
-    key = f"stages.{stage}.tokens" if own else "stage 3's share of budget.total_tokens (budget.split[2])"
-    steps = plan_chat_steps(data, job.seed, per_step, tokens, job.instructions.allow_repeat, key)
-    loader = data.loader(stage, job.seed, rank, world, cfg.micro_batch_size, cfg.grad_accum, steps)
-    return StageData(loader, steps, loader.tokens_total, data.validation_batches if len(data.validation) else None)
-
-
-def token_scale(tokens: int, step_tokens: int, world: int, grad_accum: int) -> float:
-    """Weight of a micro-batch's per-token mean loss so that the step's gradient is the per-token mean over all
-    `step_tokens` tokens of the step: DeepSpeed divides by grad_accum and averages over the world."""
-    return tokens * world * grad_accum / max(step_tokens, 1)
-
-
-def scaled(loss: torch.Tensor, scale: float) -> torch.Tensor:
-    return loss if scale == 1.0 else loss * scale  # 1.0 (text: equal micro-batches) keeps the graph unchanged
-
-
-def step_means(sums: torch.Tensor, step_tokens: int) -> list[float]:
-    """Token-weighted sums of this rank's micro-batches (value x tokens) -> the step's per-token means."""
-    return (all_reduce_host(sums) / max(step_tokens, 1)).tolist()
 
 
 def distill(job: JobConfig, *, stop_after_steps: Optional[int] = None) -> Path:

@@ -3,7 +3,7 @@
 loss = next-token CE on the assistant tokens only: each assistant message's content and the end-of-turn token
 after it, as the chat template renders them (the teacher tokenizer's template, or instructions.chat_template;
 harness.data.chat marks the tokens). The loss of an optimizer step is the mean over all its assistant tokens on
-all ranks and micro-batches (each micro-batch's mean weighted by its share, harness.stages.distill.token_scale),
+all ranks and micro-batches (each micro-batch's mean weighted by its share, harness.stages.common.token_scale),
 so the result does not depend on how the step is split over processes. A batch row holds one conversation,
 right-padded to the longest of its micro-batch: the student's causal recurrences carry no state from one
 conversation into another, and padding, which comes after the real tokens, changes none of their outputs.
@@ -39,9 +39,8 @@ from harness.engine import all_reduce_host
 from harness.export import export_checkpoint
 from harness.losses import DistillLosses, lm_loss
 from harness.observe import RunLogger, SkippedStepWatch, check_finite
-from harness.stages.common import resolve_device, run_dir
-from harness.stages.distill import (StageData, chat_data, grad_norm, resume_checkpoint, save_checkpoint, scaled,
-                                    setup_mfu, skipped_steps, step_means, token_scale)
+from harness.stages.common import StageData, chat_data, resolve_device, run_dir, scaled, step_means, token_scale
+from harness.stages.distill import grad_norm, resume_checkpoint, save_checkpoint, setup_mfu, skipped_steps
 
 STAGE = "sft"
 
