@@ -29,7 +29,7 @@ from typing import Any, Optional
 import torch
 from tqdm import tqdm
 
-from harness.flops import mfu
+from harness.flops import dense_flops_per_token, mfu  # noqa: F401 - dense_flops_per_token: tests import it here
 
 METRICS = "metrics.jsonl"
 
@@ -87,11 +87,6 @@ def check_finite(loss: float | torch.Tensor, step: int, tokens: int) -> float:
 
 
 # ----------------------------------------------------------------------------------------- throughput
-
-
-def dense_flops_per_token(n_params: int, training: bool = True) -> float:
-    """The usual 6N (forward + backward) or 2N (forward only) estimate, without attention terms."""
-    return (6.0 if training else 2.0) * n_params
 
 
 def peak_memory_bytes() -> int:

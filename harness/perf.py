@@ -198,9 +198,9 @@ def resolve_measured_peak(device: torch.device, dtype: torch.dtype,
         return measure_matmul_peak(device, dtype), f"measured now ({_matmul_desc(device, dtype)})"
     if device.type == "cuda":
         name = torch.cuda.get_device_name(device)
-        if name in flops.MEASURED_PEAK_FLOPS:
-            return flops.MEASURED_PEAK_FLOPS[name], (f"harness.flops.MEASURED_PEAK_FLOPS[{name!r}] = "
-                                                     f"{flops.MEASURED_PEAK_FLOPS[name]:.3g} (8192^3 bf16 matmul)")
+        known = flops.measured_peak(device, name)
+        if known:
+            return known, f"harness.flops.MEASURED_PEAK_FLOPS[{name!r}] = {known:.3g} (8192^3 bf16 matmul)"
         return measure_matmul_peak(device, dtype), f"measured now ({_matmul_desc(device, dtype)})"
     return None, "none on CPU (pass --measure-peak)"
 

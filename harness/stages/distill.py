@@ -33,12 +33,14 @@ from harness.config import ConfigError, JobConfig, plan_stages, requested_tokens
 from harness.engine import PlainEngine, all_reduce_host, gathered
 from harness.eval.spec import write_eval_spec
 from harness.export import TAG, export_checkpoint
-from harness.flops import MEASURED_PEAK_FLOPS, peak_flops  # noqa: F401 - their old home, still imported from here
-from harness.flops import measured_peak, model_flops_per_token, resolve_peak
+from harness.flops import model_flops_per_token, setup_mfu
 from harness.losses import DistillLosses, distill_loss
 from harness.observe import RunLogger, SkippedStepWatch, check_finite
 from harness.stages.common import (StageData, chat_data, load_job_teacher, resolve_device, run_dir, scaled, step_means,
                                    token_scale)
+
+_flops_per_token = model_flops_per_token  # the name tests/test_perf.py imports from here
+
 
 class LossHead(nn.Module):
     """Owns the student's output-head weight (shared with lm_head / the tied embedding) so that ZeRO-3 gathers
@@ -151,7 +153,7 @@ def distill(job: JobConfig, *, stop_after_steps: Optional[int] = None) -> Path:
     logger = RunLogger(out, "distill", rank=rank, total_tokens=data.tokens,
                        start_step=step if step else None, start_tokens=tokens)
     logger.write(f"distill: teacher {placement} ({job.deepspeed.teacher_placement}), {world} process(es)")
-    setup_mfu(logger, device, world, _flops_per_token(student, teacher.model), "distill")
+    setup_mfu(logger, device, world, model_flops_per_token(student, teacher.model), "distill")
     every = job.run.checkpoint_every_tokens
     next_ckpt = (tokens // every + 1) * every if every else None
     during, tokens_before = DuringTraining(job, rank, params), tokens  # evaluations along stage 3 (eval.every_tokens)
@@ -261,24 +263,6 @@ def skipped_steps(s_engine) -> int:
     """Optimizer steps the engine left out so far for a non-finite gradient (DeepSpeed's and the plain engine's
     count; a rising count with grad_norm inf / nan in metrics.jsonl is a run going wrong before its loss does)."""
     return int(getattr(s_engine, "skipped_steps", 0))
-
-
-def setup_mfu(logger: RunLogger, device: torch.device, world: int, flops_per_token: float, stage: str) -> None:
-    """MFU in a stage's logs over all `world` ranks' tokens: `mfu` against the datasheet dense bf16 peak
-    (harness.flops.resolve_peak; $HARNESS_PEAK_FLOPS overrides) and `mfu_measured_peak` against the matmul peak
-    measured on this GPU model. A GPU without a datasheet figure gets a log line naming it, and no `mfu`."""
-    tp = logger.throughput
-    tp.flops_per_token = flops_per_token
-    peak, measured = resolve_peak(device), measured_peak(device)
-    tp.peak_flops = peak.flops * world if peak.flops else None
-    tp.measured_peak_flops = measured * world if measured else None
-    if peak.flops is None and device.type == "cuda":
-        logger.write(f"{stage}: {peak.source}")
-
-
-def _flops_per_token(student, teacher) -> float:
-    """6 N_student + 2 N_teacher (harness.flops.model_flops_per_token)."""
-    return model_flops_per_token(student, teacher)
 
 
 @torch.no_grad()

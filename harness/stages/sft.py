@@ -37,10 +37,11 @@ from harness.checkpoint import CheckpointManager
 from harness.config import ConfigError, JobConfig, to_yaml
 from harness.engine import all_reduce_host
 from harness.export import export_checkpoint
+from harness.flops import dense_flops_per_token, setup_mfu
 from harness.losses import DistillLosses, lm_loss
 from harness.observe import RunLogger, SkippedStepWatch, check_finite
 from harness.stages.common import StageData, chat_data, resolve_device, run_dir, scaled, step_means, token_scale
-from harness.stages.distill import grad_norm, resume_checkpoint, save_checkpoint, setup_mfu, skipped_steps
+from harness.stages.distill import grad_norm, resume_checkpoint, save_checkpoint, skipped_steps
 
 STAGE = "sft"
 
@@ -113,7 +114,7 @@ def sft(job: JobConfig, *, stop_after_steps: Optional[int] = None) -> Path:
                        start_step=step if step else None, start_tokens=tokens)
     from harness.student import count_parameters
 
-    setup_mfu(logger, device, world, 6 * count_parameters(student), STAGE)  # training only: 6 N_student
+    setup_mfu(logger, device, world, dense_flops_per_token(count_parameters(student)), STAGE)  # no teacher
     try:
         step, tokens = _train(job, data, s_engine, ckpts, logger, step, tokens, world, stop_after_steps)
         if stop_after_steps is not None and step < data.steps:
