@@ -13,6 +13,8 @@ from pathlib import Path
 
 import torch
 
+from harness.files import atomic_dir
+
 TAG = "ds"  # DeepSpeed's tag inside each step-* checkpoint directory
 
 
@@ -28,12 +30,9 @@ def export_checkpoint(checkpoint: Path, dest: Path, merged: Path) -> Path:
     if missing or unexpected:
         raise RuntimeError(f"checkpoint {checkpoint} does not fit the student: missing {missing[:5]}, "
                            f"unexpected {unexpected[:5]}")
-    tmp = dest.with_name(dest.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    student.save_pretrained(tmp)
-    for name in merged.iterdir():  # the tokenizer files saved with the merged student
-        if name.name.startswith(("tokenizer", "special_tokens", "chat_template")):
-            shutil.copy(name, tmp / name.name)
-    shutil.rmtree(dest, ignore_errors=True)
-    tmp.rename(dest)
+    with atomic_dir(dest, replace=True) as tmp:
+        student.save_pretrained(tmp)
+        for name in merged.iterdir():  # the tokenizer files saved with the merged student
+            if name.name.startswith(("tokenizer", "special_tokens", "chat_template")):
+                shutil.copy(name, tmp / name.name)
     return dest

@@ -80,6 +80,7 @@ import torch
 from torch import nn
 
 from harness import flops
+from harness.files import atomic_write_text
 from harness.flops import flops_per_token, mfu
 
 REPO = Path(__file__).resolve().parents[1]
@@ -1299,9 +1300,7 @@ def write_results(results: dict[str, Any], out: Path | str) -> tuple[Path, Path]
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     results["targets"] = collect_targets(results)
-    tmp = out.with_name(f".{out.name}.partial")
-    tmp.write_text(json.dumps(results, indent=1, default=str))
-    os.replace(tmp, out)
+    atomic_write_text(out, json.dumps(results, indent=1, default=str))
     md = out.with_suffix(".md")
     md.write_text(markdown(results) + "\n")
     return out, md
