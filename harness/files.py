@@ -1,5 +1,10 @@
-"""Crash-safe file writes and file locks shared by checkpoints, data stores and the evaluation (standard library
-only)."""
+"""Crash-safe file writes and file locks shared by checkpoints, data stores, the stages and the evaluation
+(standard library only).
+
+A file or directory written "atomically" is filled under a temporary name beside its destination and renamed
+into place at the end, so that a reader (or a resumed run) sees the old content or the new, never half of it:
+`atomic_file` (a file, any writer), `atomic_write_text` (a text file, fsynced), `atomic_dir` (a directory).
+"""
 
 from __future__ import annotations
 
@@ -7,8 +12,11 @@ import contextlib
 import fcntl
 import os
 import secrets
+import shutil
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Optional
 
 
 @contextlib.contextmanager
@@ -33,12 +41,52 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def atomic_write_text(path: Path, text: str) -> None:
-    """Write `text` to `path` so that readers see the old or the new content, never a mix."""
+@contextlib.contextmanager
+def atomic_file(path: Path) -> Iterator[Path]:
+    """The block writes the yielded temporary sibling of `path` (`.NAME.partial-RANDOM`), which then replaces
+    `path`; if the block fails, the temporary is removed and `path` is left as it was."""
     tmp = path.with_name(f".{path.name}.partial-{secrets.token_hex(4)}")
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        yield tmp
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def atomic_write_text(path: Path, text: str) -> None:
+    """Write `text` (UTF-8) to `path` so that readers see the old or the new content, never a mix; the content
+    and the rename are flushed to disk."""
+    with atomic_file(path) as tmp:
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
     fsync_dir(path.parent)
+
+
+@contextlib.contextmanager
+def atomic_dir(dest: Path, *, kept_if: Optional[str] = None, replace: bool = False) -> Iterator[Path]:
+    """The block fills the yielded temporary directory beside `dest` (`.NAME.tmp-RANDOM`), which is then made
+    readable by all (0755) and renamed to `dest`. With `replace`, an existing `dest` is removed first. When the
+    rename fails because another process put its `dest` in place first, and that one holds the file `kept_if`,
+    its directory is kept and this one discarded. The temporary never outlives the block."""
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.tmp-", dir=dest.parent))
+    try:
+        yield tmp
+        tmp.chmod(0o755)
+        if replace:
+            shutil.rmtree(dest, ignore_errors=True)
+        _rename_unless_done(tmp, dest, kept_if)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _rename_unless_done(tmp: Path, dest: Path, kept_if: Optional[str]) -> None:
+    """Rename `tmp` to `dest`; a failure is fine only when `dest` already holds `kept_if` (a finished copy)."""
+    try:
+        os.rename(tmp, dest)
+    except OSError:
+        if kept_if is None or not (dest / kept_if).is_file():
+            raise

@@ -8,7 +8,8 @@ every distinct parameter, embeddings included, a tied head counted once (SmolLM2
 the output head's matmul, 2 V h FLOPs per token forward; the input lookup does no matmul). Dense terms only:
 the teacher's attention scores (4 L s h per token forward, non-causal count as in PaLM's 12 L s h for training:
 0.14 GFLOP at 135M and 0.40 GFLOP at 1.7B, seq 2048, against 1.22 and 14.3 GFLOP for 6N + 2N) and the students'
-recurrences are not counted, so MFU understates the work done. SFT counts 6 N_student.
+recurrences are not counted, so MFU understates the work done. SFT counts 6 N_student (`dense_flops_per_token`).
+`setup_mfu` gives a stage's logger (harness.observe.Throughput) these figures.
 
 The peak (`resolve_peak`): $HARNESS_PEAK_FLOPS (FLOP/s per device) when set, else the NVIDIA datasheet's dense
 (no 2:4 sparsity) bf16 tensor-core figure for the GPU that `torch.cuda.get_device_name` names
@@ -25,9 +26,12 @@ from __future__ import annotations
 import os
 import re
 from dataclasses import dataclass
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import torch
+
+if TYPE_CHECKING:
+    from harness.observe import RunLogger
 
 PEAK_ENV = "HARNESS_PEAK_FLOPS"
 
@@ -121,6 +125,11 @@ def measured_peak(device: torch.device, device_name: Optional[str] = None) -> Op
     return MEASURED_PEAK_FLOPS.get(name) if name else None
 
 
+def dense_flops_per_token(n_params: int, training: bool = True) -> float:
+    """The usual 6N (forward + backward) or 2N (forward only) estimate, without attention terms (SFT: 6 N)."""
+    return (6.0 if training else 2.0) * n_params
+
+
 def flops_per_token(n_student: int, n_teacher: int) -> float:
     """Stage-3 FLOPs per token: 6 N_student (forward + backward) + 2 N_teacher (forward only), dense only."""
     return 6.0 * n_student + 2.0 * n_teacher
@@ -140,3 +149,16 @@ def mfu(tokens_per_s: float, flops_per_tok: float, peak_flops_per_device: Option
     if not peak_flops_per_device:
         return None
     return tokens_per_s * flops_per_tok / (peak_flops_per_device * world)
+
+
+def setup_mfu(logger: RunLogger, device: torch.device, world: int, flops_per_token: float, stage: str) -> None:
+    """MFU in a stage's logs over all `world` ranks' tokens: `mfu` against the datasheet dense bf16 peak
+    (`resolve_peak`; $HARNESS_PEAK_FLOPS overrides) and `mfu_measured_peak` against the matmul peak
+    measured on this GPU model. A GPU without a datasheet figure gets a log line naming it, and no `mfu`."""
+    tp = logger.throughput
+    tp.flops_per_token = flops_per_token
+    peak, measured = resolve_peak(device), measured_peak(device)
+    tp.peak_flops = peak.flops * world if peak.flops else None
+    tp.measured_peak_flops = measured * world if measured else None
+    if peak.flops is None and device.type == "cuda":
+        logger.write(f"{stage}: {peak.source}")

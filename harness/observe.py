@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import resource
 import sys
 import time
@@ -29,7 +28,8 @@ from typing import Any, Optional
 import torch
 from tqdm import tqdm
 
-from harness.flops import mfu
+from harness.files import atomic_write_text
+from harness.flops import dense_flops_per_token, mfu  # noqa: F401 - dense_flops_per_token: tests import it here
 
 METRICS = "metrics.jsonl"
 
@@ -87,11 +87,6 @@ def check_finite(loss: float | torch.Tensor, step: int, tokens: int) -> float:
 
 
 # ----------------------------------------------------------------------------------------- throughput
-
-
-def dense_flops_per_token(n_params: int, training: bool = True) -> float:
-    """The usual 6N (forward + backward) or 2N (forward only) estimate, without attention terms."""
-    return (6.0 if training else 2.0) * n_params
 
 
 def peak_memory_bytes() -> int:
@@ -187,9 +182,7 @@ def _truncate_metrics(path: Path, start_step: Optional[int]) -> None:
                     kept.append(line)
             except (ValueError, KeyError, TypeError):
                 continue
-    tmp = path.with_name(f".{path.name}.partial")
-    tmp.write_text("".join(k + "\n" for k in kept))
-    os.replace(tmp, path)
+    atomic_write_text(path, "".join(k + "\n" for k in kept))
 
 
 class RunLogger:

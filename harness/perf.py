@@ -80,6 +80,7 @@ import torch
 from torch import nn
 
 from harness import flops
+from harness.files import atomic_write_text
 from harness.flops import flops_per_token, mfu
 
 REPO = Path(__file__).resolve().parents[1]
@@ -198,9 +199,9 @@ def resolve_measured_peak(device: torch.device, dtype: torch.dtype,
         return measure_matmul_peak(device, dtype), f"measured now ({_matmul_desc(device, dtype)})"
     if device.type == "cuda":
         name = torch.cuda.get_device_name(device)
-        if name in flops.MEASURED_PEAK_FLOPS:
-            return flops.MEASURED_PEAK_FLOPS[name], (f"harness.flops.MEASURED_PEAK_FLOPS[{name!r}] = "
-                                                     f"{flops.MEASURED_PEAK_FLOPS[name]:.3g} (8192^3 bf16 matmul)")
+        known = flops.measured_peak(device, name)
+        if known:
+            return known, f"harness.flops.MEASURED_PEAK_FLOPS[{name!r}] = {known:.3g} (8192^3 bf16 matmul)"
         return measure_matmul_peak(device, dtype), f"measured now ({_matmul_desc(device, dtype)})"
     return None, "none on CPU (pass --measure-peak)"
 
@@ -1299,9 +1300,7 @@ def write_results(results: dict[str, Any], out: Path | str) -> tuple[Path, Path]
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     results["targets"] = collect_targets(results)
-    tmp = out.with_name(f".{out.name}.partial")
-    tmp.write_text(json.dumps(results, indent=1, default=str))
-    os.replace(tmp, out)
+    atomic_write_text(out, json.dumps(results, indent=1, default=str))
     md = out.with_suffix(".md")
     md.write_text(markdown(results) + "\n")
     return out, md

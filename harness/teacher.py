@@ -14,8 +14,6 @@ default the dequantised model is written once, as an ordinary HF folder, under
 from __future__ import annotations
 
 import os
-import shutil
-import tempfile
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -32,6 +30,7 @@ from transformers import (
 )
 
 from harness import assets
+from harness.files import atomic_dir
 
 SMOLLM2_ALIAS = "smollm2-135m-instruct-gguf"
 ACTIVATION_KINDS = ("attn_input", "attn_heads", "attn_output", "hidden_in", "hidden_out")
@@ -303,21 +302,11 @@ def _save_atomically(model: PreTrainedModel, tokenizer: object, dest: Path) -> N
 
     Parallel jobs may convert the same file; the first rename wins and the others discard theirs.
     """
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=dest.name + ".tmp-", dir=dest.parent))
-    try:
+    with atomic_dir(dest, kept_if="config.json") as tmp:
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
-        # mkdtemp and save_pretrained leave owner-only modes; a shared cache should be readable.
-        tmp.chmod(0o755)
-        for item in tmp.iterdir():
+        for item in tmp.iterdir():  # save_pretrained leaves owner-only modes; a shared cache should be readable
             item.chmod(0o644)
-        os.rename(tmp, dest)
-    except OSError:
-        if not (dest / "config.json").is_file():
-            raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def decoder_of(model: nn.Module) -> nn.Module:

@@ -31,6 +31,7 @@ from typing import Any, Optional, Protocol, Sequence
 import torch
 from torch import nn
 
+from harness.files import atomic_write_text
 from harness.mixers import MIXERS, Mixer, mixer_class
 from harness.mixers.base import apply_rope, expand_kv
 
@@ -392,7 +393,5 @@ def write_report(report: dict[str, Any], out: Path, per_layer: bool = False) -> 
     out.mkdir(parents=True, exist_ok=True)
     paths = out / REPORT_JSON, out / REPORT_MD
     for path, text in zip(paths, (json.dumps(report, indent=1), markdown(report, per_layer))):
-        tmp = path.with_name(path.name + ".tmp")
-        tmp.write_text(text)
-        tmp.replace(path)
+        atomic_write_text(path, text)
     return paths

@@ -456,9 +456,7 @@ def _subtask_score(metrics: dict, primary: str) -> float | None:
 def write_report(path: Path, report: dict) -> None:
     """Write bench.json atomically (a crash leaves the previous complete file)."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(report, indent=2, default=_json_default) + "\n")
-    os.replace(tmp, path)
+    atomic_write_text(path, json.dumps(report, indent=2, default=_json_default) + "\n")
 
 
 def _json_default(value: Any) -> Any:

@@ -27,6 +27,7 @@ from typing import Any, Sequence
 import torch
 
 from harness.eval.niah import greedy_ids, resolve_prompt_mode, stop_token_ids
+from harness.files import atomic_write_text
 
 CHAT_SAMPLES_FILE = "chat_samples.json"
 DEFAULT_PROMPTS = (
@@ -142,9 +143,7 @@ def generate_chat_samples(model: Any, tokenizer: Any, prompts: Sequence[str] | N
     result = {"label": label, "prompt_mode": mode, "max_new_tokens": max_new_tokens, "samples": samples}
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    tmp = out / f"{CHAT_SAMPLES_FILE}.tmp"
-    tmp.write_text(json.dumps(result, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
-    os.replace(tmp, out / CHAT_SAMPLES_FILE)
+    atomic_write_text(out / CHAT_SAMPLES_FILE, json.dumps(result, indent=2, ensure_ascii=False) + "\n")
     return result
 
 

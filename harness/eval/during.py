@@ -61,7 +61,7 @@ def write_during_spec(job, run_dir: Path) -> Path:
 
 def snapshot_and_mark(run_dir: Path, tokens: int, step: int, checkpoint: Path, *, params: Optional[int]) -> Path:
     """Export `checkpoint` as the snapshot for `tokens` and mark it for evaluation (rank 0 only)."""
-    from harness.stages.distill import export_checkpoint
+    from harness.export import export_checkpoint
 
     dest = snapshot_dir(run_dir, tokens)
     if not (dest / "config.json").is_file():

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 from contextlib import nullcontext
 from pathlib import Path
 from typing import Any, Optional
@@ -26,7 +25,7 @@ from typing import Any, Optional
 import torch
 
 from harness.eval.spec import EvalSpec
-from harness.files import file_lock
+from harness.files import atomic_write_text, file_lock
 
 PERPLEXITY_FILE = "perplexity.json"
 
@@ -143,9 +142,7 @@ def held_out_perplexity(model: Any, tokenizer: Any, spec: EvalSpec, out: Path, *
     result = perplexity_of_job_heldout(model, job, max_tokens=spec.perplexity_tokens, tokenizer=tokenizer,
                                        device=str(device), progress=progress)
     result = {**result, "settings": settings}
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(result, indent=1, default=str))
-    os.replace(tmp, path)
+    atomic_write_text(path, json.dumps(result, indent=1, default=str))
     return result
 
 

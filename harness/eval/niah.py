@@ -111,6 +111,8 @@ from typing import Any, Callable, Iterator, Optional
 import torch
 from tqdm.auto import tqdm
 
+from harness.files import atomic_write_text
+
 KINDS = ("passkey", "uuid", "kv")
 PROMPT_MODES = ("auto", "chat", "plain")
 HAYSTACKS = ("essays", "wikipedia")
@@ -906,9 +908,7 @@ def _short_length(n: int) -> str:
 
 
 def _write_json(result: dict, path: Path) -> None:
-    tmp = path.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")
-    os.replace(tmp, path)
+    atomic_write_text(path, json.dumps(result, indent=2) + "\n")
 
 
 # ---------------------------------------------------------------------------------------------- run

@@ -33,9 +33,7 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import re
-import secrets
 import warnings
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -50,6 +48,7 @@ from harness.checkpoint import CheckpointInfo, CheckpointManager, capture_rng, f
 from harness.config import ConfigError, JobConfig
 from harness import preempt
 from harness.engine import decays
+from harness.files import atomic_file
 from harness.losses import alignment_loss
 from harness.mixers import Mixer, MixerShape, mixer_class, mixer_options, resolved_options, saved_options
 from harness.observe import RunLogger, check_finite
@@ -276,9 +275,8 @@ def stage_autocast(job: JobConfig, device: torch.device) -> Any:
 
 
 def _write_weights(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> None:
-    tmp = path.with_name(f".{path.name}.partial-{secrets.token_hex(4)}")
-    save_file(tensors, str(tmp), metadata=metadata)
-    os.replace(tmp, path)
+    with atomic_file(path) as tmp:
+        save_file(tensors, str(tmp), metadata=metadata)
 
 
 @dataclass

@@ -1,4 +1,5 @@
-"""What every stage shares: the run directory layout, layer ranges and groups, device choice, the job's teacher.
+"""What every stage shares: the run directory layout, layer ranges and groups, device choice, the job's teacher,
+and what the training stages (stage 3, SFT) read and how they weight their micro-batches' losses.
 
 Run directory (job.output_dir):
 
@@ -20,12 +21,15 @@ Run directory (job.output_dir):
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
 import torch
 
 from harness.config import PER_LAYER as PER_LAYER_STAGES, ConfigError, JobConfig
+from harness.engine import all_reduce_host
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -132,3 +136,45 @@ def truncate(model: Any, num_layers: int) -> None:
         model.config.num_hidden_layers = num_layers
         if getattr(model.config, "layer_types", None):
             model.config.layer_types = model.config.layer_types[:num_layers]
+
+
+@dataclass
+class StageData:
+    """What a training stage reads: its loader, planned steps and tokens, and held-out batches (or None).
+
+    validation(batch_size, rank, world) yields batches with input_ids, labels (-100: no loss) and valid [b].
+    """
+
+    loader: Any
+    steps: int
+    tokens: int
+    validation: Optional[Callable[[int, int, int], Iterator[dict]]]
+
+
+def chat_data(job: JobConfig, stage: str, cfg: Any, tokens: Optional[int], tokenizer: Any,
+              max_positions: Optional[int], rank: int, world: int) -> StageData:
+    """A stage on the chat data of `instructions` (stage 3 with data=instructions, or SFT): steps from the data."""
+    from harness.data.chat import plan_chat_steps, prepare_chat_data
+
+    data = prepare_chat_data(job, tokenizer, max_positions=max_positions)
+    per_step = world * cfg.micro_batch_size * cfg.grad_accum
+    own = stage == "sft" or cfg.tokens is not None
+    key = f"stages.{stage}.tokens" if own else "stage 3's share of budget.total_tokens (budget.split[2])"
+    steps = plan_chat_steps(data, job.seed, per_step, tokens, job.instructions.allow_repeat, key)
+    loader = data.loader(stage, job.seed, rank, world, cfg.micro_batch_size, cfg.grad_accum, steps)
+    return StageData(loader, steps, loader.tokens_total, data.validation_batches if len(data.validation) else None)
+
+
+def token_scale(tokens: int, step_tokens: int, world: int, grad_accum: int) -> float:
+    """Weight of a micro-batch's per-token mean loss so that the step's gradient is the per-token mean over all
+    `step_tokens` tokens of the step: DeepSpeed divides by grad_accum and averages over the world."""
+    return tokens * world * grad_accum / max(step_tokens, 1)
+
+
+def scaled(loss: torch.Tensor, scale: float) -> torch.Tensor:
+    return loss if scale == 1.0 else loss * scale  # 1.0 (text: equal micro-batches) keeps the graph unchanged
+
+
+def step_means(sums: torch.Tensor, step_tokens: int) -> list[float]:
+    """Token-weighted sums of this rank's micro-batches (value x tokens) -> the step's per-token means."""
+    return (all_reduce_host(sums) / max(step_tokens, 1)).tolist()

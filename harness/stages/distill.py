@@ -20,8 +20,7 @@ Hugging Face format (run_dir/student), the evaluation spec (run_dir/eval.yaml) a
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Optional
 
@@ -33,13 +32,14 @@ from harness.checkpoint import CheckpointManager, load_rng, save_rng
 from harness.config import ConfigError, JobConfig, plan_stages, requested_tokens
 from harness.engine import PlainEngine, all_reduce_host, gathered
 from harness.eval.spec import write_eval_spec
-from harness.flops import MEASURED_PEAK_FLOPS, peak_flops  # noqa: F401 - their old home, still imported from here
-from harness.flops import measured_peak, model_flops_per_token, resolve_peak
+from harness.export import TAG, export_checkpoint
+from harness.flops import model_flops_per_token, setup_mfu
 from harness.losses import DistillLosses, distill_loss
 from harness.observe import RunLogger, SkippedStepWatch, check_finite
-from harness.stages.common import load_job_teacher, resolve_device, run_dir
+from harness.stages.common import (StageData, chat_data, load_job_teacher, resolve_device, run_dir, scaled, step_means,
+                                   token_scale)
 
-TAG = "ds"  # DeepSpeed's tag inside each step-* checkpoint directory
+_flops_per_token = model_flops_per_token  # the name tests/test_perf.py imports from here
 
 
 class LossHead(nn.Module):
@@ -81,19 +81,6 @@ class TeacherBody(nn.Module):
         return self.teacher.model(input_ids=input_ids, use_cache=False).last_hidden_state
 
 
-@dataclass
-class StageData:
-    """What a training stage reads: its loader, planned steps and tokens, and held-out batches (or None).
-
-    validation(batch_size, rank, world) yields batches with input_ids, labels (-100: no loss) and valid [b].
-    """
-
-    loader: Any
-    steps: int
-    tokens: int
-    validation: Optional[Callable[[int, int, int], Iterator[dict]]]
-
-
 def text_data(job: JobConfig, tokenizer: Any, max_positions: int, rank: int, world: int) -> StageData:
     """Stage 3 on data.source: its slice of the packed text stream and the held-out text."""
     from harness.data import prepare_job_corpus
@@ -109,35 +96,6 @@ def text_data(job: JobConfig, tokenizer: Any, max_positions: int, rank: int, wor
             yield batch
 
     return StageData(loader, plan.steps, plan.tokens, validation if corpus.validation is not None else None)
-
-
-def chat_data(job: JobConfig, stage: str, cfg: Any, tokens: Optional[int], tokenizer: Any,
-              max_positions: Optional[int], rank: int, world: int) -> StageData:
-    """A stage on the chat data of `instructions` (stage 3 with data=instructions, or SFT): steps from the data."""
-    from harness.data.chat import plan_chat_steps, prepare_chat_data
-
-    data = prepare_chat_data(job, tokenizer, max_positions=max_positions)
-    per_step = world * cfg.micro_batch_size * cfg.grad_accum
-    own = stage == "sft" or cfg.tokens is not None
-    key = f"stages.{stage}.tokens" if own else "stage 3's share of budget.total_tokens (budget.split[2])"
-    steps = plan_chat_steps(data, job.seed, per_step, tokens, job.instructions.allow_repeat, key)
-    loader = data.loader(stage, job.seed, rank, world, cfg.micro_batch_size, cfg.grad_accum, steps)
-    return StageData(loader, steps, loader.tokens_total, data.validation_batches if len(data.validation) else None)
-
-
-def token_scale(tokens: int, step_tokens: int, world: int, grad_accum: int) -> float:
-    """Weight of a micro-batch's per-token mean loss so that the step's gradient is the per-token mean over all
-    `step_tokens` tokens of the step: DeepSpeed divides by grad_accum and averages over the world."""
-    return tokens * world * grad_accum / max(step_tokens, 1)
-
-
-def scaled(loss: torch.Tensor, scale: float) -> torch.Tensor:
-    return loss if scale == 1.0 else loss * scale  # 1.0 (text: equal micro-batches) keeps the graph unchanged
-
-
-def step_means(sums: torch.Tensor, step_tokens: int) -> list[float]:
-    """Token-weighted sums of this rank's micro-batches (value x tokens) -> the step's per-token means."""
-    return (all_reduce_host(sums) / max(step_tokens, 1)).tolist()
 
 
 def distill(job: JobConfig, *, stop_after_steps: Optional[int] = None) -> Path:
@@ -195,7 +153,7 @@ def distill(job: JobConfig, *, stop_after_steps: Optional[int] = None) -> Path:
     logger = RunLogger(out, "distill", rank=rank, total_tokens=data.tokens,
                        start_step=step if step else None, start_tokens=tokens)
     logger.write(f"distill: teacher {placement} ({job.deepspeed.teacher_placement}), {world} process(es)")
-    setup_mfu(logger, device, world, _flops_per_token(student, teacher.model), "distill")
+    setup_mfu(logger, device, world, model_flops_per_token(student, teacher.model), "distill")
     every = job.run.checkpoint_every_tokens
     next_ckpt = (tokens // every + 1) * every if every else None
     during, tokens_before = DuringTraining(job, rank, params), tokens  # evaluations along stage 3 (eval.every_tokens)
@@ -307,24 +265,6 @@ def skipped_steps(s_engine) -> int:
     return int(getattr(s_engine, "skipped_steps", 0))
 
 
-def setup_mfu(logger: RunLogger, device: torch.device, world: int, flops_per_token: float, stage: str) -> None:
-    """MFU in a stage's logs over all `world` ranks' tokens: `mfu` against the datasheet dense bf16 peak
-    (harness.flops.resolve_peak; $HARNESS_PEAK_FLOPS overrides) and `mfu_measured_peak` against the matmul peak
-    measured on this GPU model. A GPU without a datasheet figure gets a log line naming it, and no `mfu`."""
-    tp = logger.throughput
-    tp.flops_per_token = flops_per_token
-    peak, measured = resolve_peak(device), measured_peak(device)
-    tp.peak_flops = peak.flops * world if peak.flops else None
-    tp.measured_peak_flops = measured * world if measured else None
-    if peak.flops is None and device.type == "cuda":
-        logger.write(f"{stage}: {peak.source}")
-
-
-def _flops_per_token(student, teacher) -> float:
-    """6 N_student + 2 N_teacher (harness.flops.model_flops_per_token)."""
-    return model_flops_per_token(student, teacher)
-
-
 @torch.no_grad()
 def _validate(data: StageData, batch_size: int, s_engine, t_engine, teacher_head, rank, world) -> dict[str, float]:
     """Validation CE / KL / perplexity on the held-out split (per-token means over all ranks)."""
@@ -356,27 +296,3 @@ def export_student(job: JobConfig, ckpts: CheckpointManager, rank: int) -> Path:
     torch.distributed.barrier()
     return dest
 
-
-def export_checkpoint(checkpoint: Path, dest: Path, merged: Path) -> Path:
-    """A stage-3 checkpoint directory -> a consolidated fp32 Hugging Face student at `dest` (atomically)."""
-    import shutil
-
-    from harness.engine import consolidated_state_dict
-    from harness.student import HarnessForCausalLM
-
-    state = consolidated_state_dict(checkpoint, TAG, prefix="student.")
-    student = HarnessForCausalLM.from_pretrained(merged, dtype=torch.float32)
-    missing, unexpected = student.load_state_dict(state, strict=False)
-    missing = [k for k in missing if k != "lm_head.weight" or not student.config.tie_word_embeddings]
-    if missing or unexpected:
-        raise RuntimeError(f"checkpoint {checkpoint} does not fit the student: missing {missing[:5]}, "
-                           f"unexpected {unexpected[:5]}")
-    tmp = dest.with_name(dest.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    student.save_pretrained(tmp)
-    for name in merged.iterdir():  # the tokenizer files saved with the merged student
-        if name.name.startswith(("tokenizer", "special_tokens", "chat_template")):
-            shutil.copy(name, tmp / name.name)
-    shutil.rmtree(dest, ignore_errors=True)
-    tmp.rename(dest)
-    return dest

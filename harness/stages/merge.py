@@ -9,10 +9,8 @@ teacher.dtype, so that the fp32 weights the groups trained are kept exactly.
 from __future__ import annotations
 
 import json
-import os
 import re
 import shutil
-import tempfile
 import time
 from pathlib import Path
 
@@ -20,6 +18,7 @@ import torch
 
 from harness.checkpoint import CheckpointManager, file_digest
 from harness.config import ConfigError, JobConfig
+from harness.files import atomic_dir
 from harness.mixers import resolved_options
 from harness.stages.align import check_made_under, find_group_weights, missing_error, read_layer_tensors
 from harness.stages.common import load_job_teacher, num_student_layers, run_dir
@@ -88,19 +87,10 @@ def load_layers(student: HarnessForCausalLM, files: dict[int, Path]) -> None:
 
 
 def _save_atomically(student: HarnessForCausalLM, tokenizer, record: dict, dest: Path) -> None:
-    dest.parent.mkdir(parents=True, exist_ok=True)
     if dest.exists():  # a folder without MERGE.json is not ours to trust (an interrupted copy): replace it
         shutil.rmtree(dest)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.tmp-", dir=dest.parent))
-    try:
+    with atomic_dir(dest, kept_if=MERGE_JSON) as tmp:  # another process that merged first keeps its folder
         student.save_pretrained(tmp)
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
         (tmp / MERGE_JSON).write_text(json.dumps(record, indent=1))
-        tmp.chmod(0o755)
-        os.rename(tmp, dest)
-    except OSError:
-        if not (dest / MERGE_JSON).is_file():  # another process merged first: keep its folder
-            raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)

@@ -3,7 +3,7 @@
 loss = next-token CE on the assistant tokens only: each assistant message's content and the end-of-turn token
 after it, as the chat template renders them (the teacher tokenizer's template, or instructions.chat_template;
 harness.data.chat marks the tokens). The loss of an optimizer step is the mean over all its assistant tokens on
-all ranks and micro-batches (each micro-batch's mean weighted by its share, harness.stages.distill.token_scale),
+all ranks and micro-batches (each micro-batch's mean weighted by its share, harness.stages.common.token_scale),
 so the result does not depend on how the step is split over processes. A batch row holds one conversation,
 right-padded to the longest of its micro-batch: the student's causal recurrences carry no state from one
 conversation into another, and padding, which comes after the real tokens, changes none of their outputs.
@@ -36,11 +36,12 @@ from harness import preempt
 from harness.checkpoint import CheckpointManager
 from harness.config import ConfigError, JobConfig, to_yaml
 from harness.engine import all_reduce_host
+from harness.export import export_checkpoint
+from harness.flops import dense_flops_per_token, setup_mfu
 from harness.losses import DistillLosses, lm_loss
 from harness.observe import RunLogger, SkippedStepWatch, check_finite
-from harness.stages.common import resolve_device, run_dir
-from harness.stages.distill import (StageData, chat_data, export_checkpoint, grad_norm, resume_checkpoint,
-                                    save_checkpoint, scaled, setup_mfu, skipped_steps, step_means, token_scale)
+from harness.stages.common import StageData, chat_data, resolve_device, run_dir, scaled, step_means, token_scale
+from harness.stages.distill import grad_norm, resume_checkpoint, save_checkpoint, skipped_steps
 
 STAGE = "sft"
 
@@ -113,7 +114,7 @@ def sft(job: JobConfig, *, stop_after_steps: Optional[int] = None) -> Path:
                        start_step=step if step else None, start_tokens=tokens)
     from harness.student import count_parameters
 
-    setup_mfu(logger, device, world, 6 * count_parameters(student), STAGE)  # training only: 6 N_student
+    setup_mfu(logger, device, world, dense_flops_per_token(count_parameters(student)), STAGE)  # no teacher
     try:
         step, tokens = _train(job, data, s_engine, ckpts, logger, step, tokens, world, stop_after_steps)
         if stop_after_steps is not None and step < data.steps:
