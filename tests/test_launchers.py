@@ -193,7 +193,8 @@ def test_a_hung_node_fails_the_other_after_the_collective_timeout(tmp_path):
 def test_every_distributed_command_takes_the_launchers_local_rank(command, where, monkeypatch):
     """The deepspeed launcher passes --local_rank=N before the command (`-m harness.cli --local_rank=1 stage ...`);
     after it works as well, in either spelling; it becomes LOCAL_RANK."""
-    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    monkeypatch.setenv("LOCAL_RANK", "0")  # so that teardown removes what apply_local_rank sets (a bare delenv of an
+    monkeypatch.delenv("LOCAL_RANK")       # absent variable records nothing, and LOCAL_RANK=1 reached later tests)
     argv = ["--local_rank=1", *command] if where == "before" else [*command, "--local-rank", "1"]
     args = build_parser().parse_args(argv)
     apply_local_rank(args)
