@@ -52,6 +52,22 @@ eval:
 """
 
 
+# The evaluation of both small studies: six benchmarks, NIAH 256-2048, perplexity; the teacher scored once.
+SMALL_EVAL = """eval:
+  tasks: [piqa, arc_easy, arc_challenge, hellaswag, winogrande, lambada_openai]
+  limit: {limit}
+  batch_size: 32
+  niah:
+    lengths: [256, 512, 1024, 2048]
+    depths: [0.0, 0.5, 1.0]
+    kinds: [passkey, uuid, kv]
+    samples: 2
+  perplexity_tokens: 262144
+  chat_samples: false
+  teacher_cache: {teacher_cache}
+"""
+
+
 # The small study: one recipe for every mixer, sized so that one job (stages 1-3 + evaluation, Triton compilation
 # included) about fills one 10-minute command on one H200 (docs/STUDY.md has the estimate): 6M tokens, of which
 # stage 3 gets 5.1M (311 steps of 8 x 2048 at ~32k tokens/s measured with zero2 + a replicated teacher: ~160 s).
@@ -88,19 +104,8 @@ run:
   parallel_groups: 1
   checkpoint_every_tokens: 2097152
   keep_last: 1
-eval:
-  tasks: [piqa, arc_easy, arc_challenge, hellaswag, winogrande, lambada_openai]
-  limit: 200
-  batch_size: 32
-  niah:
-    lengths: [256, 512, 1024, 2048]
-    depths: [0.0, 0.5, 1.0]
-    kinds: [passkey, uuid, kv]
-    samples: 2
-  perplexity_tokens: 262144
-  chat_samples: false
-  teacher_cache: runs/study-small/teacher   # the teacher is scored once, shared by all eight runs
-"""
+""" + SMALL_EVAL.format(limit=200, teacher_cache="runs/study-small/teacher   # the teacher is scored once, shared "
+                        "by all eight runs")
 
 
 # The small study at 50M tokens (docs/results/study-small-50m/): the same teacher on the mixed offline corpus
@@ -140,19 +145,8 @@ run:
   checkpoint_every_tokens: 8388608
   keep_last: 1
   validate_every_steps: {val_every}
-eval:
-  tasks: [piqa, arc_easy, arc_challenge, hellaswag, winogrande, lambada_openai]
-  limit: 500
-  batch_size: 32
-  niah:
-    lengths: [256, 512, 1024, 2048]
-    depths: [0.0, 0.5, 1.0]
-    kinds: [passkey, uuid, kv]
-    samples: 2
-  perplexity_tokens: 262144
-  chat_samples: false
-  teacher_cache: runs/study-small-50m/teacher-{seq_len}   # the teacher is scored once, shared by the runs at {seq_len}
-"""
+""" + SMALL_EVAL.format(limit=500, teacher_cache="runs/study-small-50m/teacher-{seq_len}   # the teacher is scored "
+                        "once, shared by the runs at {seq_len}")
 # Our recipe at 2048 tokens; the paper authors' (jobs/paper-recipe/README.md) at 512, with the same tokens per step.
 OURS_50M = dict(seq_len=2048, lr1="1.0e-3", lr2="3.0e-4", lr3="1.0e-4", mb12=8, mb3=32, loss1="", loss2="",
                 distill="", val_every=100)
