@@ -79,7 +79,8 @@ def build_parser() -> argparse.ArgumentParser:
         "  harness data prepare jobs/quickstart.yaml data.source=corpus/*.jsonl data.text_field=content",
     )
     _add_job_args(prepare)
-    prepare.add_argument("--embedded-only", action="store_true", help="Only build the embedded corpus.")
+    prepare.add_argument("--embedded-only", action="store_true", help="Only build the embedded corpora the job needs "
+                         "(the default one, and embedded:mixed if the job uses it); tokenise nothing.")
     prepare.set_defaults(handler=cmd_data_prepare)
 
     run = sub.add_parser(
@@ -289,6 +290,16 @@ def cmd_info(args: argparse.Namespace) -> int:
     return 0
 
 
+def _uses_mixed_corpus(job) -> bool:
+    """Whether the job trains or validates on embedded:mixed (which its own builder makes, apart from the rest)."""
+    from harness.data.sources import parse_source
+
+    specs = [parse_source(job.data.source)]
+    if job.data.validation_source is not None:
+        specs.append(parse_source(job.data.validation_source, "data.validation_source"))
+    return any(spec.kind == "embedded" and spec.name == "mixed" for spec in specs)
+
+
 def cmd_data_prepare(args: argparse.Namespace) -> int:
     from harness.config import load_job
     from harness.data import embedded_summary, prepare_summary
@@ -296,6 +307,10 @@ def cmd_data_prepare(args: argparse.Namespace) -> int:
 
     job = load_job(args.job, args.overrides)
     print(embedded_summary(job.data.cache_dir))
+    if _uses_mixed_corpus(job):
+        from harness.data.mixed import mixed_summary
+
+        print(mixed_summary(job.data.cache_dir))
     if args.embedded_only:
         return 0
     tokenizer = load_tokenizer(job.teacher.source)

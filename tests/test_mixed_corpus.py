@@ -362,3 +362,16 @@ def test_a_job_reads_embedded_mixed_through_the_token_store(artifacts, tmp_path)
     assert "# embedded:mixed corpus" in summary and "flagged: tiny-books: research use only" in summary
     with pytest.raises(ConfigError, match="embedded:mixed"):
         load_job(None, ["data.source=embedded:novel"])
+
+
+@pytest.mark.parametrize("overrides, uses", [
+    (["data.source=embedded:mixed"], True),
+    (["data.source=embedded:wikipedia", "data.validation_source=embedded:mixed"], True),
+    (["data.source=embedded:wikipedia", "data.validation_source=embedded:essays"], False),
+    ([], False),
+])
+def test_data_prepare_builds_embedded_mixed_only_for_jobs_that_use_it(overrides, uses):
+    from harness.cli import _uses_mixed_corpus
+    from harness.config import load_job
+
+    assert _uses_mixed_corpus(load_job(None, overrides)) is uses
