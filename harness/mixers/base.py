@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from harness.mixers.kernels import resolve_backend
+from harness.mixers.ops import apply_rope, expand_kv, l2norm
 
 
 @dataclass
@@ -226,29 +227,6 @@ class Mixer(nn.Module):
     def new_parameter_names(cls) -> tuple[str, ...]:
         """Parameter-name prefixes that are not copied from the teacher."""
         return ()
-
-
-def expand_kv(weight: torch.Tensor, num_kv_heads: int, n_rep: int) -> torch.Tensor:
-    """`[KVH * D, ...]` -> `[KVH * n_rep * D, ...]`: student head j gets teacher KV head j // n_rep."""
-    head_dim = weight.shape[0] // num_kv_heads
-    per_head = weight.reshape(num_kv_heads, head_dim, *weight.shape[1:])
-    return per_head.repeat_interleave(n_rep, dim=0).reshape(num_kv_heads * n_rep * head_dim, *weight.shape[1:])
-
-
-def apply_rope(q, k, cos, sin):
-    """Rotary embedding on `[B, T, H, D]` q and k with transformers' (cos, sin) of shape `[B, T, D]`."""
-    cos, sin = cos.unsqueeze(2).to(q.dtype), sin.unsqueeze(2).to(q.dtype)
-
-    def rotate(x):
-        x1, x2 = x.chunk(2, dim=-1)
-        return torch.cat((-x2, x1), dim=-1)
-
-    return q * cos + rotate(q) * sin, k * cos + rotate(k) * sin
-
-
-def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
-    xf = x.float()  # one upcast, not two
-    return x * torch.rsqrt((xf * xf).sum(-1, keepdim=True) + eps).to(x.dtype)
 
 
 class HeadRMSNorm(nn.Module):
