@@ -308,27 +308,6 @@ class ShortConv(nn.Module):
         return xt.clone()  # a copy: a view would keep the whole [B, T, C] input alive in a decoding cache
 
 
-def run_gated_delta(q, k, v, g, beta, *, scale: float, prior, backend: str, chunk_size: int,
-                    normalize_qk: bool = False):
-    """Dispatch the gated-delta recurrence (docs/RECURRENCES.md): one step when decoding a single token,
-    fla's kernel on the kernel backend, else the PyTorch chunkwise form. Returns (o `[B,T,H,V]`, state).
-    normalize_qk: L2-normalise q and k first (inside fla's kernel on the kernel backend: no separate operators)."""
-    from harness.mixers import kernels, recurrence
-
-    if backend == "kernel" and not (q.shape[1] == 1 and prior is not None):
-        return kernels.kernel_gated_delta(q, k, v, g, beta, scale=scale, initial_state=prior,
-                                          normalize_qk=normalize_qk)
-    if normalize_qk:
-        q, k = l2norm(q), l2norm(k)
-    if q.shape[1] == 1 and prior is not None:
-        o, state = recurrence.step_gated_delta(
-            q[:, 0], k[:, 0], v[:, 0], None if g is None else g[:, 0], None if beta is None else beta[:, 0],
-            scale=scale, state=prior,
-        )
-        return o.unsqueeze(1), state
-    return recurrence.chunk_gated_delta(q, k, v, g, beta, scale=scale, initial_state=prior, chunk_size=chunk_size)
-
-
 class ConvMixer(Mixer):
     """A delta-rule mixer (DeltaNet, Gated DeltaNet, KDA): fla's short causal convolution (+SiLU) on q, k and v,
     then L2-normalised q and k (inside the recurrence call: fla's kernel does it in-kernel)."""

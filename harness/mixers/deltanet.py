@@ -6,7 +6,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from harness.mixers.base import ConvMixer, ConvOptions, HeadRMSNorm, run_gated_delta
+from harness.mixers.base import ConvMixer, ConvOptions, HeadRMSNorm
+from harness.mixers.dispatch import run_gated_delta
 
 
 class DeltaNet(ConvMixer):

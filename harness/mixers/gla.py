@@ -9,7 +9,8 @@ from dataclasses import dataclass, field
 import torch.nn.functional as F
 from torch import nn
 
-from harness.mixers.base import GateOptions, HeadRMSNorm, Mixer, init_output_gate, run_gated_delta
+from harness.mixers.base import GateOptions, HeadRMSNorm, Mixer, init_output_gate
+from harness.mixers.dispatch import run_gated_delta
 
 
 @dataclass

@@ -11,7 +11,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from harness.mixers.base import Mixer, MixerOptions, run_gated_delta
+from harness.mixers.base import Mixer, MixerOptions
+from harness.mixers.dispatch import run_gated_delta
 
 FEATURE_MAPS = {
     "elu": lambda x: F.elu(x) + 1.0,
