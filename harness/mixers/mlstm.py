@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from harness.mixers.base import GateOptions, Mixer, init_output_gate
-from harness.mixers.dispatch import run_mlstm
+from harness.mixers.dispatch import mlstm_cell
 
 
 @dataclass
@@ -41,8 +41,9 @@ class MLSTM(Mixer):
     def _mix(self, x, q, k, v, prior, backend):
         i = self._soft_cap(self.igate(x).float())
         f = self._soft_cap(self.fgate(x).float())
-        return run_mlstm(q, k, v, i, f, scale=self.shape.head_dim**-0.5, prior=prior, backend=backend,
-                         chunk_size=self.options.chunk_size, eps=self.options.eps)
+        # kernel: mlstm_kernels chunkwise--triton_limit_chunk; reference: recurrence.chunk_mlstm
+        return mlstm_cell(q, k, v, i, f, scale=self.shape.head_dim**-0.5, prior=prior, backend=backend,
+                          chunk_size=self.options.chunk_size, eps=self.options.eps)
 
     def _output(self, x, o):
         normed = F.layer_norm(o.float(), (o.shape[-1],), eps=1e-6)
