@@ -33,7 +33,7 @@ from torch import nn
 
 from harness.files import atomic_write_text
 from harness.mixers import MIXERS, Mixer, mixer_class
-from harness.mixers.base import apply_rope, expand_kv
+from harness.mixers.ops import apply_rope, expand_kv
 
 MIN_KEYS = 8  # rows with fewer causal keys than this are left out of the row correlations
 REPORT_JSON, REPORT_MD = "transfer.json", "transfer.md"

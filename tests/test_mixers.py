@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from harness.mixers import MIXERS, MixerShape, mixer_class, mixer_options
-from harness.mixers.base import expand_kv
+from harness.mixers.ops import expand_kv
 
 SHAPE = MixerShape(hidden_size=48, num_heads=6, num_kv_heads=2, head_dim=8)
 

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from harness.mixers.kernels import resolve_backend
+from harness.mixers.ops import apply_rope, expand_kv, l2norm
 
 
 @dataclass
@@ -228,29 +229,6 @@ class Mixer(nn.Module):
         return ()
 
 
-def expand_kv(weight: torch.Tensor, num_kv_heads: int, n_rep: int) -> torch.Tensor:
-    """`[KVH * D, ...]` -> `[KVH * n_rep * D, ...]`: student head j gets teacher KV head j // n_rep."""
-    head_dim = weight.shape[0] // num_kv_heads
-    per_head = weight.reshape(num_kv_heads, head_dim, *weight.shape[1:])
-    return per_head.repeat_interleave(n_rep, dim=0).reshape(num_kv_heads * n_rep * head_dim, *weight.shape[1:])
-
-
-def apply_rope(q, k, cos, sin):
-    """Rotary embedding on `[B, T, H, D]` q and k with transformers' (cos, sin) of shape `[B, T, D]`."""
-    cos, sin = cos.unsqueeze(2).to(q.dtype), sin.unsqueeze(2).to(q.dtype)
-
-    def rotate(x):
-        x1, x2 = x.chunk(2, dim=-1)
-        return torch.cat((-x2, x1), dim=-1)
-
-    return q * cos + rotate(q) * sin, k * cos + rotate(k) * sin
-
-
-def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
-    xf = x.float()  # one upcast, not two
-    return x * torch.rsqrt((xf * xf).sum(-1, keepdim=True) + eps).to(x.dtype)
-
-
 class HeadRMSNorm(nn.Module):
     """RMSNorm over each head's last dim, optionally gated: norm(o) * act(gate) (fla's FusedRMSNormGated)."""
 
@@ -328,27 +306,6 @@ class ShortConv(nn.Module):
         if xt.shape[-1] < width:
             xt = F.pad(xt, (width - xt.shape[-1], 0))
         return xt.clone()  # a copy: a view would keep the whole [B, T, C] input alive in a decoding cache
-
-
-def run_gated_delta(q, k, v, g, beta, *, scale: float, prior, backend: str, chunk_size: int,
-                    normalize_qk: bool = False):
-    """Dispatch the gated-delta recurrence (docs/RECURRENCES.md): one step when decoding a single token,
-    fla's kernel on the kernel backend, else the PyTorch chunkwise form. Returns (o `[B,T,H,V]`, state).
-    normalize_qk: L2-normalise q and k first (inside fla's kernel on the kernel backend: no separate operators)."""
-    from harness.mixers import kernels, recurrence
-
-    if backend == "kernel" and not (q.shape[1] == 1 and prior is not None):
-        return kernels.kernel_gated_delta(q, k, v, g, beta, scale=scale, initial_state=prior,
-                                          normalize_qk=normalize_qk)
-    if normalize_qk:
-        q, k = l2norm(q), l2norm(k)
-    if q.shape[1] == 1 and prior is not None:
-        o, state = recurrence.step_gated_delta(
-            q[:, 0], k[:, 0], v[:, 0], None if g is None else g[:, 0], None if beta is None else beta[:, 0],
-            scale=scale, state=prior,
-        )
-        return o.unsqueeze(1), state
-    return recurrence.chunk_gated_delta(q, k, v, g, beta, scale=scale, initial_state=prior, chunk_size=chunk_size)
 
 
 class ConvMixer(Mixer):

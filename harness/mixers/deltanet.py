@@ -6,7 +6,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from harness.mixers.base import ConvMixer, ConvOptions, HeadRMSNorm, run_gated_delta
+from harness.mixers.base import ConvMixer, ConvOptions, HeadRMSNorm
+from harness.mixers.dispatch import delta_rule
 
 
 class DeltaNet(ConvMixer):
@@ -20,8 +21,9 @@ class DeltaNet(ConvMixer):
 
     def _mix(self, x, q, k, v, prior, backend):
         beta = torch.sigmoid(self.b_proj(x).float())
-        return run_gated_delta(q, k, v, None, beta, scale=self.shape.head_dim**-0.5, prior=prior,
-                               backend=backend, chunk_size=self.options.chunk_size, normalize_qk=True)
+        # kernel: fla chunk_delta_rule; reference: recurrence.chunk_gated_delta
+        return delta_rule(q, k, v, beta, scale=self.shape.head_dim**-0.5, prior=prior, backend=backend,
+                          chunk_size=self.options.chunk_size, normalize_qk=True)
 
     def _output(self, x, o):
         return self.o_norm(o)

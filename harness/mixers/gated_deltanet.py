@@ -8,8 +8,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from harness.mixers.base import (ConvMixer, GatedConvOptions, HeadRMSNorm, init_output_gate, mamba_dt_bias,
-                                 run_gated_delta)
+from harness.mixers.base import ConvMixer, GatedConvOptions, HeadRMSNorm, init_output_gate, mamba_dt_bias
+from harness.mixers.dispatch import gated_delta_rule
 
 
 class GatedDeltaNet(ConvMixer):
@@ -29,8 +29,10 @@ class GatedDeltaNet(ConvMixer):
     def _mix(self, x, q, k, v, prior, backend):
         g = -self.A_log.float().exp() * F.softplus(self.a_proj(x).float() + self.dt_bias.float())
         beta = torch.sigmoid(self.b_proj(x).float())
-        return run_gated_delta(q, k, v, g, beta, scale=self.shape.head_dim**-0.5, prior=prior,
-                               backend=backend, chunk_size=self.options.chunk_size, normalize_qk=True)
+        # kernel: fla chunk_gated_delta_rule (chunk_kda where its backward is blocked); reference:
+        # recurrence.chunk_gated_delta
+        return gated_delta_rule(q, k, v, g, beta, scale=self.shape.head_dim**-0.5, prior=prior, backend=backend,
+                                chunk_size=self.options.chunk_size, normalize_qk=True)
 
     def _output(self, x, o):
         return self.o_norm(o, self._heads(self.g_proj(x)), fused=self.fused_ops(x))

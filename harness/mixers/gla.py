@@ -9,7 +9,8 @@ from dataclasses import dataclass, field
 import torch.nn.functional as F
 from torch import nn
 
-from harness.mixers.base import GateOptions, HeadRMSNorm, Mixer, init_output_gate, run_gated_delta
+from harness.mixers.base import GateOptions, HeadRMSNorm, Mixer, init_output_gate
+from harness.mixers.dispatch import gated_linear_attention
 
 
 @dataclass
@@ -34,8 +35,9 @@ class GLA(Mixer):
 
     def _mix(self, x, q, k, v, prior, backend):
         g = self._heads(F.logsigmoid(self.gk_proj(x).float()) / self.options.gate_logit_normalizer)
-        return run_gated_delta(q, k, v, g, None, scale=self.shape.head_dim**-0.5, prior=prior, backend=backend,
-                               chunk_size=self.options.chunk_size)
+        # kernel: fla chunk_gla; reference: recurrence.chunk_gated_delta
+        return gated_linear_attention(q, k, v, g, scale=self.shape.head_dim**-0.5, prior=prior, backend=backend,
+                                      chunk_size=self.options.chunk_size)
 
     def _output(self, x, o):
         return self.o_norm(o, self._heads(self.g_proj(x)), fused=self.fused_ops(x))

@@ -54,6 +54,8 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
+from harness.mixers.ops import l2norm
+
 BACKENDS = ("auto", "kernel", "reference")
 
 # ----------------------------------------------------------------------------------------------------------
@@ -342,8 +344,6 @@ def run_gated_delta_route(route: str, q, k, v, g=None, beta=None, *, scale: floa
     if beta is not None:
         beta = beta.contiguous()
     if normalize_qk and route not in _L2NORM_IN_KERNEL:
-        from harness.mixers.base import l2norm
-
         q, k, normalize_qk = l2norm(q), l2norm(k), False
     common = dict(scale=float(scale), initial_state=h0, output_final_state=output_final_state)
 

@@ -11,7 +11,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from harness.mixers.base import Mixer, MixerOptions, run_gated_delta
+from harness.mixers.base import Mixer, MixerOptions
+from harness.mixers.dispatch import linear_attention
 
 FEATURE_MAPS = {
     "elu": lambda x: F.elu(x) + 1.0,
@@ -42,15 +43,16 @@ class LinearAttention(Mixer):
     def _mix(self, x, q, k, v, prior, backend):
         q, k = self.score_features(q, k)
         S0, z0 = prior if prior is not None else (None, None)
+        # each branch runs linear_attention (kernel: fla chunk_simple_gla with g=None; reference:
+        # recurrence.chunk_gated_delta); they differ in how the normaliser is formed
         if not self.options.normalize:
-            o, S = run_gated_delta(q, k, v, None, None, scale=self.shape.head_dim**-0.5, prior=S0, backend=backend,
-                                   chunk_size=self.options.chunk_size)
+            o, S = linear_attention(q, k, v, scale=self.shape.head_dim**-0.5, prior=S0, backend=backend,
+                                    chunk_size=self.options.chunk_size)
             return o, (S, None)
         if backend == "kernel" and q.shape[1] > 1:
             return normalised_in_the_recurrence(q, k, v, S0, z0, eps=self.options.eps, backend=backend,
                                                 chunk_size=self.options.chunk_size)
-        o, S = run_gated_delta(q, k, v, None, None, scale=1.0, prior=S0, backend=backend,
-                               chunk_size=self.options.chunk_size)
+        o, S = linear_attention(q, k, v, scale=1.0, prior=S0, backend=backend, chunk_size=self.options.chunk_size)
         z = k.float().cumsum(1)  # [B, T, H, K]
         if z0 is not None:
             z = z + z0.unsqueeze(1)
@@ -74,6 +76,6 @@ def normalised_in_the_recurrence(q, k, v, S0, z0, *, eps: float, backend: str, c
         S0 = S0 if S0 is not None else k.new_zeros(B, H, K, V, dtype=torch.float32)
         z0 = z0 if z0 is not None else k.new_zeros(B, H, K, dtype=torch.float32)
         prior = torch.cat([S0.float(), z0.float().unsqueeze(-1).expand(B, H, K, ones)], dim=-1)
-    o1, S1 = run_gated_delta(q, k, v1, None, None, scale=1.0, prior=prior, backend=backend, chunk_size=chunk_size)
+    o1, S1 = linear_attention(q, k, v1, scale=1.0, prior=prior, backend=backend, chunk_size=chunk_size)
     o = (o1[..., :V] / (o1[..., V:V + 1].float() + eps)).to(v.dtype)
     return o, (S1[..., :V].contiguous(), S1[..., V].contiguous())

@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from harness.mixers.base import GateOptions, Mixer, init_output_gate
+from harness.mixers.dispatch import mlstm_cell
 
 
 @dataclass
@@ -38,19 +39,11 @@ class MLSTM(Mixer):
         return cap * torch.tanh(x / cap)
 
     def _mix(self, x, q, k, v, prior, backend):
-        from harness.mixers import kernels, recurrence
-
         i = self._soft_cap(self.igate(x).float())
         f = self._soft_cap(self.fgate(x).float())
-        scale, eps = self.shape.head_dim**-0.5, self.options.eps
-        if q.shape[1] == 1 and prior is not None:
-            h, state = recurrence.step_mlstm(q[:, 0], k[:, 0], v[:, 0], i[:, 0], f[:, 0], scale=scale, state=prior,
-                                             eps=eps)
-            return h.unsqueeze(1), state
-        if backend == "kernel":
-            return kernels.kernel_mlstm(q, k, v, i, f, scale=scale, initial_state=prior, eps=eps)
-        return recurrence.chunk_mlstm(q, k, v, i, f, scale=scale, initial_state=prior,
-                                      chunk_size=self.options.chunk_size, eps=eps)
+        # kernel: mlstm_kernels chunkwise--triton_limit_chunk; reference: recurrence.chunk_mlstm
+        return mlstm_cell(q, k, v, i, f, scale=self.shape.head_dim**-0.5, prior=prior, backend=backend,
+                          chunk_size=self.options.chunk_size, eps=self.options.eps)
 
     def _output(self, x, o):
         normed = F.layer_norm(o.float(), (o.shape[-1],), eps=1e-6)

@@ -6,7 +6,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from harness.mixers.base import GateOptions, HeadRMSNorm, Mixer, init_output_gate, run_gated_delta
+from harness.mixers.base import GateOptions, HeadRMSNorm, Mixer, init_output_gate
+from harness.mixers.dispatch import retention
 
 
 class RetNet(Mixer):
@@ -22,8 +23,9 @@ class RetNet(Mixer):
     def _mix(self, x, q, k, v, prior, backend):
         heads = torch.arange(self.shape.num_heads, dtype=torch.float32, device=x.device)
         g = torch.log1p(-torch.pow(2.0, -5.0 - heads)).expand(*x.shape[:2], -1)
-        return run_gated_delta(q, k, v, g, None, scale=self.shape.head_dim**-0.5, prior=prior, backend=backend,
-                               chunk_size=self.options.chunk_size)
+        # kernel: fla chunk_simple_gla with g_gamma (fla's chunk_retention); reference: recurrence.chunk_gated_delta
+        return retention(q, k, v, g, scale=self.shape.head_dim**-0.5, prior=prior, backend=backend,
+                         chunk_size=self.options.chunk_size)
 
     def _output(self, x, o):
         return self.o_norm(o, self._heads(self.g_proj(x)), fused=self.fused_ops(x))

@@ -129,7 +129,7 @@ def test_float32_inputs_come_back_float32():
 def test_l2norm_inside_the_kernel_equals_l2norm_before_it(route):
     """normalize_qk=True (fla's in-kernel L2 norm of q and k) == our l2norm applied first: outputs and the
     gradients of the unnormalised q and k, in the bf16 the layers run."""
-    from harness.mixers.base import l2norm
+    from harness.mixers.ops import l2norm
 
     torch.manual_seed(7)
     Bn, T, H, K = 2, 1000, 9, 64

@@ -1,0 +1,117 @@
+"""Which implementation of a recurrence runs: one recurrent step when decoding a single token with a state, the
+GPU kernel on the kernel backend (harness.mixers.kernels), else the PyTorch chunkwise reference
+(harness.mixers.recurrence). docs/RECURRENCES.md is the contract all three follow.
+
+Each mixer calls the function named after its recurrence (linear_attention, retention, gated_linear_attention,
+delta_rule, gated_delta_rule, kimi_delta_rule, mlstm_cell); its docstring names the kernel that runs on the kernel
+backend (for the gated-delta family: the route `kernels.select_gated_delta_route` takes for the mixer's (g, beta)
+case) and the reference. The six gated-delta functions are `run_gated_delta` under the name of their case.
+"""
+
+from __future__ import annotations
+
+from harness.mixers import kernels, recurrence
+from harness.mixers.ops import l2norm
+
+
+def _is_decoding_step(q, prior) -> bool:
+    """One token with a state to continue: the recurrent step, on either backend (no kernel autotuning there)."""
+    return q.shape[1] == 1 and prior is not None
+
+
+def run_gated_delta(q, k, v, g, beta, *, scale: float, prior, backend: str, chunk_size: int,
+                    normalize_qk: bool = False):
+    """Dispatch the gated-delta recurrence (docs/RECURRENCES.md): one step when decoding a single token,
+    fla's kernel on the kernel backend, else the PyTorch chunkwise form. Returns (o `[B,T,H,V]`, state).
+    normalize_qk: L2-normalise q and k first (inside fla's kernel on the kernel backend: no separate operators)."""
+    if backend == "kernel" and not _is_decoding_step(q, prior):
+        return kernels.kernel_gated_delta(q, k, v, g, beta, scale=scale, initial_state=prior,
+                                          normalize_qk=normalize_qk)
+    if normalize_qk:
+        q, k = l2norm(q), l2norm(k)
+    if _is_decoding_step(q, prior):
+        o, state = recurrence.step_gated_delta(
+            q[:, 0], k[:, 0], v[:, 0], None if g is None else g[:, 0], None if beta is None else beta[:, 0],
+            scale=scale, state=prior,
+        )
+        return o.unsqueeze(1), state
+    return recurrence.chunk_gated_delta(q, k, v, g, beta, scale=scale, initial_state=prior, chunk_size=chunk_size)
+
+
+def linear_attention(q, k, v, *, scale: float, prior, backend: str, chunk_size: int):
+    """Linear attention, S_t = S_{t-1} + k_t v_t^T (no decay, no beta: case none of kernels' table).
+
+    kernel: fla chunk_simple_gla with g=None
+    reference: recurrence.chunk_gated_delta; one decoding token: recurrence.step_gated_delta
+    """
+    return run_gated_delta(q, k, v, None, None, scale=scale, prior=prior, backend=backend, chunk_size=chunk_size)
+
+
+def retention(q, k, v, g, *, scale: float, prior, backend: str, chunk_size: int):
+    """Retention, S_t = exp(g_h) S_{t-1} + k_t v_t^T, g a constant per-head log decay (an `[H]` tensor expanded
+    to `[B, T, H]`, needing no gradient: case head_const).
+
+    kernel: fla chunk_simple_gla with g_gamma = g[0, 0] (fla's chunk_retention path)
+    reference: recurrence.chunk_gated_delta; one decoding token: recurrence.step_gated_delta
+    """
+    return run_gated_delta(q, k, v, g, None, scale=scale, prior=prior, backend=backend, chunk_size=chunk_size)
+
+
+def gated_linear_attention(q, k, v, g, *, scale: float, prior, backend: str, chunk_size: int):
+    """Gated linear attention, S_t = Diag(exp g_t) S_{t-1} + k_t v_t^T, g `[B, T, H, K]` (case channel).
+
+    kernel: fla chunk_gla
+    reference: recurrence.chunk_gated_delta; one decoding token: recurrence.step_gated_delta
+    """
+    return run_gated_delta(q, k, v, g, None, scale=scale, prior=prior, backend=backend, chunk_size=chunk_size)
+
+
+def delta_rule(q, k, v, beta, *, scale: float, prior, backend: str, chunk_size: int, normalize_qk: bool = False):
+    """The delta rule, S_t = (I - b_t k_t k_t^T) S_{t-1} + b_t k_t v_t^T, beta `[B, T, H]` (case delta).
+
+    kernel: fla chunk_delta_rule
+    reference: recurrence.chunk_gated_delta; one decoding token: recurrence.step_gated_delta
+    """
+    return run_gated_delta(q, k, v, None, beta, scale=scale, prior=prior, backend=backend, chunk_size=chunk_size,
+                           normalize_qk=normalize_qk)
+
+
+def gated_delta_rule(q, k, v, g, beta, *, scale: float, prior, backend: str, chunk_size: int,
+                     normalize_qk: bool = False):
+    """The gated delta rule, S_t = exp(g_t) (I - b_t k_t k_t^T) S_{t-1} + b_t k_t v_t^T, g and beta `[B, T, H]`
+    (case head_delta).
+
+    kernel: fla chunk_gated_delta_rule; chunk_kda with g broadcast over K when gradients are needed on a GPU
+        where fla's gated backward is blocked and TileLang is not usable
+    reference: recurrence.chunk_gated_delta; one decoding token: recurrence.step_gated_delta
+    """
+    return run_gated_delta(q, k, v, g, beta, scale=scale, prior=prior, backend=backend, chunk_size=chunk_size,
+                           normalize_qk=normalize_qk)
+
+
+def kimi_delta_rule(q, k, v, g, beta, *, scale: float, prior, backend: str, chunk_size: int,
+                    normalize_qk: bool = False):
+    """Kimi delta attention's recurrence, S_t = (I - b_t k_t k_t^T) Diag(exp g_t) S_{t-1} + b_t k_t v_t^T,
+    g `[B, T, H, K]`, beta `[B, T, H]` (case channel_delta).
+
+    kernel: fla chunk_kda
+    reference: recurrence.chunk_gated_delta; one decoding token: recurrence.step_gated_delta
+    """
+    return run_gated_delta(q, k, v, g, beta, scale=scale, prior=prior, backend=backend, chunk_size=chunk_size,
+                           normalize_qk=normalize_qk)
+
+
+def mlstm_cell(q, k, v, i, f, *, scale: float, prior, backend: str, chunk_size: int, eps: float):
+    """The mLSTM recurrence of docs/RECURRENCES.md, i and f gate pre-activations `[B, T, H]`
+    -> (h `[B, T, H, V]`, (C, n, m)).
+
+    kernel: mlstm_kernels chunkwise--triton_limit_chunk (kernels.kernel_mlstm, at its own chunk size)
+    reference: recurrence.chunk_mlstm; one decoding token: recurrence.step_mlstm
+    """
+    if _is_decoding_step(q, prior):
+        h, state = recurrence.step_mlstm(q[:, 0], k[:, 0], v[:, 0], i[:, 0], f[:, 0], scale=scale, state=prior,
+                                         eps=eps)
+        return h.unsqueeze(1), state
+    if backend == "kernel":
+        return kernels.kernel_mlstm(q, k, v, i, f, scale=scale, initial_state=prior, eps=eps)
+    return recurrence.chunk_mlstm(q, k, v, i, f, scale=scale, initial_state=prior, chunk_size=chunk_size, eps=eps)
