@@ -11,6 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from harness.cli import main as harness_main
 from harness.eval import paired, recovery
 from harness.eval.bench import EXAMPLES_FILE
 from harness.eval.report import build_report, eval_dirs, rebase
@@ -263,3 +264,34 @@ def test_rebase_keeps_the_recorded_path_when_only_it_exists(tmp_path):
     moved = rebase(tmp_path / "gone" / "run" / "eval" / "student", tmp_path / "gone" / "run" / "eval",
                    tmp_path / "here" / "eval")
     assert moved == tmp_path / "here" / "eval" / "student"
+
+
+# --------------------------------------------------------------------------------------------- command
+
+
+def test_report_command_writes_the_paired_section(two_runs, tmp_path, capsys):
+    a, b = map(str, two_runs)
+    assert harness_main(["report", a, b, "--out", str(tmp_path / "plain")]) == 0
+    assert harness_main(["report", a, b, "--out", str(tmp_path / "cmp"), "--baseline", "run-a"]) == 0
+    assert "## Paired differences" in capsys.readouterr().out
+    plain, text = ((tmp_path / d / "comparison.md").read_text() for d in ("plain", "cmp"))
+    assert text.startswith(plain) and "## Paired differences" not in plain
+    assert "### run-b (B) - run-a (A)" in text
+    assert "| piqa (acc) | 12 | 0.500 | 0.667 | +0.167 [" in text
+    saved = json.loads((tmp_path / "cmp" / "comparison.json").read_text())
+    assert [(p["a"], p["b"]) for p in saved["paired"]] == [("run-a", "run-b")]
+    assert "paired" not in json.loads((tmp_path / "plain" / "comparison.json").read_text())
+    assert saved["runs"] == json.loads((tmp_path / "plain" / "comparison.json").read_text())["runs"]
+    assert harness_main(["report", a, b, "--out", str(tmp_path / "both"), "--pairs", "run-b:run-a",
+                         "--baseline", "run-a"]) == 0
+    both = json.loads((tmp_path / "both" / "comparison.json").read_text())["paired"]
+    assert [(p["a"], p["b"]) for p in both] == [("run-a", "run-b"), ("run-b", "run-a")]
+    assert both[1]["rows"][0]["diff"] == pytest.approx(-both[0]["rows"][0]["diff"])
+
+
+def test_report_command_refuses_unknown_names(two_runs, tmp_path, capsys):
+    a, b = map(str, two_runs)
+    assert harness_main(["report", a, b, "--out", str(tmp_path / "cmp"), "--pairs", "run-a:kda"]) == 2
+    assert "'kda' is not one of the runs; the runs are called: run-a, run-b" in capsys.readouterr().err
+    assert harness_main(["report", a, "--baseline", "run-a"]) == 2
+    assert "at least two runs" in capsys.readouterr().err
