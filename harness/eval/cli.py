@@ -120,6 +120,14 @@ def add_parsers(sub: Any) -> None:
                             formatter_class=argparse.RawDescriptionHelpFormatter)
     report.add_argument("runs", nargs="+", help="Run directories (or eval folders, or report.json files).")
     report.add_argument("--out", default="reports/comparison", help="Where a comparison of several runs goes.")
+    report.add_argument("--pairs", default=None, metavar="A:B,C:D",
+                        help="With several runs: for each pair (run labels or directory names) the difference B - A "
+                        "in every headline metric with a paired bootstrap 95%% interval over the same examples and "
+                        "NIAH prompts (comparison.md's 'Paired differences', comparison.json's 'paired'). Runs "
+                        "scored on different examples are refused.")
+    report.add_argument("--baseline", default=None, metavar="RUN",
+                        help="Pair every other run with this one (run label or directory name): each run - RUN, "
+                        "as with --pairs (the two may be combined).")
     report.add_argument("--plateau-threshold", type=float, default=None, metavar="GAIN",
                         help="For runs with an evaluation history: mark where the average chance-normalised "
                         "recovery (the raw one for older histories) gains less than GAIN per 1e9 tokens (e.g. "
@@ -266,28 +274,47 @@ def cmd_report(args: argparse.Namespace) -> int:
     from harness.eval.history import load_histories
     from harness.eval.report import attach_training, compare, comparison_markdown, find_report, markdown
 
-    reports, with_history = [], []
+    reports, paths, with_history = [], [], []
     for path in args.runs:
         has_history = any((Path(path) / sub / "history.jsonl").is_file() for sub in ("eval", "."))
         with_history += [path] if has_history else []
         try:
             reports.append(attach_training(find_report(path), path))
+            paths.append(path)
         except FileNotFoundError as err:
             if not has_history:
                 raise ConfigError(str(err)) from None
+    paired = _paired(args, paths, reports)
     if len(reports) == 1 and not with_history:
         print(markdown(reports[0]))
         return 0
     out = Path(args.out)
     if len(reports) > 1:
-        written = compare(reports, out)
-        print(comparison_markdown(reports))
+        written = compare(reports, out, paired)
+        print(comparison_markdown(reports, paired))
         plots = ["recovery.png", "niah_by_length.png"] + (["loss_curves.png"] if any(r.get("training") for r in reports)
                                                           else [])
         print(f"[harness] comparison: {written} (plots: {', '.join(plots)})")
     if with_history:
         print(_history_views(load_histories(with_history), out, args.plateau_threshold))
     return 0
+
+
+def _paired(args: argparse.Namespace, paths: list[str], reports: list[dict]) -> list[dict]:
+    """The paired differences that --pairs and --baseline ask for ([] when neither is given)."""
+    from harness.eval.paired import PairError, baseline_pairs, load_run, paired_report, parse_pairs, resolve_pairs
+
+    if args.pairs is None and args.baseline is None:
+        return []
+    if len(reports) < 2:
+        raise ConfigError("--pairs and --baseline compare runs: give at least two runs with a report.")
+    try:
+        runs = [load_run(path, report) for path, report in zip(paths, reports)]
+        specs = (baseline_pairs(args.baseline, runs) if args.baseline is not None else [])
+        specs += parse_pairs(args.pairs) if args.pairs is not None else []
+        return [paired_report(a, b) for a, b in resolve_pairs(specs, runs)]
+    except PairError as err:
+        raise ConfigError(str(err)) from None
 
 
 def _history_views(histories: dict, out: Path, threshold) -> str:

@@ -18,16 +18,20 @@ which, and warns if not. Perplexity is compared as the ratio student / teacher (
     build_report(student_dir, teacher_dir, ...)  -> report dict  (one run; reads bench/niah/perplexity.json)
     write_report(report, out)                    -> out/report.json, out/report.md, out/recovery.png,
                                                     out/niah_by_length.png
-    compare(reports, out)                        -> out/comparison.{json,md}, recovery.png, niah_by_length.png,
-                                                    loss_curves.png (reports with attach_training)
+    compare(reports, out, paired)                -> out/comparison.{json,md}, recovery.png, niah_by_length.png,
+                                                    loss_curves.png (reports with attach_training); paired
+                                                    differences of chosen pairs (harness.eval.paired)
     attach_training(report, run_dir)             -> the report with the run's stage losses and curves
     find_report(path)                            -> the report of RUN_DIR, RUN_DIR/eval or a report.json
+    eval_dirs(path)                              -> its student's and teacher's result folders, found relative
+                                                    to where the report lies now (runs copied off their machine)
 """
 
 from __future__ import annotations
 
 import json
 import math
+import os
 from pathlib import Path
 from typing import Optional
 
@@ -284,23 +288,56 @@ def write_report(report: dict, out: Path) -> None:
         plot_niah_by_length([report], out / "niah_by_length.png")
 
 
-def find_report(path: str | Path) -> dict:
+def report_file(path: str | Path) -> Path:
     """The report.json of RUN_DIR (RUN_DIR/eval/report.json), of an eval folder, or the file itself."""
     path = Path(path)
     for candidate in (path, path / REPORT_FILE, path / "eval" / REPORT_FILE):
         if candidate.is_file():
-            return json.loads(candidate.read_text())
+            return candidate
     raise FileNotFoundError(f"No {REPORT_FILE} in {path} or {path / 'eval'}: run `harness eval {path}/eval.yaml` "
                             "first.")
+
+
+def find_report(path: str | Path) -> dict:
+    """The report of RUN_DIR, of an eval folder, or of a report.json (`report_file`)."""
+    return json.loads(report_file(path).read_text())
+
+
+def rebase(recorded: str | Path, recorded_eval: str | Path, eval_dir: Path) -> Path:
+    """Where a result folder recorded in a report lies now that the report is in `eval_dir`: at the same position
+    relative to the report's folder as when the report was written in `recorded_eval` (a run directory copied off
+    the machine that ran it keeps its eval/student beside its report, and a teacher cache such as
+    ../../teacher-2048/NAME beside the runs). The recorded path itself when only it exists (a report moved alone)."""
+    relative = os.path.relpath(Path(recorded), Path(recorded_eval))
+    moved = Path(os.path.normpath(Path(eval_dir) / relative))
+    return Path(recorded) if not moved.exists() and Path(recorded).exists() else moved
+
+
+def eval_dirs(path: str | Path, report: Optional[dict] = None) -> tuple[Path, Optional[Path]]:
+    """The student's and the teacher's result folders of the report of `path` (a RUN_DIR, its eval folder or a
+    report.json), found relative to where the report lies now (`rebase`), not at the absolute paths it records.
+
+    The report was written beside its student's folder (the evaluation job writes OUTPUT_DIR/report.json and
+    OUTPUT_DIR/student/), so the recorded student_dir's parent is where the report was written; a report that
+    records no student_dir has its student in student/ beside it, and its teacher_dir is taken as recorded."""
+    file = report_file(path)
+    report = report if report is not None else json.loads(file.read_text())
+    teacher = report.get("teacher_dir")
+    if report.get("student_dir") is None:
+        return file.parent / "student", None if teacher is None else Path(teacher)
+    recorded_eval = Path(report["student_dir"]).parent
+    student = rebase(report["student_dir"], recorded_eval, file.parent)
+    return student, None if teacher is None else rebase(teacher, recorded_eval, file.parent)
 
 
 def _name(report: dict) -> str:
     return report["label"] + (f" [{report['mixer']}]" if report.get("mixer") else "")
 
 
-def comparison_markdown(reports: list[dict]) -> str:
+def comparison_markdown(reports: list[dict], paired: Optional[list[dict]] = None) -> str:
     """Several runs: normalised (and raw) recovery per task with NIAH overall and the perplexity ratio; then the
-    raw scores, NIAH by length, and (for runs read from their run directories) the final loss of each stage."""
+    raw scores, NIAH by length, (for runs read from their run directories) the final loss of each stage, and the
+    paired differences of chosen pairs (harness.eval.paired.paired_report) when given."""
     tasks = list(dict.fromkeys(t for r in reports for t in r["tasks"]))
     head = ["run"] + tasks + ["average normalised", "average raw", "NIAH student", "NIAH teacher",
                               "NIAH lik. student", "NIAH lik. teacher", "ppl ratio"]
@@ -325,6 +362,10 @@ def comparison_markdown(reports: list[dict]) -> str:
               "perplexity.", ""]
     lines += _left_out(reports)
     lines += _scores_table(reports, tasks) + _niah_table(reports) + _training_table(reports, plotted=True)
+    if paired:
+        from harness.eval.paired import paired_markdown
+
+        lines += paired_markdown(paired)
     return "\n".join(lines)
 
 
@@ -460,13 +501,15 @@ def attach_training(report: dict, path: str | Path) -> dict:
     return {**report, "training": summary} if summary else report
 
 
-def compare(reports: list[dict], out: Path) -> Path:
+def compare(reports: list[dict], out: Path, paired: Optional[list[dict]] = None) -> Path:
     """out/comparison.{json,md}, out/recovery.png, out/niah_by_length.png and (with training losses)
-    out/loss_curves.png for several runs."""
+    out/loss_curves.png for several runs; with `paired` (harness.eval.paired.paired_report of chosen pairs),
+    their differences under comparison.json's "paired" and in comparison.md."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "comparison.json").write_text(json.dumps({"runs": reports}, indent=1))
-    (out / "comparison.md").write_text(comparison_markdown(reports))
+    (out / "comparison.json").write_text(json.dumps({"runs": reports, **({"paired": paired} if paired else {})},
+                                                    indent=1))
+    (out / "comparison.md").write_text(comparison_markdown(reports, paired))
     plot_recovery(reports, out / "recovery.png")
     if any(r.get("niah") for r in reports):
         plot_niah_by_length(reports, out / "niah_by_length.png")

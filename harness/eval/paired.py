@@ -1,0 +1,443 @@
+"""Paired differences between two runs: run B - run A in each headline metric, on the same examples and prompts.
+
+Two students scored on the same benchmark examples and the same NIAH prompts share much of their noise: both
+find the same examples hard. Each bootstrap replicate therefore draws one set of example indices and applies it
+to both runs (and to their teachers, for the recoveries), and the 95% interval is the percentile range of the
+replicate differences (harness.eval.recovery.paired_bootstrap: seeded by the metric's name, deterministic; a
+task's replicates use the same indices as its per-run intervals in the report). That interval is narrower
+than one from resampling the runs independently whenever the runs are correlated.
+
+Metrics, B - A:
+  average normalised recovery  over the tasks both reports average (teacher clearly above chance); the tasks
+                               are resampled independently (different examples) and their draws averaged
+  average raw recovery         student / teacher, over the tasks both have
+  per task                     the score, and the normalised recovery of the averaged tasks
+  NIAH                         exact match and the likelihood score (top1), overall and by length, over the
+                               prompts matched by (kind, length, depth, index)
+  held-out                     perplexity (perplexity.json) and stage 3's validation CE and KL: aggregates only
+                               (no per-document values are stored), so a plain difference without an interval
+
+A pair is refused (PairError) unless both runs were scored on the same examples: the same tasks, limit and
+documents, and the same NIAH grid, seed, haystack, prompt mode and tokenizer.
+
+    parse_pairs("A:B,C:D") / baseline_pairs(name, runs)   -> [(A, B), ...] as given
+    load_run(path, report)                               -> RunResults (result folders via report.eval_dirs)
+    resolve_pairs(specs, runs)                           -> [(run A, run B)], unknown names refused
+    difference(a, b, stream=...)                         -> one metric's B - A with its paired interval
+    paired_report(a, b)                                  -> {"a", "b", "rows", ...}; PairError if examples differ
+    paired_markdown(pairs)                               -> the "Paired differences" section of comparison.md
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+import numpy as np
+
+from harness.eval.bench import read_examples
+from harness.eval.recovery import (BOOTSTRAP_SAMPLES, BOOTSTRAP_SEED, LEVEL, normalised_draws, normalised_recovery,
+                                   paired_bootstrap, percentile_interval)
+from harness.eval.report import eval_dirs, paired_columns, report_file
+
+NIAH_SETTINGS = ("niah_format", "haystack", "prompt", "seed", "max_new_tokens", "tokenizer")  # the cells' header
+NO_INTERVAL = "aggregate only: no per-document values are stored"
+
+NiahKey = tuple[str, int, float, int]
+
+
+class PairError(ValueError):
+    """A pair that cannot be compared: an unknown run name, or runs scored on different examples."""
+
+
+@dataclass(frozen=True)
+class NiahPrompts:
+    """One model's NIAH prompts: the settings they depend on and the record of every prompt of the grid."""
+
+    settings: dict  # niah_cells.jsonl's header, NIAH_SETTINGS only
+    grid: dict  # niah.json's grid
+    records: dict[NiahKey, dict]
+
+
+@dataclass(frozen=True)
+class RunResults:
+    """What the paired differences read of one run: its report and, from its result folders, the student's and
+    the teacher's per-example benchmark results and the student's NIAH prompts."""
+
+    label: str
+    names: tuple[str, ...]  # what a pair may call the run: its label, its directory's name
+    report: dict
+    student_dir: Path
+    teacher_dir: Optional[Path]
+    examples: dict[str, dict]  # {task: bench_examples.json entry} of the student
+    teacher_examples: dict[str, dict]
+    niah: Optional[NiahPrompts]
+
+
+# --------------------------------------------------------------------------------------------- reading
+
+
+def _read(path: Optional[Path]) -> Optional[dict]:
+    return json.loads(path.read_text()) if path is not None and path.is_file() else None
+
+
+def _examples(folder: Optional[Path]) -> dict[str, dict]:
+    return read_examples(folder, _read(folder / "bench.json")) if folder is not None else {}
+
+
+def _niah_key(record: dict) -> NiahKey:
+    return record["kind"], int(record["length"]), float(record["depth"]), int(record["index"])
+
+
+def read_niah_prompts(folder: Path) -> Optional[NiahPrompts]:
+    """The grid's prompts from folder/niah_cells.jsonl and folder/niah.json; None without both, or when a prompt
+    of the grid has no record with both scores."""
+    summary, cells = _read(folder / "niah.json"), folder / "niah_cells.jsonl"
+    if summary is None or not cells.is_file():
+        return None
+    lines = [json.loads(line) for line in cells.read_text(encoding="utf-8").splitlines() if line.strip()]
+    header = lines[0].get("header", {}) if lines else {}
+    records = {_niah_key(r): r for r in lines[1:]}
+    grid = summary["grid"]
+    keys = [(kind, int(length), float(depth), i) for length in grid["lengths"] for depth in grid["depths"]
+            for kind in grid["kinds"] for i in range(grid["samples"])]
+    if any(k not in records or "top1" not in records[k] for k in keys):
+        return None
+    return NiahPrompts({k: header.get(k) for k in NIAH_SETTINGS}, grid, {k: records[k] for k in keys})
+
+
+def run_names(path: str | Path, report: dict) -> tuple[str, ...]:
+    """The names a pair may use for the run at `path`: its report's label and its run directory's name."""
+    folder = report_file(path).parent
+    run = folder.parent if folder.name == "eval" else folder
+    return tuple(dict.fromkeys([report["label"], run.name]))
+
+
+def load_run(path: str | Path, report: dict) -> RunResults:
+    """One run's results for pairing, read from its result folders where they lie now (report.eval_dirs)."""
+    student, teacher = eval_dirs(path, report)
+    return RunResults(report["label"], run_names(path, report), report, student, teacher, _examples(student),
+                      _examples(teacher), read_niah_prompts(student))
+
+
+# --------------------------------------------------------------------------------------------- pairs
+
+
+def parse_pairs(text: str) -> list[tuple[str, str]]:
+    """'A:B,C:D' -> [("A", "B"), ("C", "D")]: each pair is read as B - A."""
+    pairs = []
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        a, sep, b = item.partition(":")
+        if not sep or not a or not b or ":" in b:
+            raise PairError(f"--pairs takes A:B,C:D (run labels or directory names, B - A), not '{item}'.")
+        pairs.append((a, b))
+    return pairs
+
+
+def baseline_pairs(baseline: str, runs: Sequence[RunResults]) -> list[tuple[str, str]]:
+    """Every run minus the baseline: [(baseline, run label), ...] for the other runs."""
+    base = find_run(baseline, runs)
+    return [(baseline, r.label) for r in runs if r is not base]
+
+
+def find_run(name: str, runs: Sequence[RunResults]) -> RunResults:
+    """The run a label or directory name means; PairError naming the known names when none or several match."""
+    matches = [r for r in runs if name in r.names]
+    if len(matches) == 1:
+        return matches[0]
+    known = ", ".join(n for r in runs for n in r.names)
+    what = "matches several runs" if matches else "is not one of the runs"
+    raise PairError(f"'{name}' {what}; the runs are called: {known}.")
+
+
+def resolve_pairs(specs: Sequence[tuple[str, str]], runs: Sequence[RunResults]) -> list[tuple[RunResults, RunResults]]:
+    """The (A, B) runs of each pair, once each, in the order given; a run paired with itself is refused."""
+    pairs = []
+    for a_name, b_name in dict.fromkeys(specs):
+        a, b = find_run(a_name, runs), find_run(b_name, runs)
+        if a is b:
+            raise PairError(f"'{a_name}:{b_name}' pairs the run {a.label} with itself.")
+        pairs.append((a, b))
+    return pairs
+
+
+# --------------------------------------------------------------------------------------------- same examples
+
+
+def example_differences(a: RunResults, b: RunResults) -> list[str]:
+    """What differs between the examples the two runs were scored on ([] when they are the same)."""
+    found = []
+    tasks_a, tasks_b = scored_tasks(a), scored_tasks(b)
+    if set(tasks_a) != set(tasks_b):
+        found.append(f"benchmark tasks ({a.label}: {', '.join(tasks_a) or 'none'}; "
+                     f"{b.label}: {', '.join(tasks_b) or 'none'})")
+    if a.report.get("limit") != b.report.get("limit"):
+        found.append(f"benchmark limit ({a.report.get('limit')} against {b.report.get('limit')})")
+    for task in (t for t in tasks_a if t in tasks_b):
+        found += _task_difference(task, a, b)
+    return found + _niah_differences(a, b)
+
+
+def scored_tasks(run: RunResults) -> list[str]:
+    """The benchmark tasks the run's student was scored on (a report also lists tasks only its teacher has)."""
+    return [t for t, row in run.report["tasks"].items() if row.get("student") is not None]
+
+
+def _task_difference(task: str, a: RunResults, b: RunResults) -> list[str]:
+    if a.report["tasks"][task]["metric"] != b.report["tasks"][task]["metric"]:
+        return [f"{task}'s metric ({a.report['tasks'][task]['metric']} against {b.report['tasks'][task]['metric']})"]
+    ex_a, ex_b = a.examples.get(task), b.examples.get(task)
+    if ex_a is None or ex_b is None:
+        return []  # no per-example results to compare: the difference gets no interval
+    docs = lambda ex: {leaf: entry["doc_id"] for leaf, entry in ex["by_task"].items()}  # noqa: E731
+    return [] if docs(ex_a) == docs(ex_b) else [f"{task}'s documents (different doc ids)"]
+
+
+def _niah_differences(a: RunResults, b: RunResults) -> list[str]:
+    if (a.niah is None) != (b.niah is None):
+        has, lacks = (a, b) if a.niah is not None else (b, a)
+        return [f"NIAH prompts ({has.label} has them, {lacks.label} has none complete)"]
+    if a.niah is None or b.niah is None:
+        return []
+    found = [f"NIAH {k} ({a.niah.grid.get(k)} against {b.niah.grid.get(k)})"
+             for k in sorted(set(a.niah.grid) | set(b.niah.grid)) if a.niah.grid.get(k) != b.niah.grid.get(k)]
+    found += [f"NIAH {k} ({a.niah.settings[k]} against {b.niah.settings[k]})"
+              for k in NIAH_SETTINGS if a.niah.settings[k] != b.niah.settings[k]]
+    if not found:
+        other = [k for k in a.niah.records if a.niah.records[k]["value"] != b.niah.records[k]["value"]]
+        found += [f"NIAH needles ({len(other)} prompts hide different values)"] if other else []
+    return found
+
+
+# --------------------------------------------------------------------------------------------- statistics
+
+
+def _row(a: Optional[float], b: Optional[float], draws: Optional[np.ndarray], n: Optional[int],
+         note: Optional[str] = None) -> dict:
+    """One metric's A, B, B - A, interval (from `draws`, the replicate differences) and whether it excludes 0."""
+    diff = None if a is None or b is None else b - a
+    ci = None if draws is None else percentile_interval(draws)
+    excludes = None if ci is None else bool(ci[0] > 0 or ci[1] < 0)
+    return {"a": a, "b": b, "diff": diff, "ci": ci, "excludes_zero": excludes, "n": n,
+            "note": note if ci is None else None}
+
+
+def difference(a: Sequence[float], b: Sequence[float], *, stream: str, samples: int = BOOTSTRAP_SAMPLES,
+               seed: int = BOOTSTRAP_SEED) -> dict:
+    """B - A of two runs' per-example scores over the same examples in the same order: both means, their
+    difference, and its paired bootstrap interval (one index set per replicate, applied to both)."""
+    if len(a) != len(b) or not len(a):
+        raise ValueError(f"a paired difference needs scores of the same examples, got {len(a)} and {len(b)}.")
+    columns = np.array([a, b], dtype=float)
+    means = paired_bootstrap(columns, samples=samples, seed=seed, stream=stream)
+    return _row(float(columns[0].mean()), float(columns[1].mean()), means[1] - means[0], columns.shape[1])
+
+
+@dataclass(frozen=True)
+class RecoveryDraws:
+    """One task's recovery of both runs and the replicate differences B - A (NaN where undefined)."""
+
+    a: Optional[float]
+    b: Optional[float]
+    draws: np.ndarray
+
+
+def recovery_differences(columns: np.ndarray, *, stream: str, samples: int = BOOTSTRAP_SAMPLES,
+                         seed: int = BOOTSTRAP_SEED) -> dict[str, RecoveryDraws]:
+    """From one task's (5, n) columns (student A, student B, teacher of A, teacher of B, chance) over the same
+    examples: {"norm": normalised recovery, "raw": student / teacher} of both runs with the paired replicate
+    differences; a shared teacher is the same column twice."""
+    means = paired_bootstrap(columns, samples=samples, seed=seed, stream=stream)
+    m = columns.mean(axis=1)
+    norm = normalised_draws(means[[1, 3, 4]]) - normalised_draws(means[[0, 2, 4]])
+    with np.errstate(divide="ignore", invalid="ignore"):
+        raw = np.where((means[2] > 0) & (means[3] > 0), means[1] / means[3] - means[0] / means[2], np.nan)
+    ratio = lambda s, t: float(s / t) if t > 0 else None  # noqa: E731
+    return {"norm": RecoveryDraws(normalised_recovery(m[0], m[2], m[4]), normalised_recovery(m[1], m[3], m[4]), norm),
+            "raw": RecoveryDraws(ratio(m[0], m[2]), ratio(m[1], m[3]), raw)}
+
+
+def _scores(examples: Optional[dict]) -> Optional[list[float]]:
+    """A task's per-example scores over its leaf tasks in sorted order (report.paired_columns' order)."""
+    if examples is None:
+        return None
+    return [x for leaf in sorted(examples["by_task"]) for x in examples["by_task"][leaf]["score"]]
+
+
+def _columns(task: str, a: RunResults, b: RunResults) -> tuple[Optional[np.ndarray], str]:
+    """One task's (5, n) recovery columns (report.paired_columns of each run), or None and why not."""
+    cols_a, why_a = paired_columns(a.examples.get(task), a.teacher_examples.get(task))
+    cols_b, why_b = paired_columns(b.examples.get(task), b.teacher_examples.get(task))
+    if cols_a is None or cols_b is None:
+        return None, why_a or why_b
+    if not np.array_equal(cols_a[2], cols_b[2]):
+        return None, "the teachers' examples have different numbers of choices"
+    return np.array([cols_a[0], cols_b[0], cols_a[1], cols_b[1], cols_a[2]]), ""
+
+
+# --------------------------------------------------------------------------------------------- rows
+
+
+def benchmark_rows(a: RunResults, b: RunResults, samples: int = BOOTSTRAP_SAMPLES,
+                   seed: int = BOOTSTRAP_SEED) -> list[dict]:
+    """The averages of normalised and raw recovery, then per task the score and the normalised recovery."""
+    tasks = [t for t in scored_tasks(a) if t in scored_tasks(b)]
+    scores, recoveries, whys = [], {}, {}
+    for task in tasks:
+        ra, rb = a.report["tasks"][task], b.report["tasks"][task]
+        sa, sb = _scores(a.examples.get(task)), _scores(b.examples.get(task))
+        row = (difference(sa, sb, stream=task, samples=samples, seed=seed) if sa and sb else
+               _row(ra["student"], rb["student"], None, ra.get("n"), "no per-example results"))
+        scores.append({"metric": f"{task} ({ra['metric']})", "unit": "score", **row})
+        columns, whys[task] = _columns(task, a, b)
+        if columns is not None:
+            recoveries[task] = recovery_differences(columns, stream=task, samples=samples, seed=seed)
+    norm_tasks = [t for t in a.report["average"].get("norm_tasks") or []
+                  if t in (b.report["average"].get("norm_tasks") or [])]
+    raw_tasks = [t for t in tasks if a.report["tasks"][t]["recovery"] is not None
+                 and b.report["tasks"][t]["recovery"] is not None]
+    per_task = [_recovery_row(f"{t} normalised recovery", t, "norm", "recovery_norm", a, b, recoveries, whys)
+                for t in norm_tasks]
+    averages = [_average_row(f"average normalised recovery ({len(norm_tasks)} tasks)", norm_tasks, "norm",
+                             "recovery_norm", a, b, recoveries),
+                _average_row(f"average raw recovery ({len(raw_tasks)} tasks)", raw_tasks, "raw", "recovery", a, b,
+                             recoveries)]
+    return [r for r in averages if r["a"] is not None or r["b"] is not None] + scores + per_task
+
+
+def _recovery_row(metric: str, task: str, kind: str, key: str, a: RunResults, b: RunResults,
+                  recoveries: dict[str, dict[str, RecoveryDraws]], whys: dict[str, str]) -> dict:
+    n = a.report["tasks"][task].get("n")
+    if task in recoveries:
+        got = recoveries[task][kind]
+        return {"metric": metric, "unit": "fraction", **_row(got.a, got.b, got.draws, n)}
+    return {"metric": metric, "unit": "fraction",
+            **_row(a.report["tasks"][task][key], b.report["tasks"][task][key], None, n, whys.get(task))}
+
+
+def _average_row(metric: str, tasks: list[str], kind: str, key: str, a: RunResults, b: RunResults,
+                 recoveries: dict[str, dict[str, RecoveryDraws]]) -> dict:
+    """The mean over `tasks` of a recovery; its interval averages the tasks' replicate differences (each task
+    resampled on its own examples) and needs every task's."""
+    if not tasks:
+        return {"metric": metric, "unit": "fraction", **_row(None, None, None, 0)}
+    if all(t in recoveries for t in tasks):
+        got = [recoveries[t][kind] for t in tasks]
+        if all(g.a is not None and g.b is not None for g in got):
+            return {"metric": metric, "unit": "fraction",
+                    **_row(float(np.mean([g.a for g in got])), float(np.mean([g.b for g in got])),
+                           np.mean([g.draws for g in got], axis=0), len(tasks))}
+    mean = lambda run: float(np.mean([run.report["tasks"][t][key] for t in tasks]))  # noqa: E731
+    return {"metric": metric, "unit": "fraction",
+            **_row(mean(a), mean(b), None, len(tasks), "a task has no paired per-example results")}
+
+
+def niah_rows(a: RunResults, b: RunResults, samples: int = BOOTSTRAP_SAMPLES, seed: int = BOOTSTRAP_SEED) -> list[dict]:
+    """NIAH exact match and likelihood score (top1), overall and by length, over the prompts both were given."""
+    if a.niah is None or b.niah is None:
+        return []
+    keys = list(a.niah.records)
+    rows = []
+    for label, field in (("exact match", "correct"), ("likelihood", "top1")):
+        score = lambda run, ks: [float(run.niah.records[k][field]) for k in ks]  # noqa: E731
+        groups = [("overall", keys)] + [(f"{n} tokens", [k for k in keys if k[1] == n])
+                                        for n in a.niah.grid["lengths"]]
+        for name, ks in groups:
+            row = difference(score(a, ks), score(b, ks), stream=f"niah {field} {name}", samples=samples, seed=seed)
+            rows.append({"metric": f"NIAH {label}, {name}", "unit": "fraction", **row})
+    return rows
+
+
+def heldout_rows(a: RunResults, b: RunResults) -> list[dict]:
+    """Held-out perplexity and stage 3's validation CE and KL: plain differences, no interval."""
+    ppl = lambda run: (run.report.get("perplexity") or {}).get("student")  # noqa: E731
+    distill = lambda run: ((run.report.get("training") or {}).get("final") or {}).get("distill") or {}  # noqa: E731
+    rows = []
+    if ppl(a) is not None or ppl(b) is not None:
+        tokens = (a.report.get("perplexity") or {}).get("tokens")
+        rows.append({"metric": "held-out perplexity", "unit": "value", **_row(ppl(a), ppl(b), None, tokens,
+                                                                                NO_INTERVAL)})
+    for key, name in (("val_ce", "stage 3 validation CE"), ("val_kl", "stage 3 validation KL")):
+        if distill(a).get(key) is not None or distill(b).get(key) is not None:
+            rows.append({"metric": name, "unit": "value",
+                         **_row(distill(a).get(key), distill(b).get(key), None, None, NO_INTERVAL)})
+    return rows
+
+
+def paired_report(a: RunResults, b: RunResults, samples: int = BOOTSTRAP_SAMPLES, seed: int = BOOTSTRAP_SEED) -> dict:
+    """B - A in every headline metric with paired 95% intervals; PairError when the examples differ."""
+    differ = example_differences(a, b)
+    if differ:
+        raise PairError(f"{b.label} - {a.label}: the runs were not scored on the same examples; they differ in "
+                        + "; ".join(differ) + ".")
+    return {"a": a.label, "b": b.label,
+            "dirs": {"a": {"student": str(a.student_dir), "teacher": _str(a.teacher_dir)},
+                     "b": {"student": str(b.student_dir), "teacher": _str(b.teacher_dir)}},
+            "shared_teacher": _same(a.teacher_dir, b.teacher_dir),
+            "bootstrap": {"samples": samples, "seed": seed, "level": LEVEL, "paired": True},
+            "rows": benchmark_rows(a, b, samples, seed) + niah_rows(a, b, samples, seed) + heldout_rows(a, b)}
+
+
+def _str(path: Optional[Path]) -> Optional[str]:
+    return None if path is None else str(path)
+
+
+def _same(x: Optional[Path], y: Optional[Path]) -> bool:
+    return x is not None and y is not None and Path(x).resolve() == Path(y).resolve()
+
+
+# --------------------------------------------------------------------------------------------- markdown
+
+
+def _value(value: Optional[float], unit: str) -> str:
+    if value is None:
+        return "-"
+    return f"{100 * value:.1f}%" if unit == "fraction" else (f"{value:.3f}" if unit == "score" else f"{value:.4g}")
+
+
+def _diff(row: dict) -> str:
+    """'-0.090 [-0.131, -0.048]', '-47.3 pts [-58.1, -36.0]' (percentage points), '74.81' without interval."""
+    diff, ci, unit = row["diff"], row["ci"], row["unit"]
+    if diff is None:
+        return "-"
+    if unit == "fraction":
+        text = f"{100 * diff:+.1f} pts" + (f" [{100 * ci[0]:+.1f}, {100 * ci[1]:+.1f}]" if ci else "")
+    elif unit == "score":
+        text = f"{diff:+.3f}" + (f" [{ci[0]:+.3f}, {ci[1]:+.3f}]" if ci else "")
+    else:
+        text = f"{diff:+.4g}" + (f" [{ci[0]:+.4g}, {ci[1]:+.4g}]" if ci else "")
+    return text
+
+
+def _excludes(row: dict) -> str:
+    if row["excludes_zero"] is None:
+        return f"no interval ({row['note']})" if row.get("note") else "-"
+    return "yes" if row["excludes_zero"] else "no"
+
+
+def paired_markdown(pairs: Sequence[dict]) -> list[str]:
+    """The "Paired differences" section: one table per pair, B - A."""
+    if not pairs:
+        return []
+    boot = pairs[0]["bootstrap"]
+    lines = ["## Paired differences", "",
+             f"B - A on the same examples and NIAH prompts. Each of {boot['samples']} bootstrap replicates (seed "
+             f"{boot['seed']}) draws one set of example indices and applies it to both runs, and to their teachers "
+             f"for the recoveries; the {100 * boot['level']:.0f}% CI is the percentile range of the replicate "
+             "differences. The average normalised recovery resamples its tasks independently and averages them. "
+             "pts: percentage points; n: examples or prompts (tasks for the averages, tokens for perplexity). "
+             "Held-out perplexity and stage 3's validation CE and KL are stored as aggregates only, so their "
+             "difference has no interval.", ""]
+    for pair in pairs:
+        teacher = "" if pair["shared_teacher"] else " (the runs' teachers' result folders differ)"
+        lines += [f"### {pair['b']} (B) - {pair['a']} (A){teacher}", "",
+                  "| metric | n | A | B | B - A [95% CI] | CI excludes 0 |", "|---|---|---|---|---|---|"]
+        for row in pair["rows"]:
+            lines.append(f"| {row['metric']} | {row['n'] if row['n'] is not None else '-'} | "
+                         f"{_value(row['a'], row['unit'])} | {_value(row['b'], row['unit'])} | {_diff(row)} | "
+                         f"{_excludes(row)} |")
+        lines.append("")
+    return lines
