@@ -81,7 +81,7 @@ from torch import nn
 
 from harness import flops
 from harness.files import atomic_write_text
-from harness.flops import flops_per_token, mfu
+from harness.flops import flops_per_token, mfu, resolve_measured_peak
 
 REPO = Path(__file__).resolve().parents[1]
 GIB = 2**30
@@ -156,28 +156,8 @@ def count_params(model: nn.Module) -> int:
 # ------------------------------------------------------------------------------------------ FLOPs and MFU
 
 
-# flops_per_token (6 N_student + 2 N_teacher) and mfu live in harness.flops, with the GPUs' datasheet peaks.
-
-
-def measure_matmul_peak(device: torch.device, dtype: torch.dtype = torch.bfloat16, n: Optional[int] = None,
-                        reps: int = 20) -> float:
-    """FLOP/s of an n^3 matmul on random data (median of `reps`): 8192 in `dtype` on CUDA, 1024 on a CPU."""
-    device = torch.device(device)
-    cuda = device.type == "cuda"
-    n = n or (8192 if cuda else 1024)
-    dtype = dtype if cuda else torch.float32
-    a = torch.randn(n, n, device=device, dtype=dtype)
-    b = torch.randn(n, n, device=device, dtype=dtype)
-    for _ in range(3):
-        a @ b
-    times = []
-    for _ in range(reps):
-        _sync(device)
-        t0 = time.perf_counter()
-        a @ b
-        _sync(device)
-        times.append(time.perf_counter() - t0)
-    return 2.0 * n**3 / sorted(times)[len(times) // 2]
+# flops_per_token (6 N_student + 2 N_teacher), mfu, the GPUs' datasheet peaks and the measured matmul peak
+# (measure_matmul_peak, resolve_measured_peak) live in harness.flops.
 
 
 def resolve_peak(device: torch.device, override: Optional[float] = None) -> tuple[Optional[float], str]:
@@ -188,27 +168,6 @@ def resolve_peak(device: torch.device, override: Optional[float] = None) -> tupl
         return float(override), "--peak-flops"
     peak = flops.resolve_peak(device)
     return peak.flops, peak.source
-
-
-def resolve_measured_peak(device: torch.device, dtype: torch.dtype,
-                          measure: bool = False) -> tuple[Optional[float], str]:
-    """(peak FLOP/s per device of `mfu_measured_peak`, where it came from): a fresh matmul measurement
-    (--measure-peak), else the figure measured before for this GPU (harness.flops.MEASURED_PEAK_FLOPS), else a
-    measurement on CUDA; on a CPU without --measure-peak: None."""
-    if measure:
-        return measure_matmul_peak(device, dtype), f"measured now ({_matmul_desc(device, dtype)})"
-    if device.type == "cuda":
-        name = torch.cuda.get_device_name(device)
-        known = flops.measured_peak(device, name)
-        if known:
-            return known, f"harness.flops.MEASURED_PEAK_FLOPS[{name!r}] = {known:.3g} (8192^3 bf16 matmul)"
-        return measure_matmul_peak(device, dtype), f"measured now ({_matmul_desc(device, dtype)})"
-    return None, "none on CPU (pass --measure-peak)"
-
-
-def _matmul_desc(device: torch.device, dtype: torch.dtype) -> str:
-    return "8192^3 bf16 matmul" if device.type == "cuda" and dtype == torch.bfloat16 else \
-        ("8192^3 matmul" if device.type == "cuda" else "1024^3 fp32 matmul")
 
 
 # ------------------------------------------------------------------------------------------------ helpers

@@ -16,7 +16,7 @@ import pytest
 import torch
 from transformers import LlamaForCausalLM
 
-from harness import perf
+from harness import flops, perf
 from harness.perf import (
     PHASES,
     bench_decode,
@@ -119,7 +119,7 @@ def test_peak_resolution(monkeypatch):
     assert perf.resolve_peak(cpu, override=5e12) == (5e12, "--peak-flops")
     value, source = perf.resolve_peak(cpu)
     assert value is None and "CPU" in source
-    assert perf.resolve_measured_peak(cpu, torch.float32)[0] is None
+    assert flops.resolve_measured_peak(cpu, torch.float32)[0] is None
     # a GPU with no datasheet figure: no mfu, and the reason names it and what to pass
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA L40S")
     value, source = perf.resolve_peak(cuda)
@@ -128,14 +128,14 @@ def test_peak_resolution(monkeypatch):
     monkeypatch.setenv("HARNESS_PEAK_FLOPS", "1.5e12")
     assert perf.resolve_peak(cpu) == (1.5e12, "$HARNESS_PEAK_FLOPS")
     assert perf.resolve_peak(cuda) == (1.5e12, "$HARNESS_PEAK_FLOPS")
-    measured, source = perf.resolve_measured_peak(cpu, torch.float32, measure=True)
+    measured, source = flops.resolve_measured_peak(cpu, torch.float32, measure=True)
     assert measured > 1e6 and source.startswith("measured now")
 
 
 def test_markdown_names_a_gpu_without_a_peak_and_shows_both_mfu_columns(monkeypatch):
     monkeypatch.delenv("HARNESS_PEAK_FLOPS", raising=False)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA L40S")
-    monkeypatch.setattr(perf, "measure_matmul_peak", lambda device, dtype: 300e12)
+    monkeypatch.setattr(flops, "measure_matmul_peak", lambda device, dtype: 300e12)
     base = {"shape": "135M", "mixer": "gla", "engine": "plain", "teacher_placement": "replicated", "micro_batch": 8,
             "seq_len": 2048, "world": 1, "tokens_per_s": 100_000.0, "peak_mem_gib": 20.0, "step_ms": 163.8,
             "breakdown_ms": {}, "breakdown_pct": {}, "device": "cuda:0"}
