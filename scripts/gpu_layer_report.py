@@ -5,7 +5,7 @@ For every mixer and each teacher head layout (SmolLM2-135M: hidden 576, 9 heads;
 with backend=reference on the same input. Reported: relative errors ||a-b||/||b|| of the output and of all
 parameter gradients, and the median forward+backward time of each path at batch x seq_len.
 
-The measurement itself lives in harness.perf (`compare_layer`, `bench_kernels`), which `harness bench --what
+The measurement itself lives in harness.bench.kernels (`compare_layer`, `bench_kernels`), which `harness bench --what
 kernels` runs too; this script keeps its own output files (layer_report.json, layer_report.md).
 
     python scripts/gpu_layer_report.py --out OUT_DIR [--batch 4 --seq 2048 --mixers gla,kda]
@@ -22,7 +22,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from harness.mixers import MIXERS  # noqa: E402
-from harness.perf import bench_kernels, environment, kernel_table  # noqa: E402
+from harness.bench.kernels import bench_kernels  # noqa: E402
+from harness.bench.machine import environment  # noqa: E402
+from harness.bench.report import kernel_table  # noqa: E402
 
 DEFAULT_LAYOUTS = ("135M", "1.7B")
 

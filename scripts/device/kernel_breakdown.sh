@@ -2,7 +2,7 @@
 # One device call on nvidia-h200 (<= 10 min), for issue 8's kernel target (every mixer's kernel path >= 5x its
 # PyTorch reference at the 1.7B layout). `harness bench --what kernels` for the mixers that miss it, with where
 # the kernel layer's time goes: the recurrence alone against the reference's recurrence, the GPU-busy share and
-# the top operators (harness.perf.compare_layer). First at batch 4 (the earlier runs' batch), then at batch 8
+# the top operators (harness.bench.kernels.compare_layer). First at batch 4 (the earlier runs' batch), then at batch 8
 # (stage 3's micro-batch at 1.7B) in a second process that finds the first's Triton cache on disk.
 #
 #   bash scripts/device/kernel_breakdown.sh [PREFIX]      (from the repository root, .devbundle carried)

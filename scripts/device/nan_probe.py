@@ -11,7 +11,7 @@ import json
 
 import torch
 
-from harness import perf
+from harness.bench import shapes, step
 from harness.config import DistillConfig
 from harness.stages.distill import DistillModel
 from nan_where import arguments, stat
@@ -22,10 +22,10 @@ def main():
     dev = torch.device(a.device)
     cfg = DistillConfig(micro_batch_size=a.micro_batch, grad_accum=1, schedule="constant", warmup_fraction=0.0,
                         compile_teacher=False)
-    teacher, student = perf.build_pair(a.shape, "gated_deltanet", layers=a.layers, device=dev,
+    teacher, student = shapes.build_pair(a.shape, "gated_deltanet", layers=a.layers, device=dev,
                                        teacher_dtype=torch.bfloat16, seed=0)
     model = DistillModel(student, cfg.ce_weight, cfg.kl_weight, cfg.temperature)
-    parts, _ = perf._build_engines(model, teacher, cfg, 1, True, a.steps, None, None, "replicated", "plain", dev)
+    parts, _ = step._build_engines(model, teacher, cfg, 1, True, a.steps, None, None, "replicated", "plain", dev)
     del teacher
     eng = parts.s_engine
     g = torch.Generator(device="cpu").manual_seed(1000)

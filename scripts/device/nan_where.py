@@ -1,6 +1,6 @@
 """Where the first stage-3 steps' non-finite gradients come from (issue 8, runs 16): at 1.7B both engines skip the
 first three optimizer steps for a non-finite gradient and train from the fourth on, with the same weights and the
-same batches. This runs the bench's stage-3 step (plain engine, harness.perf's own builders) and, per step, records
+same batches. This runs the bench's stage-3 step (plain engine, harness.bench's own builders) and, per step, records
   - every parameter's gradient: non-finite element count (nan, inf) and the largest finite magnitude;
   - per block, forward: the largest magnitude of the mixer's and the block's outputs;
   - per block, backward: the gradient reaching the block's output, the mixer's output and the mixer's input.
@@ -13,7 +13,7 @@ import time
 
 import torch
 
-from harness import perf
+from harness.bench import shapes, step
 from harness.config import DistillConfig
 from harness.stages.distill import DistillModel
 
@@ -47,10 +47,10 @@ def hooks(student, record):
 def run(shape, steps, compile_teacher, layers, micro_batch, seq, dev):
     cfg = DistillConfig(micro_batch_size=micro_batch, grad_accum=1, schedule="constant", warmup_fraction=0.0,
                         compile_teacher=compile_teacher)
-    teacher, student = perf.build_pair(shape, "gated_deltanet", layers=layers, device=dev,
+    teacher, student = shapes.build_pair(shape, "gated_deltanet", layers=layers, device=dev,
                                        teacher_dtype=torch.bfloat16, seed=0)
     model = DistillModel(student, cfg.ce_weight, cfg.kl_weight, cfg.temperature)
-    parts, _ = perf._build_engines(model, teacher, cfg, 1, True, steps, None, None, "replicated", "plain", dev)
+    parts, _ = step._build_engines(model, teacher, cfg, 1, True, steps, None, None, "replicated", "plain", dev)
     del teacher
     eng = parts.s_engine
     g = torch.Generator(device="cpu").manual_seed(1000)
