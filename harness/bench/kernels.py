@@ -1,7 +1,7 @@
 """The kernel bench (`bench_kernels`; CUDA only): for each mixer, one bf16 layer with `backend=kernel` (fla /
 mlstm_kernels Triton kernels) against its PyTorch reference (fp32 and bf16) on the same input: output and
 gradient errors and the median forward+backward time of each, speedup = reference bf16 ms / kernel ms
-(`scripts/gpu_layer_report.py` is a front end to the same code); the same for the recurrence alone
+(the layer report of docs/KERNELS.md); the same for the recurrence alone
 (`recurrence_speedup`: the layer's `_mix` on fixed q, k, v, without the projections that both paths share), and a
 profile of the kernel layer (`kernel_profile`: device-busy ms, GPU busy share, aten operators, top operators).
 """
