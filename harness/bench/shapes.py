@@ -107,7 +107,7 @@ def build_teacher(shape: str = "135M", *, source: Optional[str] = None, layers: 
 def fill_zero_embedding_rows(model: nn.Module) -> None:
     """Gives a freshly initialised teacher's zeroed padding_idx row the other rows' random values, as a trained
     teacher's rows have: a zero row leaves the student's hidden state exactly zero at that token, and the
-    RMSNorms' backward then overflows (runs 16-18; harness.student.warn_zero_embedding_rows)."""
+    RMSNorms' backward then overflows (harness.student.warn_zero_embedding_rows; docs/BENCHMARKS.md)."""
     from harness.student import zero_embedding_rows
 
     weight = model.get_input_embeddings().weight
