@@ -228,7 +228,7 @@ def build_parser() -> argparse.ArgumentParser:
     mixers.set_defaults(handler=cmd_mixers)
 
     from harness.eval.cli import add_parsers as add_eval_parsers
-    from harness.perf import add_parser as add_bench_parser
+    from harness.bench.cli import add_parser as add_bench_parser
 
     bench = add_bench_parser(sub)
     add_local_rank(bench)

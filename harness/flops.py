@@ -18,13 +18,15 @@ instead of using another GPU's figure; a CPU has none either.
 
 A second, named quantity (the denominator of docs/BENCHMARKS.md's older figures): `MEASURED_PEAK_FLOPS`, an 8192^3 bf16
 `torch.matmul` measured on our H200 (788 TFLOP/s, 0.797 of the datasheet's 989); `harness bench` reports
-`mfu_measured_peak` against it beside `mfu`. MFU by the datasheet = MFU by the measured peak x 788 / 989.
+`mfu_measured_peak` against it beside `mfu` (`resolve_measured_peak`: that figure, or a fresh
+`measure_matmul_peak`). MFU by the datasheet = MFU by the measured peak x 788 / 989.
 """
 
 from __future__ import annotations
 
 import os
 import re
+import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Optional
 
@@ -123,6 +125,53 @@ def measured_peak(device: torch.device, device_name: Optional[str] = None) -> Op
     """The matmul peak measured on this GPU model (`MEASURED_PEAK_FLOPS`), or None."""
     name = device_name or _device_name(device)
     return MEASURED_PEAK_FLOPS.get(name) if name else None
+
+
+def measure_matmul_peak(device: torch.device, dtype: torch.dtype = torch.bfloat16, n: Optional[int] = None,
+                        reps: int = 20) -> float:
+    """FLOP/s of an n^3 matmul on random data (median of `reps`): 8192 in `dtype` on CUDA, 1024 on a CPU."""
+    device = torch.device(device)
+    cuda = device.type == "cuda"
+    n = n or (8192 if cuda else 1024)
+    dtype = dtype if cuda else torch.float32
+    a = torch.randn(n, n, device=device, dtype=dtype)
+    b = torch.randn(n, n, device=device, dtype=dtype)
+    for _ in range(3):
+        a @ b
+    times = []
+    for _ in range(reps):
+        _sync(device)
+        t0 = time.perf_counter()
+        a @ b
+        _sync(device)
+        times.append(time.perf_counter() - t0)
+    return 2.0 * n**3 / sorted(times)[len(times) // 2]
+
+
+def resolve_measured_peak(device: torch.device, dtype: torch.dtype,
+                          measure: bool = False) -> tuple[Optional[float], str]:
+    """(peak FLOP/s per device of `mfu_measured_peak`, where it came from): a fresh matmul measurement
+    (--measure-peak), else the figure measured before for this GPU (`MEASURED_PEAK_FLOPS`), else a
+    measurement on CUDA; on a CPU without --measure-peak: None."""
+    if measure:
+        return measure_matmul_peak(device, dtype), f"measured now ({_matmul_desc(device, dtype)})"
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+        known = measured_peak(device, name)
+        if known:
+            return known, f"harness.flops.MEASURED_PEAK_FLOPS[{name!r}] = {known:.3g} (8192^3 bf16 matmul)"
+        return measure_matmul_peak(device, dtype), f"measured now ({_matmul_desc(device, dtype)})"
+    return None, "none on CPU (pass --measure-peak)"
+
+
+def _matmul_desc(device: torch.device, dtype: torch.dtype) -> str:
+    return "8192^3 bf16 matmul" if device.type == "cuda" and dtype == torch.bfloat16 else \
+        ("8192^3 matmul" if device.type == "cuda" else "1024^3 fp32 matmul")
+
+
+def _sync(device: torch.device) -> None:
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def dense_flops_per_token(n_params: int, training: bool = True) -> float:

@@ -18,7 +18,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from harness.perf import build_teacher  # noqa: E402
+from harness.bench.shapes import build_teacher  # noqa: E402
 from harness.teacher import load_tokenizer  # noqa: E402
 
 

@@ -20,7 +20,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from harness.engine import setup_distributed, student_engine  # noqa: E402
-from harness.perf import build_pair  # noqa: E402
+from harness.bench.shapes import build_pair  # noqa: E402
 
 
 def step_ops(ds_config: str, shape: str, mixer: str, top: int = 12) -> dict:

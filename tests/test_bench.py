@@ -15,8 +15,8 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from harness.eval import bench
-from harness.eval.bench import BenchmarkError, build_offline_task, make_lm, resolve_offline, run_benchmarks
+from harness.eval import lm_eval_tasks
+from harness.eval.lm_eval_tasks import BenchmarkError, build_offline_task, make_lm, resolve_offline, run_benchmarks
 from harness.eval.benchmark_data import BenchmarkDataError, _gsm8k_fewshot_rows, _gsm8k_rows, ensure_benchmark_data
 from harness.mixers import MIXERS
 from harness.student import build_student
@@ -83,7 +83,7 @@ def test_offline_benchmarks_end_to_end(student, setting, bench_data, tmp_path):
     assert (report["label"], report["limit"], report["offline"]) == ("tiny", LIMIT, True)
     assert list(report["tasks"]) == tasks
     for name, entry in report["tasks"].items():
-        assert entry["metric"] == bench.PRIMARY_METRICS[name]
+        assert entry["metric"] == lm_eval_tasks.PRIMARY_METRICS[name]
         assert 0.0 <= entry["score"] <= 1.0 and entry["n"] == LIMIT
         assert entry["score"] == entry["all"][entry["metric"]]
         assert entry["stderr"] is None or entry["stderr"] >= 0
@@ -100,7 +100,7 @@ def test_offline_benchmarks_end_to_end(student, setting, bench_data, tmp_path):
     assert report["tasks"]["piqa"]["all"]["acc"] == pytest.approx(np.mean(acc))
     assert report["tasks"]["piqa"]["all"]["acc_norm"] == pytest.approx(np.mean(acc_norm))
 
-    examples = bench.read_examples(tmp_path, report)  # per-example results beside bench.json
+    examples = lm_eval_tasks.read_examples(tmp_path, report)  # per-example results beside bench.json
     assert list(examples) == tasks
     assert examples["piqa"]["by_task"]["piqa"]["score"] == acc_norm  # our own scoring, example by example
     arc_rows = local_rows(bench_data, "allenai/ai2_arc/ARC-Easy/test.parquet", LIMIT)
@@ -123,13 +123,13 @@ def test_resume_skips_finished_tasks(student, setting, tmp_path, monkeypatch, be
                            offline=True, progress=False)
     assert first["tasks"]["winogrande"]["n"] == 2
     evaluated = []
-    real = bench.evaluate_task
+    real = lm_eval_tasks.evaluate_task
 
     def counting(lm, name, *args, **kwargs):
         evaluated.append(name)
         return real(lm, name, *args, **kwargs)
 
-    monkeypatch.setattr(bench, "evaluate_task", counting)
+    monkeypatch.setattr(lm_eval_tasks, "evaluate_task", counting)
     report = run_benchmarks(student, tok, ["winogrande", "arc_challenge"], tmp_path, label="tiny", limit=2,
                             offline=True, progress=False)
     assert evaluated == ["arc_challenge"]
@@ -141,7 +141,7 @@ def test_resume_skips_finished_tasks(student, setting, tmp_path, monkeypatch, be
 def test_offline_tasks_read_local_data(bench_data):
     """The built tasks' documents are the local rows, with the stock process_docs applied (HellaSwag), and
     MMLU is the stock group of 57 subjects over the local cais/mmlu copy."""
-    manager = bench.task_manager(offline=True)
+    manager = lm_eval_tasks.task_manager(offline=True)
     arc = build_offline_task("arc_easy", manager)
     first = local_rows(bench_data, "allenai/ai2_arc/ARC-Easy/test.parquet", 1)[0]
     assert arc.config.dataset_path == str(bench_data / "allenai/ai2_arc")
@@ -189,7 +189,7 @@ def test_gsm8k_offline_task_reads_local_data(bench_data):
     hub's) first test row; its 5 shots come from the 8 shipped exemplars, each ending in '#### N'."""
     first = local_rows(bench_data, "openai/gsm8k/main/test.parquet", 1)[0]
     assert first == GSM8K_FIRST
-    task = build_offline_task("gsm8k", bench.task_manager(offline=True))
+    task = build_offline_task("gsm8k", lm_eval_tasks.task_manager(offline=True))
     assert task.config.dataset_path == str(bench_data / "openai/gsm8k") and task.config.dataset_name == "main"
     assert task.OUTPUT_TYPE == "generate_until" and task.config.num_fewshot == 5
     assert task.test_docs()[0] == first and len(task.test_docs()) == 1319
@@ -202,7 +202,7 @@ def test_gsm8k_offline_task_reads_local_data(bench_data):
     context = task.fewshot_context(first, num_fewshot=5)
     assert context.count("Question: ") == 6 and context.count("\n#### ") == 5
     assert context.rstrip().endswith(f"Question: {first['question']}\nAnswer:")
-    cot = build_offline_task("gsm8k_cot", bench.task_manager(offline=True))
+    cot = build_offline_task("gsm8k_cot", lm_eval_tasks.task_manager(offline=True))
     assert cot.test_docs()[0] == first and cot.config.num_fewshot == 8
 
 
@@ -241,23 +241,23 @@ def test_gsm8k_gold_answers_score_one(bench_data):
 
         loglikelihood_rolling = loglikelihood
 
-    manager = bench.task_manager(offline=True)
+    manager = lm_eval_tasks.task_manager(offline=True)
     gold = Fixed(lambda doc: " " + doc["answer"])
-    entry = bench.summarise("gsm8k", bench.evaluate_task(gold, "gsm8k", manager, limit=3, offline=True,
-                                                         progress=False), 0.0)
+    entry = lm_eval_tasks.summarise("gsm8k", lm_eval_tasks.evaluate_task(gold, "gsm8k", manager, limit=3,
+                                                                         offline=True, progress=False), 0.0)
     assert (entry["metric"], entry["score"], entry["n"]) == ("exact_match,flexible-extract", 1.0, 3)
     assert entry["all"]["exact_match,strict-match"] == 1.0 and entry["stderr"] == 0.0
     assert gold.contexts[0].count("\n#### ") == 5  # 5-shot from the shipped exemplars
     wrong = Fixed(lambda doc: " I think 1234567.\n#### 1234567")
-    results = bench.evaluate_task(wrong, "gsm8k", manager, limit=3, offline=True, progress=False)
-    assert bench.summarise("gsm8k", results, 0.0)["score"] == 0.0
+    results = lm_eval_tasks.evaluate_task(wrong, "gsm8k", manager, limit=3, offline=True, progress=False)
+    assert lm_eval_tasks.summarise("gsm8k", results, 0.0)["score"] == 0.0
 
 
 def test_gsm8k_with_loglikelihood_task_end_to_end(student, setting, tmp_path, monkeypatch, bench_data):
     """tasks=[piqa, gsm8k] at batch 8 on the tiny student: piqa's loglikelihoods run in batches of up to 8,
     gsm8k's generations one prompt at a time (unpadded), limit respected, bench.json complete."""
     _, tok = setting
-    cls = bench._harness_hflm_class()
+    cls = lm_eval_tasks._harness_hflm_class()
     shapes = {"call": [], "generate": []}
     real_call, real_generate = cls._model_call, cls._model_generate
 
@@ -277,12 +277,12 @@ def test_gsm8k_with_loglikelihood_task_end_to_end(student, setting, tmp_path, mo
     assert max(b for b, _ in shapes["call"]) == 4  # 2 piqa documents x 2 choices, in one batch
     assert len(shapes["generate"]) == 2 and all(b == 1 for b, _ in shapes["generate"])
     entry = report["tasks"]["gsm8k"]
-    assert (entry["metric"], entry["n"]) == (bench.PRIMARY_METRICS["gsm8k"], 2)
+    assert (entry["metric"], entry["n"]) == (lm_eval_tasks.PRIMARY_METRICS["gsm8k"], 2)
     assert 0.0 <= entry["score"] <= 1.0 and entry["score"] == entry["all"]["exact_match,flexible-extract"]
     assert 0.0 <= entry["all"]["exact_match,strict-match"] <= 1.0
     assert report["tasks"]["piqa"]["n"] == 2
     assert json.loads((tmp_path / "bench.json").read_text()) == report
-    leaf = bench.read_examples(tmp_path, report)["gsm8k"]["by_task"]["gsm8k"]  # the flexible-extract filter's
+    leaf = lm_eval_tasks.read_examples(tmp_path, report)["gsm8k"]["by_task"]["gsm8k"]  # the flexible-extract filter's
     assert leaf["choices"] == [0, 0] and np.mean(leaf["score"]) == pytest.approx(entry["score"])
     assert entry["chance"] == 0.0
 
@@ -388,11 +388,11 @@ def test_summarise_group_results():
         "n-samples": {"mmlu_anatomy": {"original": 135, "effective": 3},
                       "mmlu_astronomy": {"original": 152, "effective": 3}},
     }
-    entry = bench.summarise("mmlu", results, 1.0)
+    entry = lm_eval_tasks.summarise("mmlu", results, 1.0)
     assert (entry["metric"], entry["score"], entry["stderr"], entry["n"]) == ("acc", 0.3, 0.01, 6)
     assert entry["all"] == {"acc": 0.3, "acc_stderr": 0.01}
     assert entry["subtasks"] == {"mmlu_anatomy": 0.5, "mmlu_astronomy": 0.25}
-    leaf = bench.summarise("mmlu_astronomy", results, 1.0)
+    leaf = lm_eval_tasks.summarise("mmlu_astronomy", results, 1.0)
     assert leaf["stderr"] is None and leaf["n"] == 3 and "subtasks" not in leaf
 
 
@@ -402,12 +402,12 @@ def test_summarise_filtered_metrics():
                                      "exact_match_stderr,strict-match": 0.1, "exact_match,flexible-extract": 0.5,
                                      "exact_match_stderr,flexible-extract": 0.2}},
                "n-samples": {"gsm8k": {"original": 1319, "effective": 4}}}
-    entry = bench.summarise("gsm8k", results, 1.0)
+    entry = lm_eval_tasks.summarise("gsm8k", results, 1.0)
     assert (entry["metric"], entry["score"], entry["stderr"], entry["n"]) == ("exact_match,flexible-extract", 0.5,
                                                                                0.2, 4)
     assert entry["all"]["exact_match,strict-match"] == 0.25
-    assert bench.pick_metric("other", {"exact_match,strict-match": 0.1, "exact_match_stderr,strict-match": 0.0}) \
-        == "exact_match,strict-match"
+    assert lm_eval_tasks.pick_metric("other", {"exact_match,strict-match": 0.1,
+                                               "exact_match_stderr,strict-match": 0.0}) == "exact_match,strict-match"
 
 
 def _logged(doc_id: int, n_requests: int, filt: str = "none", **metrics) -> dict:
@@ -424,14 +424,14 @@ def test_examples_of_reads_logged_samples():
                "samples": {"mc": [_logged(1, 3, acc=0.0), _logged(0, 5, acc=1.0)],
                            "gen": [_logged(0, 1, "strict-match", exact_match=0.0),
                                    _logged(0, 1, "flexible-extract", exact_match=1.0)]}}
-    got = bench.examples_of("grp", results, "acc")
+    got = lm_eval_tasks.examples_of("grp", results, "acc")
     assert got["by_task"]["mc"] == {"doc_id": [0, 1], "score": [1, 0], "choices": [5, 3]}
     assert got["by_task"]["gen"] == {"doc_id": [], "score": [], "choices": []}  # gsm8k has no "acc"
-    gen = bench.examples_of("gen", results, "exact_match,flexible-extract")["by_task"]["gen"]
+    gen = lm_eval_tasks.examples_of("gen", results, "exact_match,flexible-extract")["by_task"]["gen"]
     assert gen == {"doc_id": [0], "score": [1], "choices": [0]}
     mutual = {**results, "samples": {"mc": [_logged(0, 8, acc=1.0, acc_mutual_info=1.0)]}}
-    assert bench.examples_of("mc", mutual, "acc")["by_task"]["mc"]["choices"] == [4]
-    assert bench.examples_of("mc", {"results": {}}, "acc") is None  # no log_samples
+    assert lm_eval_tasks.examples_of("mc", mutual, "acc")["by_task"]["mc"]["choices"] == [4]
+    assert lm_eval_tasks.examples_of("mc", {"results": {}}, "acc") is None  # no log_samples
 
 
 def test_read_examples_checks_header_and_counts(tmp_path):
@@ -439,14 +439,14 @@ def test_read_examples_checks_header_and_counts(tmp_path):
     examples agree; a folder without it (older results) reads as {}; known_chance covers fixed-choice tasks."""
     bench_doc = {"label": "s", "limit": 2, "offline": True,
                  "tasks": {"piqa": {"n": 2}, "winogrande": {"n": 3}}}
-    assert bench.read_examples(tmp_path, bench_doc) == {}
+    assert lm_eval_tasks.read_examples(tmp_path, bench_doc) == {}
     leaf = {"doc_id": [0, 1], "score": [1, 0], "choices": [2, 2]}
     stored = {"label": "s", "limit": 2, "offline": True,
               "tasks": {"piqa": {"metric": "acc", "by_task": {"piqa": leaf}},
                         "winogrande": {"metric": "acc", "by_task": {"winogrande": leaf}}}}
-    (tmp_path / bench.EXAMPLES_FILE).write_text(json.dumps(stored))
-    assert list(bench.read_examples(tmp_path, bench_doc)) == ["piqa"]  # winogrande: 2 examples, bench says 3
-    assert bench.read_examples(tmp_path, {**bench_doc, "limit": 5}) == {}
-    assert (bench.known_chance("piqa"), bench.known_chance("mmlu_anatomy"), bench.known_chance("gsm8k")) == (
-        0.5, 0.25, 0.0)
-    assert bench.known_chance("arc_easy") is None  # 3 to 5 choices: only per-example results know
+    (tmp_path / lm_eval_tasks.EXAMPLES_FILE).write_text(json.dumps(stored))
+    assert list(lm_eval_tasks.read_examples(tmp_path, bench_doc)) == ["piqa"]  # winogrande: 2 examples, bench says 3
+    assert lm_eval_tasks.read_examples(tmp_path, {**bench_doc, "limit": 5}) == {}
+    assert (lm_eval_tasks.known_chance("piqa"), lm_eval_tasks.known_chance("mmlu_anatomy"),
+            lm_eval_tasks.known_chance("gsm8k")) == (0.5, 0.25, 0.0)
+    assert lm_eval_tasks.known_chance("arc_easy") is None  # 3 to 5 choices: only per-example results know

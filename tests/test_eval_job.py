@@ -125,7 +125,7 @@ def test_a_rerun_reuses_every_result(run, monkeypatch):
         raise AssertionError("recomputed")
 
     monkeypatch.setattr("harness.eval.niah.generate_answer", fail)
-    monkeypatch.setattr("harness.eval.bench.evaluate_task", fail)
+    monkeypatch.setattr("harness.eval.lm_eval_tasks.evaluate_task", fail)
     monkeypatch.setattr("harness.eval.perplexity.perplexity", fail)
     eval_job.run_eval_spec(spec, progress=False)
     assert {p: p.stat().st_mtime_ns for p in before} == before

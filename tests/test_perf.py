@@ -16,21 +16,17 @@ import pytest
 import torch
 from transformers import LlamaForCausalLM
 
-from harness import perf
-from harness.perf import (
-    PHASES,
-    bench_decode,
-    bench_step,
-    build_pair,
-    comm_from_events,
-    count_params,
-    flops_per_token,
-    llama_param_count,
-    mfu,
-    shape_config,
-    summarise_phases,
-    top_ops,
-)
+from harness import flops
+from harness.bench import cli
+from harness.bench.decode import bench_decode
+from harness.bench.kernels import bench_kernels, compare_layer
+from harness.bench.phases import PHASES, PhaseClock, summarise_phases
+from harness.bench.profiling import comm_from_events, top_ops
+from harness.bench.report import kernel_table, markdown
+from harness.bench.shapes import SHAPES, build_pair, count_params, llama_param_count, shape_config
+from harness.bench.step import bench_step, mfu_fields, resolve_peak, training_health
+from harness.bench.targets import decode_targets, kernel_targets, step_targets
+from harness.flops import flops_per_token, mfu
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -106,7 +102,7 @@ def test_mfu_arithmetic_on_known_numbers(monkeypatch):
     # a bench row on an H200: mfu over the datasheet peak, mfu_measured_peak over the 788 TFLOP/s matmul
     monkeypatch.delenv("HARNESS_PEAK_FLOPS", raising=False)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H200")
-    row = perf.mfu_fields(torch.device("cuda", 0), torch.bfloat16, 150_000, fpt, 1)
+    row = mfu_fields(torch.device("cuda", 0), torch.bfloat16, 150_000, fpt, 1)
     assert row["peak_flops_per_device"] == 989e12 and "datasheet" in row["peak_flops_source"]
     assert row["measured_peak_flops_per_device"] == 788e12 and "MEASURED_PEAK_FLOPS" in row["measured_peak_source"]
     assert row["mfu"] == pytest.approx(0.18482, abs=1e-5)
@@ -116,37 +112,37 @@ def test_mfu_arithmetic_on_known_numbers(monkeypatch):
 def test_peak_resolution(monkeypatch):
     cpu, cuda = torch.device("cpu"), torch.device("cuda", 0)
     monkeypatch.delenv("HARNESS_PEAK_FLOPS", raising=False)
-    assert perf.resolve_peak(cpu, override=5e12) == (5e12, "--peak-flops")
-    value, source = perf.resolve_peak(cpu)
+    assert resolve_peak(cpu, override=5e12) == (5e12, "--peak-flops")
+    value, source = resolve_peak(cpu)
     assert value is None and "CPU" in source
-    assert perf.resolve_measured_peak(cpu, torch.float32)[0] is None
+    assert flops.resolve_measured_peak(cpu, torch.float32)[0] is None
     # a GPU with no datasheet figure: no mfu, and the reason names it and what to pass
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA L40S")
-    value, source = perf.resolve_peak(cuda)
+    value, source = resolve_peak(cuda)
     assert value is None and "'NVIDIA L40S'" in source and "--peak-flops" in source and "HARNESS_PEAK_FLOPS" in source
-    assert perf.resolve_peak(cuda, override=362e12) == (362e12, "--peak-flops")
+    assert resolve_peak(cuda, override=362e12) == (362e12, "--peak-flops")
     monkeypatch.setenv("HARNESS_PEAK_FLOPS", "1.5e12")
-    assert perf.resolve_peak(cpu) == (1.5e12, "$HARNESS_PEAK_FLOPS")
-    assert perf.resolve_peak(cuda) == (1.5e12, "$HARNESS_PEAK_FLOPS")
-    measured, source = perf.resolve_measured_peak(cpu, torch.float32, measure=True)
+    assert resolve_peak(cpu) == (1.5e12, "$HARNESS_PEAK_FLOPS")
+    assert resolve_peak(cuda) == (1.5e12, "$HARNESS_PEAK_FLOPS")
+    measured, source = flops.resolve_measured_peak(cpu, torch.float32, measure=True)
     assert measured > 1e6 and source.startswith("measured now")
 
 
 def test_markdown_names_a_gpu_without_a_peak_and_shows_both_mfu_columns(monkeypatch):
     monkeypatch.delenv("HARNESS_PEAK_FLOPS", raising=False)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA L40S")
-    monkeypatch.setattr(perf, "measure_matmul_peak", lambda device, dtype: 300e12)
+    monkeypatch.setattr(flops, "measure_matmul_peak", lambda device, dtype: 300e12)
     base = {"shape": "135M", "mixer": "gla", "engine": "plain", "teacher_placement": "replicated", "micro_batch": 8,
             "seq_len": 2048, "world": 1, "tokens_per_s": 100_000.0, "peak_mem_gib": 20.0, "step_ms": 163.8,
             "breakdown_ms": {}, "breakdown_pct": {}, "device": "cuda:0"}
-    row = {**base, **perf.mfu_fields(torch.device("cuda", 0), torch.bfloat16, 100_000.0, 1.2e9, 1)}
+    row = {**base, **mfu_fields(torch.device("cuda", 0), torch.bfloat16, 100_000.0, 1.2e9, 1)}
     assert row["mfu"] is None and row["mfu_measured_peak"] == pytest.approx(0.4)
-    text = perf.markdown({"step": [row]})
+    text = markdown({"step": [row]})
     assert "| 100,000 | - | 40.0% |" in text and "MFU (measured peak)" in text
     assert "135M gla: no MFU: no datasheet dense bf16 peak for GPU 'NVIDIA L40S'" in text
     h200 = {**base, "mfu": 0.441, "mfu_measured_peak": 0.554}
-    assert "| 100,000 | 44.1% | 55.4% |" in perf.markdown({"step": [h200]})
-    assert "no MFU" not in perf.markdown({"step": [h200]})
+    assert "| 100,000 | 44.1% | 55.4% |" in markdown({"step": [h200]})
+    assert "no MFU" not in markdown({"step": [h200]})
 
 
 def test_phase_summary_adds_up():
@@ -161,7 +157,7 @@ def test_phase_summary_adds_up():
 
 
 def test_phase_clock_chains_marks_on_cpu():
-    clock = perf.PhaseClock(torch.device("cpu"))
+    clock = PhaseClock(torch.device("cpu"))
     clock.mark("ignored")  # before start: nothing recorded
     clock.start()
     for _ in range(2):
@@ -201,15 +197,15 @@ def test_comm_from_profiler_events():
 def test_targets_apply_to_matching_rows_only():
     row = {"shape": "135M", "mixer": "gated_deltanet", "dtype": "bfloat16", "seq_len": 2048, "world": 1,
            "micro_batch": 8, "tokens_per_s": 160_000.0}
-    assert [t["met"] for t in perf.step_targets(row)] == [True]
+    assert [t["met"] for t in step_targets(row)] == [True]
     big = {"shape": "1.7B", "mixer": "kda", "dtype": "bfloat16", "seq_len": 2048, "world": 1, "micro_batch": 8,
            "tokens_per_s": 9_000.0, "mfu": 0.35, "peak_mem_gib": 70.0,
            "peak_mem_kind": "torch.cuda.max_memory_allocated over warmup + measured steps"}
-    assert [(t["target"].split()[1], t["met"]) for t in perf.step_targets(big)] == [(">=", False), ("peak", True)]
-    assert perf.step_targets({**row, "dtype": "float32"}) == []
-    assert perf.kernel_targets({"layout": "1.7B", "speedup": 6.4})[0]["met"]
-    assert not perf.kernel_targets({"layout": "1.7B", "speedup": 3.0})[0]["met"]
-    assert perf.decode_targets({"shape": "135M", "student_flatness": 1.1})[0]["met"]
+    assert [(t["target"].split()[1], t["met"]) for t in step_targets(big)] == [(">=", False), ("peak", True)]
+    assert step_targets({**row, "dtype": "float32"}) == []
+    assert kernel_targets({"layout": "1.7B", "speedup": 6.4})[0]["met"]
+    assert not kernel_targets({"layout": "1.7B", "speedup": 3.0})[0]["met"]
+    assert decode_targets({"shape": "135M", "student_flatness": 1.1})[0]["met"]
 
 
 def test_a_step_that_did_not_train_meets_no_target():
@@ -217,18 +213,18 @@ def test_a_step_that_did_not_train_meets_no_target():
     big = {"shape": "1.7B", "mixer": "gated_deltanet", "dtype": "bfloat16", "seq_len": 2048, "world": 1,
            "micro_batch": 8, "tokens_per_s": 34_000.0, "mfu": 0.62, "peak_mem_gib": 74.0,
            "peak_mem_kind": "torch.cuda.max_memory_allocated over warmup + measured steps"}
-    healthy = perf.training_health([11.2, 10.9, 10.1], skipped=0)
+    healthy = training_health([11.2, 10.9, 10.1], skipped=0)
     assert healthy == {"losses_each": [11.2, 10.9, 10.1], "losses_finite": True, "skipped_steps": 0}
-    assert all(t["met"] for t in perf.step_targets({**big, **healthy}))
-    nan = perf.training_health([11.2, float("nan"), float("nan")], skipped=None)
+    assert all(t["met"] for t in step_targets({**big, **healthy}))
+    nan = training_health([11.2, float("nan"), float("nan")], skipped=None)
     assert "loss not finite from step 1" in nan["health"]
-    skipped = perf.training_health([11.2, 11.2, 11.1], skipped=2)
+    skipped = training_health([11.2, 11.2, 11.1], skipped=2)
     assert "2 optimizer step(s) skipped" in skipped["health"] and skipped["losses_finite"]
     for bad in (nan, skipped):
-        targets = perf.step_targets({**big, **bad})
+        targets = step_targets({**big, **bad})
         assert [t["met"] for t in targets] == [False] and targets[0]["value"] == bad["health"]
-        assert bad["health"] in perf.markdown({"step": [{**big, **bad, "engine": "plain", "step_ms": 1.0,
-                                                         "breakdown_ms": {}, "breakdown_pct": {}}]})
+        assert bad["health"] in markdown({"step": [{**big, **bad, "engine": "plain", "step_ms": 1.0,
+                                                    "breakdown_ms": {}, "breakdown_pct": {}}]})
 
 
 # ------------------------------------------------------------------------------------ end-to-end benches
@@ -271,9 +267,9 @@ def test_plain_step_bench_on_cpu(one_thread):
 def _run_cli(args: list[str], world: int = 1) -> subprocess.CompletedProcess:
     if world > 1:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world}",
-               "-m", "harness.perf", *args]
+               "-m", "harness.bench", *args]
     else:
-        cmd = [sys.executable, "-m", "harness.perf", *args]
+        cmd = [sys.executable, "-m", "harness.bench", *args]
     proc = subprocess.run(cmd, env=_subprocess_env(), cwd=REPO, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
     return proc
@@ -339,15 +335,15 @@ def test_decode_bench_per_token_times_and_state_sizes(one_thread):
 
 def test_cli_help_and_errors(capsys):
     with pytest.raises(SystemExit) as exc:
-        perf.main(["--help"])
+        cli.main(["--help"])
     assert exc.value.code == 0
     text = capsys.readouterr().out
     assert "MFU" in text and "--micro-batch" in text and "--what" in text and "examples:" in text
-    assert perf.main(["--what", "speed"]) == 2
-    assert perf.main(["--mixer", "transformer"]) == 2
-    assert perf.main(["--shape", "7B"]) == 2
+    assert cli.main(["--what", "speed"]) == 2
+    assert cli.main(["--mixer", "transformer"]) == 2
+    assert cli.main(["--shape", "7B"]) == 2
     if not torch.cuda.is_available():
-        assert perf.main(["--what", "kernels"]) == 2
+        assert cli.main(["--what", "kernels"]) == 2
     assert "choose from" in capsys.readouterr().err
 
 
@@ -355,21 +351,21 @@ def test_add_parser_wires_a_bench_subcommand():
     import argparse
 
     parser = argparse.ArgumentParser(prog="harness")
-    perf.add_parser(parser.add_subparsers())
+    cli.add_parser(parser.add_subparsers())
     args = parser.parse_args(["bench", "--shape", "1.7B", "--mixer", "kda", "--micro-batch", "8", "--seq", "2048",
                               "--steps", "20", "--out", "r.json", "--what", "step,kernels,decode"])
-    assert args.handler is perf.run_cli and args.shape == "1.7B" and args.micro_batch == 8
+    assert args.handler is cli.run_cli and args.shape == "1.7B" and args.micro_batch == 8
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU refusal")
 def test_kernel_bench_needs_cuda():
     with pytest.raises(RuntimeError, match="CUDA"):
-        perf.bench_kernels(["135M"], ["gla"])
+        bench_kernels(["135M"], ["gla"])
 
 
 def test_layer_comparison_code_runs_on_cpu(one_thread):
     """The kernel bench's comparison, with the reference standing in for the kernel (CUDA runs the real one)."""
-    row = perf.compare_layer("gla", "tiny", batch=1, seq=32, reference_reps=1, backend="reference", device="cpu")
+    row = compare_layer("gla", "tiny", batch=1, seq=32, reference_reps=1, backend="reference", device="cpu")
     for key in ("out_rel_err", "dx_rel_err", "max_param_grad_rel_err", "ref_bf16_out_rel_err", "kernel_ms",
                 "reference_bf16_ms", "speedup", "kernel_first_call_s", "recurrence_kernel_ms",
                 "recurrence_reference_ms"):
@@ -380,7 +376,7 @@ def test_layer_comparison_code_runs_on_cpu(one_thread):
     assert "gpu_busy" not in prof  # a CPU run has no device time to compare
     assert row["out_rel_err"] == pytest.approx(row["ref_bf16_out_rel_err"])  # same bf16 path both times
     assert row["kernel_ms"] > 0 and row["speedup"] == pytest.approx(row["reference_bf16_ms"] / row["kernel_ms"])
-    assert "| gla | tiny |" in perf.kernel_table([row])
+    assert "| gla | tiny |" in kernel_table([row])
 
 
 def test_zero2_student_config_and_partial_recompute_are_labelled(tmp_path):
@@ -418,7 +414,7 @@ def test_make_shape_teacher_writes_a_loadable_random_teacher(tmp_path, monkeypat
     teacher_dir, _ = make_setting(tmp_path / "setting")  # a 320-token tokenizer
     with pytest.raises(SystemExit, match="320 tokens, more than the 256 rows"):
         mod.make_shape_teacher("tiny", str(teacher_dir), tmp_path / "too-small")
-    monkeypatch.setitem(perf.SHAPES, "tiny", {**perf.SHAPES["tiny"], "vocab_size": 320})
+    monkeypatch.setitem(SHAPES, "tiny", {**SHAPES["tiny"], "vocab_size": 320})
     out = mod.make_shape_teacher("tiny", str(teacher_dir), tmp_path / "random-tiny")
     from harness.teacher import load_teacher
 
@@ -446,7 +442,7 @@ def test_the_bench_teachers_have_no_zero_embedding_row_and_their_pad_token_train
     (runs 16-18). The bench's random teacher fills it, so the gradient at the pad token is like any other's."""
     from harness.student import zero_embedding_rows
 
-    teacher, student = perf.build_pair("135M", "gated_deltanet", layers=4, device="cpu")
+    teacher, student = build_pair("135M", "gated_deltanet", layers=4, device="cpu")
     assert zero_embedding_rows(teacher.model.embed_tokens.weight) == []
     ids = torch.randint(3, 49152, (1, 32), generator=torch.Generator().manual_seed(0))
     ids[0, 5] = teacher.config.pad_token_id

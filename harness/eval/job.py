@@ -109,7 +109,7 @@ def evaluate_model(model: Any, tokenizer: Any, spec: EvalSpec, out: Path, *, lab
     if spec.chat_samples:
         results["chat_samples"] = chat_samples(model, tokenizer, out, label=label, device=device)
     if spec.tasks:
-        from harness.eval.bench import run_benchmarks
+        from harness.eval.lm_eval_tasks import run_benchmarks
 
         results["bench"] = run_benchmarks(model, tokenizer, list(spec.tasks), out, label=label, limit=spec.limit,
                                           batch_size=spec.batch_size, device=str(device), progress=progress)

@@ -1,6 +1,7 @@
 """Teacher-recovery reports: one run's student against its teacher, and several runs side by side.
 
-Per task (both models scored with the task's primary metric on the same examples, see harness.eval.bench):
+Per task (both models scored with the task's primary metric on the same examples, see
+harness.eval.lm_eval_tasks):
   recovery       the raw ratio student / teacher;
   recovery_norm  the chance-normalised recovery (student - chance) / (teacher - chance), chance being the
                  mean of 1/choices over the examples (0 for generative tasks); see harness.eval.recovery;
@@ -37,7 +38,7 @@ from typing import Optional
 
 import numpy as np
 
-from harness.eval.bench import known_chance, read_examples
+from harness.eval.lm_eval_tasks import known_chance, read_examples
 from harness.eval.recovery import BOOTSTRAP_SAMPLES, BOOTSTRAP_SEED, LEVEL, average_recovery, task_recovery
 
 REPORT_FILE = "report.json"

@@ -153,7 +153,7 @@ def test_fused_student_block_matches_the_pytorch_block():
     output and gradients of the input, the norm weights and the MLP weights, at the 135M layout and 2 x 2048."""
     from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm
 
-    from harness.perf import SHAPES
+    from harness.bench.shapes import SHAPES
     from harness.student import HarnessConfig, StudentBlock
 
     torch.manual_seed(0)

@@ -23,7 +23,11 @@ import torch
 if not torch.cuda.is_available():
     pytest.skip("GPU perf tests need CUDA", allow_module_level=True)
 
-from harness import flops, perf  # noqa: E402
+from harness import flops  # noqa: E402
+from harness.bench.decode import bench_decode  # noqa: E402
+from harness.bench.phases import PHASES, PhaseClock  # noqa: E402
+from harness.bench.shapes import build_pair, count_params, llama_param_count, shape_config  # noqa: E402
+from harness.bench.step import bench_step  # noqa: E402
 from harness.losses import VOCAB_BLOCK, distill_loss, tf32_matmuls  # noqa: E402
 from tests.test_losses import direct_distill  # noqa: E402
 
@@ -43,15 +47,15 @@ def _check_row(row: dict, peak: float) -> None:
         row["tokens_per_s"] * row["flops_per_token"] / (measured * row["world"]))
     # CUDA events chained through the step add up to the host's wall time per step
     assert row["breakdown_sum_ms"] == pytest.approx(row["step_ms"], rel=0.05)
-    assert set(row["breakdown_ms"]) == set(perf.PHASES)
+    assert set(row["breakdown_ms"]) == set(PHASES)
     assert row["peak_mem_kind"].startswith("torch.cuda") and row["peak_mem_bytes"] > 0
 
 
 def test_plain_step_bench_counts_flops_and_memory(monkeypatch):
     monkeypatch.delenv("HARNESS_PEAK_FLOPS", raising=False)
     kw = dict(layers=2, options=REF)
-    row = perf.bench_step("135M", "linear_attn", micro_batch=2, seq_len=256, steps=3, warmup=1, device="cuda",
-                          zero3=False, **kw)
+    row = bench_step("135M", "linear_attn", micro_batch=2, seq_len=256, steps=3, warmup=1, device="cuda",
+                     zero3=False, **kw)
     name = torch.cuda.get_device_name()
     datasheet = flops.datasheet_peak(name)  # 989e12 on an H200
     if datasheet is None:  # a GPU not in the table: no mfu, and the source names it
@@ -59,9 +63,9 @@ def test_plain_step_bench_counts_flops_and_memory(monkeypatch):
     else:
         _check_row(row, datasheet)
         assert "datasheet" in row["peak_flops_source"]
-    teacher, student = perf.build_pair("135M", "linear_attn", device="cuda", **kw)
-    assert row["n_teacher"] == perf.count_params(teacher) == perf.llama_param_count(perf.shape_config("135M", 2))
-    assert row["n_student"] == perf.count_params(student)
+    teacher, student = build_pair("135M", "linear_attn", device="cuda", **kw)
+    assert row["n_teacher"] == count_params(teacher) == llama_param_count(shape_config("135M", 2))
+    assert row["n_student"] == count_params(student)
     assert row["n_student"] == row["n_teacher"] + 2 * 2 * 576 * (576 - 192)  # k, v expanded from 3 to 9 heads
     # fp32 student (weights, grads, 2 Adam moments) + bf16 teacher are resident during the steps
     assert row["peak_mem_bytes"] > 16 * row["n_student"] + 2 * row["n_teacher"]
@@ -69,7 +73,7 @@ def test_plain_step_bench_counts_flops_and_memory(monkeypatch):
 
 def test_zero3_step_bench_and_profiler_pass(tmp_path):
     out = tmp_path / "bench.json"
-    cmd = [sys.executable, "-m", "harness.perf", "--shape", "135M", "--layers", "2", "--mixer", "linear_attn",
+    cmd = [sys.executable, "-m", "harness.bench", "--shape", "135M", "--layers", "2", "--mixer", "linear_attn",
            "--option", "backend=reference", "--micro-batch", "2", "--seq", "256", "--steps", "3", "--warmup", "1",
            "--peak-flops", "5e14", "--profile-steps", "2", "--out", str(out)]
     env = {**os.environ, "PYTHONPATH": str(REPO)}
@@ -89,7 +93,7 @@ def test_zero3_step_bench_and_profiler_pass(tmp_path):
 
 
 def test_phase_clock_on_cuda_matches_wall_time():
-    clock = perf.PhaseClock(DEV)
+    clock = PhaseClock(DEV)
     a = torch.randn(2048, 2048, device=DEV)
     torch.cuda.synchronize()
     clock.start()
@@ -109,13 +113,13 @@ def test_phase_clock_on_cuda_matches_wall_time():
 
 
 def test_matmul_peak_is_plausible():
-    peak = perf.measure_matmul_peak(DEV, torch.bfloat16, n=4096, reps=5)
+    peak = flops.measure_matmul_peak(DEV, torch.bfloat16, n=4096, reps=5)
     assert 1e13 < peak < 5e15
 
 
 def test_decode_bench_on_gpu():
-    res = perf.bench_decode("135M", "linear_attn", contexts=(256, 1024), new_tokens=8, warmup_tokens=2,
-                            layers=2, options=REF, device="cuda")
+    res = bench_decode("135M", "linear_attn", contexts=(256, 1024), new_tokens=8, warmup_tokens=2,
+                       layers=2, options=REF, device="cuda")
     small, large = res["rows"]
     assert small["student"]["ms_per_token"] > 0 and large["teacher"]["ms_per_token"] > 0
     assert small["student"]["state_bytes"] == large["student"]["state_bytes"]

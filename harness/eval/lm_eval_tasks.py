@@ -226,7 +226,8 @@ def build_offline_task(name: str, manager: Any, cache_dir: str | os.PathLike[str
         stock = _stock_dataset_path(task)
         if stock != hub_id:
             raise BenchmarkError(f"lm-eval's task '{task.config.task}' reads dataset '{stock}', not '{hub_id}' as "
-                                 "harness.eval.bench expects; the installed lm-eval differs from the pinned 0.4.13.")
+                                 "harness.eval.lm_eval_tasks expects; the installed lm-eval differs from the pinned "
+                                 "0.4.13.")
     return built
 
 

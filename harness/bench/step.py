@@ -1,0 +1,325 @@
+"""The stage-3 bench (`bench_step`): the stage-3 distillation step as `harness.stages.distill` runs it: the student
+(`harness.student.build_student`) wrapped in `DistillModel`, the teacher in `TeacherBody`, both DeepSpeed
+ZeRO-3 engines built by `harness.engine` from `ds_configs/zero3.json` / `zero3_teacher.json` (bf16 on a GPU,
+fp32 over gloo on a CPU), one micro-step = teacher forward, student forward + chunked CE/KL loss under a
+gather of the teacher head, `engine.backward`, `engine.step`, and the per-step `.item()` of the losses.
+Teachers are the SmolLM2 shapes (135M / 360M / 1.7B, or `tiny`) with random weights: a step's time does not
+depend on the values, but whether it trained does, so every step's loss and the engine's skipped optimizer steps
+are recorded (`losses_each`, `skipped_steps`) and a row with a non-finite loss or a skipped step is marked
+(`health`) and meets no target. `--teacher SOURCE` takes a real one. ``zero3=False`` (``--engine plain``) runs
+the same step on stage 3's `PlainEngine` (deepspeed.student_engine=plain: torch's fused AdamW on fp32 master copies of
+the bf16 weights on CUDA; data parallel under torchrun, averaging the gradients at each step).
+
+Reported: tokens/s (input tokens, `micro_batch x seq_len x world` per micro-step, over the measured steps'
+wall time), MFU = tokens/s x (6 N_student + 2 N_teacher) / (peak x world) by the usual definition: the peak is
+the GPU's datasheet dense bf16 figure (harness.flops; `mfu_measured_peak` divides by the measured 8192^3 matmul
+peak instead, see harness.flops), N every distinct parameter, embeddings included, a tied head
+once (dense FLOPs only: the mixers' recurrences and the teacher's attention scores are not counted), peak
+memory (CUDA max allocated after the models and engines are built, i.e. the training steps' peak; on a CPU the
+process's peak RSS), and the breakdown of a step in ms and %:
+
+  teacher_forward      the teacher engine's forward (under ZeRO-3 it includes gathering its layers)
+  gather_teacher_head  `gathered([teacher head])` and the student engine's forward prologue
+  student_forward      the student body: embeddings .. final norm (includes ZeRO-3 gathers of its layers)
+  loss                 the chunked CE + KL: gathers the student head (ZeRO-3), fp32 logits of both heads
+                       chunk by chunk, and the gradient w.r.t. the student hidden states and head, which
+                       `harness.losses.distill_loss` computes inside its forward (so it is not in backward)
+  backward             `engine.backward`: the student body's backward, including ZeRO-3 re-gathers and the
+                       gradient reduce-scatter (DeepSpeed overlaps it with compute: not separable here)
+  optimizer            `engine.step`: gradient clipping (global norm), AdamW, parameter update
+  other                engine epilogues, releasing the teacher head, the losses' `.item()` (a sync)
+
+The phases are stamps taken at fixed points of the step (CUDA events on the compute stream on a GPU,
+`time.perf_counter` on a CPU, where execution is synchronous), chained so that they add up to the step.
+**Communication** cannot be cut out of those phases: ZeRO-3 gathers and reduce-scatters run on their own
+stream inside the forward and backward. A separate profiler pass (`profile_steps`, torch.profiler) measures
+it: `comm.comm_ms` is the busy time of communication per step (the union of NCCL kernels on a GPU, of
+c10d/gloo ops on a CPU) and, on a GPU, `comm.exposed_ms` the part of it with no compute kernel running at the
+same time (what communication adds to the step at most). Both are already inside the phases above.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+from torch import nn
+
+from harness import flops
+from harness.bench.machine import GIB, resolve_device, resolve_dtype, synchronize
+from harness.bench.phases import PhaseClock, summarise_phases
+from harness.bench.profiling import comm_from_events, profiled, top_ops
+from harness.bench.shapes import build_pair, canonical_shape, count_params
+from harness.flops import flops_per_token, mfu, resolve_measured_peak
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _instrument(model: nn.Module, clock: PhaseClock) -> list[Any]:
+    """Stamps at the student body's start, the loss head's start and end (prepended: before DeepSpeed's own
+    pre-forward hooks, so the ZeRO-3 gather of the student head is charged to the loss)."""
+    body, head = model.student.model, model.loss_head
+    return [
+        body.register_forward_pre_hook(lambda m, a: clock.mark("gather_teacher_head"), prepend=True),
+        head.register_forward_pre_hook(lambda m, a: clock.mark("student_forward"), prepend=True),
+        head.register_forward_hook(lambda m, a, o: clock.mark("loss")),
+    ]
+
+
+@dataclass
+class _StepParts:
+    s_engine: Any
+    t_engine: Any
+    model: nn.Module
+    teacher_head: nn.Parameter
+
+
+def _ds_config_path(path: Optional[str], default: str) -> str:
+    p = Path(path or default)
+    if not p.is_absolute() and not p.exists() and (REPO / p).exists():
+        p = REPO / p
+    return str(p)
+
+
+def _build_engines(model: nn.Module, teacher: nn.Module, cfg: Any, world: int, bf16: bool, steps: int,
+                   student_ds: Optional[str], teacher_ds: Optional[str], teacher_placement: str = "auto",
+                   student_engine: str = "deepspeed", device: Optional[torch.device] = None
+                   ) -> tuple[_StepParts, str]:
+    """The engines exactly as harness.stages.distill.distill builds them -> (parts, teacher placement)."""
+    from harness import engine
+    from harness.config import JobConfig
+    from harness.schedule import build_scheduler
+    from harness.stages.distill import TeacherBody
+
+    job = JobConfig()
+    job.deepspeed.student_config = _ds_config_path(student_ds, job.deepspeed.student_config)
+    job.deepspeed.teacher_config = _ds_config_path(teacher_ds, job.deepspeed.teacher_config)
+    job.deepspeed.teacher_placement = teacher_placement
+    s_engine = engine.student_engine(model, engine.student_ds_config(job, cfg, world, bf16),
+                                     lambda opt: build_scheduler(opt, cfg, steps), student_engine, device)
+    t_body = TeacherBody(teacher)
+    t_engine, placement = engine.build_teacher(t_body, job, cfg, world, s_engine.device, bf16)
+    return _StepParts(s_engine, t_engine, model, t_body.teacher.lm_head.weight), placement
+
+
+def _micro_step(parts: _StepParts, ids: torch.Tensor, clock: PhaseClock) -> list[float]:
+    """One micro-step of stage 3 (the body of the loop in harness.stages.distill.distill), with stamps. The engine
+    accumulates, clips and steps at the boundary, as in stage 3."""
+    from harness.engine import gathered
+
+    with torch.no_grad():
+        t_hidden = parts.t_engine(ids)
+    clock.mark("teacher_forward")
+    with gathered([parts.teacher_head]):  # body pre-hook: gather_teacher_head; loss hooks: student_forward, loss
+        losses = parts.s_engine(ids, t_hidden, parts.teacher_head, None)
+    clock.mark("other")
+    parts.s_engine.backward(losses.total)
+    clock.mark("backward")
+    parts.s_engine.step()
+    clock.mark("optimizer")
+    values = [losses.total.item(), losses.ce.item(), losses.kl.item()]  # stage 3 logs these: a sync per step
+    clock.mark("other")
+    return values
+
+
+def bench_step(shape: str = "135M", mixer: str = "gated_deltanet", *, micro_batch: int = 8, seq_len: int = 2048,
+               steps: int = 20, warmup: int = 3, grad_accum: int = 1, dtype: Optional[str | torch.dtype] = None,
+               device: Optional[str | torch.device] = None, zero3: bool = True, teacher_source: Optional[str] = None,
+               layers: Optional[int] = None, options: Optional[dict] = None,
+               student_ds_config: Optional[str] = None, teacher_ds_config: Optional[str] = None,
+               peak_flops: Optional[float] = None, measure_peak: bool = False, profile_steps: int = 2,
+               gradient_checkpointing: bool = False, recompute_fraction: float = 1.0,
+               teacher_placement: str = "auto", compile_teacher: bool = True, seed: int = 0) -> dict[str, Any]:
+    """Time `steps` optimizer steps of stage 3 (after `warmup`) for one teacher shape and mixer; see the module
+    docstring for what each field means. With zero3, joins (or creates) the process group as stage 3 does
+    (`harness.engine.setup_distributed`): under torchrun every rank calls this and the world is the group's.
+    Returns a JSON-ready dict (the same on every rank)."""
+    from harness import loss_kernel
+    from harness.config import DistillConfig
+    from harness.engine import compiles_teacher
+    from harness.stages.distill import DistillModel
+
+    device = resolve_device(device)
+    dtype = resolve_dtype(dtype, device)
+    world, rank = 1, 0
+    if zero3 or "RANK" in os.environ:  # under torchrun the plain engine runs data parallel
+        from harness.engine import setup_distributed
+
+        rank, world = setup_distributed(device)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    cfg = DistillConfig(micro_batch_size=micro_batch, grad_accum=grad_accum, schedule="constant",
+                        warmup_fraction=0.0, compile_teacher=compile_teacher)
+    micro_steps = (warmup + steps) * grad_accum + max(profile_steps, 0)
+    shape_name = "custom" if teacher_source else canonical_shape(shape)
+
+    teacher, student = build_pair(shape, mixer, options=options, source=teacher_source, layers=layers,
+                                  device=device, teacher_dtype=dtype, seed=seed)
+    if gradient_checkpointing:  # stages.distill.gradient_checkpointing (_fraction)
+        student.enable_recompute(recompute_fraction)
+    n_student, n_teacher = count_params(student), count_params(teacher)
+    fpt = flops_per_token(n_student, n_teacher)
+    vocab = teacher.config.vocab_size
+    row: dict[str, Any] = {
+        "shape": shape_name, "teacher": teacher_source or f"SmolLM2-{shape_name} shape, random weights",
+        "mixer": mixer, "options": dict(options or {}), "engine": "zero3" if zero3 else "plain",
+        "layers": teacher.config.num_hidden_layers, "micro_batch": micro_batch, "seq_len": seq_len,
+        "grad_accum": grad_accum, "gradient_checkpointing": gradient_checkpointing,
+        "recompute_fraction": recompute_fraction if gradient_checkpointing else 0.0, "world": world,
+        "dtype": str(dtype).removeprefix("torch."), "device": str(device), "steps": steps, "warmup": warmup,
+        "n_student": n_student, "n_teacher": n_teacher, "flops_per_token": fpt,
+        "flops_per_token_formula": f"6 x {n_student:,} + 2 x {n_teacher:,} = {fpt:,.0f}",
+    }
+    model = DistillModel(student, cfg.ce_weight, cfg.kl_weight, cfg.temperature)
+    bf16 = dtype == torch.bfloat16
+    parts, row["teacher_placement"] = _build_engines(
+        model, teacher, cfg, world, bf16, micro_steps, student_ds_config, teacher_ds_config,
+        teacher_placement if zero3 else "replicated", "deepspeed" if zero3 else "plain", device)
+    dev = parts.s_engine.device
+    row["teacher_compiled"] = compiles_teacher(cfg, row["teacher_placement"], dev)
+    row["loss_kernel"] = "triton" if loss_kernel.available(torch.empty(0, device=dev)) else "torch"
+    if zero3:
+        row["engine"] = f"zero{parts.s_engine.zero_optimization_stage()}"  # ZeRO stage of the student's config
+        row["ds_configs"] = [_ds_config_path(student_ds_config, "ds_configs/zero3.json")]
+        if row["teacher_placement"] == "zero3":
+            row["ds_configs"].append(_ds_config_path(teacher_ds_config, "ds_configs/zero3_teacher.json"))
+    del teacher, student
+    clock = PhaseClock(dev)
+    handles = _instrument(model, clock)
+    g = torch.Generator(device="cpu").manual_seed(seed + 1000 + rank)
+    batches = [torch.randint(0, vocab, (micro_batch, seq_len), generator=g).to(dev) for _ in range(4)]
+
+    if dev.type == "cuda":
+        row["mem_after_build_gib"] = torch.cuda.memory_allocated(dev) / GIB
+        torch.cuda.reset_peak_memory_stats(dev)
+    k = 0
+
+    totals: list[float] = []  # each optimizer step's last total loss, warm-up included
+    norms: list[Optional[float]] = []  # each optimizer step's gradient norm (before clipping), as stage 3 logs it
+
+    def run(n_steps: int) -> list[float]:
+        nonlocal k
+        last: list[float] = []
+        for _ in range(n_steps):
+            for _ in range(grad_accum):
+                last = _micro_step(parts, batches[k % len(batches)], clock)
+                k += 1
+            clock.step_done()
+            totals.append(last[0])
+            norm = parts.s_engine.get_global_grad_norm()
+            norms.append(None if norm is None else float(norm))
+        return last
+
+    try:
+        run(warmup)
+        synchronize(dev)
+        clock.start()
+        t0 = time.perf_counter()
+        losses = run(steps)
+        synchronize(dev)
+        wall = time.perf_counter() - t0
+        clock.stop()
+        per_step = clock.steps()
+        row["losses_last"] = dict(zip(("total", "ce", "kl"), losses))
+        row.update(training_health(totals, getattr(parts.s_engine, "skipped_steps", None)))
+        row["grad_norms_each"] = norms  # a norm that grows step by step before a NaN is divergence, not a kernel
+        if dev.type == "cuda":
+            row["peak_mem_bytes"] = int(torch.cuda.max_memory_allocated(dev))
+            row["peak_mem_reserved_bytes"] = int(torch.cuda.max_memory_reserved(dev))
+            row["peak_mem_kind"] = "torch.cuda.max_memory_allocated over warmup + measured steps"
+        else:
+            from harness.observe import peak_memory_bytes
+
+            row["peak_mem_bytes"] = peak_memory_bytes()
+            row["peak_mem_kind"] = "peak RSS of the process (ru_maxrss), models and set-up included"
+        if world > 1:  # the largest rank's peak (the one that has to fit)
+            t = torch.tensor([float(row["peak_mem_bytes"])], dtype=torch.float64, device=dev)
+            torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
+            row["peak_mem_bytes"] = int(t.item())
+            row["peak_mem_kind"] += ", max over ranks"
+        row["peak_mem_gib"] = row["peak_mem_bytes"] / GIB
+        if profile_steps > 0:  # the plain engine too: its top operators
+            row["comm"] = _profile_comm(parts, batches, dev, profile_steps)
+            row["top_ops"] = row["comm"].pop("top_ops", None)
+        elif not zero3 and world == 1:
+            row["comm"] = {"comm_ms": 0.0, "method": "plain engine: one process, no communication"}
+    finally:
+        for h in handles:
+            h.remove()
+    tokens_per_step = micro_batch * seq_len * grad_accum * world
+    step_ms = wall * 1e3 / max(steps, 1)
+    tps = tokens_per_step * steps / wall if wall > 0 else 0.0
+    breakdown = summarise_phases(per_step)
+    row.update({
+        "tokens_per_step": tokens_per_step, "step_ms": step_ms, "step_ms_each": [sum(s.values()) for s in per_step],
+        "tokens_per_s": tps, "tokens_per_s_per_device": tps / world,
+        **mfu_fields(dev, dtype, tps, fpt, world, peak_flops, measure_peak),
+        "breakdown_ms": breakdown["ms"], "breakdown_pct": breakdown["pct"], "breakdown_sum_ms": breakdown["sum_ms"],
+        # kernel time (profiled pass) over the measured step: well below 1 = the host cannot feed the GPU
+        "gpu_busy": (row["comm"]["compute_kernel_ms"] / step_ms
+                     if step_ms > 0 and "compute_kernel_ms" in row.get("comm", {}) else None),
+        "notes": [
+            "tokens = input tokens (micro_batch x seq_len x grad_accum x world per step)",
+            "mfu = tokens/s x flops_per_token / (world x datasheet dense bf16 peak); mfu_measured_peak: the same "
+            "over the measured matmul peak (harness.flops)",
+            "flops_per_token counts dense FLOPs only: 6 x student params + 2 x teacher params (embeddings "
+            "included, a tied head once; no attention scores, no recurrences)",
+            "loss includes the logits' gradient (computed in the loss forward); backward is the body's",
+            "communication is inside teacher_forward / student_forward / loss / backward; see comm",
+        ],
+    })
+    return row
+
+
+def resolve_peak(device: torch.device, override: Optional[float] = None) -> tuple[Optional[float], str]:
+    """(peak FLOP/s per device of `mfu`, where it came from): --peak-flops, else $HARNESS_PEAK_FLOPS or the
+    GPU's datasheet dense bf16 peak (harness.flops.resolve_peak, as stage 3 logs MFU); an unknown GPU or a CPU:
+    None, and the source says why and what to pass."""
+    if override:
+        return float(override), "--peak-flops"
+    peak = flops.resolve_peak(device)
+    return peak.flops, peak.source
+
+
+def mfu_fields(device: torch.device, dtype: torch.dtype, tokens_per_s: float, flops_per_tok: float, world: int,
+               override: Optional[float] = None, measure: bool = False) -> dict[str, Any]:
+    """A step row's MFU fields: `mfu` against the datasheet peak (or --peak-flops / $HARNESS_PEAK_FLOPS) and
+    `mfu_measured_peak` against the measured matmul peak, each with its per-device peak and source."""
+    peak, source = resolve_peak(device, override)
+    measured, measured_source = resolve_measured_peak(device, dtype, measure)
+    return {"peak_flops_per_device": peak, "peak_flops_source": source,
+            "mfu": mfu(tokens_per_s, flops_per_tok, peak, world),
+            "measured_peak_flops_per_device": measured, "measured_peak_source": measured_source,
+            "mfu_measured_peak": mfu(tokens_per_s, flops_per_tok, measured, world)}
+
+
+def training_health(totals: list[float], skipped: Optional[int]) -> dict[str, Any]:
+    """Whether the timed steps trained: every step's loss finite and no optimizer step skipped for a non-finite
+    gradient. A step that produces NaN can run at any speed, so its numbers meet no target (`step_targets`)."""
+    finite = all(math.isfinite(x) for x in totals)
+    out: dict[str, Any] = {"losses_each": totals, "losses_finite": finite, "skipped_steps": skipped}
+    if not finite or skipped:
+        first_bad = next((i for i, x in enumerate(totals) if not math.isfinite(x)), None)
+        out["health"] = (f"not trained: {skipped or 0} optimizer step(s) skipped for a non-finite gradient; "
+                         + ("losses finite" if finite else f"loss not finite from step {first_bad} (warm-up included)"))
+    return out
+
+
+def _profile_comm(parts: _StepParts, batches: list[torch.Tensor], dev: torch.device, n: int) -> dict[str, Any]:
+    clock = PhaseClock(dev)  # disabled: no stamps
+    try:
+        synchronize(dev)
+        t0 = time.perf_counter()
+        prof = profiled(lambda i: _micro_step(parts, batches[i % len(batches)], clock), dev, n)
+        out = comm_from_events(prof.events(), dev.type == "cuda", n)
+        out["profiled_step_ms"] = (time.perf_counter() - t0) * 1e3 / n
+        out["profiled_steps"] = n
+        out["top_ops"] = top_ops(prof.key_averages(), n)
+        return out
+    except Exception as err:  # noqa: BLE001 - the profiler pass is auxiliary
+        return {"error": f"{type(err).__name__}: {err}"}
