@@ -19,7 +19,6 @@ Hugging Face format (run_dir/student), the evaluation spec (run_dir/eval.yaml) a
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Optional
@@ -28,15 +27,16 @@ import torch
 from torch import nn
 
 from harness import preempt
-from harness.checkpoint import CheckpointManager, load_rng, save_rng
+from harness.checkpoint import CheckpointManager
 from harness.config import ConfigError, JobConfig, plan_stages, requested_tokens
-from harness.engine import PlainEngine, all_reduce_host, gathered
+from harness.engine import all_reduce_host, gathered
 from harness.eval.spec import write_eval_spec
-from harness.export import TAG, export_checkpoint
+from harness.export import export_checkpoint
 from harness.flops import model_flops_per_token, setup_mfu
 from harness.losses import DistillLosses, distill_loss
 from harness.observe import RunLogger, SkippedStepWatch, check_finite
-from harness.stages.common import (StageData, chat_data, load_job_teacher, resolve_device, run_dir, scaled, step_means,
+from harness.stages.common import (StageData, chat_data, grad_norm, load_job_teacher, resolve_device,
+                                   resume_checkpoint, run_dir, save_checkpoint, scaled, skipped_steps, step_means,
                                    token_scale)
 
 _flops_per_token = model_flops_per_token  # the name tests/test_perf.py imports from here
@@ -217,52 +217,6 @@ def distill(job: JobConfig, *, stop_after_steps: Optional[int] = None) -> Path:
     student_dir = export_student(job, ckpts, rank)
     ckpts.mark_complete({"step": step, "tokens": tokens})
     return student_dir
-
-
-def resume_checkpoint(ckpts: CheckpointManager, s_engine, loader) -> tuple[int, int]:
-    """Load the newest valid checkpoint (engine, loader position, RNG) if any; returns (step, tokens)."""
-    info = ckpts.latest_valid()
-    if info is None:
-        return 0, 0
-    check_engine_matches(info.path, s_engine)
-    s_engine.load_checkpoint(str(info.path), tag=TAG)
-    loader.load_state_dict(json.loads((info.path / "data.json").read_text()))
-    load_rng(info.path)
-    return info.step, info.tokens
-
-
-def check_engine_matches(checkpoint: Path, s_engine) -> None:
-    """A checkpoint resumes only under the engine that wrote it (deepspeed.student_engine): the two formats differ."""
-    wrote_plain = (checkpoint / TAG / PlainEngine.STATE_FILE).is_file()
-    if wrote_plain != isinstance(s_engine, PlainEngine):
-        wrote, runs = ("plain", "deepspeed") if wrote_plain else ("deepspeed", "plain")
-        raise ConfigError(
-            f"checkpoint {checkpoint} was written by deepspeed.student_engine={wrote}, but this run uses "
-            f"deepspeed.student_engine={runs}. Resume with deepspeed.student_engine={wrote}, or start stage 3 "
-            f"afresh in another run directory.")
-
-
-def save_checkpoint(ckpts: CheckpointManager, s_engine, loader, step: int, tokens: int) -> None:
-    """An atomic checkpoint of the engine (DeepSpeed tag TAG), the loader position (data.json) and each rank's RNG."""
-
-    def writer(tmp: Path) -> None:
-        s_engine.save_checkpoint(str(tmp), tag=TAG)
-        if torch.distributed.get_rank() == 0:
-            (tmp / "data.json").write_text(json.dumps(loader.state_dict()))
-        save_rng(tmp)
-
-    ckpts.save(step, tokens, writer)
-
-
-def grad_norm(s_engine) -> float:
-    norm = s_engine.get_global_grad_norm()
-    return float(norm) if norm is not None else float("nan")
-
-
-def skipped_steps(s_engine) -> int:
-    """Optimizer steps the engine left out so far for a non-finite gradient (DeepSpeed's and the plain engine's
-    count; a rising count with grad_norm inf / nan in metrics.jsonl is a run going wrong before its loss does)."""
-    return int(getattr(s_engine, "skipped_steps", 0))
 
 
 @torch.no_grad()
