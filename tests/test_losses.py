@@ -15,8 +15,8 @@ from torch import Tensor
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from harness.losses import (ALIGNMENT_LOSSES, TOKEN_LOSSES, ChunkedLoss, CrossEntropy, ForwardKL, alignment_l2,
-                            alignment_mse, distill_loss, head_matmuls, token_losses)
+from harness.losses import (ALIGNMENT_LOSSES, TOKEN_LOSSES, ChunkedLoss, CrossEntropy, ForwardKL, ReverseKL,
+                            alignment_l2, alignment_mse, distill_loss, head_matmuls, token_losses)
 from harness.losses.kl_ce import ce_kl_sums_torch
 
 
@@ -205,10 +205,13 @@ def direct_term(name: str, s: Tensor, t: Tensor, y: Tensor, tau: float) -> Tenso
     if name == "ce":
         return F.cross_entropy(s, y, reduction="sum")
     log_q, log_p = F.log_softmax(s / tau, -1), F.log_softmax(t / tau, -1)
+    if name == "reverse_kl":
+        return F.kl_div(log_p, log_q, log_target=True, reduction="sum") * tau**2  # sum q (log q - log p)
     return F.kl_div(log_q, log_p, log_target=True, reduction="sum") * tau**2  # sum p (log p - log q)
 
 
-@pytest.mark.parametrize("name,tau", [("ce", 1.0), ("kl", 1.0), ("kl", 2.0), ("kl", 0.5)])
+@pytest.mark.parametrize("name,tau", [("ce", 1.0), ("kl", 1.0), ("kl", 2.0), ("kl", 0.5), ("reverse_kl", 1.0),
+                                      ("reverse_kl", 2.0), ("reverse_kl", 0.5)])
 def test_each_token_term_gives_the_direct_sum_and_gradient_and_leaves_its_inputs(name, tau):
     s, t, y = chunk_logits()
     term = TOKEN_LOSSES[name](weight=0.3, temperature=tau)
@@ -231,6 +234,37 @@ def test_the_fused_pass_is_ce_plus_kl_term_by_term(tau):
     torch.testing.assert_close(fused_ce, ce_sum)
     torch.testing.assert_close(fused_kl, kl_sum)
     torch.testing.assert_close(fused_g, 0.7 * ce_g + 1.3 * kl_g)
+
+
+@pytest.mark.parametrize("tau", [1.0, 2.0])
+def test_reverse_kl_through_hidden_states_equals_the_direct_computation(tau):
+    """reverse_kl + ce runs term by term; the logs still get ce and kl (at temperature 1: there is no kl term)."""
+    hs, ht, ws, wt, labels = make_inputs(seed=7)
+    out = ChunkedLoss([ReverseKL(0.8, tau), CrossEntropy(0.3)], chunk_tokens=5)(hs, ws, labels, ht, wt)
+    s, t = (hs @ ws.T)[:, :-1], (ht @ wt.T)[:, :-1]
+    keep = labels[:, 1:] != -100
+    reverse = direct_term("reverse_kl", s[keep], t[keep], labels[:, 1:][keep], tau) / keep.sum()
+    _, ref_ce, ref_kl = direct_distill(hs, ht, ws, wt, labels, ce_weight=1, kl_weight=1, temperature=1.0)
+    ref_total = 0.8 * reverse + 0.3 * ref_ce
+    torch.testing.assert_close(out.total.detach(), ref_total.detach(), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(out.ce, ref_ce.detach(), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(out.kl, ref_kl.detach(), rtol=1e-5, atol=1e-6)
+    assert reverse.item() > 1e-3 and abs(reverse.item() - ref_kl.item()) > 1e-3  # not the forward KL
+    for got, want in zip(_grads(out.total, hs, ws), _grads(ref_total, hs, ws)):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-6)
+
+
+def test_term_by_term_equals_the_fused_pass():
+    """A weight-0 reverse_kl beside kl and ce sends them term by term: the same loss as the fused pass."""
+    hs, ht, ws, wt, labels = make_inputs(seed=8)
+    fused = distill_loss(hs, ht, ws, wt, labels, ce_weight=0.7, kl_weight=1.3, temperature=2.0, chunk_tokens=4)
+    terms = [ForwardKL(1.3, 2.0), CrossEntropy(0.7), ReverseKL(0.0, 2.0)]
+    assert not ChunkedLoss(terms).fused
+    each = ChunkedLoss(terms, chunk_tokens=4)(hs, ws, labels, ht, wt)
+    for got, want in zip(each[:3], fused[:3]):
+        torch.testing.assert_close(got.detach(), want.detach(), rtol=1e-5, atol=1e-6)
+    for got, want in zip(_grads(each.total, hs, ws), _grads(fused.total, hs, ws)):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
 
 
 def test_terms_are_checked():

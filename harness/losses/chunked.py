@@ -20,10 +20,10 @@ from harness import loss_kernel
 from harness.losses.base import IGNORE_INDEX, TokenLoss
 from harness.losses.ce import CrossEntropy
 from harness.losses.head_matmuls import add_weight_grad, grad_input, logits, loss_matmuls
-from harness.losses.kl import ForwardKL
+from harness.losses.kl import ForwardKL, ReverseKL
 from harness.losses.kl_ce import ce_kl_sums
 
-TOKEN_LOSSES: dict[str, type[TokenLoss]] = {cls.name: cls for cls in (ForwardKL, CrossEntropy)}
+TOKEN_LOSSES: dict[str, type[TokenLoss]] = {cls.name: cls for cls in (ForwardKL, ReverseKL, CrossEntropy)}
 FUSED = frozenset({"ce", "kl"})  # the terms kl_ce.ce_kl_sums computes in one pass
 
 
