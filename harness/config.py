@@ -163,12 +163,35 @@ class AlignConfig(StageConfig):
     )
 
 
+DISTILL_LOSSES = ("kl", "reverse_kl", "ce")  # harness.losses.TOKEN_LOSSES
+
+
+@dataclass
+class LossTermConfig:
+    name: str = described(
+        "kl", "The term: kl (tau^2 KL(teacher || student)), reverse_kl (tau^2 KL(student || teacher)) or ce "
+        "(next-token cross-entropy); each is averaged per predicted token."
+    )
+    weight: float = described(1.0, "Its weight in the summed loss (>= 0).")
+    temperature: float = described(
+        1.0, "Softmax temperature tau of both distributions of a KL term; ce is computed at 1 and takes no other."
+    )
+
+
 @dataclass
 class DistillConfig(StageConfig):
     lr: float = described(1e-4, "Peak learning rate.")
     ce_weight: float = described(1.0, "Weight a of the next-token cross-entropy.")
     kl_weight: float = described(1.0, "Weight b of KL(teacher || student), averaged per token.")
     temperature: float = described(1.0, "Softmax temperature tau of the KL term.")
+    losses: list[LossTermConfig] = described(
+        help="The loss as a list of weighted terms {name, weight, temperature}, name one of kl (tau^2 KL(teacher || "
+        "student)), reverse_kl (tau^2 KL(student || teacher)) and ce (next-token cross-entropy, at temperature 1), "
+        "e.g. [{name: kl, weight: 1.0, temperature: 2.0}, {name: ce, weight: 1.0}]. It replaces ce_weight, kl_weight "
+        "and temperature (set one form or the other); empty: those three keys, which stand for [{name: kl, weight: "
+        "kl_weight, temperature: temperature}, {name: ce, weight: ce_weight}].",
+        factory=list,
+    )
     data: str = described(
         "text", "What stage 3 trains on: 'text' (data.source, every token) or 'instructions' (the chat data of "
         "`instructions`, CE and KL on assistant tokens only: instruction-aware distillation, meant for an "
@@ -192,6 +215,12 @@ class DistillConfig(StageConfig):
         "minute of compilation, and the first batch of another shape (validation's) one more, for a graph that "
         "then takes any shape. Off: the eager teacher. A ZeRO-3 teacher and the CPU always run eagerly."
     )
+
+    def loss_terms(self) -> list[LossTermConfig]:
+        """The terms stage 3 trains on: `losses`, else the same list built from ce_weight, kl_weight and temperature."""
+        if self.losses:
+            return list(self.losses)
+        return [LossTermConfig("kl", self.kl_weight, self.temperature), LossTermConfig("ce", self.ce_weight)]
 
 
 @dataclass
@@ -424,6 +453,8 @@ def _explain_omegaconf(err: OmegaConfBaseException, path) -> str:
     key = getattr(err, "full_key", None) or "?"
     msg = str(getattr(err, "msg", err)).splitlines()[0]
     where = f" (in {path} or the overrides)" if path else ""
+    if getattr(err, "object_type", None) is LossTermConfig:  # OmegaConf's key for a list entry has lost its path
+        return f"Bad entry in stages.distill.losses{where}: {msg} (an entry's keys: name, weight, temperature)."
     parent, _, leaf = key.rpartition(".")
     if "not in" in msg:
         allowed = _allowed_keys(parent)
@@ -500,13 +531,7 @@ def validate(job: JobConfig) -> None:
     check_eval(job.eval)
     _check_every_tokens(job)
     d = job.stages.distill
-    if d.ce_weight < 0 or d.kl_weight < 0 or d.ce_weight + d.kl_weight == 0:
-        raise ConfigError(
-            f"stages.distill.ce_weight={d.ce_weight} and kl_weight={d.kl_weight}: both must be >= 0 "
-            "and at least one > 0."
-        )
-    if d.temperature <= 0:
-        raise ConfigError(f"stages.distill.temperature={d.temperature} must be > 0.")
+    _check_distill_losses(d)
     if not 0.0 < d.gradient_checkpointing_fraction <= 1.0:
         raise ConfigError(f"stages.distill.gradient_checkpointing_fraction={d.gradient_checkpointing_fraction} "
                           "must lie in (0, 1].")
@@ -559,6 +584,39 @@ def _check_stage(key: str, stage: StageConfig) -> None:
             raise ConfigError(f"{key}.{name}={value} must lie in [0, 1].")
     if stage.warmup_fraction + (stage.decay_fraction if stage.schedule == "wsd" else 0) > 1:
         raise ConfigError(f"{key}: warmup_fraction + decay_fraction exceed 1.")
+
+
+def _check_distill_losses(d: DistillConfig) -> None:
+    if d.losses:
+        _check_loss_list(d)
+        return
+    if d.ce_weight < 0 or d.kl_weight < 0 or d.ce_weight + d.kl_weight == 0:
+        raise ConfigError(
+            f"stages.distill.ce_weight={d.ce_weight} and kl_weight={d.kl_weight}: both must be >= 0 "
+            "and at least one > 0."
+        )
+    if d.temperature <= 0:
+        raise ConfigError(f"stages.distill.temperature={d.temperature} must be > 0.")
+
+
+def _check_loss_list(d: DistillConfig) -> None:
+    default = DistillConfig()
+    old = [f"stages.distill.{k}={getattr(d, k)}" for k in ("ce_weight", "kl_weight", "temperature")
+           if getattr(d, k) != getattr(default, k)]
+    if old:
+        raise ConfigError(f"stages.distill.losses and {', '.join(old)} are both set: the list replaces ce_weight, "
+                          "kl_weight and temperature, so give the loss in one form only.")
+    for i, term in enumerate(d.losses):
+        key = f"stages.distill.losses[{i}]"
+        _check_choice(f"{key}.name", term.name, DISTILL_LOSSES)
+        if term.weight < 0:
+            raise ConfigError(f"{key}.weight={term.weight} must be >= 0.")
+        if term.temperature <= 0 or (term.name == "ce" and term.temperature != 1.0):
+            raise ConfigError(f"{key}.temperature={term.temperature}: it must be > 0, and 1 for ce.")
+    names = [term.name for term in d.losses]
+    if len(set(names)) != len(names) or sum(term.weight for term in d.losses) == 0:
+        raise ConfigError(f"stages.distill.losses names {names}: each term at most once, and at least one with a "
+                          "weight > 0.")
 
 
 def _check_every_tokens(job: JobConfig) -> None:

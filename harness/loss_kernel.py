@@ -1,6 +1,6 @@
 """The distillation loss's per-row softmax work as one Triton kernel (CUDA): CE, tau-scaled KL and the logits' gradient.
 
-`harness.losses` computes fp32 logits of both models for a chunk of rows with tensor-core matmuls; everything
+`harness.losses.chunked` computes fp32 logits of both models for a chunk of rows with tensor-core matmuls; everything
 after that is memory traffic over [rows x V] fp32 buffers. The PyTorch form makes ~6 elementwise passes over
 them (logsumexps, `sub_`, `exp_`, `mul_`, `add_`) and measured 119 ms of a 419 ms 135M step on an H200
 (docs/BENCHMARKS.md). This kernel reads each row of both logits twice and writes the gradient once, in place of
@@ -11,11 +11,11 @@ the student's logits:
   and q = softmax(s / tau), KL(p || q) = sum_v p_v (t_v - s_v) / tau - lse(t / tau) + lse(s / tau), so the
   loss needs no second pass;
 - pass 2 (only when a gradient is wanted): g = ce_scale (softmax(s) - onehot(y)) + kl_scale tau (q - p), the
-  same formula as `harness.losses._chunk_losses`, written over s (fp32) or to a bf16 / fp16 buffer.
+  same formula as `harness.losses.kl_ce.ce_kl_sums_torch`, written over s (fp32) or to a bf16 / fp16 buffer.
 
 It returns per-row CE and KL (KL without the tau^2 factor); the caller sums them. Written by hand because no
 library kernel fits: fla's `fused_kl_div` and Liger's fused linear JSD have one side's logits, no CE beside the
-KL and no temperature (see harness.losses). Triton's interpreter (`TRITON_INTERPRET=1`) runs it on CPU tensors.
+KL and no temperature (see harness.losses.kl_ce). Triton's interpreter (`TRITON_INTERPRET=1`) runs it on CPU tensors.
 """
 
 from __future__ import annotations

@@ -61,11 +61,33 @@ def test_every_field_has_a_description():
         (["stages.align_hidden.loss=l1"], "Bad value 'l1' for stages.align_hidden.loss. Allowed: mse, l2"),
         (["stages.distill.loss=l2"], "Unknown key 'stages.distill.loss'"),
         (["stages.distill.gradient_checkpointing_fraction=0"], "gradient_checkpointing_fraction=0.* must lie in"),
+        (["stages.distill.losses=[{name: jsd}]"],
+         r"Bad value 'jsd' for stages.distill.losses\[0\].name. Allowed: kl, reverse_kl, ce."),
+        (["stages.distill.losses=[{name: kl}]", "stages.distill.kl_weight=2", "stages.distill.temperature=3"],
+         "stages.distill.losses and stages.distill.kl_weight=2.0, stages.distill.temperature=3.0 are both set"),
+        (["stages.distill.losses=[{nam: kl}]"], "Bad entry in stages.distill.losses.*: Key 'nam' not in.*keys: name, weight"),
+        (["stages.distill.losses=[{name: ce, temperature: 2}]"], r"losses\[0\].temperature=2.0: .* 1 for ce"),
+        (["stages.distill.losses=[{name: kl}, {name: kl}]"], "each term at most once"),
+        (["stages.distill.losses=[{name: kl, weight: 0}]"], "at least one with a weight > 0"),
     ],
 )
 def test_bad_input_gives_clear_error(job_file, override, needle):
     with pytest.raises(ConfigError, match=needle):
         load_job(job_file, override)
+
+
+def test_distill_losses_list_and_the_old_keys_give_one_list(job_file):
+    from harness.config import DISTILL_LOSSES, LossTermConfig
+    from harness.losses import TOKEN_LOSSES
+
+    listed = load_job(job_file, ["stages.distill.losses=[{name: kl, weight: 0.5, temperature: 2}, {name: ce}]"])
+    old = load_job(job_file, ["stages.distill.kl_weight=0.5", "stages.distill.temperature=2"])
+    want = [LossTermConfig("kl", 0.5, 2.0), LossTermConfig("ce", 1.0, 1.0)]
+    assert listed.stages.distill.loss_terms() == old.stages.distill.loss_terms() == want
+    assert old.stages.distill.losses == []
+    reverse = load_job(job_file, ["stages.distill.losses=[{name: reverse_kl, weight: 2}]"])
+    assert reverse.stages.distill.loss_terms() == [LossTermConfig("reverse_kl", 2.0, 1.0)]
+    assert sorted(DISTILL_LOSSES) == sorted(TOKEN_LOSSES)
 
 
 def test_teacher_dtype_auto_is_bf16_on_a_gpu_and_fp32_on_a_cpu(job_file):

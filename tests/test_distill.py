@@ -241,6 +241,22 @@ def test_preemption_request_checkpoints_exits_for_requeue_and_resumes(tmp_path, 
     assert all(torch.equal(a[k], b[k]) for k in a)
 
 
+def test_a_losses_list_trains_exactly_as_the_old_keys_it_stands_for(tmp_path):
+    """stages.distill.losses = [kl at weight 0.5 and temperature 2, ce] and kl_weight=0.5, temperature=2 are one
+    loss computed by one code path: the same logged losses bit for bit, and the same student."""
+    common = ["deepspeed.student_engine=plain", "deepspeed.teacher_placement=replicated"]
+    old = tmp_path / "old"
+    launch(write_job(tmp_path, old, *common, "stages.distill.kl_weight=0.5", "stages.distill.temperature=2"))
+    listed = tmp_path / "listed"
+    launch(write_job(tmp_path, listed, *common,
+                     "stages.distill.losses=[{name: kl, weight: 0.5, temperature: 2}, {name: ce, weight: 1}]"))
+    assert len(losses(old)) >= 5 and losses(listed) == losses(old)
+    rows = [r for r in _rows(listed) if "loss" in r]
+    assert all(r["loss"] == pytest.approx(0.5 * r["kl"] + r["ce"], rel=1e-6) for r in rows)  # the list's weights
+    a, b = student_weights(listed), student_weights(old)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
 def test_teacher_placement_decision(monkeypatch):
     from harness import engine
 

@@ -114,7 +114,8 @@ def test_plain_bf16_engine_matches_deepspeed_zero2_bf16(tmp_path):
 def test_a_checkpoint_resumes_only_under_the_engine_that_wrote_it(tmp_path):
     from harness.config import ConfigError
     from harness.engine import PlainEngine
-    from harness.stages.distill import TAG, check_engine_matches
+    from harness.export import TAG
+    from harness.stages.common import check_engine_matches
 
     plain = PlainEngine(torch.nn.Linear(2, 2), {}, lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0),
                         torch.device("cpu"))

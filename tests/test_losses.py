@@ -1,9 +1,11 @@
-"""Losses: MSE alignment; the chunked stage-3 loss against a direct full-logits computation (values and
-gradients), its KL convention, and its memory (live tensor bytes counted through a dispatch mode)."""
+"""Losses: MSE alignment; each next-token term against torch's own functions; the chunked stage-3 loss against a
+direct full-logits computation (values and gradients), its KL convention, and its memory (live tensor bytes counted
+through a dispatch mode)."""
 
 from __future__ import annotations
 
 import weakref
+from types import SimpleNamespace
 from typing import Callable, Optional
 
 import pytest
@@ -13,8 +15,9 @@ from torch import Tensor
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from harness import losses
-from harness.losses import ALIGNMENT_LOSSES, alignment_l2, alignment_mse, distill_loss
+from harness.losses import (ALIGNMENT_LOSSES, TOKEN_LOSSES, ChunkedLoss, CrossEntropy, ForwardKL, ReverseKL,
+                            alignment_l2, alignment_mse, distill_loss, head_matmuls, token_losses)
+from harness.losses.kl_ce import ce_kl_sums_torch
 
 
 def direct_distill(
@@ -121,7 +124,7 @@ def test_kl_is_averaged_per_token_and_scaled_by_tau_squared():
 
 
 def test_bf16_inputs_and_vocab_blocks_match_fp32(monkeypatch):
-    monkeypatch.setattr(losses, "VOCAB_BLOCK", 8)  # 37 rows: blocks of 8 with a remainder of 5
+    monkeypatch.setattr(head_matmuls, "VOCAB_BLOCK", 8)  # 37 rows: blocks of 8 with a remainder of 5
     hs, ht, ws, wt, labels = make_inputs(seed=3, dtype=torch.bfloat16)
     kw = dict(ce_weight=1.0, kl_weight=1.0, temperature=2.0)
     out = distill_loss(hs, ht, ws, wt, labels, chunk_tokens=4, **kw)
@@ -186,6 +189,98 @@ def test_alignment_mse_is_fp32_mean_over_everything():
     torch.testing.assert_close(low, ((pred.bfloat16().float() - target.bfloat16().float()) ** 2).mean())
     with pytest.raises(ValueError):
         alignment_mse(pred, target[:, :1])  # no silent broadcasting
+
+
+# ------------------------------------------------------------------ the terms one by one
+
+
+def chunk_logits(c=6, v=11, seed=5) -> tuple[Tensor, Tensor, Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    s, t = 3 * torch.randn(c, v, generator=g), 3 * torch.randn(c, v, generator=g)
+    return s, t, torch.randint(0, v, (c,), generator=g)
+
+
+def direct_term(name: str, s: Tensor, t: Tensor, y: Tensor, tau: float) -> Tensor:
+    """A term summed over rows, written out with torch's own functions (autograd gives its gradient)."""
+    if name == "ce":
+        return F.cross_entropy(s, y, reduction="sum")
+    log_q, log_p = F.log_softmax(s / tau, -1), F.log_softmax(t / tau, -1)
+    if name == "reverse_kl":
+        return F.kl_div(log_p, log_q, log_target=True, reduction="sum") * tau**2  # sum q (log q - log p)
+    return F.kl_div(log_q, log_p, log_target=True, reduction="sum") * tau**2  # sum p (log p - log q)
+
+
+@pytest.mark.parametrize("name,tau", [("ce", 1.0), ("kl", 1.0), ("kl", 2.0), ("kl", 0.5), ("reverse_kl", 1.0),
+                                      ("reverse_kl", 2.0), ("reverse_kl", 0.5)])
+def test_each_token_term_gives_the_direct_sum_and_gradient_and_leaves_its_inputs(name, tau):
+    s, t, y = chunk_logits()
+    term = TOKEN_LOSSES[name](weight=0.3, temperature=tau)
+    s_in, t_in = s.clone(), t.clone()
+    total, grad = term.chunk(s_in, t_in, y, need_grad=True)
+    assert torch.equal(s_in, s) and torch.equal(t_in, t)  # several terms read one chunk
+    s_ref = s.clone().requires_grad_()
+    ref = direct_term(name, s_ref, t, y, tau)
+    torch.testing.assert_close(total, ref.detach(), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(grad, torch.autograd.grad(ref, s_ref)[0], rtol=1e-5, atol=1e-6)  # unweighted
+    assert term.chunk(s, t, y, need_grad=False)[1] is None
+
+
+@pytest.mark.parametrize("tau", [1.0, 2.0])
+def test_the_fused_pass_is_ce_plus_kl_term_by_term(tau):
+    s, t, y = chunk_logits(seed=6)
+    ce_sum, ce_g = CrossEntropy().chunk(s, t, y, True)
+    kl_sum, kl_g = ForwardKL(temperature=tau).chunk(s, t, y, True)
+    fused_ce, fused_kl, fused_g = ce_kl_sums_torch(s.clone(), t.clone(), y, tau, 0.7, 1.3, True)
+    torch.testing.assert_close(fused_ce, ce_sum)
+    torch.testing.assert_close(fused_kl, kl_sum)
+    torch.testing.assert_close(fused_g, 0.7 * ce_g + 1.3 * kl_g)
+
+
+@pytest.mark.parametrize("tau", [1.0, 2.0])
+def test_reverse_kl_through_hidden_states_equals_the_direct_computation(tau):
+    """reverse_kl + ce runs term by term; the logs still get ce and kl (at temperature 1: there is no kl term)."""
+    hs, ht, ws, wt, labels = make_inputs(seed=7)
+    out = ChunkedLoss([ReverseKL(0.8, tau), CrossEntropy(0.3)], chunk_tokens=5)(hs, ws, labels, ht, wt)
+    s, t = (hs @ ws.T)[:, :-1], (ht @ wt.T)[:, :-1]
+    keep = labels[:, 1:] != -100
+    reverse = direct_term("reverse_kl", s[keep], t[keep], labels[:, 1:][keep], tau) / keep.sum()
+    _, ref_ce, ref_kl = direct_distill(hs, ht, ws, wt, labels, ce_weight=1, kl_weight=1, temperature=1.0)
+    ref_total = 0.8 * reverse + 0.3 * ref_ce
+    torch.testing.assert_close(out.total.detach(), ref_total.detach(), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(out.ce, ref_ce.detach(), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(out.kl, ref_kl.detach(), rtol=1e-5, atol=1e-6)
+    assert reverse.item() > 1e-3 and abs(reverse.item() - ref_kl.item()) > 1e-3  # not the forward KL
+    for got, want in zip(_grads(out.total, hs, ws), _grads(ref_total, hs, ws)):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-6)
+
+
+def test_term_by_term_equals_the_fused_pass():
+    """A weight-0 reverse_kl beside kl and ce sends them term by term: the same loss as the fused pass."""
+    hs, ht, ws, wt, labels = make_inputs(seed=8)
+    fused = distill_loss(hs, ht, ws, wt, labels, ce_weight=0.7, kl_weight=1.3, temperature=2.0, chunk_tokens=4)
+    terms = [ForwardKL(1.3, 2.0), CrossEntropy(0.7), ReverseKL(0.0, 2.0)]
+    assert not ChunkedLoss(terms).fused
+    each = ChunkedLoss(terms, chunk_tokens=4)(hs, ws, labels, ht, wt)
+    for got, want in zip(each[:3], fused[:3]):
+        torch.testing.assert_close(got.detach(), want.detach(), rtol=1e-5, atol=1e-6)
+    for got, want in zip(_grads(each.total, hs, ws), _grads(fused.total, hs, ws)):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_terms_are_checked():
+    hs, ht, ws, wt, labels = make_inputs()
+    with pytest.raises(ValueError, match=r"each once; got \['ce', 'ce'\]"):
+        ChunkedLoss([CrossEntropy(), CrossEntropy()])
+    with pytest.raises(ValueError, match=r"\['kl'\] need the teacher"):
+        ChunkedLoss([ForwardKL(), CrossEntropy()])(hs, ws, labels)
+    with pytest.raises(ValueError, match="temperature 1"):
+        CrossEntropy(temperature=2.0)
+    with pytest.raises(ValueError, match="weight=-1"):
+        ForwardKL(weight=-1.0)
+    with pytest.raises(ValueError, match="'jsd' is not one of \\['ce', 'kl'"):
+        token_losses([SimpleNamespace(name="jsd", weight=1.0, temperature=1.0)])
+    made = token_losses([SimpleNamespace(name="kl", weight=2.0, temperature=3.0)])
+    assert isinstance(made[0], ForwardKL) and (made[0].weight, made[0].temperature) == (2.0, 3.0)
 
 
 # ------------------------------------------------------------------ memory

@@ -13,7 +13,7 @@ import pytest
 
 from harness.cli import main as harness_main
 from harness.eval import paired, recovery
-from harness.eval.bench import EXAMPLES_FILE
+from harness.eval.lm_eval_tasks import EXAMPLES_FILE
 from harness.eval.report import build_report, eval_dirs, rebase
 
 LIMIT = 12

@@ -143,6 +143,7 @@ def bench_step(shape: str = "135M", mixer: str = "gated_deltanet", *, micro_batc
     from harness.config import DistillConfig
     from harness.engine import compiles_teacher
     from harness.stages.distill import DistillModel
+    from harness.losses import token_losses
 
     device = resolve_device(device)
     dtype = resolve_dtype(dtype, device)
@@ -175,7 +176,7 @@ def bench_step(shape: str = "135M", mixer: str = "gated_deltanet", *, micro_batc
         "n_student": n_student, "n_teacher": n_teacher, "flops_per_token": fpt,
         "flops_per_token_formula": f"6 x {n_student:,} + 2 x {n_teacher:,} = {fpt:,.0f}",
     }
-    model = DistillModel(student, cfg.ce_weight, cfg.kl_weight, cfg.temperature)
+    model = DistillModel(student, token_losses(cfg.loss_terms()))
     bf16 = dtype == torch.bfloat16
     parts, row["teacher_placement"] = _build_engines(
         model, teacher, cfg, world, bf16, micro_steps, student_ds_config, teacher_ds_config,

@@ -38,7 +38,7 @@ from typing import Optional
 
 import numpy as np
 
-from harness.eval.bench import read_examples
+from harness.eval.lm_eval_tasks import read_examples
 from harness.eval.recovery import (BOOTSTRAP_SAMPLES, BOOTSTRAP_SEED, LEVEL, normalised_draws, normalised_recovery,
                                    paired_bootstrap, percentile_interval)
 from harness.eval.report import eval_dirs, paired_columns, report_file
@@ -387,57 +387,3 @@ def _str(path: Optional[Path]) -> Optional[str]:
 
 def _same(x: Optional[Path], y: Optional[Path]) -> bool:
     return x is not None and y is not None and Path(x).resolve() == Path(y).resolve()
-
-
-# --------------------------------------------------------------------------------------------- markdown
-
-
-def _value(value: Optional[float], unit: str) -> str:
-    if value is None:
-        return "-"
-    return f"{100 * value:.1f}%" if unit == "fraction" else (f"{value:.3f}" if unit == "score" else f"{value:.4g}")
-
-
-def _diff(row: dict) -> str:
-    """'-0.090 [-0.131, -0.048]', '-47.3 pts [-58.1, -36.0]' (percentage points), '74.81' without interval."""
-    diff, ci, unit = row["diff"], row["ci"], row["unit"]
-    if diff is None:
-        return "-"
-    if unit == "fraction":
-        text = f"{100 * diff:+.1f} pts" + (f" [{100 * ci[0]:+.1f}, {100 * ci[1]:+.1f}]" if ci else "")
-    elif unit == "score":
-        text = f"{diff:+.3f}" + (f" [{ci[0]:+.3f}, {ci[1]:+.3f}]" if ci else "")
-    else:
-        text = f"{diff:+.4g}" + (f" [{ci[0]:+.4g}, {ci[1]:+.4g}]" if ci else "")
-    return text
-
-
-def _excludes(row: dict) -> str:
-    if row["excludes_zero"] is None:
-        return f"no interval ({row['note']})" if row.get("note") else "-"
-    return "yes" if row["excludes_zero"] else "no"
-
-
-def paired_markdown(pairs: Sequence[dict]) -> list[str]:
-    """The "Paired differences" section: one table per pair, B - A."""
-    if not pairs:
-        return []
-    boot = pairs[0]["bootstrap"]
-    lines = ["## Paired differences", "",
-             f"B - A on the same examples and NIAH prompts. Each of {boot['samples']} bootstrap replicates (seed "
-             f"{boot['seed']}) draws one set of example indices and applies it to both runs, and to their teachers "
-             f"for the recoveries; the {100 * boot['level']:.0f}% CI is the percentile range of the replicate "
-             "differences. The average normalised recovery resamples its tasks independently and averages them. "
-             "pts: percentage points; n: examples or prompts (tasks for the averages, tokens for perplexity). "
-             "Held-out perplexity and stage 3's validation CE and KL are stored as aggregates only, so their "
-             "difference has no interval.", ""]
-    for pair in pairs:
-        teacher = "" if pair["shared_teacher"] else " (the runs' teachers' result folders differ)"
-        lines += [f"### {pair['b']} (B) - {pair['a']} (A){teacher}", "",
-                  "| metric | n | A | B | B - A [95% CI] | CI excludes 0 |", "|---|---|---|---|---|---|"]
-        for row in pair["rows"]:
-            lines.append(f"| {row['metric']} | {row['n'] if row['n'] is not None else '-'} | "
-                         f"{_value(row['a'], row['unit'])} | {_value(row['b'], row['unit'])} | {_diff(row)} | "
-                         f"{_excludes(row)} |")
-        lines.append("")
-    return lines

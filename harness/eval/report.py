@@ -33,6 +33,7 @@ from __future__ import annotations
 import json
 import math
 import os
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Optional
 
@@ -363,11 +364,59 @@ def comparison_markdown(reports: list[dict], paired: Optional[list[dict]] = None
               "perplexity.", ""]
     lines += _left_out(reports)
     lines += _scores_table(reports, tasks) + _niah_table(reports) + _training_table(reports, plotted=True)
-    if paired:
-        from harness.eval.paired import paired_markdown
-
-        lines += paired_markdown(paired)
+    lines += paired_markdown(paired or [])
     return "\n".join(lines)
+
+
+def _paired_value(value: Optional[float], unit: str) -> str:
+    if value is None:
+        return "-"
+    return f"{100 * value:.1f}%" if unit == "fraction" else (f"{value:.3f}" if unit == "score" else f"{value:.4g}")
+
+
+def _paired_diff(row: dict) -> str:
+    """'-0.090 [-0.131, -0.048]', '-47.3 pts [-58.1, -36.0]' (percentage points), '74.81' without interval."""
+    diff, ci, unit = row["diff"], row["ci"], row["unit"]
+    if diff is None:
+        return "-"
+    if unit == "fraction":
+        text = f"{100 * diff:+.1f} pts" + (f" [{100 * ci[0]:+.1f}, {100 * ci[1]:+.1f}]" if ci else "")
+    elif unit == "score":
+        text = f"{diff:+.3f}" + (f" [{ci[0]:+.3f}, {ci[1]:+.3f}]" if ci else "")
+    else:
+        text = f"{diff:+.4g}" + (f" [{ci[0]:+.4g}, {ci[1]:+.4g}]" if ci else "")
+    return text
+
+
+def _excludes_zero(row: dict) -> str:
+    if row["excludes_zero"] is None:
+        return f"no interval ({row['note']})" if row.get("note") else "-"
+    return "yes" if row["excludes_zero"] else "no"
+
+
+def paired_markdown(pairs: Sequence[dict]) -> list[str]:
+    """The "Paired differences" section: one table per pair (harness.eval.paired.paired_report), B - A."""
+    if not pairs:
+        return []
+    boot = pairs[0]["bootstrap"]
+    lines = ["## Paired differences", "",
+             f"B - A on the same examples and NIAH prompts. Each of {boot['samples']} bootstrap replicates (seed "
+             f"{boot['seed']}) draws one set of example indices and applies it to both runs, and to their teachers "
+             f"for the recoveries; the {100 * boot['level']:.0f}% CI is the percentile range of the replicate "
+             "differences. The average normalised recovery resamples its tasks independently and averages them. "
+             "pts: percentage points; n: examples or prompts (tasks for the averages, tokens for perplexity). "
+             "Held-out perplexity and stage 3's validation CE and KL are stored as aggregates only, so their "
+             "difference has no interval.", ""]
+    for pair in pairs:
+        teacher = "" if pair["shared_teacher"] else " (the runs' teachers' result folders differ)"
+        lines += [f"### {pair['b']} (B) - {pair['a']} (A){teacher}", "",
+                  "| metric | n | A | B | B - A [95% CI] | CI excludes 0 |", "|---|---|---|---|---|---|"]
+        for row in pair["rows"]:
+            lines.append(f"| {row['metric']} | {row['n'] if row['n'] is not None else '-'} | "
+                         f"{_paired_value(row['a'], row['unit'])} | {_paired_value(row['b'], row['unit'])} | {_paired_diff(row)} | "
+                         f"{_excludes_zero(row)} |")
+        lines.append("")
+    return lines
 
 
 def _recovery_cell(row: Optional[dict]) -> str:

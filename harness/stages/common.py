@@ -1,5 +1,6 @@
 """What every stage shares: the run directory layout, layer ranges and groups, device choice, the job's teacher,
-and what the training stages (stage 3, SFT) read and how they weight their micro-batches' losses.
+and what the training stages (stage 3, SFT) read, how they weight their micro-batches' losses, and how they
+checkpoint, resume and report their engine.
 
 Run directory (job.output_dir):
 
@@ -21,6 +22,7 @@ Run directory (job.output_dir):
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,8 +30,10 @@ from typing import Any, Optional
 
 import torch
 
+from harness.checkpoint import CheckpointManager, load_rng, save_rng
 from harness.config import PER_LAYER as PER_LAYER_STAGES, ConfigError, JobConfig
-from harness.engine import all_reduce_host
+from harness.engine import PlainEngine, all_reduce_host
+from harness.export import TAG
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -178,3 +182,50 @@ def scaled(loss: torch.Tensor, scale: float) -> torch.Tensor:
 def step_means(sums: torch.Tensor, step_tokens: int) -> list[float]:
     """Token-weighted sums of this rank's micro-batches (value x tokens) -> the step's per-token means."""
     return (all_reduce_host(sums) / max(step_tokens, 1)).tolist()
+
+
+def resume_checkpoint(ckpts: CheckpointManager, s_engine, loader) -> tuple[int, int]:
+    """Load the newest valid checkpoint (engine, loader position, RNG) if any; returns (step, tokens)."""
+    info = ckpts.latest_valid()
+    if info is None:
+        return 0, 0
+    check_engine_matches(info.path, s_engine)
+    s_engine.load_checkpoint(str(info.path), tag=TAG)
+    loader.load_state_dict(json.loads((info.path / "data.json").read_text()))
+    load_rng(info.path)
+    return info.step, info.tokens
+
+
+def check_engine_matches(checkpoint: Path, s_engine) -> None:
+    """A checkpoint resumes only under the engine that wrote it (deepspeed.student_engine): the two formats differ."""
+    wrote_plain = (checkpoint / TAG / PlainEngine.STATE_FILE).is_file()
+    if wrote_plain != isinstance(s_engine, PlainEngine):
+        wrote, runs = ("plain", "deepspeed") if wrote_plain else ("deepspeed", "plain")
+        raise ConfigError(
+            f"checkpoint {checkpoint} was written by deepspeed.student_engine={wrote}, but this run uses "
+            f"deepspeed.student_engine={runs}. Resume with deepspeed.student_engine={wrote}, or start the stage "
+            f"afresh in another run directory.")
+
+
+def save_checkpoint(ckpts: CheckpointManager, s_engine, loader, step: int, tokens: int) -> None:
+    """An atomic checkpoint of the engine (DeepSpeed tag TAG), the loader position (data.json) and each rank's RNG."""
+
+    def writer(tmp: Path) -> None:
+        s_engine.save_checkpoint(str(tmp), tag=TAG)
+        if torch.distributed.get_rank() == 0:
+            (tmp / "data.json").write_text(json.dumps(loader.state_dict()))
+        save_rng(tmp)
+
+    ckpts.save(step, tokens, writer)
+
+
+def grad_norm(s_engine) -> float:
+    """The last step's global gradient norm before clipping (nan where the engine has none yet)."""
+    norm = s_engine.get_global_grad_norm()
+    return float(norm) if norm is not None else float("nan")
+
+
+def skipped_steps(s_engine) -> int:
+    """Optimizer steps the engine left out so far for a non-finite gradient (DeepSpeed's and the plain engine's
+    count; a rising count with grad_norm inf / nan in metrics.jsonl is a run going wrong before its loss does)."""
+    return int(getattr(s_engine, "skipped_steps", 0))

@@ -2,7 +2,8 @@
 it is small against a device (deepspeed.teacher_placement), a frozen copy per device.
 
 loss = ce_weight * CE(next token) + kl_weight * tau^2 * KL(teacher || student at temperature tau), each
-averaged per predicted token (harness.losses.distill_loss: chunked, no whole-batch fp32 logits). The loss of an
+averaged per predicted token; or the weighted terms of stages.distill.losses (kl, reverse_kl, ce). The loss is a
+harness.losses.ChunkedLoss: chunked, no whole-batch fp32 logits, ce and kl in one fused pass. The loss of an
 optimizer step is the mean over all its predicted tokens, on all ranks and micro-batches together (each
 micro-batch's mean is weighted by its share of the step's tokens, `token_scale`), so N processes at micro-batch
 b give the losses of one at micro-batch N*b. On text (packed sequences, no padding) every micro-batch has the
@@ -19,8 +20,7 @@ Hugging Face format (run_dir/student), the evaluation spec (run_dir/eval.yaml) a
 
 from __future__ import annotations
 
-import json
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any, Optional
 
@@ -28,15 +28,16 @@ import torch
 from torch import nn
 
 from harness import preempt
-from harness.checkpoint import CheckpointManager, load_rng, save_rng
+from harness.checkpoint import CheckpointManager
 from harness.config import ConfigError, JobConfig, plan_stages, requested_tokens
-from harness.engine import PlainEngine, all_reduce_host, gathered
+from harness.engine import all_reduce_host, gathered
 from harness.eval.spec import write_eval_spec
-from harness.export import TAG, export_checkpoint
+from harness.export import export_checkpoint
 from harness.flops import model_flops_per_token, setup_mfu
-from harness.losses import DistillLosses, distill_loss
+from harness.losses import ChunkedLoss, DistillLosses, TokenLoss, token_losses
 from harness.observe import RunLogger, SkippedStepWatch, check_finite
-from harness.stages.common import (StageData, chat_data, load_job_teacher, resolve_device, run_dir, scaled, step_means,
+from harness.stages.common import (StageData, chat_data, grad_norm, load_job_teacher, resolve_device,
+                                   resume_checkpoint, run_dir, save_checkpoint, scaled, skipped_steps, step_means,
                                    token_scale)
 
 _flops_per_token = model_flops_per_token  # the name tests/test_perf.py imports from here
@@ -44,25 +45,24 @@ _flops_per_token = model_flops_per_token  # the name tests/test_perf.py imports 
 
 class LossHead(nn.Module):
     """Owns the student's output-head weight (shared with lm_head / the tied embedding) so that ZeRO-3 gathers
-    it when the loss runs, and computes the chunked distillation loss from the final hidden states."""
+    it when the loss runs, and computes the chunked distillation loss of `terms` from the final hidden states."""
 
-    def __init__(self, weight: nn.Parameter, ce_weight: float, kl_weight: float, temperature: float):
+    def __init__(self, weight: nn.Parameter, terms: Sequence[TokenLoss]):
         super().__init__()
         self.weight = weight
-        self.ce_weight, self.kl_weight, self.temperature = ce_weight, kl_weight, temperature
+        self.loss = ChunkedLoss(terms)
 
     def forward(self, hidden, teacher_hidden, teacher_weight, labels) -> DistillLosses:
-        return distill_loss(hidden, teacher_hidden, self.weight, teacher_weight, labels, ce_weight=self.ce_weight,
-                            kl_weight=self.kl_weight, temperature=self.temperature)
+        return self.loss(hidden, self.weight, labels, teacher_hidden, teacher_weight)
 
 
 class DistillModel(nn.Module):
-    """The trained module: the student body plus the loss head."""
+    """The trained module: the student body plus the loss head over `terms` (the job's: `job_loss_terms`)."""
 
-    def __init__(self, student, ce_weight: float, kl_weight: float, temperature: float):
+    def __init__(self, student, terms: Sequence[TokenLoss]):
         super().__init__()
         self.student = student
-        self.loss_head = LossHead(student.lm_head.weight, ce_weight, kl_weight, temperature)
+        self.loss_head = LossHead(student.lm_head.weight, terms)
 
     def forward(self, input_ids, teacher_hidden, teacher_weight, labels=None) -> DistillLosses:
         hidden = self.student.model(input_ids)
@@ -79,6 +79,11 @@ class TeacherBody(nn.Module):
     def forward(self, input_ids):
         # no KV cache: transformers builds one by default, and a compiled layer would recompile for each cache layer
         return self.teacher.model(input_ids=input_ids, use_cache=False).last_hidden_state
+
+
+def job_loss_terms(job: JobConfig) -> list[TokenLoss]:
+    """Stage 3's loss terms: stages.distill.losses, or the list its ce_weight, kl_weight and temperature stand for."""
+    return token_losses(job.stages.distill.loss_terms())
 
 
 def text_data(job: JobConfig, tokenizer: Any, max_positions: int, rank: int, world: int) -> StageData:
@@ -141,7 +146,7 @@ def distill(job: JobConfig, *, stop_after_steps: Optional[int] = None) -> Path:
     from harness.student import count_parameters
 
     params = count_parameters(student)
-    model = DistillModel(student, cfg.ce_weight, cfg.kl_weight, cfg.temperature)
+    model = DistillModel(student, job_loss_terms(job))
     s_engine = engine.student_engine(model, engine.student_ds_config(job, cfg, world, bf16),
                                      lambda opt: build_scheduler(opt, cfg, steps), job.deepspeed.student_engine,
                                      device)
@@ -217,52 +222,6 @@ def distill(job: JobConfig, *, stop_after_steps: Optional[int] = None) -> Path:
     student_dir = export_student(job, ckpts, rank)
     ckpts.mark_complete({"step": step, "tokens": tokens})
     return student_dir
-
-
-def resume_checkpoint(ckpts: CheckpointManager, s_engine, loader) -> tuple[int, int]:
-    """Load the newest valid checkpoint (engine, loader position, RNG) if any; returns (step, tokens)."""
-    info = ckpts.latest_valid()
-    if info is None:
-        return 0, 0
-    check_engine_matches(info.path, s_engine)
-    s_engine.load_checkpoint(str(info.path), tag=TAG)
-    loader.load_state_dict(json.loads((info.path / "data.json").read_text()))
-    load_rng(info.path)
-    return info.step, info.tokens
-
-
-def check_engine_matches(checkpoint: Path, s_engine) -> None:
-    """A checkpoint resumes only under the engine that wrote it (deepspeed.student_engine): the two formats differ."""
-    wrote_plain = (checkpoint / TAG / PlainEngine.STATE_FILE).is_file()
-    if wrote_plain != isinstance(s_engine, PlainEngine):
-        wrote, runs = ("plain", "deepspeed") if wrote_plain else ("deepspeed", "plain")
-        raise ConfigError(
-            f"checkpoint {checkpoint} was written by deepspeed.student_engine={wrote}, but this run uses "
-            f"deepspeed.student_engine={runs}. Resume with deepspeed.student_engine={wrote}, or start stage 3 "
-            f"afresh in another run directory.")
-
-
-def save_checkpoint(ckpts: CheckpointManager, s_engine, loader, step: int, tokens: int) -> None:
-    """An atomic checkpoint of the engine (DeepSpeed tag TAG), the loader position (data.json) and each rank's RNG."""
-
-    def writer(tmp: Path) -> None:
-        s_engine.save_checkpoint(str(tmp), tag=TAG)
-        if torch.distributed.get_rank() == 0:
-            (tmp / "data.json").write_text(json.dumps(loader.state_dict()))
-        save_rng(tmp)
-
-    ckpts.save(step, tokens, writer)
-
-
-def grad_norm(s_engine) -> float:
-    norm = s_engine.get_global_grad_norm()
-    return float(norm) if norm is not None else float("nan")
-
-
-def skipped_steps(s_engine) -> int:
-    """Optimizer steps the engine left out so far for a non-finite gradient (DeepSpeed's and the plain engine's
-    count; a rising count with grad_norm inf / nan in metrics.jsonl is a run going wrong before its loss does)."""
-    return int(getattr(s_engine, "skipped_steps", 0))
 
 
 @torch.no_grad()

@@ -40,8 +40,8 @@ from harness.export import export_checkpoint
 from harness.flops import dense_flops_per_token, setup_mfu
 from harness.losses import DistillLosses, lm_loss
 from harness.observe import RunLogger, SkippedStepWatch, check_finite
-from harness.stages.common import StageData, chat_data, resolve_device, run_dir, scaled, step_means, token_scale
-from harness.stages.distill import grad_norm, resume_checkpoint, save_checkpoint, skipped_steps
+from harness.stages.common import (StageData, chat_data, grad_norm, resolve_device, resume_checkpoint, run_dir,
+                                   save_checkpoint, scaled, skipped_steps, step_means, token_scale)
 
 STAGE = "sft"
 

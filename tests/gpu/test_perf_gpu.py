@@ -28,7 +28,7 @@ from harness.bench.decode import bench_decode  # noqa: E402
 from harness.bench.phases import PHASES, PhaseClock  # noqa: E402
 from harness.bench.shapes import build_pair, count_params, llama_param_count, shape_config  # noqa: E402
 from harness.bench.step import bench_step  # noqa: E402
-from harness.losses import VOCAB_BLOCK, distill_loss, tf32_matmuls  # noqa: E402
+from harness.losses import VOCAB_BLOCK, distill_loss, kl_and_ce, tf32_matmuls  # noqa: E402
 from tests.test_losses import direct_distill  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
@@ -167,7 +167,7 @@ def test_loss_head_with_bf16_heads_over_several_vocab_blocks():
 
     v = 2 * VOCAB_BLOCK + 1234
     hs, ht, ws, wt, labels = _inputs(2, 256, 256, v, torch.bfloat16, seed=1)
-    head = LossHead(torch.nn.Parameter(ws.detach().clone()), ce_weight=1.0, kl_weight=1.0, temperature=1.0)
+    head = LossHead(torch.nn.Parameter(ws.detach().clone()), kl_and_ce(ce_weight=1.0, kl_weight=1.0, temperature=1.0))
     out = head(hs, ht, wt, labels)
     out.total.backward()
     with tf32_matmuls(False):
