@@ -152,3 +152,29 @@ def test_bad_choice_in_the_job_file_names_key_and_allowed_values(job_file, capsy
     assert main(["info", str(job_file)]) == 2
     assert capsys.readouterr().err == ("error: Bad value 'linear' for stages.distill.schedule. "
                                        "Allowed: wsd, cosine, constant.\n")
+
+
+@pytest.mark.parametrize("override, message", [
+    (["data.seq_len=0"], "data.seq_len=0 must be a positive number."),
+    (["stages.align_hidden.decay_fraction=1.5"], "stages.align_hidden.decay_fraction=1.5 must lie in [0, 1]."),
+    (["stages.sft.lr=0"], "stages.sft.lr=0.0 must be a positive number."),  # SftConfig's own default, its base's rule
+    (["run.keep_last=0"], "run.keep_last=0 must be a positive number."),
+    (["run.layer_groups=-1"], "run.layer_groups=-1 must be >= 0 (0: the default)."),
+    (["eval.niah.depths=[0.5,1.5]"], "Bad value 1.5 in eval.niah.depths: each must lie in [0, 1] (50% is 0.5)."),
+    (["budget.split=[0.5,0.5]"], "budget.split=[0.5, 0.5] must be three non-negative fractions"),
+    (["instructions.messages_field=''"], "instructions.messages_field='' must name the field holding the messages"),
+])
+def test_a_field_out_of_its_range_names_the_value_and_the_range(job_file, override, message):
+    with pytest.raises(ConfigError) as err:
+        load_job(job_file, override)
+    assert str(err.value).startswith(message)
+
+
+def test_fields_built_in_code_are_checked_like_merged_ones():
+    from harness.config import DataConfig, check_fields
+
+    check_fields(JobConfig())
+    with pytest.raises(ConfigError, match=r"^Bad value 'word' for data.txt_sample_by. Allowed: document, paragraph, line.$"):
+        check_fields(DataConfig(txt_sample_by="word"), "data.")
+    with pytest.raises(ConfigError, match=r"^data.shuffle_buffer=0 must be a positive number.$"):
+        check_fields(DataConfig(shuffle_buffer=0), "data.")
