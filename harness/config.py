@@ -222,7 +222,8 @@ class DistillConfig(StageConfig):
     lr: float = described(1e-4, "Peak learning rate.")
     ce_weight: float = described(1.0, "Weight a of the next-token cross-entropy.")
     kl_weight: float = described(1.0, "Weight b of KL(teacher || student), averaged per token.")
-    temperature: float = described(1.0, "Softmax temperature tau of the KL term.")
+    temperature: float = described(1.0, "Softmax temperature tau of the KL term.",
+                                   rule=Rule(lambda t: t > 0, "be > 0"))
     data: DistillData = described(
         DistillData.text,
         "What stage 3 trains on: 'text' (data.source, every token) or 'instructions' (the chat data of "
@@ -238,7 +239,7 @@ class DistillConfig(StageConfig):
     gradient_checkpointing_fraction: float = described(
         1.0, "With gradient_checkpointing: the share of student blocks recomputed, spread evenly over the depth "
         "(1.0 every block; 0.25 every fourth). Recompute only as many as the memory needs: each costs about one "
-        "block forward per step."
+        "block forward per step.", rule=Rule(lambda x: 0.0 < x <= 1.0, "lie in (0, 1]")
     )
     compile_teacher: bool = described(
         True, "On a GPU with the teacher replicated (deepspeed.teacher_placement): compile each teacher decoder "
@@ -596,11 +597,6 @@ def validate(job: JobConfig) -> None:
             f"stages.distill.ce_weight={d.ce_weight} and kl_weight={d.kl_weight}: both must be >= 0 "
             "and at least one > 0."
         )
-    if d.temperature <= 0:
-        raise ConfigError(f"stages.distill.temperature={d.temperature} must be > 0.")
-    if not 0.0 < d.gradient_checkpointing_fraction <= 1.0:
-        raise ConfigError(f"stages.distill.gradient_checkpointing_fraction={d.gradient_checkpointing_fraction} "
-                          "must lie in (0, 1].")
     _check_instructions(job.instructions)
     _check_teacher_source(job.teacher.source)
     for plan in plan_stages(job):
