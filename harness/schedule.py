@@ -23,7 +23,8 @@ import math
 from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LambdaLR
 
-from harness.config import SCHEDULES, StageConfig
+from harness.config import StageConfig
+from harness.config_choices import Schedule
 
 __all__ = ["lr_multiplier", "warmup_steps_for", "decay_steps_for", "build_scheduler"]
 
@@ -87,8 +88,8 @@ def _clamp01(x: float) -> float:
 
 
 def _check(total_steps: int, schedule: str, warmup_steps: int, decay_fraction: float, min_lr_ratio: float) -> None:
-    if schedule not in SCHEDULES:
-        raise ValueError(f"Unknown schedule '{schedule}'; allowed: {', '.join(SCHEDULES)}")
+    if schedule not in Schedule.values():
+        raise ValueError(f"Unknown schedule '{schedule}'; allowed: {', '.join(Schedule.values())}")
     if total_steps < 1:
         raise ValueError(f"total_steps={total_steps} must be >= 1")
     if warmup_steps < 0:

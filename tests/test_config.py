@@ -62,7 +62,7 @@ def test_every_field_has_a_description():
         (["stages.distill.loss=l2"], "Unknown key 'stages.distill.loss'"),
         (["stages.distill.gradient_checkpointing_fraction=0"], "gradient_checkpointing_fraction=0.* must lie in"),
         (["stages.distill.losses=[{name: jsd}]"],
-         r"Bad value 'jsd' for stages.distill.losses\[0\].name. Allowed: kl, reverse_kl, ce."),
+         r"Bad value 'jsd' for stages.distill.losses\[\*\].name. Allowed: kl, reverse_kl, ce."),
         (["stages.distill.losses=[{name: kl}]", "stages.distill.kl_weight=2", "stages.distill.temperature=3"],
          "stages.distill.losses and stages.distill.kl_weight=2.0, stages.distill.temperature=3.0 are both set"),
         (["stages.distill.losses=[{nam: kl}]"], "Bad entry in stages.distill.losses.*: Key 'nam' not in.*keys: name, weight"),
@@ -132,3 +132,71 @@ def test_info_prints_counts_and_plan(job_file, capsys):
     assert main(["info", str(job_file), "student.mixer=kda"]) == 0
     out = capsys.readouterr().out
     assert "teacher:" in out and "student (kda):" in out and "distill" in out
+
+
+def test_every_choice_is_named_as_its_value():
+    """OmegaConf looks choices up by member name and writes `member.name` into the YAML it dumps."""
+    from harness.config_choices import Choice
+
+    assert len(Choice.__subclasses__()) >= 10
+    for choice in Choice.__subclasses__():
+        assert [m.name for m in choice] == list(choice.values()), choice
+
+
+def test_a_bad_choice_fails_when_omegaconf_merges():
+    from omegaconf import OmegaConf
+    from omegaconf.errors import ValidationError
+
+    schema = OmegaConf.structured(JobConfig)
+    with pytest.raises(ValidationError, match="'mpirun'.*torchrun, deepspeed"):
+        OmegaConf.merge(schema, {"run": {"launcher": "mpirun"}})
+    with pytest.raises(ValidationError, match="'needle'.*passkey, uuid, kv"):
+        OmegaConf.merge(schema, {"eval": {"niah": {"kinds": ["kv", "needle"]}}})
+
+
+def test_choices_compare_as_strings_and_are_saved_as_plain_strings(job_file, tmp_path):
+    from harness.config import to_yaml
+    from harness.config_choices import NeedleKind, Schedule
+
+    job = load_job(job_file, ["stages.distill.schedule=cosine", "eval.niah.kinds=[kv,uuid]"])
+    assert job.stages.distill.schedule is Schedule.cosine and job.stages.distill.schedule == "cosine"
+    assert job.eval.niah.kinds == [NeedleKind.kv, NeedleKind.uuid] == ["kv", "uuid"]
+    assert f"{job.stages.distill.schedule}" == "cosine"
+    text = to_yaml(job)
+    assert "    schedule: cosine\n" in text and "    kinds:\n    - kv\n    - uuid\n" in text
+    saved = tmp_path / "saved.yaml"
+    saved.write_text(text)
+    assert to_yaml(load_job(saved)) == text
+
+
+def test_bad_choice_in_the_job_file_names_key_and_allowed_values(job_file, capsys):
+    job_file.write_text(job_file.read_text() + "stages:\n  distill:\n    schedule: linear\n")
+    assert main(["info", str(job_file)]) == 2
+    assert capsys.readouterr().err == ("error: Bad value 'linear' for stages.distill.schedule. "
+                                       "Allowed: wsd, cosine, constant.\n")
+
+
+@pytest.mark.parametrize("override, message", [
+    (["data.seq_len=0"], "data.seq_len=0 must be a positive number."),
+    (["stages.align_hidden.decay_fraction=1.5"], "stages.align_hidden.decay_fraction=1.5 must lie in [0, 1]."),
+    (["stages.sft.lr=0"], "stages.sft.lr=0.0 must be a positive number."),  # SftConfig's own default, its base's rule
+    (["run.keep_last=0"], "run.keep_last=0 must be a positive number."),
+    (["run.layer_groups=-1"], "run.layer_groups=-1 must be >= 0 (0: the default)."),
+    (["eval.niah.depths=[0.5,1.5]"], "Bad value 1.5 in eval.niah.depths: each must lie in [0, 1] (50% is 0.5)."),
+    (["budget.split=[0.5,0.5]"], "budget.split=[0.5, 0.5] must be three non-negative fractions"),
+    (["instructions.messages_field=''"], "instructions.messages_field='' must name the field holding the messages"),
+])
+def test_a_field_out_of_its_range_names_the_value_and_the_range(job_file, override, message):
+    with pytest.raises(ConfigError) as err:
+        load_job(job_file, override)
+    assert str(err.value).startswith(message)
+
+
+def test_fields_built_in_code_are_checked_like_merged_ones():
+    from harness.config import DataConfig, check_fields
+
+    check_fields(JobConfig())
+    with pytest.raises(ConfigError, match=r"^Bad value 'word' for data.txt_sample_by. Allowed: document, paragraph, line.$"):
+        check_fields(DataConfig(txt_sample_by="word"), "data.")
+    with pytest.raises(ConfigError, match=r"^data.shuffle_buffer=0 must be a positive number.$"):
+        check_fields(DataConfig(shuffle_buffer=0), "data.")

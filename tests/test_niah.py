@@ -145,6 +145,15 @@ def test_bad_grid_settings_are_named(kwargs, message):
         NiahGrid(**kwargs)
 
 
+def test_the_grid_and_the_jobs_niah_settings_share_their_choices():
+    from harness.config import NiahConfig
+    from harness.config_choices import NeedleKind, NiahPrompt
+
+    assert niah.KINDS == NeedleKind.values() == ("passkey", "uuid", "kv")
+    assert niah.PROMPT_MODES == NiahPrompt.values()
+    assert NiahGrid().kinds == NiahConfig().kinds and NiahGrid().prompt == NiahConfig().prompt
+
+
 def test_the_jobs_niah_settings_check_the_distractors_and_the_prompt():
     from harness.config import ConfigError, EvalConfig, NiahConfig, check_eval
 

@@ -25,7 +25,6 @@ FORMATS = {".txt": "text", ".text": "text", ".jsonl": "json", ".json": "json", "
            ".arrow": "arrow"}
 COMPRESSIONS = (".gz", ".bz2", ".xz", ".zst", ".lz4")
 EMBEDDED_SUBSETS = ("wikipedia", "essays", "mixed")
-SAMPLE_BY = ("document", "paragraph", "line")
 _FORMS = ("'embedded' (or 'embedded:wikipedia', 'embedded:essays', 'embedded:mixed'), a local "
           ".txt/.jsonl/.json/.parquet/.arrow file, folder or glob, a folder written by Dataset.save_to_disk, "
           "or a Hugging Face dataset name ('hub:NAME', 'NAME' or 'ORG/NAME')")
@@ -135,7 +134,8 @@ def load_documents(spec: SourceSpec, data: Any, *, cache_dir: Path, streaming: b
             ds = datasets.load_dataset("json", data_files=[str(path)], split="train", cache_dir=hf_cache)
             text_field = "text"
         elif spec.kind == "files":
-            kwargs = {"sample_by": data.txt_sample_by} if spec.format == "text" else {}
+            # a plain str: datasets hashes its arguments into the cache folder's name
+            kwargs = {"sample_by": str(data.txt_sample_by)} if spec.format == "text" else {}
             ds = datasets.load_dataset(spec.format, data_files=list(spec.files), split="train", cache_dir=hf_cache,
                                        streaming=streaming, **kwargs)
             if spec.format == "text":

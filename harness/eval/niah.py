@@ -111,10 +111,11 @@ from typing import Any, Callable, Iterator, Optional
 import torch
 from tqdm.auto import tqdm
 
+from harness.config_choices import NeedleKind, NiahPrompt
 from harness.files import atomic_write_text
 
-KINDS = ("passkey", "uuid", "kv")
-PROMPT_MODES = ("auto", "chat", "plain")
+KINDS = NeedleKind.values()  # one definition with the job config's eval.niah.kinds
+PROMPT_MODES = NiahPrompt.values()
 HAYSTACKS = ("essays", "wikipedia")
 DEPTH_SNAP = 0.03  # the needle may move this fraction of the prose from its exact depth, to start a sentence
 MIN_SNAP_TOKENS = 2  # ... or this many tokens, whichever is more (short prompts have few sentence ends)

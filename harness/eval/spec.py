@@ -8,14 +8,15 @@ overridden on the command line (`harness eval RUN/eval.yaml limit=20 niah.length
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Optional
 
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from harness.config import ConfigError, EvalConfig, JobConfig, NiahConfig, described
+from harness.config import ConfigError, EvalConfig, JobConfig, NiahConfig, bad_choice, choice_of_field, described
+from harness.config_choices import Device, Dtype
 
 
 @dataclass
@@ -33,8 +34,8 @@ class EvalSpec:
         None, "Where the teacher's results are kept and shared between runs with the same teacher and settings; "
         "null: OUTPUT_DIR/teacher."
     )
-    device: str = described("auto", "auto (cuda if available), cpu or cuda.")
-    dtype: str = described("auto", "Weights' dtype for student and teacher: auto (bfloat16 on CUDA, float32 on "
+    device: Device = described(Device.auto, "auto (cuda if available), cpu or cuda.")
+    dtype: Dtype = described(Dtype.auto, "Weights' dtype for student and teacher: auto (bfloat16 on CUDA, float32 on "
                            "CPU), float32, bfloat16 or float16.")
     tasks: list[str] = described(help="lm-eval tasks; empty: no benchmarks.", factory=list)
     limit: Optional[int] = described(None, "Examples per benchmark task (lm-eval --limit); null: all.")
@@ -88,9 +89,24 @@ def load_eval_spec(path: str | Path, overrides: Optional[list[str]] = None) -> E
                                  OmegaConf.from_dotlist(list(overrides or [])))
         spec: EvalSpec = OmegaConf.to_object(merged)
     except OmegaConfBaseException as err:
-        raise ConfigError(f"Bad evaluation spec {path}: {err}".replace("\n", " ")) from None
+        raise ConfigError(_explain_omegaconf(err, path)) from None
     _validate(spec, path)
     return spec
+
+
+def _explain_omegaconf(err: OmegaConfBaseException, path: Path) -> str:
+    key = getattr(err, "full_key", None) or ""
+    choice = choice_of_field(EvalSpec, key)
+    if choice is None:
+        return f"Bad evaluation spec {path}: {err}".replace("\n", " ")
+    return bad_choice(_job_key(key), getattr(err, "value", "?"), choice, f" in {path}")
+
+
+def _job_key(key: str) -> str:
+    """The job's name for a spec key: the settings the spec copies from the job's `eval:` section are named
+    eval.KEY, as `check_eval` names them."""
+    key = key.split("[")[0]
+    return f"eval.{key}" if key.split(".")[0] in {f.name for f in fields(EvalConfig)} else key
 
 
 def _validate(spec: EvalSpec, path: Path) -> None:
@@ -98,10 +114,6 @@ def _validate(spec: EvalSpec, path: Path) -> None:
 
     check_eval(EvalConfig(tasks=spec.tasks, limit=spec.limit, batch_size=spec.batch_size, niah=spec.niah,
                            perplexity_tokens=spec.perplexity_tokens))
-    if spec.device not in ("auto", "cpu", "cuda"):
-        raise ConfigError(f"Bad value '{spec.device}' for device in {path}. Allowed: auto, cpu, cuda.")
-    if spec.dtype not in ("auto", "float32", "bfloat16", "float16"):
-        raise ConfigError(f"Bad value '{spec.dtype}' for dtype in {path}. Allowed: auto, float32, bfloat16, float16.")
     if not Path(spec.checkpoint).is_dir():
         raise ConfigError(f"checkpoint '{spec.checkpoint}' in {path} is not a folder (a student in HF format).")
     if spec.job is not None and not Path(spec.job).is_file():

@@ -165,11 +165,11 @@ NODE_LAUNCHES = ("srun", "ssh")
 
 def check_launch(opts: SlurmOptions, job: JobConfig) -> str:
     """Stage 3's launcher (the option, else run.launcher), checked against how it is to reach the nodes."""
-    from harness.config import LAUNCHERS
+    from harness.config_choices import Launcher
 
     launcher = opts.launcher or job.run.launcher
-    if launcher not in LAUNCHERS:
-        raise ConfigError(f"Bad launcher '{launcher}' for stage 3. Allowed: {', '.join(LAUNCHERS)}.")
+    if launcher not in Launcher.values():
+        raise ConfigError(f"Bad launcher '{launcher}' for stage 3. Allowed: {', '.join(Launcher.values())}.")
     if opts.node_launch not in NODE_LAUNCHES:
         raise ConfigError(f"Bad --node-launch '{opts.node_launch}'. Allowed: {', '.join(NODE_LAUNCHES)}.")
     if opts.node_launch == "ssh" and launcher != "deepspeed":
