@@ -76,7 +76,8 @@ def test_zero3_step_bench_and_profiler_pass(tmp_path):
     cmd = [sys.executable, "-m", "harness.bench", "--shape", "135M", "--layers", "2", "--mixer", "linear_attn",
            "--option", "backend=reference", "--micro-batch", "2", "--seq", "256", "--steps", "3", "--warmup", "1",
            "--peak-flops", "5e14", "--profile-steps", "2", "--out", str(out)]
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    # the repository first, then what the machine's PYTHONPATH holds (the GPU image's device bundle)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, (str(REPO), os.environ.get("PYTHONPATH"))))}
     proc = subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
     res = json.loads(out.read_text())
