@@ -176,17 +176,26 @@ def teacher_config(
     if resolved.kind == "hf_dir":
         return AutoConfig.from_pretrained(resolved.location)
     if resolved.kind == "gguf":
-        gguf = Path(resolved.location)
-        converted = _converted_dir(gguf, cache_dir)
-        if (converted / "config.json").is_file():
-            return AutoConfig.from_pretrained(converted)
-        config = AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name)
-        _drop_quantization(config)
+        folder, from_gguf = _gguf_reader(resolved, cache_dir, ("config.json",))
+        config = AutoConfig.from_pretrained(folder, **from_gguf)
+        if from_gguf:
+            _drop_quantization(config)
         return config
     try:
         return AutoConfig.from_pretrained(resolved.location, local_files_only=_hub_offline())
     except (OSError, ConnectionError) as err:  # transformers reports bad ids as OSError too
         raise _hub_error(source, err) from err
+
+
+def _gguf_reader(resolved: _Resolved, cache_dir: str | os.PathLike[str] | None,
+                 files: Sequence[str]) -> tuple[Path, dict[str, str]]:
+    """Where `from_pretrained` reads a GGUF teacher's config or tokenizer: the converted copy when it holds one of
+    `files` (fast), else the GGUF itself (folder, {"gguf_file": name})."""
+    gguf = Path(resolved.location)
+    converted = _converted_dir(gguf, cache_dir)
+    if any((converted / name).is_file() for name in files):
+        return converted, {}
+    return gguf.parent, {"gguf_file": gguf.name}
 
 
 def load_tokenizer(source: str, *, cache_dir: str | os.PathLike[str] | None = None):
@@ -195,11 +204,8 @@ def load_tokenizer(source: str, *, cache_dir: str | os.PathLike[str] | None = No
     if resolved.kind == "hf_dir":
         return AutoTokenizer.from_pretrained(resolved.location)
     if resolved.kind == "gguf":
-        gguf = Path(resolved.location)
-        converted = _converted_dir(gguf, cache_dir)
-        if any((converted / name).is_file() for name in _TOKENIZER_FILES):
-            return AutoTokenizer.from_pretrained(converted)
-        return AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        folder, from_gguf = _gguf_reader(resolved, cache_dir, _TOKENIZER_FILES)
+        return AutoTokenizer.from_pretrained(folder, **from_gguf)
     try:
         return AutoTokenizer.from_pretrained(resolved.location, local_files_only=_hub_offline())
     except (OSError, ConnectionError) as err:

@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import statistics
 import sys
 import time
 import traceback
@@ -32,7 +31,10 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from harness.bench.kernels import median_ms  # noqa: E402
 from harness.mixers import kernels, recurrence  # noqa: E402
+
+CUDA = torch.device("cuda")
 
 SHAPES = {  # SmolLM2 attention head layouts (the student keeps the teacher's query heads)
     "smollm2-135m": dict(H=9, K=64, V=64),
@@ -232,20 +234,6 @@ def failures(errs: dict, case: Optional[str] = None) -> dict:
 
 
 # ---------------------------------------------------------------------------------------------- timing
-def bench(fn: Callable[[], object], warmup: int = 2, reps: int = 10) -> float:
-    """Median milliseconds of fn() by CUDA events."""
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
 
 
 def peak_mib(fn: Callable[[], object]) -> float:
@@ -271,9 +259,9 @@ def time_case(x: dict, variant: str, reps: int) -> dict:
         forward_backward(run_reference, ref)
 
     return {
-        "kernel_fwd_ms": bench(k_fwd, reps=reps),
-        "kernel_fwbw_ms": bench(k_fwbw, reps=reps),
-        "reference_fwbw_ms": bench(r_fwbw, warmup=1, reps=max(3, reps // 3)),
+        "kernel_fwd_ms": median_ms(k_fwd, CUDA, reps=reps),
+        "kernel_fwbw_ms": median_ms(k_fwbw, CUDA, reps=reps),
+        "reference_fwbw_ms": median_ms(r_fwbw, CUDA, reps=max(3, reps // 3), warmup=1),
         "kernel_fwbw_peak_mib": peak_mib(k_fwbw),
         "reference_fwbw_peak_mib": peak_mib(r_fwbw),
     }

@@ -53,10 +53,10 @@ def fwd_bwd(layer: nn.Module, x: torch.Tensor):
     return y, x.grad
 
 
-def median_ms(fn: Callable[[], Any], device: torch.device, reps: int = 10) -> float:
-    """Median ms of `fn()` over `reps` after 2 warm-ups (CUDA events; perf_counter on a CPU)."""
+def median_ms(fn: Callable[[], Any], device: torch.device, reps: int = 10, warmup: int = 2) -> float:
+    """Median ms of `fn()` over `reps` after `warmup` calls (CUDA events; perf_counter on a CPU)."""
     cuda = device.type == "cuda"
-    for _ in range(2):
+    for _ in range(warmup):
         fn()
     synchronize(device)
     times = []

@@ -21,20 +21,22 @@ from tests.test_losses import direct_distill  # noqa: E402
 DEV = torch.device("cuda")
 
 
-def _inputs(b: int, t: int, c: int, v: int, dtype: torch.dtype, seed: int = 0):
+def loss_inputs(b: int, t: int, c: int, v: int, dtype: torch.dtype, seed: int = 0, ignored_prefix: bool = True):
+    """Student and teacher hidden states and heads, and labels (the first eighth ignored, with ignored_prefix)."""
     g = torch.Generator(device=DEV).manual_seed(seed)
     hs = torch.randn(b, t, c, device=DEV, generator=g).to(dtype).requires_grad_()
     ht = torch.randn(b, t, c, device=DEV, generator=g).to(dtype)
     ws = (torch.randn(v, c, device=DEV, generator=g) / c**0.5).to(dtype).requires_grad_()
     wt = (ws.detach().float() + 0.3 * torch.randn(v, c, device=DEV, generator=g) / c**0.5).to(dtype)
     labels = torch.randint(0, v, (b, t), device=DEV, generator=g)
-    labels[:, : t // 8] = -100
+    if ignored_prefix:
+        labels[:, : t // 8] = -100
     return hs, ht, ws, wt, labels
 
 
 @pytest.mark.parametrize("tau", [1.0, 2.0])
 def test_bf16_chunked_matches_fp32_direct(tau):
-    hs, ht, ws, wt, labels = _inputs(2, 512, 512, 8192, torch.bfloat16)
+    hs, ht, ws, wt, labels = loss_inputs(2, 512, 512, 8192, torch.bfloat16)
     kw = dict(ce_weight=1.0, kl_weight=1.0, temperature=tau)
     out = distill_loss(hs, ht, ws, wt, labels, chunk_tokens=256, **kw)
     with tf32_matmuls(False):
@@ -77,7 +79,7 @@ def test_triton_row_kernel_equals_the_pytorch_form(tau, teacher, need_grad):
 def test_peak_memory_well_below_whole_batch_logits():
     b, t, c, v = 8, 2048, 2048, 49152
     logits_bytes = b * t * v * 4  # 3.2 GB
-    hs, ht, ws, wt, labels = _inputs(b, t, c, v, torch.bfloat16)
+    hs, ht, ws, wt, labels = loss_inputs(b, t, c, v, torch.bfloat16)
     labels[:, : t // 8] = labels[:, t // 8 : t // 4]  # count (almost) every token
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()

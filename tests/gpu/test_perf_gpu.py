@@ -29,6 +29,7 @@ from harness.bench.phases import PHASES, PhaseClock  # noqa: E402
 from harness.bench.shapes import build_pair, count_params, llama_param_count, shape_config  # noqa: E402
 from harness.bench.step import bench_step  # noqa: E402
 from harness.losses import VOCAB_BLOCK, distill_loss, kl_and_ce, tf32_matmuls  # noqa: E402
+from tests.gpu.test_losses_gpu import loss_inputs  # noqa: E402
 from tests.test_losses import direct_distill  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
@@ -131,20 +132,10 @@ def test_decode_bench_on_gpu():
 # ------------------------------------------------------------------------------ chunked loss vs direct fp32
 
 
-def _inputs(b, t, c, v, dtype, seed=0):
-    g = torch.Generator(device=DEV).manual_seed(seed)
-    hs = torch.randn(b, t, c, device=DEV, generator=g).to(dtype).requires_grad_()
-    ht = torch.randn(b, t, c, device=DEV, generator=g).to(dtype)
-    ws = (torch.randn(v, c, device=DEV, generator=g) / c**0.5).to(dtype).requires_grad_()
-    wt = (ws.detach().float() + 0.3 * torch.randn(v, c, device=DEV, generator=g) / c**0.5).to(dtype)
-    labels = torch.randint(0, v, (b, t), device=DEV, generator=g)
-    return hs, ht, ws, wt, labels
-
-
 def test_fp32_chunked_loss_with_mask_weights_and_scaled_backward():
     """fp32 inputs (no rounding floor): a loss mask, unequal weights, tau=2, a chunk that does not divide the
     token count, and a backward of 0.25 x total (grad_accum-style scaling) all match the direct loss."""
-    hs, ht, ws, wt, labels = _inputs(2, 300, 256, 4000, torch.float32)
+    hs, ht, ws, wt, labels = loss_inputs(2, 300, 256, 4000, torch.float32, ignored_prefix=False)
     labels[0, :37] = -100
     mask = torch.rand(labels.shape, device=DEV, generator=torch.Generator(device=DEV).manual_seed(3)) > 0.3
     kw = dict(ce_weight=0.5, kl_weight=2.0, temperature=2.0)
@@ -167,7 +158,7 @@ def test_loss_head_with_bf16_heads_over_several_vocab_blocks():
     from harness.stages.distill import LossHead
 
     v = 2 * VOCAB_BLOCK + 1234
-    hs, ht, ws, wt, labels = _inputs(2, 256, 256, v, torch.bfloat16, seed=1)
+    hs, ht, ws, wt, labels = loss_inputs(2, 256, 256, v, torch.bfloat16, seed=1, ignored_prefix=False)
     head = LossHead(torch.nn.Parameter(ws.detach().clone()), kl_and_ce(ce_weight=1.0, kl_weight=1.0, temperature=1.0))
     out = head(hs, ht, wt, labels)
     out.total.backward()
