@@ -344,7 +344,28 @@ def test_cli_help_and_errors(capsys):
     assert cli.main(["--shape", "7B"]) == 2
     if not torch.cuda.is_available():
         assert cli.main(["--what", "kernels"]) == 2
-    assert "choose from" in capsys.readouterr().err
+        assert cli.main(["--what", "recurrences"]) == 2
+    err = capsys.readouterr().err
+    assert "choose from" in err
+    if not torch.cuda.is_available():
+        assert "--what recurrences needs CUDA" in err
+
+
+def test_recurrence_rows_appear_in_the_bench_markdown():
+    from harness.bench import recurrences
+    from harness.bench.report import markdown
+
+    row = {"shape": "smollm2-135m", "H": 9, "K": 64, "V": 64, "B": 4, "T": 2048, "case": "kda", "variant": "auto",
+           "route": "chunk_kda", "errors": {"o": 2e-3, "state": 3e-3, "dq": 5e-3}, "failed": {},
+           "kernel_fwd_ms": 1.0, "kernel_fwbw_ms": 3.0, "reference_fwbw_ms": 30.0}
+    bad = {**row, "case": "gla", "route": "chunk_gla", "errors": {"o": 0.5, "state": 1e-3}, "failed": {"o": 0.5}}
+    report = {"environment": {"fla": "x"}, "tolerances": recurrences.TOL, "B": 4, "results": [row, bad]}
+    text = markdown({"meta": {}, "recurrences": report})
+    assert "### Recurrences: every fla route vs the float32 reference" in text
+    assert "| smollm2-135m | 2048 | kda | auto | chunk_kda | yes |" in text and "10.0x" in text
+    assert "| gla | auto | chunk_gla | NO: o 5.0e-01 |" in text
+    assert recurrences.failures(bad["errors"], "gla") == {"o": 0.5}
+    assert set(recurrences.LAYOUT_OF_SHAPE.values()) <= set(recurrences.SHAPES)
 
 
 def test_add_parser_wires_a_bench_subcommand():

@@ -16,12 +16,14 @@ import torch
 from harness.bench.decode import bench_decode
 from harness.bench.kernels import bench_kernels
 from harness.bench.machine import environment, free_memory, resolve_device
+from harness.bench.recurrences import LAYOUT_OF_SHAPE, measure_errors, recurrence_header
 from harness.bench.report import markdown, write_results
 from harness.bench.shapes import SHAPES, canonical_shape
 from harness.bench.step import bench_step
 from harness.bench.targets import collect_targets
 
-WHAT = ("step", "kernels", "decode")
+WHAT = ("step", "kernels", "recurrences", "decode")
+CUDA_ONLY = ("kernels", "recurrences")  # Triton kernels
 
 DESCRIPTION = """\
 Benchmark the stage-3 distillation step, the mixer kernels and decoding; print Markdown tables and write
@@ -37,6 +39,9 @@ JSON (+ the same tables next to it as .md).
            time per step and the part not hidden behind compute ("exposed", GPU only).
   kernels  each mixer's Triton kernel vs its PyTorch reference at the shape's head layout, forward+backward
            (CUDA only; errors against the fp32 reference too).
+  recurrences  each recurrence case's fla routes (the default and the alternatives) vs the float32 PyTorch
+           reference on raw q/k/v/gates at the shape's head layout: errors of outputs, states and every input
+           gradient against the limits, and times (CUDA only; harness.bench.recurrences).
   decode   greedy decoding at batch 1 after contexts of 1k / 8k / 32k tokens: the student's recurrent step
            vs the teacher's KV-cache step, ms per token; flatness = ms/token at the longest / shortest.
 
@@ -52,6 +57,7 @@ examples:
   harness bench --shape 135M --mixer gated_deltanet --micro-batch 8 --seq 2048 --steps 20 --out results.json
   harness bench --shape 1.7B --mixer kda --what step --out bench/1.7b-kda.json
   harness bench --shape 1.7B --what kernels --mixer all --out bench/kernels-1.7b.json
+  harness bench --shape 135M,1.7B --what recurrences --mixer all --kernel-batch 4 --out bench/recurrences.json
   harness bench --shape 135M --mixer gated_deltanet --what decode --contexts 1024,8192,32768 --out dec.json
   harness bench --shape tiny --device cpu --engine plain --micro-batch 2 --seq 64 --steps 3   # smoke test
   harness bench --teacher smollm2-135m-instruct-gguf --mixer gla --layers 4 --device cpu --seq 128
@@ -71,7 +77,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
 def configure_parser(p: argparse.ArgumentParser) -> None:
     what = p.add_argument_group("what to measure")
     what.add_argument("--what", default="step",
-                      help="Comma list of step, kernels, decode, or 'all' (kernels only where CUDA is). Default: step.")
+                      help="Comma list of step, kernels, recurrences, decode, or 'all' (kernels and recurrences only "
+                      "where CUDA is). Default: step.")
     what.add_argument("--shape", default="135M",
                       help="Teacher shape(s), comma list: tiny, 135M, 360M, 1.7B (SmolLM2 configs, random weights). "
                       "For kernels, the head layout(s).")
@@ -162,7 +169,7 @@ def run_cli(args: argparse.Namespace, argv: Optional[Sequence[str]] = None) -> i
     from harness.mixers import MIXERS
 
     if args.what == "all":  # the kernels need CUDA; elsewhere 'all' is what can run
-        what = list(WHAT) if torch.cuda.is_available() else ["step", "decode"]
+        what = list(WHAT) if torch.cuda.is_available() else [w for w in WHAT if w not in CUDA_ONLY]
     else:
         what = _split(args.what)
     bad = sorted(set(what) - set(WHAT))
@@ -188,8 +195,10 @@ def run_cli(args: argparse.Namespace, argv: Optional[Sequence[str]] = None) -> i
         if rank == 0 and args.out:
             write_results(results, args.out)
 
-    if "kernels" in what and not torch.cuda.is_available():
-        raise ConfigError("--what kernels needs CUDA: the fla / mlstm_kernels kernels are Triton (GPU only)")
+    needs_cuda = [w for w in what if w in CUDA_ONLY]
+    if needs_cuda and not torch.cuda.is_available():
+        raise ConfigError(f"--what {','.join(needs_cuda)} needs CUDA: the fla / mlstm_kernels kernels are Triton "
+                          "(GPU only)")
     if "step" in what:
         results["step"] = []
         for shape in shapes:
@@ -230,6 +239,18 @@ def run_cli(args: argparse.Namespace, argv: Optional[Sequence[str]] = None) -> i
 
         bench_kernels(layouts, mixers, batch=args.kernel_batch or args.micro_batch, seq=args.seq,
                       variants=_split(args.variants), max_seconds=args.max_seconds, on_row=on_row)
+    if rank == 0 and "recurrences" in what:
+        layouts = [LAYOUT_OF_SHAPE[s] for s in shapes if s in LAYOUT_OF_SHAPE] or ["smollm2-135m", "smollm2-1.7b"]
+        done: list[dict] = []
+
+        def on_recurrence(row: dict) -> None:  # saved as rows arrive, as the kernel rows are
+            done.append(row)
+            results["recurrences"] = {**recurrence_header(batch), "results": done}
+            save()
+
+        batch = args.kernel_batch or args.micro_batch
+        results["recurrences"] = measure_errors(None, shapes=layouts, cases=mixers, B=batch, Ts=(args.seq,),
+                                                max_seconds=args.max_seconds, seed=args.seed, on_row=on_recurrence)
     if rank == 0 and "decode" in what:
         results["decode"] = []
         contexts = [int(c) for c in _split(args.contexts)]
@@ -255,6 +276,7 @@ def run_cli(args: argparse.Namespace, argv: Optional[Sequence[str]] = None) -> i
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         torch.distributed.barrier()
     failed = [r for part in ("step", "kernels", "decode") for r in results.get(part) or [] if "error" in r]
+    failed += [r for r in (results.get("recurrences") or {}).get("results", []) if r.get("error") or r.get("failed")]
     if failed and rank == 0:
         print(f"[harness bench] {len(failed)} measurement(s) failed; their errors are in the table and the JSON",
               file=sys.stderr)

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from harness.bench.phases import PHASES
+from harness.bench.recurrences import to_markdown as recurrence_markdown
 from harness.bench.targets import collect_targets
 from harness.files import atomic_write_text
 
@@ -81,6 +82,11 @@ def markdown(results: dict[str, Any]) -> str:
     kernels = results.get("kernels") or []
     if kernels:
         lines += ["### Kernels vs PyTorch reference (forward + backward)", "", kernel_table(kernels), ""]
+    recurrences = results.get("recurrences")
+    if recurrences:
+        table = recurrence_markdown(recurrences).replace("# Kernel vs reference", "### Recurrences: every fla route vs "
+                                                         "the float32 reference", 1)
+        lines += [table, ""]
     decodes = results.get("decode") or []
     if decodes:
         lines += ["### Decoding (batch 1, ms per token)", "",

@@ -36,7 +36,7 @@ Conventions found in fla 0.6.0 (fla/ops/*/chunk.py) and mlstm_kernels 2.0.6, whi
   gradient) goes through chunk_simple_gla's `g_gamma` (fla's chunk_retention path), which that guard
   does not cover. Caution: the miscompile behind the guard (fla issue #640) is reported at BK = 64, which is
   what K = 64 heads give, and the g_gamma and g=None branches of that kernel have the same transposed dot;
-  tests/gpu/test_kernels.py and scripts/gpu_kernel_report.py check every route against the reference. If one
+  tests/gpu/test_kernels.py and harness/bench/recurrences.py check every route against the reference. If one
   is wrong on a machine, switch it with HARNESS_FLA_ROUTES="case=route" (cases and routes below).
 - mLSTM gradients: mlstm_kernels' backward (triton_limit_chunk, like native_custbw) does not differentiate
   the normaliser max(|n^T q~|, exp(-m)); exact only behind the layer's per-head LayerNorm (see kernel_mlstm).

@@ -1,14 +1,12 @@
 """GPU kernels (fla, mlstm_kernels) against the PyTorch reference, for every recurrence case of
 docs/RECURRENCES.md, at SmolLM2 head layouts. Skipped without CUDA or without the kernel libraries.
 
-Cases, input distributions and tolerances live in scripts/gpu_kernel_report.py (shared with the report).
+Cases, input distributions and tolerances live in harness/bench/recurrences.py (shared with `harness bench
+--what recurrences`).
 The first call of each case compiles and autotunes its Triton kernels (tens of seconds per head layout).
 """
 
 from __future__ import annotations
-
-import importlib.util
-from pathlib import Path
 
 import pytest
 import torch
@@ -23,15 +21,7 @@ if _reason is not None:
     pytest.skip(f"GPU kernels unavailable: {_reason}", allow_module_level=True)
 
 
-def _load_report():
-    path = Path(__file__).resolve().parents[2] / "scripts" / "gpu_kernel_report.py"
-    spec = importlib.util.spec_from_file_location("gpu_kernel_report", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-R = _load_report()
+from harness.bench import recurrences as R  # noqa: E402
 B = 4
 # (shape, T): both head layouts at T = 2048, and the small one at T = 1000 (not a multiple of 64).
 GRID = [("smollm2-135m", 2048), ("smollm2-135m", 1000), ("smollm2-1.7b", 2048)]

@@ -1,7 +1,9 @@
-"""GPU kernels vs the PyTorch reference, for every recurrence case of docs/RECURRENCES.md: relative errors of
-outputs, final states and input gradients, and forward(+backward) times. Needs CUDA, fla and mlstm_kernels.
+"""The recurrence bench: GPU kernels vs the PyTorch reference, for every recurrence case of docs/RECURRENCES.md:
+relative errors of outputs, final states and input gradients, and forward(+backward) times, for each fla route
+of a case. Needs CUDA, fla and mlstm_kernels.
 
-    python scripts/gpu_kernel_report.py --out DIR [--shapes smollm2-135m,smollm2-1.7b] [--cases all]
+    harness bench --what recurrences --shape 135M,1.7B --mixer all --kernel-batch 4 --seq 2048 --out DIR/bench.json
+    python -m harness.bench.recurrences --out DIR [--shapes smollm2-135m,smollm2-1.7b] [--cases all]
         [--B 4] [--T 2048] [--variants all|auto] [--reps 10] [--max-seconds 540]
 
 Writes DIR/kernel_report.json (rewritten after every measurement, so a killed run keeps what it did) and
@@ -27,17 +29,14 @@ from typing import Callable, Optional
 import torch
 import torch.nn.functional as F
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
-
-from harness.bench.kernels import median_ms  # noqa: E402
-from harness.mixers import kernels, recurrence  # noqa: E402
+from harness.bench.kernels import median_ms
+from harness.mixers import kernels, recurrence
 
 CUDA = torch.device("cuda")
 
 SHAPES = {  # SmolLM2 attention head layouts (the student keeps the teacher's query heads)
     "smollm2-135m": dict(H=9, K=64, V=64),
+    "smollm2-360m": dict(H=15, K=64, V=64),
     "smollm2-1.7b": dict(H=32, K=64, V=64),
 }
 DELTA_CASES = ("linear_attn", "retnet", "gla", "deltanet", "gated_deltanet", "kda")
@@ -276,13 +275,23 @@ def selected_route(x: dict, variant: str) -> str:
     return kernels.select_gated_delta_route(x["q"], x["k"], x["v"], x["g"], x["beta"], x["h0"])
 
 
-def measure_errors(out_dir, shapes=tuple(SHAPES), cases=CASES, B: int = 4, Ts=(2048,), variants: str = "all",
+def recurrence_header(B: int) -> dict:
+    """What a recurrence report records besides its rows: the kernel environment, the limits, the batch."""
+    return {"environment": kernels.kernel_environment(), "tolerances": TOL, "B": B}
+
+
+LAYOUT_OF_SHAPE = {"135M": "smollm2-135m", "360M": "smollm2-360m", "1.7B": "smollm2-1.7b"}  # harness bench --shape
+
+
+def measure_errors(out_dir, shapes=("smollm2-135m", "smollm2-1.7b"), cases=CASES, B: int = 4, Ts=(2048,), variants: str = "all",
                    reps: int = 10, max_seconds: float = float("inf"), seed: int = 0, timing: bool = True,
-                   device: str = "cuda") -> dict:
-    """Errors and times for every (shape, T, case, variant); writes kernel_report.json / .md under out_dir."""
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    report = {"environment": kernels.kernel_environment(), "tolerances": TOL, "B": B, "results": []}
+                   device: str = "cuda", on_row: Optional[Callable[[dict], None]] = None) -> dict:
+    """Errors and times for every (shape, T, case, variant); writes kernel_report.json / .md under out_dir (None:
+    write nothing). `on_row(row)` is called after each measurement."""
+    if out_dir is not None:
+        out_dir = Path(out_dir)
+        out_dir.mkdir(parents=True, exist_ok=True)
+    report = {**recurrence_header(B), "results": []}
     t_start = time.time()
     for shape in shapes:
         dims = SHAPES[shape]
@@ -318,6 +327,8 @@ def measure_errors(out_dir, shapes=tuple(SHAPES), cases=CASES, B: int = 4, Ts=(2
                     report["results"].append(row)
                     print(_row_line(row), flush=True)
                     _write(out_dir, report)
+                    if on_row is not None:
+                        on_row(row)
     _write(out_dir, report)
     return report
 
@@ -369,7 +380,9 @@ def to_markdown(report: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _write(out_dir: Path, report: dict) -> None:
+def _write(out_dir: Optional[Path], report: dict) -> None:
+    if out_dir is None:
+        return
     (out_dir / "kernel_report.json").write_text(json.dumps(report, indent=1, default=str))
     (out_dir / "kernel_report.md").write_text(to_markdown(report))
 
@@ -377,7 +390,7 @@ def _write(out_dir: Path, report: dict) -> None:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", required=True, help="output directory")
-    p.add_argument("--shapes", default=",".join(SHAPES), help=f"comma list of {', '.join(SHAPES)}")
+    p.add_argument("--shapes", default="smollm2-135m,smollm2-1.7b", help=f"comma list of {', '.join(SHAPES)}")
     p.add_argument("--cases", default="all", help=f"comma list of {', '.join(CASES)} or all")
     p.add_argument("--B", type=int, default=4)
     p.add_argument("--T", default="2048", help="sequence length(s), comma list")
