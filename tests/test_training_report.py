@@ -86,3 +86,17 @@ def test_comparison_lists_the_final_losses_and_draws_the_curves(tmp_path, capsys
     assert (tmp_path / "cmp" / "loss_curves.png").stat().st_size > 10_000
     saved = json.loads((tmp_path / "cmp" / "comparison.json").read_text())["runs"]
     assert saved[0]["training"]["final"]["distill"]["val_ppl"] == 33.1
+
+
+def test_a_stage_trained_on_the_l2_loss_is_labelled_so(tmp_path):
+    run = fake_run(tmp_path)
+    (run / "job.yaml").write_text("name: fake\nstages:\n  align_hidden:\n    loss: l2\n")
+    summary = training_summary(run)
+    assert summary["alignment_loss"] == {"align_mixer": "mse", "align_hidden": "l2"}
+    report = {"label": "r", "mixer": "gla", "teacher_dir": "/t", "limit": 10,
+              "tasks": {"piqa": {"metric": "acc", "student": 0.5, "teacher": 0.8, "recovery": 0.625, "n": 10}},
+              "average": {"tasks": 1, "student": 0.5, "teacher": 0.8, "recovery": 0.625}, "training": summary}
+    text = comparison_markdown([report])
+    training = text[text.index("## Training losses"):].splitlines()
+    row = next(line for line in training if line.startswith("| r [gla]"))
+    assert row.startswith("| r [gla] | 0.3333 | 0.1667 (l2) |")

@@ -78,7 +78,21 @@ def training_summary(run_dir: str | Path) -> Optional[dict]:
         final["distill"] = {key: _tail_mean(d["steps"], d[key]) for key in ("loss", "ce", "kl")}
         final["distill"].update({key: (d[key][-1] if d[key] else None) for key in ("val_ce", "val_kl", "val_ppl")})
         final["distill"]["tokens"] = d["tokens"][-1]
-    return {"run_dir": str(run_dir), "final_fraction": FINAL_FRACTION, "final": final, "curves": curves}
+    return {"run_dir": str(run_dir), "final_fraction": FINAL_FRACTION, "final": final, "curves": curves,
+            "alignment_loss": alignment_losses(run_dir)}
+
+
+def alignment_losses(run_dir: Path) -> dict[str, str]:
+    """Which loss stages 1 and 2 logged (stages.<stage>.loss of RUN/job.yaml: mse unless the job says l2)."""
+    import yaml
+
+    try:
+        job = yaml.safe_load((run_dir / "job.yaml").read_text()) or {}
+    except (OSError, yaml.YAMLError):
+        job = {}
+    stages = job.get("stages") if isinstance(job, dict) else None
+    stages = stages if isinstance(stages, dict) else {}
+    return {stage: str((stages.get(stage) or {}).get("loss", "mse")) for stage in ALIGN_STAGES}
 
 
 PANELS = (("align_mixer", "loss", "stage 1: mixer-output MSE (mean over layers)"),
