@@ -133,10 +133,12 @@ class StudentBlock(nn.Module):
         self.post_attention_layernorm = BlockRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.mlp = BlockMLP(config)
 
-    def forward(self, hidden, position_embeddings=None, state=None, use_cache=False):
+    def forward(self, hidden, position_embeddings=None, state=None, use_cache=False, mask=None):
+        """mask: None, or bool `[B, T]` False at padded tokens (the mixer's state ignores them)."""
         fused = hidden.shape[1] > 1 and self.mixer.fused_ops(hidden)
         mixed, state = self.mixer(self.input_layernorm(hidden, fused=fused),
-                                  position_embeddings=position_embeddings, state=state, use_cache=use_cache)
+                                  position_embeddings=position_embeddings, state=state, use_cache=use_cache,
+                                  mask=mask)
         normed, hidden = self.post_attention_layernorm(mixed, residual=hidden, fused=fused)
         return hidden + self.mlp(normed, fused=fused), state
 
@@ -162,24 +164,44 @@ class HarnessModel(HarnessPreTrainedModel):
         self.post_init()
 
     def forward(self, input_ids=None, inputs_embeds=None, cache: Optional[RecurrentCache] = None,
-                use_cache: bool = False) -> torch.Tensor:
+                use_cache: bool = False, attention_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Final hidden states `[B, T, hidden]`. attention_mask: None (no padding), or `[B, seen + T]` over the
+        cached and the new tokens (transformers' convention), 0 at padding: padded tokens leave every state
+        untouched and the rotary positions count real tokens only, so that a padded row computes what it would
+        alone (at its real positions)."""
         hidden = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
         rope = None
         if self.rotary_emb is not None:
-            start = cache.seen_tokens if cache is not None else 0
-            positions = torch.arange(start, start + hidden.shape[1], device=hidden.device)[None]
-            rope = self.rotary_emb(hidden, positions.expand(hidden.shape[0], -1))
+            rope = self.rotary_emb(hidden, self._positions(hidden, cache, attention_mask))
+        mask = None
+        if attention_mask is not None:
+            mask = attention_mask[:, -hidden.shape[1]:].bool()
+            mask = None if bool(mask.all()) else mask  # decoding steps after a left-padded prompt
         for i, block in enumerate(self.layers):
             prior = cache.states[i] if cache is not None else None
             if self.gradient_checkpointing and self.training and i in self.recompute_blocks:
-                hidden, state = self._gradient_checkpointing_func(block.__call__, hidden, rope, prior, use_cache)
+                hidden, state = self._gradient_checkpointing_func(block.__call__, hidden, rope, prior, use_cache,
+                                                                  mask)
             else:
-                hidden, state = block(hidden, rope, prior, use_cache)
+                hidden, state = block(hidden, rope, prior, use_cache, mask)
             if use_cache:
                 cache.states[i] = state
         if use_cache:
             cache.seen_tokens += hidden.shape[1]
         return self.norm(hidden)
+
+    @staticmethod
+    def _positions(hidden: torch.Tensor, cache: Optional[RecurrentCache],
+                   attention_mask: Optional[torch.Tensor]) -> torch.Tensor:
+        """Rotary positions `[B, T]` of the new tokens: seen..seen+T-1 without a mask; with one, each token's count
+        of real tokens before it (transformers' cumsum(mask) - 1; padded tokens get 0)."""
+        length = hidden.shape[1]
+        if attention_mask is None:
+            start = cache.seen_tokens if cache is not None else 0
+            positions = torch.arange(start, start + length, device=hidden.device)[None]
+            return positions.expand(hidden.shape[0], -1)
+        counted = attention_mask.long().cumsum(-1) - 1
+        return counted.clamp_min(0)[:, -length:].to(hidden.device)
 
 
 class HarnessForCausalLM(HarnessPreTrainedModel, GenerationMixin):
@@ -219,15 +241,20 @@ class HarnessForCausalLM(HarnessPreTrainedModel, GenerationMixin):
     def forward(self, input_ids=None, attention_mask=None, inputs_embeds=None, labels=None,
                 past_key_values=None, cache=None, use_cache: Optional[bool] = None, logits_to_keep: int = 0,
                 **kwargs: Any) -> StudentOutput:
-        """Logits for every position (or the last `logits_to_keep`). `attention_mask` must be all ones:
-        left padding would leak pad tokens into the recurrent state (evaluate at batch 1 instead)."""
-        if attention_mask is not None and not bool(attention_mask.all()):
-            raise ValueError("HarnessForCausalLM does not support padding masks; run unpadded or at batch 1.")
+        """Logits for every position (or the last `logits_to_keep`). `attention_mask` (1 = token, 0 = padding) may
+        pad on the left (generation) or the right (scoring), on the reference backend: each row's logits at its real
+        tokens, and after left padding its states, are those of the row alone. With a cache, the mask covers the
+        cached tokens too (`[B, seen + T]`, as `generate` passes it). After right padding the conv tail holds the
+        padding: continue decoding only from left-padded rows. No mask, or one of all ones, is the unpadded path."""
         state = cache if cache is not None else past_key_values
+        if attention_mask is not None and bool(attention_mask.all()):
+            attention_mask = None
+        if attention_mask is not None:
+            _check_mask_length(attention_mask, input_ids if inputs_embeds is None else inputs_embeds, state)
         use_cache = bool(use_cache) or state is not None
         if use_cache and state is None:
             state = RecurrentCache(self.config.num_hidden_layers)
-        hidden = self.model(input_ids, inputs_embeds, state, use_cache)
+        hidden = self.model(input_ids, inputs_embeds, state, use_cache, attention_mask)
         keep = slice(-logits_to_keep, None) if logits_to_keep else slice(None)
         logits = self.lm_head(hidden[:, keep])
         loss = None
@@ -248,6 +275,16 @@ class HarnessForCausalLM(HarnessPreTrainedModel, GenerationMixin):
             inputs = {"inputs_embeds": inputs_embeds, "use_cache": use_cache}
         inputs["cache"] = state
         return inputs
+
+
+def _check_mask_length(attention_mask: torch.Tensor, tokens: torch.Tensor, cache: Optional[RecurrentCache]) -> None:
+    """A padding mask must cover the cached tokens and the new ones: its prefix is where the rotary positions
+    of the new tokens start from."""
+    seen = cache.seen_tokens if isinstance(cache, RecurrentCache) else 0
+    expected = (tokens.shape[0], seen + tokens.shape[1])
+    if tuple(attention_mask.shape[:2]) != expected:
+        raise ValueError(f"attention_mask of shape {tuple(attention_mask.shape)} must be [batch, cached + new tokens] "
+                         f"= {list(expected)} when it pads")
 
 
 def student_rotary(config: HarnessConfig) -> Optional[LlamaRotaryEmbedding]:

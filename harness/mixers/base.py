@@ -132,31 +132,37 @@ class Mixer(nn.Module):
         position_embeddings: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
         state: Optional[MixerState] = None,
         use_cache: bool = False,
+        mask: Optional[torch.Tensor] = None,
     ) -> tuple[torch.Tensor, Optional[MixerState]]:
-        """x `[B, T, hidden]` -> (y `[B, T, hidden]`, new state if use_cache else None)."""
+        """x `[B, T, hidden]` -> (y `[B, T, hidden]`, new state if use_cache else None). mask: None, or bool
+        `[B, T]` False at padded tokens, which leave the state (recurrence and conv tail) untouched."""
         heads, new_state = self.heads_output(x, position_embeddings=position_embeddings, state=state,
-                                             use_cache=use_cache)
+                                             use_cache=use_cache, mask=mask)
         return self.o_proj(heads), new_state
 
     def heads_output(self, x: torch.Tensor, *, position_embeddings=None, state: Optional[MixerState] = None,
-                     use_cache: bool = False) -> tuple[torch.Tensor, Optional[MixerState]]:
+                     use_cache: bool = False, mask: Optional[torch.Tensor] = None,
+                     ) -> tuple[torch.Tensor, Optional[MixerState]]:
         """What o_proj reads, `[B, T, heads x head_dim]` in x's dtype (the teacher's counterpart is its attention
-        heads' output), and the new state if use_cache."""
-        q, k, v, conv_state = self.project_qkv(x, state, use_cache)
+        heads' output), and the new state if use_cache; mask as in `forward`."""
+        q, k, v, conv_state = self.project_qkv(x, state, use_cache, mask=mask)
         if self.options.rope:
             if position_embeddings is None:
                 raise ValueError(f"{self.name}: rope=True needs position_embeddings from the model")
             q, k = apply_rope(q, k, *position_embeddings)
         prior = state.recurrent if state is not None else None
-        o, recurrent = self._mix(x, q, k, v, prior, self.backend_for(x))
+        o, recurrent = self._mix(x, q, k, v, prior, self.backend_for(x), mask=mask)
         heads = self._output(x, o).flatten(2).to(x.dtype)
         return heads, (MixerState(recurrent, conv_state) if use_cache else None)
 
-    def project_qkv(self, x, state: Optional[MixerState], use_cache: bool):
-        """q, k, v `[B, T, H, D]` and the new conv state (None for mixers without a short convolution)."""
+    def project_qkv(self, x, state: Optional[MixerState], use_cache: bool, mask: Optional[torch.Tensor] = None):
+        """q, k, v `[B, T, H, D]` and the new conv state (None for mixers without a short convolution). mask:
+        padded tokens, which a short convolution sees as zeros (the recurrence ignores them in `_mix`)."""
         return self._heads(self.q_proj(x)), self._heads(self.k_proj(x)), self._heads(self.v_proj(x)), None
 
-    def _mix(self, x, q, k, v, prior, backend: str):
+    def _mix(self, x, q, k, v, prior, backend: str, mask: Optional[torch.Tensor] = None):
+        """The recurrence over q, k, v `[B, T, H, D]` from state `prior` -> (o `[B, T, H, D]`, new state); padded
+        tokens (mask False) leave the state untouched."""
         raise NotImplementedError
 
     def score_features(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -318,10 +324,12 @@ class ConvMixer(Mixer):
             self.qkv_conv = ShortConv(3 * shape.num_heads * shape.head_dim, options.conv_size,
                                       activation=None if options.qkv_activation == "identity" else "silu")
 
-    def project_qkv(self, x, state, use_cache):
+    def project_qkv(self, x, state, use_cache, mask=None):
         qkv = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)
         tail = None
         if self.options.short_conv:
+            if mask is not None:  # a padded input is a zero, as before the first token: left padding changes nothing
+                qkv = torch.where(mask.unsqueeze(-1), qkv, 0.0)
             qkv, tail = self.qkv_conv(qkv, state.conv if state is not None else None,
                                       fused=self.fused_ops(x), want_tail=use_cache)
         elif self.options.qkv_activation == "silu":

@@ -19,11 +19,11 @@ class DeltaNet(ConvMixer):
         self.b_proj = nn.Linear(shape.hidden_size, shape.num_heads, bias=False)
         self.o_norm = HeadRMSNorm(shape.head_dim)
 
-    def _mix(self, x, q, k, v, prior, backend):
+    def _mix(self, x, q, k, v, prior, backend, mask=None):
         beta = torch.sigmoid(self.b_proj(x).float())
         # kernel: fla chunk_delta_rule; reference: recurrence.chunk_gated_delta
         return delta_rule(q, k, v, beta, scale=self.shape.head_dim**-0.5, prior=prior, backend=backend,
-                          chunk_size=self.options.chunk_size, normalize_qk=True)
+                          chunk_size=self.options.chunk_size, normalize_qk=True, mask=mask)
 
     def _output(self, x, o):
         return self.o_norm(o)

@@ -6,9 +6,19 @@ Each mixer calls the function named after its recurrence (linear_attention, rete
 delta_rule, gated_delta_rule, kimi_delta_rule, mlstm_cell); its docstring names the kernel that runs on the kernel
 backend (for the gated-delta family: the route `kernels.select_gated_delta_route` takes for the mixer's (g, beta)
 case) and the reference. The six gated-delta functions are `run_gated_delta` under the name of their case.
+
+Padded batches: `mask` (bool `[B, T]`, False at padding, or None for none) makes every padded token leave the state
+exactly as it found it: no write (k = 0 and beta = 0; for mLSTM an input gate of -inf) and no decay (log decay 0;
+for mLSTM a forget gate of log 1 = 0, which also keeps the stabiliser m). Outputs at padded positions are
+meaningless. The reference backend only: fla's chunk kernels take variable-length batches as `cu_seqlens`
+(packed, unpadded), a different layout.
 """
 
 from __future__ import annotations
+
+import math
+
+import torch
 
 from harness.mixers import kernels, recurrence
 from harness.mixers.ops import l2norm
@@ -19,11 +29,43 @@ def _is_decoding_step(q, prior) -> bool:
     return q.shape[1] == 1 and prior is not None
 
 
+def _refuse_kernel_padding(backend: str) -> None:
+    if backend == "kernel":
+        raise ValueError("padded batches (an attention mask with zeros) run on backend=reference only; this mixer "
+                         "runs on backend=kernel (fla), which does not take a padding mask")
+
+
+def _per_token(mask, x):
+    """mask `[B, T]` shaped to broadcast against x `[B, T, ...]`."""
+    return mask.reshape(*mask.shape, *(1,) * (x.dim() - 2))
+
+
+def _hold_gated_delta(mask, k, g, beta):
+    """k, g, beta with every padded token made a no-op on the state: k = 0 and beta = 0 (no write), g = 0 (no
+    decay)."""
+    k = torch.where(_per_token(mask, k), k, 0.0)
+    g = None if g is None else torch.where(_per_token(mask, g), g, 0.0)
+    beta = None if beta is None else torch.where(_per_token(mask, beta), beta, 0.0)
+    return k, g, beta
+
+
+def _hold_mlstm(mask, k, i, f):
+    """k, i, f with every padded token made a no-op on (C, n, m): input gate -inf (no write), forget gate +inf
+    (log sigmoid = 0: no decay), so that m_t = max(log f_t + m_{t-1}, i_t) = m_{t-1}; and k = 0."""
+    k = torch.where(_per_token(mask, k), k, 0.0)
+    keep = _per_token(mask, i)
+    return k, torch.where(keep, i, -math.inf), torch.where(keep, f, math.inf)
+
+
 def run_gated_delta(q, k, v, g, beta, *, scale: float, prior, backend: str, chunk_size: int,
-                    normalize_qk: bool = False):
+                    normalize_qk: bool = False, mask=None):
     """Dispatch the gated-delta recurrence (docs/RECURRENCES.md): one step when decoding a single token,
     fla's kernel on the kernel backend, else the PyTorch chunkwise form. Returns (o `[B,T,H,V]`, state).
-    normalize_qk: L2-normalise q and k first (inside fla's kernel on the kernel backend: no separate operators)."""
+    normalize_qk: L2-normalise q and k first (inside fla's kernel on the kernel backend: no separate operators).
+    mask: None, or bool `[B, T]` False at padded tokens, which leave the state untouched (reference backend)."""
+    if mask is not None:
+        _refuse_kernel_padding(backend)
+        k, g, beta = _hold_gated_delta(mask, k, g, beta)
     if backend == "kernel" and not _is_decoding_step(q, prior):
         return kernels.kernel_gated_delta(q, k, v, g, beta, scale=scale, initial_state=prior,
                                           normalize_qk=normalize_qk)
@@ -38,46 +80,50 @@ def run_gated_delta(q, k, v, g, beta, *, scale: float, prior, backend: str, chun
     return recurrence.chunk_gated_delta(q, k, v, g, beta, scale=scale, initial_state=prior, chunk_size=chunk_size)
 
 
-def linear_attention(q, k, v, *, scale: float, prior, backend: str, chunk_size: int):
+def linear_attention(q, k, v, *, scale: float, prior, backend: str, chunk_size: int, mask=None):
     """Linear attention, S_t = S_{t-1} + k_t v_t^T (no decay, no beta: case none of kernels' table).
 
     kernel: fla chunk_simple_gla with g=None
     reference: recurrence.chunk_gated_delta; one decoding token: recurrence.step_gated_delta
     """
-    return run_gated_delta(q, k, v, None, None, scale=scale, prior=prior, backend=backend, chunk_size=chunk_size)
+    return run_gated_delta(q, k, v, None, None, scale=scale, prior=prior, backend=backend, chunk_size=chunk_size,
+                           mask=mask)
 
 
-def retention(q, k, v, g, *, scale: float, prior, backend: str, chunk_size: int):
+def retention(q, k, v, g, *, scale: float, prior, backend: str, chunk_size: int, mask=None):
     """Retention, S_t = exp(g_h) S_{t-1} + k_t v_t^T, g a constant per-head log decay (an `[H]` tensor expanded
     to `[B, T, H]`, needing no gradient: case head_const).
 
     kernel: fla chunk_simple_gla with g_gamma = g[0, 0] (fla's chunk_retention path)
     reference: recurrence.chunk_gated_delta; one decoding token: recurrence.step_gated_delta
     """
-    return run_gated_delta(q, k, v, g, None, scale=scale, prior=prior, backend=backend, chunk_size=chunk_size)
+    return run_gated_delta(q, k, v, g, None, scale=scale, prior=prior, backend=backend, chunk_size=chunk_size,
+                           mask=mask)
 
 
-def gated_linear_attention(q, k, v, g, *, scale: float, prior, backend: str, chunk_size: int):
+def gated_linear_attention(q, k, v, g, *, scale: float, prior, backend: str, chunk_size: int, mask=None):
     """Gated linear attention, S_t = Diag(exp g_t) S_{t-1} + k_t v_t^T, g `[B, T, H, K]` (case channel).
 
     kernel: fla chunk_gla
     reference: recurrence.chunk_gated_delta; one decoding token: recurrence.step_gated_delta
     """
-    return run_gated_delta(q, k, v, g, None, scale=scale, prior=prior, backend=backend, chunk_size=chunk_size)
+    return run_gated_delta(q, k, v, g, None, scale=scale, prior=prior, backend=backend, chunk_size=chunk_size,
+                           mask=mask)
 
 
-def delta_rule(q, k, v, beta, *, scale: float, prior, backend: str, chunk_size: int, normalize_qk: bool = False):
+def delta_rule(q, k, v, beta, *, scale: float, prior, backend: str, chunk_size: int, normalize_qk: bool = False,
+               mask=None):
     """The delta rule, S_t = (I - b_t k_t k_t^T) S_{t-1} + b_t k_t v_t^T, beta `[B, T, H]` (case delta).
 
     kernel: fla chunk_delta_rule
     reference: recurrence.chunk_gated_delta; one decoding token: recurrence.step_gated_delta
     """
     return run_gated_delta(q, k, v, None, beta, scale=scale, prior=prior, backend=backend, chunk_size=chunk_size,
-                           normalize_qk=normalize_qk)
+                           normalize_qk=normalize_qk, mask=mask)
 
 
 def gated_delta_rule(q, k, v, g, beta, *, scale: float, prior, backend: str, chunk_size: int,
-                     normalize_qk: bool = False):
+                     normalize_qk: bool = False, mask=None):
     """The gated delta rule, S_t = exp(g_t) (I - b_t k_t k_t^T) S_{t-1} + b_t k_t v_t^T, g and beta `[B, T, H]`
     (case head_delta).
 
@@ -86,11 +132,11 @@ def gated_delta_rule(q, k, v, g, beta, *, scale: float, prior, backend: str, chu
     reference: recurrence.chunk_gated_delta; one decoding token: recurrence.step_gated_delta
     """
     return run_gated_delta(q, k, v, g, beta, scale=scale, prior=prior, backend=backend, chunk_size=chunk_size,
-                           normalize_qk=normalize_qk)
+                           normalize_qk=normalize_qk, mask=mask)
 
 
 def kimi_delta_rule(q, k, v, g, beta, *, scale: float, prior, backend: str, chunk_size: int,
-                    normalize_qk: bool = False):
+                    normalize_qk: bool = False, mask=None):
     """Kimi delta attention's recurrence, S_t = (I - b_t k_t k_t^T) Diag(exp g_t) S_{t-1} + b_t k_t v_t^T,
     g `[B, T, H, K]`, beta `[B, T, H]` (case channel_delta).
 
@@ -98,16 +144,19 @@ def kimi_delta_rule(q, k, v, g, beta, *, scale: float, prior, backend: str, chun
     reference: recurrence.chunk_gated_delta; one decoding token: recurrence.step_gated_delta
     """
     return run_gated_delta(q, k, v, g, beta, scale=scale, prior=prior, backend=backend, chunk_size=chunk_size,
-                           normalize_qk=normalize_qk)
+                           normalize_qk=normalize_qk, mask=mask)
 
 
-def mlstm_cell(q, k, v, i, f, *, scale: float, prior, backend: str, chunk_size: int, eps: float):
+def mlstm_cell(q, k, v, i, f, *, scale: float, prior, backend: str, chunk_size: int, eps: float, mask=None):
     """The mLSTM recurrence of docs/RECURRENCES.md, i and f gate pre-activations `[B, T, H]`
     -> (h `[B, T, H, V]`, (C, n, m)).
 
     kernel: mlstm_kernels chunkwise--triton_limit_chunk (kernels.kernel_mlstm, at its own chunk size)
     reference: recurrence.chunk_mlstm; one decoding token: recurrence.step_mlstm
     """
+    if mask is not None:
+        _refuse_kernel_padding(backend)
+        k, i, f = _hold_mlstm(mask, k, i, f)
     if _is_decoding_step(q, prior):
         h, state = recurrence.step_mlstm(q[:, 0], k[:, 0], v[:, 0], i[:, 0], f[:, 0], scale=scale, state=prior,
                                          eps=eps)

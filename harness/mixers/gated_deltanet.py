@@ -26,13 +26,13 @@ class GatedDeltaNet(ConvMixer):
         self.g_proj = nn.Linear(shape.hidden_size, inner, bias=True)  # the open gate's constant
         self.o_norm = HeadRMSNorm(shape.head_dim, activation="silu")
 
-    def _mix(self, x, q, k, v, prior, backend):
+    def _mix(self, x, q, k, v, prior, backend, mask=None):
         g = -self.A_log.float().exp() * F.softplus(self.a_proj(x).float() + self.dt_bias.float())
         beta = torch.sigmoid(self.b_proj(x).float())
         # kernel: fla chunk_gated_delta_rule (chunk_kda where its backward is blocked); reference:
         # recurrence.chunk_gated_delta
         return gated_delta_rule(q, k, v, g, beta, scale=self.shape.head_dim**-0.5, prior=prior, backend=backend,
-                                chunk_size=self.options.chunk_size, normalize_qk=True)
+                                chunk_size=self.options.chunk_size, normalize_qk=True, mask=mask)
 
     def _output(self, x, o):
         return self.o_norm(o, self._heads(self.g_proj(x)), fused=self.fused_ops(x))

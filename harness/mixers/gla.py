@@ -33,11 +33,11 @@ class GLA(Mixer):
         self.g_proj = nn.Linear(shape.hidden_size, inner, bias=True)  # the open gate's constant
         self.o_norm = HeadRMSNorm(shape.head_dim, activation="silu")
 
-    def _mix(self, x, q, k, v, prior, backend):
+    def _mix(self, x, q, k, v, prior, backend, mask=None):
         g = self._heads(F.logsigmoid(self.gk_proj(x).float()) / self.options.gate_logit_normalizer)
         # kernel: fla chunk_gla; reference: recurrence.chunk_gated_delta
         return gated_linear_attention(q, k, v, g, scale=self.shape.head_dim**-0.5, prior=prior, backend=backend,
-                                      chunk_size=self.options.chunk_size)
+                                      chunk_size=self.options.chunk_size, mask=mask)
 
     def _output(self, x, o):
         return self.o_norm(o, self._heads(self.g_proj(x)), fused=self.fused_ops(x))

@@ -27,13 +27,13 @@ class KDA(ConvMixer):
         self.g_proj = nn.Sequential(nn.Linear(shape.hidden_size, d, bias=False), nn.Linear(d, inner, bias=True))
         self.o_norm = HeadRMSNorm(d, activation="sigmoid")
 
-    def _mix(self, x, q, k, v, prior, backend):
+    def _mix(self, x, q, k, v, prior, backend, mask=None):
         f = self._heads(self.f_proj(x).float() + self.dt_bias.float())
         g = -self.A_log.float().exp()[:, None] * F.softplus(f)
         beta = torch.sigmoid(self.b_proj(x).float())
         # kernel: fla chunk_kda; reference: recurrence.chunk_gated_delta
         return kimi_delta_rule(q, k, v, g, beta, scale=self.shape.head_dim**-0.5, prior=prior, backend=backend,
-                               chunk_size=self.options.chunk_size, normalize_qk=True)
+                               chunk_size=self.options.chunk_size, normalize_qk=True, mask=mask)
 
     def _output(self, x, o):
         return self.o_norm(o, self._heads(self.g_proj(x)), fused=self.fused_ops(x))

@@ -40,19 +40,22 @@ class LinearAttention(Mixer):
         phi = FEATURE_MAPS[self.options.feature_map]
         return phi(q), phi(k)
 
-    def _mix(self, x, q, k, v, prior, backend):
+    def _mix(self, x, q, k, v, prior, backend, mask=None):
         q, k = self.score_features(q, k)
+        if mask is not None:  # phi(k) = 0 at padding: no write, and nothing added to the normaliser
+            k = torch.where(mask[..., None, None], k, 0.0)
         S0, z0 = prior if prior is not None else (None, None)
         # each branch runs linear_attention (kernel: fla chunk_simple_gla with g=None; reference:
         # recurrence.chunk_gated_delta); they differ in how the normaliser is formed
         if not self.options.normalize:
             o, S = linear_attention(q, k, v, scale=self.shape.head_dim**-0.5, prior=S0, backend=backend,
-                                    chunk_size=self.options.chunk_size)
+                                    chunk_size=self.options.chunk_size, mask=mask)
             return o, (S, None)
         if backend == "kernel" and q.shape[1] > 1:
             return normalised_in_the_recurrence(q, k, v, S0, z0, eps=self.options.eps, backend=backend,
-                                                chunk_size=self.options.chunk_size)
-        o, S = linear_attention(q, k, v, scale=1.0, prior=S0, backend=backend, chunk_size=self.options.chunk_size)
+                                                chunk_size=self.options.chunk_size, mask=mask)
+        o, S = linear_attention(q, k, v, scale=1.0, prior=S0, backend=backend, chunk_size=self.options.chunk_size,
+                                mask=mask)
         z = k.float().cumsum(1)  # [B, T, H, K]
         if z0 is not None:
             z = z + z0.unsqueeze(1)
@@ -60,7 +63,7 @@ class LinearAttention(Mixer):
         return (o.float() / denom).to(o.dtype), (S, z[:, -1])
 
 
-def normalised_in_the_recurrence(q, k, v, S0, z0, *, eps: float, backend: str, chunk_size: int):
+def normalised_in_the_recurrence(q, k, v, S0, z0, *, eps: float, backend: str, chunk_size: int, mask=None):
     """Normalised linear attention with the normaliser carried by the recurrence itself: a value column of ones
     makes the state's column V equal z_t = sum_{s<=t} phi(k_s) and the output's entry V equal phi(q_t) . z_t, so
     one recurrence call gives numerator and denominator. Equal to the explicit form of `LinearAttention._mix`; on
@@ -76,6 +79,6 @@ def normalised_in_the_recurrence(q, k, v, S0, z0, *, eps: float, backend: str, c
         S0 = S0 if S0 is not None else k.new_zeros(B, H, K, V, dtype=torch.float32)
         z0 = z0 if z0 is not None else k.new_zeros(B, H, K, dtype=torch.float32)
         prior = torch.cat([S0.float(), z0.float().unsqueeze(-1).expand(B, H, K, ones)], dim=-1)
-    o1, S1 = linear_attention(q, k, v1, scale=1.0, prior=prior, backend=backend, chunk_size=chunk_size)
+    o1, S1 = linear_attention(q, k, v1, scale=1.0, prior=prior, backend=backend, chunk_size=chunk_size, mask=mask)
     o = (o1[..., :V] / (o1[..., V:V + 1].float() + eps)).to(v.dtype)
     return o, (S1[..., :V].contiguous(), S1[..., V].contiguous())

@@ -38,12 +38,12 @@ class MLSTM(Mixer):
         cap = self.options.gate_soft_cap
         return cap * torch.tanh(x / cap)
 
-    def _mix(self, x, q, k, v, prior, backend):
+    def _mix(self, x, q, k, v, prior, backend, mask=None):
         i = self._soft_cap(self.igate(x).float())
         f = self._soft_cap(self.fgate(x).float())
         # kernel: mlstm_kernels chunkwise--triton_limit_chunk; reference: recurrence.chunk_mlstm
         return mlstm_cell(q, k, v, i, f, scale=self.shape.head_dim**-0.5, prior=prior, backend=backend,
-                          chunk_size=self.options.chunk_size, eps=self.options.eps)
+                          chunk_size=self.options.chunk_size, eps=self.options.eps, mask=mask)
 
     def _output(self, x, o):
         normed = F.layer_norm(o.float(), (o.shape[-1],), eps=1e-6)

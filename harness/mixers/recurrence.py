@@ -298,7 +298,8 @@ def _mlstm_pass_states(
     """
     c, n, m = state
     a = cumf[..., -1:] - cumf + logi
-    a_max = a.max(-1).values  # [B, H, N]
+    # a chunk of padded tokens only (input gate -inf) has a_max = -inf; a finite floor keeps exp(a - a_max) at 0
+    a_max = a.max(-1).values.clamp_min(torch.finfo(a.dtype).min)  # [B, H, N]
     kw = k * (a - a_max.unsqueeze(-1)).exp().unsqueeze(-1)
     c_chunk, n_chunk = kw.transpose(-1, -2) @ v, kw.sum(-2)  # each chunk's own writes, scaled by exp(-a_max)
     cs, ns, ms = [], [], []

@@ -20,12 +20,12 @@ class RetNet(Mixer):
         self.g_proj = nn.Linear(shape.hidden_size, inner, bias=True)  # the open gate's constant
         self.o_norm = HeadRMSNorm(shape.head_dim, activation="silu")
 
-    def _mix(self, x, q, k, v, prior, backend):
+    def _mix(self, x, q, k, v, prior, backend, mask=None):
         heads = torch.arange(self.shape.num_heads, dtype=torch.float32, device=x.device)
         g = torch.log1p(-torch.pow(2.0, -5.0 - heads)).expand(*x.shape[:2], -1)
         # kernel: fla chunk_simple_gla with g_gamma (fla's chunk_retention); reference: recurrence.chunk_gated_delta
         return retention(q, k, v, g, scale=self.shape.head_dim**-0.5, prior=prior, backend=backend,
-                         chunk_size=self.options.chunk_size)
+                         chunk_size=self.options.chunk_size, mask=mask)
 
     def _output(self, x, o):
         return self.o_norm(o, self._heads(self.g_proj(x)), fused=self.fused_ops(x))

@@ -1,0 +1,173 @@
+"""Padded batches are exact for every mixer on the reference backend: a row padded on the left (generation) or
+on the right (scoring) gives, at its real tokens, the logits, greedy tokens and recurrent states of the same
+prompt run alone; an all-ones mask is the unpadded path bit for bit."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import GenerationConfig
+
+import harness
+from harness.mixers import MIXERS, MixerState, dispatch
+from tests.tiny import tiny_llama
+
+PAD = 0
+LENGTHS = (5, 13, 22)  # chunk_size 8: the shortest row starts after two whole chunks of padding
+ATOL = 1e-5
+
+
+@pytest.fixture(scope="module")
+def teacher():
+    return tiny_llama()
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    torch.manual_seed(3)
+    return [torch.randint(3, 97, (n,)) for n in LENGTHS]
+
+
+def student(teacher, mixer, rope=False):
+    torch.manual_seed(1)
+    # random conv taps: the identity init would look at the current token only and hide a wrong conv tail
+    model = harness.build_student(teacher, mixer, chunk_size=8, backend="reference", rope=rope).eval()
+    for layer in model.model.layers:
+        if hasattr(layer.mixer, "qkv_conv"):
+            layer.mixer.qkv_conv.reset_parameters("random")
+    return model
+
+
+def padded(prompts, side: str):
+    """A batch of the prompts padded with PAD on `side`, and its mask."""
+    width = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), width), PAD)
+    mask = torch.zeros_like(ids)
+    for row, p in enumerate(prompts):
+        span = slice(width - len(p), width) if side == "left" else slice(0, len(p))
+        ids[row, span], mask[row, span] = p, 1
+    return ids, mask
+
+
+def real(row_logits, n: int, side: str):
+    return row_logits[-n:] if side == "left" else row_logits[:n]
+
+
+MIXER_CASES = [(m, False) for m in sorted(MIXERS)] + [(m, True) for m in ("gla", "gated_deltanet", "mlstm")]
+
+
+@pytest.mark.parametrize("side", ["left", "right"])
+@pytest.mark.parametrize("mixer,rope", MIXER_CASES)
+def test_padded_logits_equal_each_prompt_alone(teacher, prompts, mixer, rope, side):
+    model = student(teacher, mixer, rope)
+    ids, mask = padded(prompts, side)
+    with torch.no_grad():
+        batch = model(ids, attention_mask=mask).logits
+        unmasked = model(ids).logits
+        for row, p in enumerate(prompts):
+            alone = model(p[None]).logits[0]
+            torch.testing.assert_close(real(batch[row], len(p), side), alone, atol=ATOL, rtol=0)
+    if side == "left":  # the comparison can fail: the same padded ids without their mask differ
+        shortest = len(prompts[0])
+        assert (real(unmasked[0], shortest, side) - real(batch[0], shortest, side)).abs().max() > 1e-3
+
+
+@pytest.mark.parametrize("mixer,rope", MIXER_CASES)
+def test_left_padded_state_equals_the_state_alone(teacher, prompts, mixer, rope):
+    model = student(teacher, mixer, rope)
+    ids, mask = padded(prompts, "left")
+    with torch.no_grad():
+        cache = model(ids, attention_mask=mask, use_cache=True).cache
+        unmasked = model(ids, use_cache=True).cache
+        for row, p in enumerate(prompts):
+            alone = model(p[None], use_cache=True).cache
+            for mine, theirs in zip(cache.states, alone.states):
+                for a, b in zip(mine.tensors(), theirs.tensors(), strict=True):
+                    torch.testing.assert_close(a[row:row + 1], b, atol=ATOL, rtol=1e-6)  # entries reach ~100 (no decay)
+    first = [t[:1] for t in unmasked.states[0].tensors()]  # without the mask, padding is written into the state
+    assert max((a - b).abs().max() for a, b in zip(first, [t[:1] for t in cache.states[0].tensors()])) > 1e-4
+
+
+@pytest.mark.parametrize("mixer", sorted(MIXERS))
+def test_right_padding_neither_writes_nor_decays_the_recurrent_state(teacher, prompts, mixer):
+    """After right padding the recurrence's state is the real tokens' (a decay at the padding would shrink it;
+    before a row's first token, as in left padding, a decay of the zero state is invisible)."""
+    model = student(teacher, mixer)
+    ids, mask = padded(prompts, "right")
+    with torch.no_grad():
+        cache = model(ids, attention_mask=mask, use_cache=True).cache
+        for row, p in enumerate(prompts):
+            alone = model(p[None], use_cache=True).cache
+            for mine, theirs in zip(cache.states, alone.states):
+                for a, b in zip(MixerState(mine.recurrent).tensors(), MixerState(theirs.recurrent).tensors(),
+                                strict=True):
+                    torch.testing.assert_close(a[row:row + 1], b, atol=ATOL, rtol=1e-6)
+
+
+def greedy(model, ids, mask, new: int):
+    model.generation_config.eos_token_id = None
+    config = GenerationConfig(max_new_tokens=new, min_new_tokens=new, do_sample=False, num_beams=1,
+                              pad_token_id=PAD)
+    return model.generate(input_ids=ids, attention_mask=mask, generation_config=config)[:, ids.shape[1]:]
+
+
+@pytest.mark.parametrize("mixer,rope", MIXER_CASES)
+def test_left_padded_generate_gives_the_tokens_of_each_prompt_alone(teacher, prompts, mixer, rope):
+    model = student(teacher, mixer, rope)
+    ids, mask = padded(prompts, "left")
+    with torch.no_grad():
+        batch = greedy(model, ids, mask, 5)
+        for row, p in enumerate(prompts):
+            alone = greedy(model, p[None], torch.ones(1, len(p), dtype=torch.long), 5)
+            assert batch[row].tolist() == alone[0].tolist()
+        # the decoding steps after the prompt see the same states and positions: logits, not only argmaxes
+        out = model(ids, attention_mask=mask, use_cache=True)
+        token = out.logits[:, -1:].argmax(-1)
+        step = model(token, attention_mask=torch.cat([mask, torch.ones_like(token)], 1), cache=out.cache).logits
+        for row, p in enumerate(prompts):
+            first = model(p[None], use_cache=True)
+            step_alone = model(token[row:row + 1], cache=first.cache).logits
+            torch.testing.assert_close(step[row], step_alone[0], atol=ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("mixer,rope", MIXER_CASES)
+def test_an_all_ones_mask_is_the_unpadded_path(teacher, prompts, mixer, rope):
+    model = student(teacher, mixer, rope)
+    ids = torch.stack([p[:5] for p in prompts])
+    with torch.no_grad():
+        plain = model(ids, use_cache=True)
+        ones = model(ids, attention_mask=torch.ones_like(ids), use_cache=True)
+        assert torch.equal(plain.logits, ones.logits)
+        for a, b in zip(plain.cache.states, ones.cache.states):
+            assert all(torch.equal(x, y) for x, y in zip(a.tensors(), b.tensors(), strict=True))
+
+
+def test_rope_positions_skip_left_padding(teacher):
+    model = student(teacher, "gla", rope=True).model
+    hidden = torch.zeros(2, 4, 1)
+    mask = torch.tensor([[0, 0, 1, 1], [1, 1, 1, 1]])
+    assert model._positions(hidden, None, mask).tolist() == [[0, 0, 0, 1], [0, 1, 2, 3]]
+    cache = harness.student.RecurrentCache(0)
+    cache.seen_tokens = 4
+    step = torch.cat([mask, torch.ones(2, 1, dtype=torch.long)], 1)
+    assert model._positions(hidden[:, :1], cache, step).tolist() == [[2], [4]]
+
+
+def test_a_mask_must_cover_the_cached_tokens(teacher, prompts):
+    model = student(teacher, "retnet")
+    ids, mask = padded(prompts, "left")
+    with torch.no_grad():
+        out = model(ids, attention_mask=mask, use_cache=True)
+        with pytest.raises(ValueError, match="cached \\+ new tokens"):
+            model(ids[:, -1:], attention_mask=torch.cat([mask[:, :1] * 0, mask[:, :1]], 1), cache=out.cache)
+
+
+def test_the_kernel_backend_refuses_a_padding_mask():
+    q = k = v = torch.randn(1, 4, 2, 8)
+    mask = torch.tensor([[False, True, True, True]])
+    with pytest.raises(ValueError, match="backend=reference only"):
+        dispatch.gated_delta_rule(q, k, v, torch.zeros(1, 4, 2), torch.ones(1, 4, 2), scale=1.0, prior=None,
+                                  backend="kernel", chunk_size=8, mask=mask)
+    with pytest.raises(ValueError, match="backend=reference only"):
+        dispatch.mlstm_cell(q, k, v, torch.zeros(1, 4, 2), torch.zeros(1, 4, 2), scale=1.0, prior=None,
+                            backend="kernel", chunk_size=8, eps=1e-6, mask=mask)
