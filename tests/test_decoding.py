@@ -102,8 +102,6 @@ def test_greedy_decode_rejects_a_batch(teacher):
 
 
 def test_graphs_need_a_cuda_student_without_rope(teacher, monkeypatch):
-    from harness import decoding
-
     student = harness.build_student(teacher, "gated_deltanet").eval()
     assert not graphable(student) and not graphable(teacher)  # on the CPU; a teacher is never graphed here
     with pytest.raises(ValueError, match="CUDA"):
@@ -120,12 +118,11 @@ def test_graphs_need_a_cuda_student_without_rope(teacher, monkeypatch):
 
 
 def test_niah_and_chat_samples_decode_students_through_the_loop(teacher, monkeypatch):
-    from harness import decoding
     from harness.eval.niah import greedy_ids
 
     calls = []
-    real = decoding.greedy_decode
-    monkeypatch.setattr(decoding, "greedy_decode", lambda *a, **k: calls.append(1) or real(*a, **k))
+    real = decoding.greedy_decode_batch
+    monkeypatch.setattr(decoding, "greedy_decode_batch", lambda *a, **k: calls.append(1) or real(*a, **k))
 
     class Tok:
         eos_token_id = None
