@@ -134,12 +134,16 @@ def greedy_decode_batch(model: Any, prompts: Sequence[Sequence[int] | torch.Tens
     news: list[list[int]] = [[] for _ in rows]
     open_rows = set(range(len(rows)))
     stops = set(int(t) for t in stop_ids)
+
+    def ends(new: list[int]) -> bool:
+        return new[-1] in stops or len(new) >= max_new_tokens or (done is not None and done(new))
+
     while True:
         token = logits.argmax(-1, keepdim=True)
-        for row, tid in enumerate(token[:, 0].tolist()):
+        for row, tid in enumerate(token[:, 0].tolist()):  # a row that has ended keeps stepping; its tokens are dropped
             if row in open_rows:
                 news[row].append(tid)
-                if tid in stops or len(news[row]) >= max_new_tokens or (done is not None and done(news[row])):
+                if ends(news[row]):
                     open_rows.discard(row)
         if not open_rows:
             return news
