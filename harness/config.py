@@ -437,6 +437,15 @@ class EvalConfig:
     limit: Optional[int] = described(None, "Examples per benchmark task (lm-eval --limit); null: all.", rule=POSITIVE)
     batch_size: int = described(8, "lm-eval batch size (right padding is exact for the recurrent students).",
                                 rule=POSITIVE)
+    generation_batch_size: int = described(
+        1, "Prompts decoded together by greedy generation: NIAH samples, chat samples and lm-eval's generate_until "
+        "(GSM8K). A student prefills each prompt alone and steps the batch through its recurrent state; a teacher "
+        "generates on left-padded prompts. Each answer is cut where it would end alone: on CPU float32 the answers "
+        "are those of 1; on a GPU in bfloat16 a batched matmul can round differently, so a near-tie may rarely flip "
+        "a token. 1 (the default) keeps every result as at batch 1; a GPU, where batch-1 decoding is bound by "
+        "kernel launches, runs a batch of 8 in about the steps of one prompt.",
+        rule=POSITIVE
+    )
     niah: NiahConfig = described(help="The needle-in-a-haystack grid; lengths [] skips NIAH.", factory=NiahConfig)
     perplexity_tokens: Optional[int] = described(
         262144, "Held-out corpus tokens for perplexity; 0 skips it; null: the whole held-out slice.",

@@ -5,10 +5,20 @@ At batch 1 a student's decoding step is a few hundred small kernels whose launch
 in, fixed-size states - so it can be recorded once as a CUDA graph and replayed: one launch per token.
 
     greedy_decode(model, ids, max_new_tokens, stop_ids=..., done=..., graphs=True) -> new token ids
+    greedy_decode_batch(model, prompts, max_new_tokens, stop_ids=..., done=..., graphs=True) -> one list per prompt
     GraphedStep(model, cache)                              the captured step: __call__(token) -> logits [B, V]
     graphable(model)                                       whether a model's step can be captured
 
 HARNESS_DECODE_GRAPHS=0 in the environment turns the graphs off wherever `graphs` is not given (NIAH, chat samples).
+
+Batches (`greedy_decode_batch`): each prompt is prefilled on its own (batch 1, unpadded: exactly the prefill of
+`greedy_decode`, on either backend - the kernel backend takes no padding mask - and one long prompt at a time in
+memory), the prompts' states are stacked into one batch, and then every decoding step feeds one token per row.
+No row ever sees padding: the steps of a row are those it takes alone, only batched. With rotary embeddings each
+step passes the left-padded mask of the prompts (cached + new tokens), so that a row's positions count its own
+tokens. A row that has stopped keeps stepping (its tokens are dropped) until every row has: the batch keeps its
+shape, so the graph stays valid. On CPU float32 the tokens are those of batch 1 (tests/test_decoding.py); on a GPU
+in bfloat16 a batched matmul may round differently from a batch-1 one, so a near-tie can rarely go the other way.
 
 The graph reads the token and every layer's state from static buffers, and its last kernels copy the new states
 back into them, so a replay leaves the cache as an eager step would (`cache.seen_tokens` is advanced on the host).
@@ -98,19 +108,77 @@ def greedy_decode(model: Any, ids: torch.Tensor, max_new_tokens: int, *, stop_id
     then one recurrent step per token, replayed as a CUDA graph when `graphable(model)` and `graphs` (default:
     on unless HARNESS_DECODE_GRAPHS=0). Stops after a token in `stop_ids`, at `max_new_tokens`, or once
     `done(new ids)` holds. Returns the new token ids, the stop token included, as transformers' `generate` does."""
-    if ids.shape[0] != 1:
+    if ids.dim() != 2 or ids.shape[0] != 1:
         raise ValueError(f"greedy_decode takes one prompt (batch 1), got a batch of {ids.shape[0]}")
+    return greedy_decode_batch(model, [ids[0]], max_new_tokens, stop_ids=stop_ids, done=done, graphs=graphs)[0]
+
+
+@torch.no_grad()
+def greedy_decode_batch(model: Any, prompts: Sequence[Sequence[int] | torch.Tensor], max_new_tokens: int, *,
+                        stop_ids: Sequence[int] = (), done: Optional[Callable[[list[int]], bool]] = None,
+                        graphs: Optional[bool] = None) -> list[list[int]]:
+    """`greedy_decode` of several prompts (token id lists or 1-D tensors, any lengths) together: each prompt's
+    new token ids, in the order given, each cut at its own end (a stop token, included; `max_new_tokens`; or
+    `done(that row's new ids)`). Each prompt is prefilled alone, then the rows step together (module docstring)."""
+    if max_new_tokens < 1 or not prompts:
+        return [[] for _ in prompts]
     if graphs is None:
         graphs = os.environ.get("HARNESS_DECODE_GRAPHS", "1") != "0"
-    cache = RecurrentCache(model.config.num_hidden_layers)
-    logits = model(ids, cache=cache, use_cache=True, logits_to_keep=1).logits[:, -1]
+    device = next(model.parameters()).device
+    rows = [torch.as_tensor(p, dtype=torch.long, device=device).reshape(-1) for p in prompts]
+    if any(r.numel() == 0 for r in rows):
+        raise ValueError("greedy_decode_batch: every prompt needs at least one token")
+    logits, cache = _prefill_rows(model, rows)
+    mask = _prompt_mask(rows) if model.model.rotary_emb is not None else None
     step = _graphed_or_none(model, cache) if graphs and graphable(model) and max_new_tokens > 1 else None
-    new: list[int] = []
+    news: list[list[int]] = [[] for _ in rows]
+    open_rows = set(range(len(rows)))
     stops = set(int(t) for t in stop_ids)
-    while len(new) < max_new_tokens:
+
+    def ends(new: list[int]) -> bool:
+        return new[-1] in stops or len(new) >= max_new_tokens or (done is not None and done(new))
+
+    while True:
         token = logits.argmax(-1, keepdim=True)
-        new.append(int(token.item()))
-        if new[-1] in stops or len(new) >= max_new_tokens or (done is not None and done(new)):
-            break
-        logits = step(token) if step is not None else model(token, cache=cache, use_cache=True).logits[:, -1]
-    return new
+        for row, tid in enumerate(token[:, 0].tolist()):  # a row that has ended keeps stepping; its tokens are dropped
+            if row in open_rows:
+                news[row].append(tid)
+                if ends(news[row]):
+                    open_rows.discard(row)
+        if not open_rows:
+            return news
+        if step is not None:
+            logits = step(token)
+            continue
+        if mask is not None:
+            mask = torch.cat([mask, mask.new_ones(len(rows), 1)], 1)
+        logits = model(token, attention_mask=mask, cache=cache, use_cache=True).logits[:, -1]
+
+
+def _prefill_rows(model: HarnessForCausalLM, rows: list[torch.Tensor]) -> tuple[torch.Tensor, RecurrentCache]:
+    """Each row's prompt through the model alone (batch 1, no padding); -> (last logits `[B, V]`, one cache holding
+    the rows' states stacked in order, `seen_tokens` the longest prompt's length, as for a left-padded batch)."""
+    layers = model.config.num_hidden_layers
+    last, states = [], []
+    for ids in rows:
+        cache = RecurrentCache(layers)
+        last.append(model(ids[None], cache=cache, use_cache=True, logits_to_keep=1).logits[:, -1])
+        states.append(cache.states)
+    cache = RecurrentCache(layers)
+    cache.states = [_stack(list(layer)) for layer in zip(*states)]
+    cache.seen_tokens = max(r.numel() for r in rows)
+    return torch.cat(last), cache
+
+
+def _stack(states: list[Any]) -> Any:
+    """One layer's per-row states (batch 1 each) as one state of the rows in order (a copy even for one row)."""
+    columns = [torch.cat(ts) for ts in zip(*(s.tensors() for s in states), strict=True)]
+    it = iter(columns)
+    return states[0].map(lambda _: next(it))
+
+
+def _prompt_mask(rows: list[torch.Tensor]) -> torch.Tensor:
+    """The left-padded attention mask `[B, longest]` of the prompts: 1 at each row's last len(row) columns."""
+    width = max(r.numel() for r in rows)
+    lengths = torch.tensor([r.numel() for r in rows], device=rows[0].device)
+    return (torch.arange(width, device=rows[0].device)[None] >= width - lengths[:, None]).long()

@@ -287,26 +287,51 @@ def test_gsm8k_with_loglikelihood_task_end_to_end(student, setting, tmp_path, mo
     assert entry["chance"] == 0.0
 
 
-def test_batched_generation_of_students_stays_at_batch_1(student, setting):
-    """Batched generation pads on the left with a mask: lm-eval's own HFLM at batch 3 gives a student's outputs
-    at batch 1 (padding is exact on the reference backend), yet make_lm still refuses generate_batch_size > 1 for
-    students, and our HFLM at batch_size 4 generates at batch 1 with the outputs of batch 1. A teacher (attention)
-    may generate in batches."""
+def _generate_requests(contexts: list[str], **kwargs):
     from lm_eval.api.instance import Instance
+
+    return [Instance(request_type="generate_until", doc={}, arguments=(ctx, kwargs), idx=i)
+            for i, ctx in enumerate(contexts)]
+
+
+def test_students_generate_in_batches_with_the_answers_of_batch_1(student, setting, monkeypatch):
+    """generate_until of a student at generate_batch_size 3 (left-padded by lm-eval, rows unpadded and stepped
+    together by harness.decoding) gives the answers of lm-eval's own HFLM at batch 1 (transformers' generate,
+    unpadded), also where a row ends at EOS while the others go on (the row's padding after its end must vanish)
+    and where a stop string cuts rows."""
+    import copy
+
     from lm_eval.models.huggingface import HFLM
 
+    _, tok = setting
+    model = copy.deepcopy(student)
+    contexts = [ctx for ctx, _ in PAIRS]  # 7 prompts of 1 to 16 words: the batches of 3 are padded
+    free = HFLM(pretrained=model, tokenizer=tok, batch_size=1, backend="causal").generate_until(
+        _generate_requests(contexts, until=[], max_gen_toks=10, do_sample=False), disable_tqdm=True)
+    # an EOS the first prompt produces early, and a stop string from another's answer: rows end at different steps
+    model.generation_config.eos_token_id = tok(free[0], add_special_tokens=False)["input_ids"][2]
+    stop = free[3][len(free[3]) // 2:][:2]
+    requests = _generate_requests(contexts, until=[stop], max_gen_toks=10, do_sample=False)
+    reference = HFLM(pretrained=model, tokenizer=tok, batch_size=1, backend="causal").generate_until(
+        requests, disable_tqdm=True)
+    assert len(reference[0]) < len(free[0]) and any(len(r) < len(f) for r, f in zip(reference[1:], free[1:]))
+    batches = []
+    real = lm_eval_tasks.student_generate
+    monkeypatch.setattr(lm_eval_tasks, "student_generate",
+                        lambda m, t, context, mask, *a: batches.append(int((mask == 0).any())) or
+                        real(m, t, context, mask, *a))
+    assert make_lm(model, tok, generate_batch_size=3, progress=False).generate_until(requests) == reference
+    assert len(batches) == 3 and sum(batches) >= 2  # three batches (3 + 3 + 1), the full ones padded
+    assert make_lm(model, tok, generate_batch_size=1, progress=False).generate_until(requests) == reference
+
+
+def test_teachers_generate_in_batches_through_lm_evals_own_generate(setting, monkeypatch):
+    """A teacher's (attention) batch goes through lm-eval's left-padded `generate`, not student_generate."""
     teacher, tok = setting
-    kwargs = {"until": ["\n\n"], "max_gen_toks": 6, "do_sample": False}
-    requests = [Instance(request_type="generate_until", doc={}, arguments=(ctx, kwargs), idx=i)
-                for i, (ctx, _) in enumerate(PAIRS[:3])]
-    padded = HFLM(pretrained=student, tokenizer=tok, batch_size=3, backend="causal").generate_until(requests,
-                                                                                                  disable_tqdm=True)
-    with pytest.raises(BenchmarkError, match="generate_batch_size=2"):
-        make_lm(student, tok, generate_batch_size=2)
-    one = make_lm(student, tok, batch_size=1, progress=False).generate_until(requests)
-    four = make_lm(student, tok, batch_size=4, progress=False).generate_until(requests)
-    assert four == one and padded == one and len(one) == 3
-    assert make_lm(teacher, tok, generate_batch_size=2, progress=False).generate_batch_size == 2
+    monkeypatch.setattr(lm_eval_tasks, "student_generate", None)  # a call would fail
+    requests = _generate_requests([ctx for ctx, _ in PAIRS[:3]], until=["\n\n"], max_gen_toks=4, do_sample=False)
+    lm = make_lm(teacher, tok, generate_batch_size=2, progress=False)
+    assert lm.generate_batch_size == 2 and len(lm.generate_until(requests)) == 3
 
 
 # ------------------------------------------------------------------------------------------ scoring

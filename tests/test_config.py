@@ -181,6 +181,7 @@ def test_bad_choice_in_the_job_file_names_key_and_allowed_values(job_file, capsy
     (["stages.align_hidden.decay_fraction=1.5"], "stages.align_hidden.decay_fraction=1.5 must lie in [0, 1]."),
     (["stages.sft.lr=0"], "stages.sft.lr=0.0 must be a positive number."),  # SftConfig's own default, its base's rule
     (["run.keep_last=0"], "run.keep_last=0 must be a positive number."),
+    (["eval.generation_batch_size=0"], "eval.generation_batch_size=0 must be a positive number."),
     (["run.layer_groups=-1"], "run.layer_groups=-1 must be >= 0 (0: the default)."),
     (["eval.niah.depths=[0.5,1.5]"], "Bad value 1.5 in eval.niah.depths: each must lie in [0, 1] (50% is 0.5)."),
     (["budget.split=[0.5,0.5]"], "budget.split=[0.5, 0.5] must be three non-negative fractions"),

@@ -124,7 +124,7 @@ def test_a_rerun_reuses_every_result(run, monkeypatch):
     def fail(*args, **kwargs):
         raise AssertionError("recomputed")
 
-    monkeypatch.setattr("harness.eval.niah.generate_answer", fail)
+    monkeypatch.setattr("harness.eval.niah.generate_answers", fail)
     monkeypatch.setattr("harness.eval.lm_eval_tasks.evaluate_task", fail)
     monkeypatch.setattr("harness.eval.perplexity.perplexity", fail)
     eval_job.run_eval_spec(spec, progress=False)
@@ -149,7 +149,7 @@ def test_teacher_results_are_shared_through_the_cache(run, tmp_path, monkeypatch
         return real(model, tokenizer, spec, out, **kwargs)
 
     monkeypatch.setattr(eval_job, "evaluate_model", spy)
-    monkeypatch.setattr("harness.eval.niah.generate_answer", None)  # the teacher must not generate again
+    monkeypatch.setattr("harness.eval.niah.generate_answers", None)  # the teacher must not generate again
     second = _spec(run, teacher_cache=str(cache), output_dir=str(tmp_path / "b"), tasks=["piqa"],
                    niah=first.niah)
     second.niah.lengths = []  # the student of the second run skips NIAH; the teacher's is cached anyway

@@ -5,13 +5,14 @@
 
 Each prompt is one user turn. With a chat template ("auto" when the tokenizer has one, or "chat") it is rendered
 by the template with the generation prompt (the assistant header), as SFT trains (harness.data.chat);
-without ("plain") it is `User: <prompt>\\nAssistant:` after the tokenizer's own prefix (BOS). Decoding is greedy
-at batch 1 (students take no padding), unpadded, through the model's `generate` (recurrent state for students,
-KV cache for teachers), and stops at EOS, at the template's end-of-turn token (e.g. <|im_end|>, found by
-rendering a turn), after `max_new_tokens`, or in plain mode once the model starts a new `User:` turn. The
-response is the decoded new text without special tokens, stripped; `tokens` counts the generated tokens
-before the stop token (which is not counted); `stopped` says why it ended ("end_of_turn": EOS or end-of-turn,
-"max_new_tokens", "new_user_turn": plain mode only).
+without ("plain") it is `User: <prompt>\\nAssistant:` after the tokenizer's own prefix (BOS). Decoding is greedy,
+`generation_batch_size` prompts at a time (1 by default; by length), each answer ending where it would alone
+(harness.eval.niah.greedy_ids_batch: students prefill each prompt unpadded and step the batch through their
+recurrent state, teachers `generate` on left-padded prompts with their KV cache). An answer stops at EOS, at
+the template's end-of-turn token (e.g. <|im_end|>, found by rendering a turn), after `max_new_tokens`, or in
+plain mode once the model starts a new `User:` turn. The response is the decoded new text without special
+tokens, stripped; `tokens` counts the generated tokens before the stop token (which is not counted); `stopped`
+says why it ended ("end_of_turn": EOS or end-of-turn, "max_new_tokens", "new_user_turn": plain mode only).
 
 chat_samples.json: {"label", "prompt_mode", "max_new_tokens", "samples": [{"prompt", "response", "tokens",
 "stopped"}]}. Cheap (six short answers), so it is recomputed rather than resumed.
@@ -26,7 +27,7 @@ from typing import Any, Sequence
 
 import torch
 
-from harness.eval.niah import greedy_ids, resolve_prompt_mode, stop_token_ids
+from harness.eval.niah import check_batch_size, greedy_ids_batch, length_batches, resolve_prompt_mode, stop_token_ids
 from harness.files import atomic_write_text
 
 CHAT_SAMPLES_FILE = "chat_samples.json"
@@ -105,8 +106,21 @@ def _new_user_turn(text: str) -> bool:
 def generate_response(model: Any, tokenizer: Any, input_ids: list[int], *, max_new_tokens: int, stop: list[int],
                       plain: bool = False, device: str | torch.device = "cpu") -> dict:
     """Greedy answer to one unpadded prompt: {"response", "tokens", "stopped"} (see the module docstring)."""
-    ids = torch.tensor([input_ids], dtype=torch.long, device=device)
-    new = greedy_ids(model, tokenizer, ids, max_new_tokens, stop, _new_user_turn if plain else None)
+    return generate_responses(model, tokenizer, [input_ids], max_new_tokens=max_new_tokens, stop=stop, plain=plain,
+                              device=device)[0]
+
+
+@torch.no_grad()
+def generate_responses(model: Any, tokenizer: Any, prompts: list[list[int]], *, max_new_tokens: int,
+                       stop: list[int], plain: bool = False, device: str | torch.device = "cpu") -> list[dict]:
+    """`generate_response` of each prompt, the prompts decoded together (`greedy_ids_batch`)."""
+    news = greedy_ids_batch(model, tokenizer, prompts, max_new_tokens, stop, _new_user_turn if plain else None,
+                            device)
+    return [_answer(tokenizer, new, stop, plain) for new in news]
+
+
+def _answer(tokenizer: Any, new: list[int], stop: list[int], plain: bool) -> dict:
+    """{"response", "tokens", "stopped"} of one answer's new token ids (the stop token included, if any)."""
     cut = next((i for i, t in enumerate(new) if t in stop), None)
     stopped = "end_of_turn" if cut is not None else "max_new_tokens"
     new = new if cut is None else new[:cut]
@@ -118,8 +132,9 @@ def generate_response(model: Any, tokenizer: Any, input_ids: list[int], *, max_n
 
 def generate_chat_samples(model: Any, tokenizer: Any, prompts: Sequence[str] | None, out_dir: str | os.PathLike[str],
                           *, label: str, max_new_tokens: int = 96, device: str | torch.device = "cpu",
-                          chat: str = "auto", progress: bool = False) -> dict:
-    """Answer `prompts` (None: DEFAULT_PROMPTS) greedily at batch 1; write out_dir/chat_samples.json and return it.
+                          chat: str = "auto", progress: bool = False, generation_batch_size: int = 1) -> dict:
+    """Answer `prompts` (None: DEFAULT_PROMPTS) greedily, `generation_batch_size` at a time (the answers of batch
+    1, see the module docstring); write out_dir/chat_samples.json and return it, the samples in prompt order.
 
     `model`: anything with a transformers-style `generate` (a student, a teacher); nn.Modules are put in eval
     mode on `device`. `chat`: "auto", "chat" or "plain" (see the module docstring).
@@ -129,17 +144,22 @@ def generate_chat_samples(model: Any, tokenizer: Any, prompts: Sequence[str] | N
         raise ValueError(f"chat sample prompts must be non-empty strings, got {prompts!r}")
     if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
         raise ValueError(f"max_new_tokens={max_new_tokens!r} must be a positive integer")
+    check_batch_size(generation_batch_size)
     mode = resolve_chat_mode(tokenizer, chat)
     if isinstance(model, torch.nn.Module):
         model.to(device).eval()
     stop = stop_ids(model, tokenizer)
-    samples = []
-    for i, prompt in enumerate(prompts, 1):
-        answer = generate_response(model, tokenizer, prompt_ids(tokenizer, prompt, mode),
-                                   max_new_tokens=max_new_tokens, stop=stop, plain=mode == "plain", device=device)
-        samples.append({"prompt": prompt, **answer})
-        if progress:
-            print(f"[chat] {label} {i}/{len(prompts)}: {answer['tokens']} tokens ({answer['stopped']})", flush=True)
+    ids = [prompt_ids(tokenizer, prompt, mode) for prompt in prompts]
+    answers: dict[int, dict] = {}
+    for batch in length_batches([len(x) for x in ids], generation_batch_size):
+        found = generate_responses(model, tokenizer, [ids[i] for i in batch], max_new_tokens=max_new_tokens,
+                                   stop=stop, plain=mode == "plain", device=device)
+        for i, answer in zip(batch, found):
+            answers[i] = answer
+            if progress:
+                print(f"[chat] {label} {len(answers)}/{len(prompts)} (prompt {i + 1}): {answer['tokens']} tokens "
+                      f"({answer['stopped']})", flush=True)
+    samples = [{"prompt": prompt, **answers[i]} for i, prompt in enumerate(prompts)]
     result = {"label": label, "prompt_mode": mode, "max_new_tokens": max_new_tokens, "samples": samples}
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -180,7 +200,7 @@ def markdown_section(student_samples: dict, teacher_samples: dict | None = None,
     """
     mode = student_samples.get("prompt_mode", "?")
     lines = ["## Chat samples", "",
-             f"Greedy answers at batch 1, up to {student_samples.get('max_new_tokens', '?')} new tokens, prompts "
+             f"Greedy answers, up to {student_samples.get('max_new_tokens', '?')} new tokens, prompts "
              f"rendered {'with the chat template' if mode == 'chat' else 'as plain User:/Assistant: text'}.", ""]
     teacher = {s["prompt"]: s for s in (teacher_samples or {}).get("samples", [])}
     for i, sample in enumerate(student_samples.get("samples", []), 1):

@@ -16,6 +16,7 @@ Evaluate students and teachers. The evaluation job runs everything a spec asks:
 
   harness eval runs/quickstart/eval.yaml                   # = harness eval job runs/quickstart/eval.yaml
   harness eval runs/quickstart/eval.yaml limit=20 niah.lengths=[256,512]
+  harness eval runs/quickstart/eval.yaml generation_batch_size=8   # NIAH, chat, GSM8K: 8 prompts at a time
 
 or one evaluation on any model (a student folder, or a teacher: HF folder, .gguf, alias or hub id):
 
@@ -25,6 +26,9 @@ or one evaluation on any model (a student folder, or a teacher: HF folder, .gguf
 
 Every evaluation resumes: re-run the same command after an interruption and finished parts are kept.
 """
+
+GENERATION_BATCH_HELP = ("Prompts decoded together by greedy generation (eval.generation_batch_size); each answer ends "
+                         "where it would alone. Default 1.")
 
 
 def rewrite_argv(argv: list[str]) -> list[str]:
@@ -50,9 +54,9 @@ def add_parsers(sub: Any) -> None:
 
     niah = ev_sub.add_parser("niah", help="Needle in a haystack on one model.",
                              description="Greedy retrieval of a needle hidden at depth x length in real prose "
-                             "(exact match), batch 1, and the teacher-forced likelihood score (the true value "
-                             "ranked first among it and --distractors others); writes niah.json, niah.csv and "
-                             "the heatmaps.",
+                             "(exact match), --generation-batch-size samples at a time, and the teacher-forced "
+                             "likelihood score (the true value ranked first among it and --distractors others); "
+                             "writes niah.json, niah.csv and the heatmaps.",
                              epilog="example:\n  harness eval niah runs/quickstart/student --lengths 256,512 "
                              "--depths 0,0.5,1 --kinds passkey --samples 2 --out /tmp/niah",
                              formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -66,6 +70,7 @@ def add_parsers(sub: Any) -> None:
                       help="plain (no chat template: students distilled on prose), chat (the tokenizer's template), "
                       "auto (chat if the tokenizer has one). Score a student and its teacher the same way.")
     niah.add_argument("--max-new-tokens", type=int, default=48, help="Generation budget per sample.")
+    niah.add_argument("--generation-batch-size", type=int, default=1, help=GENERATION_BATCH_HELP)
     niah.add_argument("--distractors", type=int, default=9, help="Other values the likelihood score ranks each "
                       "needle's value against (chance: 1 / (1 + distractors)).")
     niah.add_argument("--overwrite", action="store_true", help="Start over instead of resuming.")
@@ -82,7 +87,8 @@ def add_parsers(sub: Any) -> None:
     bench.add_argument("--tasks", default="piqa,arc_easy,arc_challenge,hellaswag,winogrande,lambada_openai,mmlu",
                        help="Comma-separated lm-eval task names.")
     bench.add_argument("--limit", type=int, default=None, help="Examples per task (per subject for mmlu).")
-    bench.add_argument("--batch-size", type=int, default=8, help="lm-eval batch size.")
+    bench.add_argument("--batch-size", type=int, default=8, help="lm-eval batch size (loglikelihood requests).")
+    bench.add_argument("--generation-batch-size", type=int, default=1, help=GENERATION_BATCH_HELP)
     mode = bench.add_mutually_exclusive_group()
     mode.add_argument("--offline", dest="offline", action="store_true", default=None, help="Local data only.")
     mode.add_argument("--online", dest="offline", action="store_false", help="lm-eval's hub datasets.")
@@ -202,9 +208,10 @@ def cmd_eval_job(args: argparse.Namespace) -> int:
 
 
 def cmd_eval_niah(args: argparse.Namespace) -> int:
-    from harness.eval.niah import NiahGrid, run_niah
+    from harness.eval.niah import NiahGrid, check_batch_size, run_niah
 
     try:
+        check_batch_size(args.generation_batch_size, "--generation-batch-size")
         grid = NiahGrid(lengths=_list(args.lengths, int, "lengths"), depths=_list(args.depths, float, "depths"),
                         kinds=_list(args.kinds, str, "kinds"), samples=args.samples, haystack=args.haystack,
                         prompt=args.prompt, max_new_tokens=args.max_new_tokens, distractors=args.distractors)
@@ -212,7 +219,8 @@ def cmd_eval_niah(args: argparse.Namespace) -> int:
         raise ConfigError(str(err)) from None
     model, tokenizer, device = load_any(args)
     out = _out(args, "niah")
-    result = run_niah(model, tokenizer, grid, out, label=_label(args), device=device, overwrite=args.overwrite)
+    result = run_niah(model, tokenizer, grid, out, label=_label(args), device=device, overwrite=args.overwrite,
+                      generation_batch_size=args.generation_batch_size)
     lengths = ", ".join(f"{k}: {100 * v:.0f}%" for k, v in result["by_length"].items())
     lik = result["likelihood"]
     ranked = ", ".join(f"{k}: {100 * v:.0f}%" for k, v in lik["by_length"].items())
@@ -230,7 +238,7 @@ def cmd_eval_bench(args: argparse.Namespace) -> int:
     try:
         report = run_benchmarks(model, tokenizer, _list(args.tasks, str, "tasks"), out, label=_label(args),
                                 limit=args.limit, batch_size=args.batch_size, device=str(device),
-                                offline=args.offline)
+                                offline=args.offline, generate_batch_size=args.generation_batch_size)
     except BenchmarkError as err:
         raise ConfigError(str(err)) from None
     for name, entry in report["tasks"].items():

@@ -105,25 +105,30 @@ def evaluate_model(model: Any, tokenizer: Any, spec: EvalSpec, out: Path, *, lab
         grid = NiahGrid(lengths=list(spec.niah.lengths), depths=list(spec.niah.depths), kinds=list(spec.niah.kinds),
                         samples=spec.niah.samples, haystack=spec.niah.haystack, prompt=spec.niah.prompt,
                         distractors=spec.niah.distractors)
-        results["niah"] = run_niah(model, tokenizer, grid, out, label=label, device=device, progress=progress)
+        results["niah"] = run_niah(model, tokenizer, grid, out, label=label, device=device, progress=progress,
+                                   generation_batch_size=spec.generation_batch_size)
     if spec.chat_samples:
-        results["chat_samples"] = chat_samples(model, tokenizer, out, label=label, device=device)
+        results["chat_samples"] = chat_samples(model, tokenizer, out, label=label, device=device,
+                                               generation_batch_size=spec.generation_batch_size)
     if spec.tasks:
         from harness.eval.lm_eval_tasks import run_benchmarks
 
         results["bench"] = run_benchmarks(model, tokenizer, list(spec.tasks), out, label=label, limit=spec.limit,
-                                          batch_size=spec.batch_size, device=str(device), progress=progress)
+                                          batch_size=spec.batch_size, device=str(device), progress=progress,
+                                          generate_batch_size=spec.generation_batch_size)
     return results
 
 
-def chat_samples(model: Any, tokenizer: Any, out: Path, *, label: str, device: torch.device) -> dict:
+def chat_samples(model: Any, tokenizer: Any, out: Path, *, label: str, device: torch.device,
+                 generation_batch_size: int = 1) -> dict:
     """The fixed chat prompts' greedy answers, reused from out/chat_samples.json when made the same way."""
     from harness.eval.chat_samples import generate_chat_samples, load_chat_samples
 
     saved = load_chat_samples(out)
     if saved is not None and saved.get("label") == label:
         return saved
-    return generate_chat_samples(model, tokenizer, None, out, label=label, device=str(device))
+    return generate_chat_samples(model, tokenizer, None, out, label=label, device=str(device),
+                                 generation_batch_size=generation_batch_size)
 
 
 def held_out_perplexity(model: Any, tokenizer: Any, spec: EvalSpec, out: Path, *, device: torch.device,

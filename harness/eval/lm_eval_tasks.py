@@ -34,10 +34,14 @@ intervals.
 Padding: lm-eval's loglikelihood pads a batch on the right for causal models and calls the model without
 an attention mask. For causal recurrences the padding comes after each row's real tokens and cannot change
 their outputs, so batch_size > 1 gives the batch-1 loglikelihoods (tests/test_bench.py checks it for all seven
-mixers). Generative requests (generate_until: GSM8K) would be padded on the left with an attention mask, which
-students refuse (HarnessForCausalLM raises on a mask with zeros), so they always run at `generate_batch_size`
-(default 1, unpadded; >1 only for models that accept left padding, never a student), whatever `batch_size`:
-`tasks=[piqa, gsm8k], batch_size=8` scores piqa at batch 8 and generates GSM8K answers one at a time.
+mixers). Generative requests (generate_until: GSM8K) run at `generate_batch_size` (eval.generation_batch_size,
+default 1), whatever `batch_size`: `tasks=[piqa, gsm8k], batch_size=8` scores piqa at batch 8 and generates
+GSM8K answers one at a time. lm-eval pads a generation batch on the left with an attention mask. A harness
+student's greedy requests do not go through `generate` with that mask (the kernel backend, the one on GPUs,
+refuses padding): `student_generate` strips each row's padding and decodes the rows with
+harness.decoding.greedy_decode_batch (each prompt prefilled alone, then batched recurrent steps, a CUDA graph on
+GPUs), stopping each row where lm-eval's stop sequences stop it alone; a batch gives the answers of batch 1
+(tests/test_eval_batching.py). Other models (teachers) take lm-eval's own left-padded `generate`.
 """
 
 from __future__ import annotations
@@ -99,7 +103,7 @@ def run_benchmarks(model: Any, tokenizer: Any, tasks: list[str], out_dir: Path, 
     tokenizer: a tokenizer instance, a folder, or None for the model folder's own.
     limit: documents per task (per subject for MMLU), None for all. offline: see the module docstring.
     batch_size: for loglikelihood requests (multiple choice, LAMBADA); generate_batch_size: for generate_until
-    requests (GSM8K), 1 by default (students refuse the left padding a larger batch needs).
+    requests (GSM8K), 1 by default (see the module docstring).
     resume: keep the tasks bench.json already holds for the same label, limit and offline flag.
     cache_dir: the harness cache holding the local benchmark data (default $HARNESS_CACHE or ~/.cache/harness).
     """
@@ -246,22 +250,55 @@ def make_lm(model: Any, tokenizer: Any, *, batch_size: int = 1, device: str = "c
     """lm-eval's HFLM around `model` (an instance or a folder) on `device`, in eval mode.
 
     Loglikelihood requests run at `batch_size` (right padding, no mask), generate_until requests at
-    `generate_batch_size` (1: unpadded). A student with generate_batch_size > 1 is refused: lm-eval would pad
-    its prompts on the left with a mask, which the student rejects mid-task. With progress off the
-    per-request bars are off too (lm-eval's evaluator never passes disable_tqdm).
+    `generate_batch_size` (a student's greedy ones through `student_generate`, see the module docstring). With
+    progress off the per-request bars are off too (lm-eval's evaluator never passes disable_tqdm).
     """
     model, tokenizer = _load_model(model, tokenizer)
-    if generate_batch_size > 1 and not accepts_left_padding(model):
-        raise BenchmarkError(f"generate_batch_size={generate_batch_size}: {type(model).__name__} refuses the "
-                             "left-padded attention masks of batched generation; use generate_batch_size=1.")
     model = model.to(device).eval()
     return _harness_hflm_class()(pretrained=model, tokenizer=tokenizer, batch_size=batch_size, backend="causal",
                                  quiet=not progress, generate_batch_size=generate_batch_size)
 
 
-def accepts_left_padding(model: Any) -> bool:
-    """Whether `model` can take a left-padded batch with an attention mask (students cannot: recurrences)."""
-    return getattr(getattr(model, "config", None), "model_type", None) != "harness_student"
+def is_student(model: Any) -> bool:
+    """A harness student (HarnessForCausalLM, also loaded through the Auto classes)."""
+    return getattr(getattr(model, "config", None), "model_type", None) == "harness_student"
+
+
+def _is_greedy(generation_kwargs: dict) -> bool:
+    """lm-eval's generation kwargs (what generate_until passes to _model_generate) ask for plain greedy decoding."""
+    if not set(generation_kwargs) <= {"attention_mask", "do_sample", "temperature"}:
+        return False
+    sample = generation_kwargs.get("do_sample")
+    return sample is False or (sample is None and not generation_kwargs.get("temperature"))
+
+
+def student_generate(model: Any, tokenizer: Any, context: Any, attention_mask: Any, max_new_tokens: int,
+                     stop: list[str]) -> Any:
+    """What HFLM._model_generate returns (`[B, width + new]`: the left-padded `context`, then each row's new
+    tokens, padded after its end with EOS, which lm-eval's decoding skips), for a harness student decoding
+    greedily: each row unpadded through greedy_decode_batch, ended as `generate` ends it alone - at the model's
+    EOS, after `max_new_tokens`, or once a `stop` string appears in the decoded last len(stop tokens) + 2 new
+    tokens (lm-eval's MultiTokenEOSCriteria)."""
+    import torch
+
+    from harness.decoding import greedy_decode_batch
+
+    rows = list(context) if attention_mask is None else [ids[m.bool()] for ids, m in zip(context, attention_mask)]
+    windows = [(s, len(tokenizer.encode(s, add_special_tokens=False)) + 2) for s in stop]
+
+    def done(new: list[int]) -> bool:
+        return any(s in tokenizer.decode(new[-n:]) for s, n in windows)
+
+    eos = getattr(model.generation_config, "eos_token_id", None)
+    stop_ids = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
+    news = greedy_decode_batch(model, rows, max_new_tokens, stop_ids=stop_ids, done=done)
+    pad = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else tokenizer.pad_token_id
+    width = context.shape[1]
+    out = context.new_full((len(news), width + max(len(n) for n in news)), pad)
+    out[:, :width] = context
+    for row, new in enumerate(news):
+        out[row, width:width + len(new)] = torch.tensor(new, dtype=out.dtype)
+    return out
 
 
 @functools.cache
@@ -269,7 +306,8 @@ def _harness_hflm_class() -> type:
     from lm_eval.models.huggingface import HFLM
 
     class HarnessHFLM(HFLM):
-        """HFLM generating at its own batch size (1 by default), its request bars optional."""
+        """HFLM generating at its own batch size (1 by default), a student's greedy requests through
+        `student_generate`, its request bars optional."""
 
         def __init__(self, *args: Any, quiet: bool = False, generate_batch_size: int = 1, **kwargs: Any) -> None:
             super().__init__(*args, **kwargs)
@@ -288,6 +326,16 @@ def _harness_hflm_class() -> type:
                 return super().generate_until(requests, disable_tqdm=disable_tqdm or self.quiet)
             finally:
                 self.batch_size_per_gpu = saved
+
+        def _model_generate(self, context, max_length: int, stop: list[str], **generation_kwargs):
+            if not (is_student(self.model) and _is_greedy(generation_kwargs)):
+                return super()._model_generate(context, max_length, stop, **generation_kwargs)
+            import torch
+
+            precision = self.mixed_precision_dtype
+            with torch.autocast(device_type=self.device.type, dtype=precision, enabled=precision is not None):
+                return student_generate(self.model, self.tokenizer, context, generation_kwargs.get("attention_mask"),
+                                        max_length - context.shape[1], stop)
 
     return HarnessHFLM
 

@@ -36,11 +36,14 @@ question as one user turn of the tokenizer's chat template (it needs one), then 
 picks "chat" when the tokenizer has a template, else "plain". Student and teacher of one report are scored with
 the same mode (the evaluation job passes eval.niah.prompt to both).
 
-Decoding: greedy, batch 1, no padding (recurrent students are padding-sensitive): students (HarnessForCausalLM)
-through harness.decoding (one recurrent step per token, captured as a CUDA graph on GPUs), teachers through
-`generate()` with their KV cache. It stops at an EOS
-token (the tokenizer's and the model's generation config's), at the end of the first non-empty line, or after
-`max_new_tokens`.
+Decoding: greedy, `generation_batch_size` samples at a time (1 by default; eval.generation_batch_size), taken
+in order of length so that a batch holds one length: students (HarnessForCausalLM) through harness.decoding (each
+prompt prefilled alone, unpadded, then one recurrent step per token for the whole batch, captured as a CUDA graph
+on GPUs), teachers through `generate()` with their KV cache, the prompts left-padded with an attention mask. Each
+sample stops where it would alone: at an EOS token (the tokenizer's and the model's generation config's), at the
+end of the first non-empty line, or after `max_new_tokens`. On CPU float32 a batch gives the answers of batch 1
+(tests/test_eval_batching.py); on a GPU in bfloat16 a batched matmul may round differently from a batch-1 one, so a
+near-tie between two tokens can rarely go the other way.
 
 Exact match (`is_correct`): the new tokens are decoded (special tokens skipped); the answer is the first non-empty
 line of that text, stripped (`answer_line`; generation stops once that line is complete). The sample is
@@ -206,6 +209,13 @@ class NiahGrid:
 def _positive_int(name: str, value: Any) -> int:
     if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
         raise ValueError(f"NiahGrid.{name} must hold positive integers, got {value!r}")
+    return int(value)
+
+
+def check_batch_size(value: Any, name: str = "generation_batch_size") -> int:
+    """A positive integer batch size, else a ValueError naming it. Shared with chat_samples."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+        raise ValueError(f"{name}={value!r} must be a positive integer (1: one prompt at a time)")
     return int(value)
 
 
@@ -567,15 +577,16 @@ def greedy_config(max_new_tokens: int, stop: list[int], tokenizer: Any):
 
 
 class NewTextStop:
-    """A transformers stopping criterion: stop once `done(new text)` holds, the new text being what was generated
-    after the prompt's `prompt_length` tokens, decoded without special tokens (batch 1)."""
+    """A transformers stopping criterion, per row: a row is done once `done(its new text)` holds, the new text being
+    what was generated after the (left-padded) prompts' `prompt_length` columns, decoded without special tokens."""
 
     def __init__(self, tokenizer: Any, prompt_length: int, done: Callable[[str], bool]) -> None:
         self.tokenizer, self.prompt_length, self.done = tokenizer, prompt_length, done
 
     def __call__(self, input_ids: torch.Tensor, scores: Any = None, **kwargs: Any) -> torch.Tensor:
-        text = self.tokenizer.decode(input_ids[0, self.prompt_length:].tolist(), skip_special_tokens=True)
-        return torch.full((input_ids.shape[0],), self.done(text), dtype=torch.bool, device=input_ids.device)
+        texts = [self.tokenizer.decode(row, skip_special_tokens=True)
+                 for row in input_ids[:, self.prompt_length:].tolist()]
+        return torch.tensor([bool(self.done(t)) for t in texts], dtype=torch.bool, device=input_ids.device)
 
 
 def _answer_line_done(text: str) -> bool:
@@ -583,38 +594,83 @@ def _answer_line_done(text: str) -> bool:
     return "\n" in text.lstrip()
 
 
+def length_batches(lengths: list[int], size: int) -> list[list[int]]:
+    """Indices 0..n-1 in batches of at most `size`, by length (stable: equal lengths keep their order), so that a
+    batch pads little; size 1 keeps the order given. Shared with chat_samples."""
+    order = sorted(range(len(lengths)), key=lambda i: lengths[i]) if size > 1 else list(range(len(lengths)))
+    return [order[i:i + size] for i in range(0, len(order), size)]
+
+
 @torch.no_grad()
 def greedy_ids(model: Any, tokenizer: Any, ids: torch.Tensor, max_new_tokens: int, stop: list[int],
                text_done: Optional[Callable[[str], bool]] = None) -> list[int]:
-    """The new token ids of a greedy continuation of one unpadded prompt `ids` `[1, T]` (the stop token included):
-    harness students through harness.decoding (one recurrent step per token, a CUDA graph on GPUs), other models
-    through `generate` with their KV cache. Ends at a `stop` id, after `max_new_tokens`, or once
-    `text_done(new text)` holds, the new text decoded without special tokens. Shared with chat_samples."""
-    from harness.decoding import greedy_decode
+    """The new token ids of a greedy continuation of one unpadded prompt `ids` `[1, T]` (`greedy_ids_batch` of
+    that one prompt, on ids' device)."""
+    return greedy_ids_batch(model, tokenizer, [ids[0].tolist()], max_new_tokens, stop, text_done, ids.device)[0]
+
+
+@torch.no_grad()
+def greedy_ids_batch(model: Any, tokenizer: Any, prompts: list[list[int]], max_new_tokens: int, stop: list[int],
+                     text_done: Optional[Callable[[str], bool]] = None,
+                     device: str | torch.device = "cpu") -> list[list[int]]:
+    """The new token ids of greedy continuations of `prompts` (token id lists), decoded together, each cut where
+    it would end alone (the stop token included): at a `stop` id, after `max_new_tokens`, or once
+    `text_done(new text)` holds, the new text decoded without special tokens. Harness students go through
+    harness.decoding (each prompt prefilled alone, then batched recurrent steps, a CUDA graph on GPUs), other
+    models through `generate` with their KV cache, the prompts left-padded (one prompt: no padding). Shared with
+    chat_samples."""
+    from harness.decoding import greedy_decode_batch
     from harness.student import HarnessForCausalLM
 
+    if not prompts:
+        return []
     if isinstance(model, HarnessForCausalLM):
         done = None if text_done is None else (
             lambda new: text_done(tokenizer.decode(new, skip_special_tokens=True)))
-        return greedy_decode(model, ids, max_new_tokens, stop_ids=stop, done=done)
+        return greedy_decode_batch(model, prompts, max_new_tokens, stop_ids=stop, done=done)
+    return _generate_batch(model, tokenizer, prompts, max_new_tokens, stop, text_done, device)
+
+
+def _generate_batch(model: Any, tokenizer: Any, prompts: list[list[int]], max_new_tokens: int, stop: list[int],
+                    text_done: Optional[Callable[[str], bool]], device: str | torch.device) -> list[list[int]]:
+    """`generate` on the left-padded prompts; each row cut at its own end (after it, generate pads the row)."""
     from transformers import StoppingCriteriaList
 
-    criteria = StoppingCriteriaList([NewTextStop(tokenizer, ids.shape[1], text_done)] if text_done else [])
-    out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids),
-                         generation_config=greedy_config(max_new_tokens, stop, tokenizer), stopping_criteria=criteria)
-    return out[0, ids.shape[1]:].tolist()
+    config = greedy_config(max_new_tokens, stop, tokenizer)
+    width = max(len(p) for p in prompts)
+    ids = torch.tensor([[config.pad_token_id] * (width - len(p)) + list(p) for p in prompts], device=device)
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)
+    criteria = StoppingCriteriaList([NewTextStop(tokenizer, width, text_done)] if text_done else [])
+    out = model.generate(input_ids=ids, attention_mask=mask, generation_config=config, stopping_criteria=criteria)
+    return [_cut_at_end(row, stop, tokenizer, text_done) for row in out[:, width:].tolist()]
+
+
+def _cut_at_end(new: list[int], stop: list[int], tokenizer: Any,
+                text_done: Optional[Callable[[str], bool]]) -> list[int]:
+    """`new` up to where a lone generation of it ends: its first stop id, or the first token after which
+    `text_done` holds (included), else all of it."""
+    for n, token in enumerate(new, 1):
+        if token in stop or (text_done is not None and text_done(tokenizer.decode(new[:n], skip_special_tokens=True))):
+            return new[:n]
+    return new
 
 
 @torch.no_grad()
 def generate_answer(model: Any, tokenizer: Any, input_ids: list[int], max_new_tokens: int,
                     device: str | torch.device = "cpu") -> str:
-    """Greedy continuation of one unpadded prompt (`greedy_ids`), decoded without special tokens.
+    """Greedy continuation of one unpadded prompt, decoded without special tokens (`generate_answers`)."""
+    return generate_answers(model, tokenizer, [input_ids], max_new_tokens, device)[0]
 
-    Generation stops at EOS, after `max_new_tokens`, or once the answer line is complete (only it is scored).
-    """
-    ids = torch.tensor([input_ids], dtype=torch.long, device=device)
-    new = greedy_ids(model, tokenizer, ids, max_new_tokens, stop_token_ids(model, tokenizer), _answer_line_done)
-    return tokenizer.decode(new, skip_special_tokens=True)
+
+@torch.no_grad()
+def generate_answers(model: Any, tokenizer: Any, prompts: list[list[int]], max_new_tokens: int,
+                     device: str | torch.device = "cpu") -> list[str]:
+    """Greedy continuations of `prompts`, decoded together (`greedy_ids_batch`), each decoded without special
+    tokens. Generation stops at EOS, after `max_new_tokens`, or once the answer line is complete (only it is
+    scored)."""
+    news = greedy_ids_batch(model, tokenizer, prompts, max_new_tokens, stop_token_ids(model, tokenizer),
+                            _answer_line_done, device)
+    return [tokenizer.decode(new, skip_special_tokens=True) for new in news]
 
 
 # ---------------------------------------------------------------------------------------------- likelihood
@@ -916,7 +972,8 @@ def _write_json(result: dict, path: Path) -> None:
 
 
 def run_niah(model: Any, tokenizer: Any, grid: NiahGrid, out_dir: str | os.PathLike[str], *, label: str,
-             device: str | torch.device = "cpu", progress: bool = True, overwrite: bool = False) -> dict:
+             device: str | torch.device = "cpu", progress: bool = True, overwrite: bool = False,
+             generation_batch_size: int = 1) -> dict:
     """Evaluate `model` on every sample of `grid`, resuming from out_dir/niah_cells.jsonl; return niah.json.
 
     `model` is anything with a transformers-style `generate(input_ids=, attention_mask=, generation_config=)`
@@ -924,9 +981,11 @@ def run_niah(model: Any, tokenizer: Any, grid: NiahGrid, out_dir: str | os.PathL
     nn.Modules are put in eval mode on `device`. Writes niah_cells.jsonl (one line per finished sample, flushed),
     then niah.json, niah.csv, niah_heatmap.png and niah_likelihood_heatmap.png. A rerun computes only what
     niah_cells.jsonl lacks: the samples not there, and the likelihood score of records written without it (or
-    against other distractors), whose generated answers are kept.
+    against other distractors), whose generated answers are kept. `generation_batch_size` samples of one length
+    (or neighbouring lengths) are generated together (`greedy_ids_batch`), then scored and written one by one.
     """
     grid.validate()
+    check_batch_size(generation_batch_size)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     header = run_header(tokenizer, grid, label)
@@ -942,12 +1001,12 @@ def run_niah(model: Any, tokenizer: Any, grid: NiahGrid, out_dir: str | os.PathL
         model.to(device).eval()
     with tqdm(total=len(keys), initial=len(keys) - len(todo), desc=f"NIAH {label}", unit="sample",
               disable=not progress, dynamic_ncols=True) as bar:
-        for key in todo:
-            record = evaluate_sample(model, tokenizer, grid, key, records.get(key), device)
-            _append(out / CELLS_FILE, record)
-            records[key] = record
-            bar.update()
-            bar.set_postfix(length=key[1], **_tally(records, keys))
+        for batch in length_batches([k[1] for k in todo], generation_batch_size):
+            for key, record in evaluate_samples(model, tokenizer, grid, [todo[i] for i in batch], records, device):
+                _append(out / CELLS_FILE, record)
+                records[key] = record
+                bar.update()
+                bar.set_postfix(length=key[1], **_tally(records, keys))
     result = summarise(records, grid, label, header["prompt"], limit)
     _write_json(result, out / JSON_FILE)
     write_csv(result, out / CSV_FILE)
@@ -956,15 +1015,18 @@ def run_niah(model: Any, tokenizer: Any, grid: NiahGrid, out_dir: str | os.PathL
     return result
 
 
-def evaluate_sample(model: Any, tokenizer: Any, grid: NiahGrid, key: tuple[str, int, float, int],
-                    saved: Optional[dict], device: str | torch.device) -> dict:
-    """The record of sample `key`: generated (exact match) and scored (likelihood); a `saved` record (one without
-    a current likelihood score) keeps its generated answer and is only scored."""
-    sample = build_sample(tokenizer, grid, *key)
-    if saved is None:
-        saved = sample_record(sample, generate_answer(model, tokenizer, sample.input_ids, grid.max_new_tokens,
-                                                      device))
-    return {**saved, **likelihood_record(model, tokenizer, sample, device)}
+def evaluate_samples(model: Any, tokenizer: Any, grid: NiahGrid, keys: list[tuple[str, int, float, int]],
+                     saved: dict[tuple, dict], device: str | torch.device) -> Iterator[tuple[tuple, dict]]:
+    """(key, record) of samples `keys`, in order: the ones without a `saved` record generated together (exact
+    match), then each scored (likelihood); a saved record (one without a current likelihood score) keeps its
+    generated answer and is only scored."""
+    samples = [build_sample(tokenizer, grid, *key) for key in keys]
+    fresh = [i for i, key in enumerate(keys) if saved.get(key) is None]
+    outputs = generate_answers(model, tokenizer, [samples[i].input_ids for i in fresh], grid.max_new_tokens, device)
+    answers = dict(zip(fresh, outputs))
+    for i, (sample, key) in enumerate(zip(samples, keys)):
+        record = saved.get(key) or sample_record(sample, answers[i])
+        yield key, {**record, **likelihood_record(model, tokenizer, sample, device)}
 
 
 def _tally(records: dict[tuple, dict], keys: list[tuple]) -> dict[str, str]:

@@ -40,6 +40,9 @@ class EvalSpec:
     tasks: list[str] = described(help="lm-eval tasks; empty: no benchmarks.", factory=list)
     limit: Optional[int] = described(None, "Examples per benchmark task (lm-eval --limit); null: all.")
     batch_size: int = described(8, "lm-eval batch size.")
+    generation_batch_size: int = described(
+        1, "Prompts decoded together in NIAH, chat samples and lm-eval generation (eval.generation_batch_size)."
+    )
     niah: NiahConfig = described(help="The needle-in-a-haystack grid; lengths [] skips NIAH.", factory=NiahConfig)
     perplexity_tokens: Optional[int] = described(
         262144, "Held-out tokens for perplexity; 0 skips it; null: the whole held-out slice."
@@ -62,6 +65,7 @@ def spec_from_job(job: JobConfig, student_dir: Path, job_yaml: Optional[Path] = 
         tasks=list(ev.tasks),
         limit=ev.limit,
         batch_size=ev.batch_size,
+        generation_batch_size=ev.generation_batch_size,
         niah=NiahConfig(**OmegaConf.to_container(OmegaConf.structured(ev.niah))),
         perplexity_tokens=ev.perplexity_tokens,
         chat_samples=ev.chat_samples,
@@ -112,7 +116,8 @@ def _job_key(key: str) -> str:
 def _validate(spec: EvalSpec, path: Path) -> None:
     from harness.config import check_eval  # the same checks as a job's eval: section
 
-    check_eval(EvalConfig(tasks=spec.tasks, limit=spec.limit, batch_size=spec.batch_size, niah=spec.niah,
+    check_eval(EvalConfig(tasks=spec.tasks, limit=spec.limit, batch_size=spec.batch_size,
+                           generation_batch_size=spec.generation_batch_size, niah=spec.niah,
                            perplexity_tokens=spec.perplexity_tokens))
     if not Path(spec.checkpoint).is_dir():
         raise ConfigError(f"checkpoint '{spec.checkpoint}' in {path} is not a folder (a student in HF format).")

@@ -1,5 +1,6 @@
 """CUDA-graph decoding (harness.decoding) against eager decoding on the GPU, for every mixer: the same greedy
-tokens, the same states after the last step, and the graph replayed across two prompts. Skipped without CUDA.
+tokens, the same states after the last step, the graph replayed across two prompts, and batched decoding
+(graphed = eager; float32 = batch 1). Skipped without CUDA.
 
     source .devbundle/setup.sh && python3 -m pytest -q tests/gpu/test_decoding_gpu.py
 """
@@ -13,7 +14,7 @@ if not torch.cuda.is_available():
     pytest.skip("needs a CUDA device", allow_module_level=True)
 
 import harness  # noqa: E402
-from harness.decoding import GraphedStep, greedy_decode  # noqa: E402
+from harness.decoding import GraphedStep, greedy_decode, greedy_decode_batch  # noqa: E402
 from harness.mixers import MIXERS  # noqa: E402
 from harness.student import RecurrentCache  # noqa: E402
 from tests.tiny import tiny_llama  # noqa: E402
@@ -58,3 +59,29 @@ def test_graph_leaves_the_cache_as_eager_steps_do(mixer):
         for x, y in zip(a.tensors(), b.tensors(), strict=True):
             torch.testing.assert_close(y, x, rtol=0, atol=0)
 
+
+
+@pytest.mark.filterwarnings("error::RuntimeWarning")
+@pytest.mark.parametrize("mixer", sorted(MIXERS))
+def test_batched_graphed_decoding_equals_batched_eager(mixer):
+    """The graph of a batched step (rows of different prompt lengths) replays the eager batched step: same tokens;
+    the first token of each row comes from its own batch-1 prefill, so it is batch 1's."""
+    student = student_on_gpu(mixer)
+    gen = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(3, 512, (n,), generator=gen).cuda() for n in (100, 37, 64)]
+    eager = greedy_decode_batch(student, prompts, 24, graphs=False)
+    assert greedy_decode_batch(student, prompts, 24, graphs=True) == eager
+    alone = [greedy_decode(student, p[None], 24, graphs=False) for p in prompts]
+    assert [e[0] for e in eager] == [a[0] for a in alone]
+    same = sum(x == y for e, a in zip(eager, alone) for x, y in zip(e, a)) / sum(map(len, alone))
+    print(f"{mixer}: bf16 batch-3 tokens equal to batch 1: {100 * same:.0f}%")
+
+
+@pytest.mark.parametrize("mixer", sorted(MIXERS))
+def test_batched_decoding_in_float32_gives_batch_1_tokens(mixer):
+    """In float32 on the GPU (kernel backend prefill, batched recurrent steps) each row's tokens are batch 1's."""
+    student = student_on_gpu(mixer).float()
+    gen = torch.Generator().manual_seed(7)
+    prompts = [torch.randint(3, 512, (n,), generator=gen).cuda() for n in (90, 33, 128)]
+    alone = [greedy_decode(student, p[None], 16) for p in prompts]
+    assert greedy_decode_batch(student, prompts, 16) == alone
