@@ -12,7 +12,7 @@ in, fixed-size states - so it can be recorded once as a CUDA graph and replayed:
 HARNESS_DECODE_GRAPHS=0 in the environment turns the graphs off wherever `graphs` is not given (NIAH, chat samples).
 
 Batches (`greedy_decode_batch`): each prompt is prefilled on its own (batch 1, unpadded: exactly the prefill of
-`greedy_decode`, on either backend - the kernel backend takes no padding mask - and one long prompt at a time in
+`greedy_decode`, on either backend, with no padding computed, and one long prompt at a time in
 memory), the prompts' states are stacked into one batch, and then every decoding step feeds one token per row.
 No row ever sees padding: the steps of a row are those it takes alone, only batched. With rotary embeddings each
 step passes the left-padded mask of the prompts (cached + new tokens), so that a row's positions count its own

@@ -1,4 +1,5 @@
-"""Padded batches are exact for every mixer on the reference backend: a row padded on the left (generation) or
+"""Padded batches are exact for every mixer on the reference backend (and through the kernel backend's wrappers,
+emulated on CPU): a row padded on the left (generation) or
 on the right (scoring) gives, at its real tokens, the logits, greedy tokens and recurrent states of the same
 prompt run alone; an all-ones mask is the unpadded path bit for bit."""
 
@@ -9,7 +10,8 @@ import torch
 from transformers import GenerationConfig
 
 import harness
-from harness.mixers import MIXERS, MixerState, dispatch
+from harness.mixers import MIXERS, MixerState, dispatch, kernels, recurrence
+from harness.mixers.ops import l2norm
 from tests.tiny import tiny_llama
 
 PAD = 0
@@ -162,12 +164,82 @@ def test_a_mask_must_cover_the_cached_tokens(teacher, prompts):
             model(ids[:, -1:], attention_mask=torch.cat([mask[:, :1] * 0, mask[:, :1]], 1), cache=out.cache)
 
 
-def test_the_kernel_backend_refuses_a_padding_mask():
-    q = k = v = torch.randn(1, 4, 2, 8)
-    mask = torch.tensor([[False, True, True, True]])
-    with pytest.raises(ValueError, match="backend=reference only"):
-        dispatch.gated_delta_rule(q, k, v, torch.zeros(1, 4, 2), torch.ones(1, 4, 2), scale=1.0, prior=None,
-                                  backend="kernel", chunk_size=8, mask=mask)
-    with pytest.raises(ValueError, match="backend=reference only"):
-        dispatch.mlstm_cell(q, k, v, torch.zeros(1, 4, 2), torch.zeros(1, 4, 2), scale=1.0, prior=None,
-                            backend="kernel", chunk_size=8, eps=1e-6, mask=mask)
+def _route_like_fla(calls):
+    """A CPU stand-in for kernels.kernel_gated_delta: the reference recurrence, except that the constant-per-head
+    route reads only g[0, 0], as fla's g_gamma does, so a masked RetNet decay sent there would come out wrong."""
+    def run(q, k, v, g=None, beta=None, *, scale, initial_state=None, normalize_qk=False):
+        case = kernels.gated_delta_case(g, beta)
+        calls.append(case)
+        if case == "head_const":
+            g = g[:1, :1].expand_as(g)
+        if normalize_qk:
+            q, k = l2norm(q), l2norm(k)
+        return recurrence.chunk_gated_delta(q, k, v, g, beta, scale=scale, initial_state=initial_state, chunk_size=8)
+    return run
+
+
+def _native_mlstm_kernel(q, k, v, i, f, *, scale, initial_state=None, eps=1e-6, **_):
+    """kernels.kernel_mlstm on CPU: the same wrapper around mlstm_kernels' native chunkwise forward."""
+    from mlstm_kernels.torch.chunkwise import native
+
+    return kernels._mlstm_padded(native.mlstm_chunkwise__native_autograd, q, k, v, i, f, scale=scale,
+                                 state=initial_state, eps=eps, chunk_size=16, dtype=torch.float32)
+
+
+def _recurrence_inputs(B=3, T=22, H=2, K=8, seed=5):
+    gen = torch.Generator().manual_seed(seed)
+    q, k, v = (torch.randn(B, T, H, K, generator=gen) for _ in range(3))
+    g_head = -torch.rand(B, T, H, generator=gen)
+    g_channel = -torch.rand(B, T, H, K, generator=gen)
+    beta = torch.rand(B, T, H, generator=gen)
+    gate_i = 3 * torch.randn(B, T, H, generator=gen)
+    gate_f = 3 + torch.randn(B, T, H, generator=gen)
+    return q, k, v, g_head, g_channel, beta, gate_i, gate_f
+
+
+def _left_mask(T=22):
+    return torch.arange(T)[None] >= torch.tensor([[T - n] for n in LENGTHS])
+
+
+GATED_DELTA_CALLS = {  # function, its extra tensors from _recurrence_inputs, the case fla sees once masked
+    "linear_attention": (lambda a: (), "none"),
+    "retention": (lambda a: (torch.tensor([-0.1, -0.5]).expand(3, 22, 2),), "head"),
+    "gated_linear_attention": (lambda a: (a[4],), "channel"),
+    "delta_rule": (lambda a: (a[5],), "delta"),
+    "gated_delta_rule": (lambda a: (a[3], a[5]), "head_delta"),
+    "kimi_delta_rule": (lambda a: (a[4], a[5]), "channel_delta"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(GATED_DELTA_CALLS))
+def test_the_kernel_backend_takes_a_padded_batch(name, monkeypatch):
+    """A left-padded batch on the kernel backend (its fla call emulated on CPU) gives each row's real outputs and
+    final state of that row alone; a masked RetNet decay leaves fla's constant-per-head route."""
+    calls = []
+    monkeypatch.setattr(kernels, "kernel_gated_delta", _route_like_fla(calls))
+    a = _recurrence_inputs()
+    extra, case = GATED_DELTA_CALLS[name]
+    fn, tensors, mask = getattr(dispatch, name), extra(a), _left_mask()
+    o, state = fn(a[0], a[1], a[2], *tensors, scale=0.5, prior=None, backend="kernel", chunk_size=8, mask=mask)
+    assert calls == [case]
+    for row, n in enumerate(LENGTHS):
+        alone = [t[row:row + 1, -n:] for t in (a[0], a[1], a[2], *tensors)]
+        o1, s1 = fn(*alone, scale=0.5, prior=None, backend="reference", chunk_size=8)
+        torch.testing.assert_close(o[row, -n:], o1[0], atol=ATOL, rtol=ATOL)
+        torch.testing.assert_close(state[row], s1[0], atol=ATOL, rtol=ATOL)
+
+
+def test_the_mlstm_kernel_takes_a_padded_batch(monkeypatch):
+    """A left-padded batch through the mLSTM kernel wrapper (mlstm_kernels' native chunkwise on CPU), with the
+    finite padding gates, gives each row's outputs and (C, n, m) of that row alone on the reference backend; the
+    shortest row's padding fills a whole kernel chunk."""
+    monkeypatch.setattr(kernels, "kernel_mlstm", _native_mlstm_kernel)
+    q, k, v, _, _, _, i, f = _recurrence_inputs()
+    h, state = dispatch.mlstm_cell(q, k, v, i, f, scale=0.5, prior=None, backend="kernel", chunk_size=8, eps=1e-6,
+                                   mask=_left_mask())
+    for row, n in enumerate(LENGTHS):
+        alone = [t[row:row + 1, -n:] for t in (q, k, v, i, f)]
+        h1, s1 = dispatch.mlstm_cell(*alone, scale=0.5, prior=None, backend="reference", chunk_size=8, eps=1e-6)
+        torch.testing.assert_close(h[row, -n:], h1[0], atol=1e-4, rtol=1e-4)
+        for a, b in zip(state, s1):
+            torch.testing.assert_close(a[row], b[0], atol=1e-4, rtol=1e-4)

@@ -10,8 +10,11 @@ case) and the reference. The six gated-delta functions are `run_gated_delta` und
 Padded batches: `mask` (bool `[B, T]`, False at padding, or None for none) makes every padded token leave the state
 exactly as it found it: no write (k = 0 and beta = 0; for mLSTM an input gate of -inf) and no decay (log decay 0;
 for mLSTM a forget gate of log 1 = 0, which also keeps the stabiliser m). Outputs at padded positions are
-meaningless. The reference backend only: fla's chunk kernels take variable-length batches as `cu_seqlens`
-(packed, unpadded), a different layout.
+meaningless. Both backends: the masked inputs go to the same recurrence, so fla's chunk kernels (and
+mlstm_kernels') compute exactly what the reference does. On the kernel backend the mLSTM gates are the finite
++-kernels.MLSTM_PAD_GATE (the values the kernel wrapper pads a sequence's end with) rather than +-inf, and a
+masked RetNet decay is a per-token g (fla's simple_gla, not the constant-per-head g_gamma route). fla's
+variable-length `cu_seqlens` layout (packed, no padded tokens computed at all) is not used.
 """
 
 from __future__ import annotations
@@ -29,12 +32,6 @@ def _is_decoding_step(q, prior) -> bool:
     return q.shape[1] == 1 and prior is not None
 
 
-def _refuse_kernel_padding(backend: str) -> None:
-    if backend == "kernel":
-        raise ValueError("padded batches (an attention mask with zeros) run on backend=reference only; this mixer "
-                         "runs on backend=kernel (fla), which does not take a padding mask")
-
-
 def _per_token(mask, x):
     """mask `[B, T]` shaped to broadcast against x `[B, T, ...]`."""
     return mask.reshape(*mask.shape, *(1,) * (x.dim() - 2))
@@ -49,12 +46,13 @@ def _hold_gated_delta(mask, k, g, beta):
     return k, g, beta
 
 
-def _hold_mlstm(mask, k, i, f):
-    """k, i, f with every padded token made a no-op on (C, n, m): input gate -inf (no write), forget gate +inf
-    (log sigmoid = 0: no decay), so that m_t = max(log f_t + m_{t-1}, i_t) = m_{t-1}; and k = 0."""
+def _hold_mlstm(mask, k, i, f, gate: float = math.inf):
+    """k, i, f with every padded token made a no-op on (C, n, m): input gate -gate (no write), forget gate +gate
+    (log sigmoid = 0: no decay), so that m_t = max(log f_t + m_{t-1}, i_t) = m_{t-1}; and k = 0. gate: inf for the
+    reference; the kernel takes the finite kernels.MLSTM_PAD_GATE, exact in float32 too (see there)."""
     k = torch.where(_per_token(mask, k), k, 0.0)
     keep = _per_token(mask, i)
-    return k, torch.where(keep, i, -math.inf), torch.where(keep, f, math.inf)
+    return k, torch.where(keep, i, -gate), torch.where(keep, f, gate)
 
 
 def run_gated_delta(q, k, v, g, beta, *, scale: float, prior, backend: str, chunk_size: int,
@@ -62,9 +60,8 @@ def run_gated_delta(q, k, v, g, beta, *, scale: float, prior, backend: str, chun
     """Dispatch the gated-delta recurrence (docs/RECURRENCES.md): one step when decoding a single token,
     fla's kernel on the kernel backend, else the PyTorch chunkwise form. Returns (o `[B,T,H,V]`, state).
     normalize_qk: L2-normalise q and k first (inside fla's kernel on the kernel backend: no separate operators).
-    mask: None, or bool `[B, T]` False at padded tokens, which leave the state untouched (reference backend)."""
+    mask: None, or bool `[B, T]` False at padded tokens, which leave the state untouched (either backend)."""
     if mask is not None:
-        _refuse_kernel_padding(backend)
         k, g, beta = _hold_gated_delta(mask, k, g, beta)
     if backend == "kernel" and not _is_decoding_step(q, prior):
         return kernels.kernel_gated_delta(q, k, v, g, beta, scale=scale, initial_state=prior,
@@ -155,8 +152,7 @@ def mlstm_cell(q, k, v, i, f, *, scale: float, prior, backend: str, chunk_size: 
     reference: recurrence.chunk_mlstm; one decoding token: recurrence.step_mlstm
     """
     if mask is not None:
-        _refuse_kernel_padding(backend)
-        k, i, f = _hold_mlstm(mask, k, i, f)
+        k, i, f = _hold_mlstm(mask, k, i, f, kernels.MLSTM_PAD_GATE if backend == "kernel" else math.inf)
     if _is_decoding_step(q, prior):
         h, state = recurrence.step_mlstm(q[:, 0], k[:, 0], v[:, 0], i[:, 0], f[:, 0], scale=scale, state=prior,
                                          eps=eps)
