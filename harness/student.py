@@ -242,7 +242,7 @@ class HarnessForCausalLM(HarnessPreTrainedModel, GenerationMixin):
                 past_key_values=None, cache=None, use_cache: Optional[bool] = None, logits_to_keep: int = 0,
                 **kwargs: Any) -> StudentOutput:
         """Logits for every position (or the last `logits_to_keep`). `attention_mask` (1 = token, 0 = padding) may
-        pad on the left (generation) or the right (scoring), on the reference backend: each row's logits at its real
+        pad on the left (generation) or the right (scoring), on either backend: each row's logits at its real
         tokens, and after left padding its states, are those of the row alone. With a cache, the mask covers the
         cached tokens too (`[B, seen + T]`, as `generate` passes it). After right padding the conv tail holds the
         padding: continue decoding only from left-padded rows. No mask, or one of all ones, is the unpadded path."""

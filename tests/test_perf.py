@@ -279,7 +279,8 @@ def test_zero3_step_and_decode_bench_write_json(tmp_path):
     out = tmp_path / "bench.json"
     proc = _run_cli(["--shape", "tiny", "--mixer", "gla", "--device", "cpu", "--what", "step,decode",
                      "--micro-batch", "2", "--seq", "32", "--steps", "2", "--warmup", "1", "--peak-flops", "1e12",
-                     "--contexts", "8,32", "--new-tokens", "3", "--option", "chunk_size=16", "--out", str(out)])
+                     "--contexts", "8,32", "--new-tokens", "3", "--decode-batches", "1,2", "--option", "chunk_size=16",
+                     "--out", str(out)])
     res = json.loads(out.read_text())
     meta = res["meta"]
     for key in ("command", "date", "gpu", "device", "torch", "triton", "fla", "deepspeed", "transformers", "world"):
@@ -292,12 +293,17 @@ def test_zero3_step_and_decode_bench_write_json(tmp_path):
     assert "comm_ms" in row["comm"] and row["comm"]["profiled_steps"] == 2
     ops = row["top_ops"]
     assert ops["aten_calls_per_step"] > 100 and ops["by_self_cpu"][0]["self_cpu_ms"] > 0
-    (dec,) = res["decode"]
-    assert [r["context"] for r in dec["rows"]] == [8, 32]
-    for r in dec["rows"]:
-        assert r["student"]["ms_per_token"] > 0 and r["teacher"]["ms_per_token"] > 0
+    assert [d["batch"] for d in res["decode"]] == [1, 2]
+    for dec in res["decode"]:
+        assert [r["context"] for r in dec["rows"]] == [8, 32]
+        for r in dec["rows"]:
+            for who in ("student", "teacher"):
+                assert r[who]["tokens_per_s"] == pytest.approx(dec["batch"] * 1e3 / r[who]["ms_per_token"])
+    one, two = (d["rows"][0]["student"]["state_bytes"] for d in res["decode"])
+    assert two == 2 * one > 0  # the whole batch's recurrent state
     md = out.with_suffix(".md").read_text()
     assert "Stage-3 step" in md and "Decoding" in md and "| tiny | gla | zero3 | replicated |" in md
+    assert "| tiny | gla | 2 | 32 |" in md
     assert "tokens/s" in proc.stdout
 
 
@@ -472,3 +478,11 @@ def test_the_bench_teachers_have_no_zero_embedding_row_and_their_pad_token_train
     per_token = embeds.grad[0].abs().amax(-1)
     others = torch.cat([per_token[:5], per_token[6:]])
     assert float(per_token[5]) < 10 * float(others.max())
+
+
+@pytest.mark.parametrize("bad", ["0", "8,x", ""])
+def test_decode_batches_must_be_positive_integers(bad, capsys):
+    from harness.bench.cli import _decode_batches
+
+    with pytest.raises(SystemExit, match="--decode-batches"):
+        _decode_batches(bad)

@@ -4,6 +4,7 @@ decode benches."""
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import sys
@@ -42,8 +43,9 @@ JSON (+ the same tables next to it as .md).
   recurrences  each recurrence case's fla routes (the default and the alternatives) vs the float32 PyTorch
            reference on raw q/k/v/gates at the shape's head layout: errors of outputs, states and every input
            gradient against the limits, and times (CUDA only; harness.bench.recurrences).
-  decode   greedy decoding at batch 1 after contexts of 1k / 8k / 32k tokens: the student's recurrent step
-           vs the teacher's KV-cache step, ms per token; flatness = ms/token at the longest / shortest.
+  decode   greedy decoding at batches 1 / 8 / 32 after contexts of 1k / 8k / 32k tokens: the student's
+           recurrent step vs the teacher's KV-cache step, ms per step and tokens/s (batch x steps / s), state and
+           KV-cache bytes; flatness = ms/token at the longest context / shortest, per batch.
 
 Several processes: `torchrun --standalone --nproc_per_node 8 -m harness.cli bench ...` (the step runs on
 every rank, MFU divides by world x peak; kernels and decode run on rank 0). Triton compiles each kernel
@@ -58,7 +60,7 @@ examples:
   harness bench --shape 1.7B --mixer kda --what step --out bench/1.7b-kda.json
   harness bench --shape 1.7B --what kernels --mixer all --out bench/kernels-1.7b.json
   harness bench --shape 135M,1.7B --what recurrences --mixer all --kernel-batch 4 --out bench/recurrences.json
-  harness bench --shape 135M --mixer gated_deltanet --what decode --contexts 1024,8192,32768 --out dec.json
+  harness bench --shape 135M --mixer gated_deltanet --what decode --contexts 1024,8192,32768 --decode-batches 1,8,32 --out dec.json
   harness bench --shape tiny --device cpu --engine plain --micro-batch 2 --seq 64 --steps 3   # smoke test
   harness bench --teacher smollm2-135m-instruct-gguf --mixer gla --layers 4 --device cpu --seq 128
 """
@@ -126,6 +128,8 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
                       help="Extra steps under torch.profiler to measure communication (0: skip). Default 2.")
     dec = p.add_argument_group("decode")
     dec.add_argument("--contexts", default="1024,8192,32768", help="Context lengths. Default 1024,8192,32768.")
+    dec.add_argument("--decode-batches", default="1,8,32",
+                     help="Prompts decoded together (one context each, all the same length). Default 1,8,32.")
     dec.add_argument("--new-tokens", type=int, default=64, help="Timed tokens per context. Default 64.")
     dec.add_argument("--no-teacher-decode", action="store_true", help="Time the student only.")
     ker = p.add_argument_group("kernels")
@@ -142,6 +146,19 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
 
 def _split(text: str) -> list[str]:
     return [x.strip() for x in text.split(",") if x.strip()]
+
+
+def _decode_batches(text: str) -> list[int]:
+    """--decode-batches as positive integers; a bad item is named."""
+    out = []
+    for item in _split(text):
+        if not item.isdigit() or int(item) < 1:
+            raise SystemExit(f"harness bench: --decode-batches item '{item}' is not a positive integer "
+                             "(e.g. --decode-batches 1,8,32)")
+        out.append(int(item))
+    if not out:
+        raise SystemExit("harness bench: --decode-batches is empty (e.g. --decode-batches 1,8,32)")
+    return out
 
 
 def _parse_value(text: str) -> Any:
@@ -254,19 +271,18 @@ def run_cli(args: argparse.Namespace, argv: Optional[Sequence[str]] = None) -> i
     if rank == 0 and "decode" in what:
         results["decode"] = []
         contexts = [int(c) for c in _split(args.contexts)]
-        for shape in shapes:
-            for mixer in mixers:
-                try:
-                    res = bench_decode(shape if not args.teacher else "custom", mixer, contexts=contexts,
-                                       new_tokens=args.new_tokens, dtype=args.dtype, device=device,
-                                       teacher_source=args.teacher, layers=args.layers, options=options,
-                                       teacher=not args.no_teacher_decode, seed=args.seed)
-                except Exception as err:  # noqa: BLE001
-                    res = {"shape": shape, "mixer": mixer, "error": f"{type(err).__name__}: {err}",
-                           "trace": traceback.format_exc(limit=8)}
-                results["decode"].append(res)
-                print(json.dumps(res, default=str), flush=True)
-                save()
+        for shape, mixer, batch in itertools.product(shapes, mixers, _decode_batches(args.decode_batches)):
+            try:
+                res = bench_decode(shape if not args.teacher else "custom", mixer, contexts=contexts,
+                                   new_tokens=args.new_tokens, batch=batch, dtype=args.dtype, device=device,
+                                   teacher_source=args.teacher, layers=args.layers, options=options,
+                                   teacher=not args.no_teacher_decode, seed=args.seed)
+            except Exception as err:  # noqa: BLE001
+                res = {"shape": shape, "mixer": mixer, "batch": batch, "error": f"{type(err).__name__}: {err}",
+                       "trace": traceback.format_exc(limit=8)}
+            results["decode"].append(res)
+            print(json.dumps(res, default=str), flush=True)
+            save()
     if rank == 0:
         results["targets"] = collect_targets(results)
         print(markdown(results))

@@ -1,7 +1,9 @@
-"""The decode bench (`bench_decode`): greedy decoding, batch 1: prefill a context of random tokens, then time
-`new_tokens` one-token steps; the student keeps a `RecurrentCache` (fixed-size state), the teacher a KV
-cache (grows with the context). Reported per context: ms/token, tokens/s, prefill ms, state / KV-cache bytes;
-flatness = ms/token at the longest context / at the shortest (1.0 = flat).
+"""The decode bench (`bench_decode`): greedy decoding of `batch` prompts together: prefill `batch` contexts of
+random tokens (all of one length, so unpadded), then time `new_tokens` steps of one token per row; the student keeps
+a `RecurrentCache` (fixed-size state per row), the teacher a KV cache (grows with the context). Reported per
+context: ms per step (`ms_per_token`: one token per row), tokens/s (batch x steps / s), prefill ms, state /
+KV-cache bytes for the whole batch; flatness = ms/token at the longest context / at the shortest (1.0 = flat).
+`harness bench --what decode` runs it at each of `--decode-batches` (default 1, 8, 32).
 """
 
 from __future__ import annotations

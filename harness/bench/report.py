@@ -89,24 +89,7 @@ def markdown(results: dict[str, Any]) -> str:
         lines += [table, ""]
     decodes = results.get("decode") or []
     if decodes:
-        lines += ["### Decoding (batch 1, ms per token)", "",
-                  "| shape | mixer | context | student ms/token | student eager | teacher ms/token | teacher / student | "
-                  "student state | teacher KV cache |", "|---|---|---|---|---|---|---|---|---|"]
-        for d in decodes:
-            if "error" in d:
-                lines.append(f"| {d.get('shape')} | {d.get('mixer')} | error: {d['error'][:100]} |")
-                continue
-            for r in d["rows"]:
-                s, e, t = r.get("student", {}), r.get("student_eager", {}), r.get("teacher", {})
-                mib = lambda x: _bytes(x.get("state_bytes"))  # noqa: E731
-                graph = " (graph)" if s.get("cuda_graph") else ""
-                lines.append(f"| {d['shape']} | {d['mixer']} | {r['context']} | {_fmt(s.get('ms_per_token'), '.2f')}"
-                             f"{graph} | {_fmt(e.get('ms_per_token'), '.2f')} | {_fmt(t.get('ms_per_token'), '.2f')} | "
-                             f"{_fmt(r.get('speedup'), '.2f')} | {mib(s)} | {mib(t)} |")
-            lines.append(f"| {d['shape']} | {d['mixer']} | flatness (longest / shortest) | "
-                         f"{_fmt(d.get('student_flatness'), '.2f')} | {_fmt(d.get('student_eager_flatness'), '.2f')} | "
-                         f"{_fmt(d.get('teacher_flatness'), '.2f')} |||| ")
-        lines.append("")
+        lines += decode_table(decodes) + [""]
     targets = results.get("targets") or []
     if targets:
         lines += ["### Targets", "", "| target | value | met |", "|---|---|---|"]
@@ -114,6 +97,32 @@ def markdown(results: dict[str, Any]) -> str:
                   f"{'yes' if t['met'] else 'NO'} |" for t in targets]
         lines.append("")
     return "\n".join(lines)
+
+
+def decode_table(decodes: list[dict[str, Any]]) -> list[str]:
+    """The decode bench's Markdown lines: per shape, mixer, batch and context, ms per step (one token per row) and
+    tokens/s (batch / time per step), the student graphed and eager, the teacher, and their state sizes."""
+    lines = ["### Decoding (ms per step of one token per row; tokens/s = batch x steps / s)", "",
+             "| shape | mixer | batch | context | student ms/step | student eager | teacher ms/step | "
+             "student tokens/s | teacher tokens/s | teacher / student | student state | teacher KV cache |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for d in decodes:
+        head = f"| {d.get('shape')} | {d.get('mixer')} | {d.get('batch', 1)} |"
+        if "error" in d:
+            lines.append(f"{head} error: {d['error'][:100]} |")
+            continue
+        for r in d["rows"]:
+            s, e, t = r.get("student", {}), r.get("student_eager", {}), r.get("teacher", {})
+            graph = " (graph)" if s.get("cuda_graph") else ""
+            lines.append(f"{head} {r['context']} | {_fmt(s.get('ms_per_token'), '.2f')}{graph} | "
+                         f"{_fmt(e.get('ms_per_token'), '.2f')} | {_fmt(t.get('ms_per_token'), '.2f')} | "
+                         f"{_fmt(s.get('tokens_per_s'), '.0f')} | {_fmt(t.get('tokens_per_s'), '.0f')} | "
+                         f"{_fmt(r.get('speedup'), '.2f')} | {_bytes(s.get('state_bytes'))} | "
+                         f"{_bytes(t.get('state_bytes'))} |")
+        lines.append(f"{head} flatness (longest / shortest) | {_fmt(d.get('student_flatness'), '.2f')} | "
+                     f"{_fmt(d.get('student_eager_flatness'), '.2f')} | {_fmt(d.get('teacher_flatness'), '.2f')} "
+                     "||||||")
+    return lines
 
 
 def kernel_table(rows: list[dict[str, Any]]) -> str:

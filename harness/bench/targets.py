@@ -55,6 +55,7 @@ def collect_targets(results: dict[str, Any]) -> list[dict[str, Any]]:
         out += [dict(t, where=f"{r.get('mixer')} {r.get('layout')}") for t in kernel_targets(r)]
     for d in results.get("decode") or []:
         ctx = [r["context"] for r in d.get("rows") or []]
-        where = f"{d.get('shape')} {d.get('mixer')}" + (f", contexts {ctx[0]}..{ctx[-1]}" if ctx else "")
+        where = (f"{d.get('shape')} {d.get('mixer')}, batch {d.get('batch', 1)}"
+                 + (f", contexts {ctx[0]}..{ctx[-1]}" if ctx else ""))
         out += [dict(t, where=where) for t in decode_targets(d)]
     return out
