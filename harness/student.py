@@ -267,14 +267,22 @@ class HarnessForCausalLM(HarnessPreTrainedModel, GenerationMixin):
         return out
 
     def prepare_inputs_for_generation(self, input_ids, past_key_values=None, cache=None, attention_mask=None,
-                                      inputs_embeds=None, use_cache=True, **kwargs):
+                                      inputs_embeds=None, use_cache=True, next_sequence_length=None, **kwargs):
+        """The tokens the cache has not seen. With `inputs_embeds` the first step takes the embeddings, and
+        `input_ids` then holds only the generated tokens, so the new ones are counted from the end: by
+        `next_sequence_length` (transformers >= 5.2x), else by the mask, which covers prompt and generated tokens."""
         state = cache if cache is not None else past_key_values
         seen = state.seen_tokens if isinstance(state, RecurrentCache) else 0
-        inputs = {"input_ids": input_ids[:, seen:], "use_cache": use_cache, "attention_mask": attention_mask}
+        inputs = {"use_cache": use_cache, "attention_mask": attention_mask, "cache": state}
         if inputs_embeds is not None and seen == 0:
-            inputs = {"inputs_embeds": inputs_embeds, "use_cache": use_cache}
-        inputs["cache"] = state
-        return inputs
+            return {**inputs, "inputs_embeds": inputs_embeds}
+        if next_sequence_length is not None and seen > 0:
+            new = next_sequence_length
+        elif attention_mask is not None and seen > 0:
+            new = attention_mask.shape[1] - seen
+        else:
+            new = input_ids.shape[1] - seen
+        return {**inputs, "input_ids": input_ids[:, input_ids.shape[1] - new:]}
 
 
 def _check_mask_length(attention_mask: torch.Tensor, tokens: torch.Tensor, cache: Optional[RecurrentCache]) -> None:

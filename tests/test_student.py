@@ -94,6 +94,24 @@ def test_rope_student_generates_consistently(teacher):
     assert torch.equal(out, ids)
 
 
+@pytest.mark.parametrize("name,rope", [("gated_deltanet", False), ("gla", True)])
+def test_generate_from_inputs_embeds_equals_generate_from_ids(teacher, name, rope):
+    """generate(inputs_embeds=...) (prompt embeddings, as multimodal and soft-prompt callers pass them) returns the
+    tokens generate(input_ids=...) adds, also for a left-padded batch."""
+    student = harness.build_student(teacher, name, backend="reference", rope=rope).eval()
+    randomize_new_parameters(student)
+    ids = torch.randint(3, 97, (2, 11))
+    mask = torch.ones_like(ids)
+    mask[1, :4] = 0  # row 1 is a 7-token prompt, left-padded
+    kw = dict(max_new_tokens=6, do_sample=False, min_new_tokens=6, pad_token_id=0, eos_token_id=None)
+    with torch.no_grad():
+        from_ids = student.generate(input_ids=ids, attention_mask=mask, **kw)[:, ids.shape[1]:]
+        embeds = student.get_input_embeddings()(ids)
+        from_embeds = student.generate(inputs_embeds=embeds, attention_mask=mask, **kw)
+    assert from_embeds.shape == (2, 6)
+    assert torch.equal(from_embeds, from_ids)
+
+
 def test_decoding_state_does_not_grow_with_context(teacher):
     student = harness.build_student(teacher, "gated_deltanet", backend="reference").eval()
     cache = RecurrentCache(student.config.num_hidden_layers)
