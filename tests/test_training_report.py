@@ -100,3 +100,15 @@ def test_a_stage_trained_on_the_l2_loss_is_labelled_so(tmp_path):
     training = text[text.index("## Training losses"):].splitlines()
     row = next(line for line in training if line.startswith("| r [gla]"))
     assert row.startswith("| r [gla] | 0.3333 | 0.1667 (l2) |")
+
+
+def test_loss_curve_panels_name_the_loss_each_run_logged(tmp_path):
+    from harness.eval.training import panel_loss
+
+    mse = {"alignment_loss": {"align_mixer": "mse", "align_hidden": "mse"}}
+    l2 = {"alignment_loss": {"align_mixer": "mse", "align_hidden": "l2"}}
+    assert panel_loss({"a": mse, "b": mse}, "align_hidden") == ("MSE", set())
+    assert panel_loss({"b": l2}, "align_hidden") == ("L2 norm", set())
+    assert panel_loss({"a": mse, "b": l2}, "align_hidden") == ("MSE; (l2): L2 norm", {"b"})
+    assert panel_loss({"a": mse, "b": l2}, "align_mixer") == ("MSE", set())
+    assert panel_loss({"old": {}}, "align_mixer") == ("MSE", set())  # a summary from before the field: mse

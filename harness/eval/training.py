@@ -95,9 +95,20 @@ def alignment_losses(run_dir: Path) -> dict[str, str]:
     return {stage: str((stages.get(stage) or {}).get("loss", "mse")) for stage in ALIGN_STAGES}
 
 
-PANELS = (("align_mixer", "loss", "stage 1: mixer-output MSE (mean over layers)"),
-          ("align_hidden", "loss", "stage 2: hidden-state MSE (mean over layers)"),
+PANELS = (("align_mixer", "loss", "stage 1: mixer-output {loss} (mean over layers)"),
+          ("align_hidden", "loss", "stage 2: hidden-state {loss} (mean over layers)"),
           ("distill", "ce", "stage 3: CE (training; dots: validation)"))
+LOSS_TITLES = {"mse": "MSE", "l2": "L2 norm"}
+
+
+def panel_loss(summaries: dict[str, dict], stage: str) -> tuple[str, set[str]]:
+    """The loss a stage-1/2 panel shows, for its title, and the runs that logged another one (labelled with it):
+    "MSE" when every run logged the MSE, "L2 norm" when every run the L2 norm, else "MSE; (l2): L2 norm"."""
+    losses = {name: ((s or {}).get("alignment_loss") or {}).get(stage, "mse") for name, s in summaries.items()}
+    kinds = set(losses.values())
+    if len(kinds) == 1:
+        return LOSS_TITLES.get(next(iter(kinds)), next(iter(kinds))), set()
+    return "MSE; (l2): L2 norm", {name for name, loss in losses.items() if loss != "mse"}
 
 
 def plot_loss_curves(summaries: dict[str, dict], path: str | Path) -> Path:
@@ -109,17 +120,19 @@ def plot_loss_curves(summaries: dict[str, dict], path: str | Path) -> Path:
     FigureCanvasAgg(fig)
     axes = fig.subplots(1, len(PANELS))
     for ax, (stage, key, title) in zip(axes, PANELS):
+        loss, marked = panel_loss(summaries, stage) if stage != "distill" else ("", set())
         for i, (name, summary) in enumerate(summaries.items()):
             curve = (summary or {}).get("curves", {}).get(stage)
             if not curve:
                 continue
             color = f"C{i % 10}"
-            ax.plot([t / 1e6 for t in curve["tokens"]], curve[key], label=name, color=color, linewidth=1)
+            label = f"{name} (l2)" if name in marked else name
+            ax.plot([t / 1e6 for t in curve["tokens"]], curve[key], label=label, color=color, linewidth=1)
             if stage == "distill" and curve.get("val_tokens"):
                 ax.scatter([t / 1e6 for t in curve["val_tokens"]], curve["val_ce"], color=color, s=18, zorder=3)
         ax.set_yscale("log")
         ax.set_xlabel("tokens (M)")
-        ax.set_title(title, fontsize=10)
+        ax.set_title(title.format(loss=loss), fontsize=10)
     axes[-1].legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
