@@ -206,15 +206,19 @@ class NiahGrid:
         self.seed = int(self.seed)
 
 
+def _is_positive_int(value: Any) -> bool:
+    return not isinstance(value, bool) and isinstance(value, numbers.Integral) and value >= 1
+
+
 def _positive_int(name: str, value: Any) -> int:
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+    if not _is_positive_int(value):
         raise ValueError(f"NiahGrid.{name} must hold positive integers, got {value!r}")
     return int(value)
 
 
 def check_batch_size(value: Any, name: str = "generation_batch_size") -> int:
     """A positive integer batch size, else a ValueError naming it. Shared with chat_samples."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+    if not _is_positive_int(value):
         raise ValueError(f"{name}={value!r} must be a positive integer (1: one prompt at a time)")
     return int(value)
 
