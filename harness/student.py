@@ -11,7 +11,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import warnings
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any, Callable, Optional
 
 import torch
@@ -23,6 +23,7 @@ from transformers.modeling_outputs import ModelOutput
 from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm, LlamaRotaryEmbedding
 
 from harness.mixers import Mixer, MixerShape, MixerState, mixer_class, mixer_options, resolved_options, saved_options
+from harness.teacher import attention_layout
 
 
 @strict
@@ -34,6 +35,11 @@ class HarnessConfig(LlamaConfig):
     model_type = "harness_student"
     mixer: str = "gated_deltanet"
     mixer_options: dict | None = None
+    # The teacher's attention layout (harness.teacher.AttentionLayout), which every mixer keeps; None in a student
+    # saved before these existed, whose `attention_bias` then says it (MixerShape.from_config).
+    qkv_bias: bool | None = None
+    o_bias: bool | None = None
+    qk_norm: bool | None = None
 
 
 class RecurrentCache(Cache):
@@ -398,10 +404,14 @@ def warn_zero_embedding_rows(student: HarnessForCausalLM) -> None:
 
 
 def student_config(teacher_config: Any, mixer: str, options: dict[str, Any]) -> HarnessConfig:
+    """The config of a `mixer` student of a teacher with `teacher_config`: the teacher's geometry and attention layout
+    (biases, q/k norms), the mixer and every one of its options."""
     fields = {k: v for k, v in teacher_config.to_dict().items() if k in HarnessConfig.__dataclass_fields__}
-    for drop in ("model_type", "architectures", "quantization_config", "transformers_version", "dtype"):
+    for drop in ("model_type", "architectures", "quantization_config", "transformers_version", "dtype",
+                 "qkv_bias", "o_bias", "qk_norm"):
         fields.pop(drop, None)
-    return HarnessConfig(**fields, mixer=mixer, mixer_options=resolved_options(mixer, options),
+    layout = asdict(attention_layout(teacher_config))
+    return HarnessConfig(**fields, **layout, mixer=mixer, mixer_options=resolved_options(mixer, options),
                          architectures=["HarnessForCausalLM"])
 
 

@@ -230,7 +230,8 @@ def load_teacher(
     cache_dir: str | os.PathLike[str] | None = None,
     cache_converted: bool = True,
 ) -> Teacher:
-    """Load a frozen Llama-architecture teacher from `source` (see the module docstring).
+    """Load a frozen teacher from `source` (see the module docstring): a Llama, Mistral, Qwen2 or Qwen3 causal LM, or
+    any other whose decoder layers have their parts (`check_teacher_architecture`).
 
     `cache_dir` (default `$HARNESS_CACHE` or ~/.cache/harness) holds fetched assets and, when
     `cache_converted`, the dequantised HF copy of a GGUF so that the next load skips dequantising.
@@ -250,7 +251,7 @@ def load_teacher(
         except (OSError, ConnectionError) as err:  # transformers reports bad ids as OSError too
             raise _hub_error(source, err) from err
         loaded_from = resolved.location
-    _check_llama(model, source)
+    check_teacher_architecture(model, source)
     model.to(device)
     model.eval()
     model.requires_grad_(False)
@@ -329,28 +330,84 @@ def decoder_of(model: nn.Module) -> nn.Module:
     raise TeacherLoadError(f"{type(model).__name__} has no decoder layers (expected .model.layers or .layers)")
 
 
-def _check_llama(model: PreTrainedModel, source: str) -> None:
-    """Raise unless every decoder layer has the Llama attention layout the harness relies on."""
+@dataclass(frozen=True)
+class AttentionLayout:
+    """What a teacher's attention holds beyond Llama's four bias-free projections, which a student keeps."""
+
+    qkv_bias: bool = False  # q_proj, k_proj, v_proj carry biases (Qwen2/2.5; Llama/Qwen3 with attention_bias)
+    o_bias: bool = False  # o_proj carries a bias (Llama/Qwen3 with attention_bias)
+    qk_norm: bool = False  # an RMSNorm over each head of q and of k, before RoPE (Qwen3)
+
+
+# The families whose decoder layers `load_teacher` accepts as they are (README "Teachers"). Any other causal LM is
+# accepted when its layers have exactly this shape (check_teacher_architecture), with its layout read off them.
+KNOWN_FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
+_LAYER_PARTS = {"self_attn", "mlp", "input_layernorm", "post_attention_layernorm"}
+_ATTENTION_PARTS = {"q_proj", "k_proj", "v_proj", "o_proj"}
+_OPTIONAL_ATTENTION_PARTS = {"q_norm", "k_norm", "rotary_emb"}
+_MLP_PARTS = {"gate_proj", "up_proj", "down_proj"}
+
+
+def attention_layout(config: PretrainedConfig) -> AttentionLayout:
+    """The attention layout of a teacher from its config (no weights): Qwen2 biases q/k/v and not o; Qwen3 normalises
+    q and k per head; Llama, Mistral and Qwen3 bias all four projections when `attention_bias` says so."""
+    family = getattr(config, "model_type", "")
+    if family == "qwen2":
+        return AttentionLayout(qkv_bias=True, o_bias=False)
+    bias = bool(getattr(config, "attention_bias", False))
+    return AttentionLayout(qkv_bias=bias, o_bias=bias, qk_norm=family == "qwen3")
+
+
+def layout_of_layer(attn: nn.Module) -> AttentionLayout:
+    """The layout a decoder layer's attention module actually has (its biases and q/k norms)."""
+    return AttentionLayout(qkv_bias=getattr(attn.q_proj, "bias", None) is not None,
+                           o_bias=getattr(attn.o_proj, "bias", None) is not None,
+                           qk_norm=hasattr(attn, "q_norm") and hasattr(attn, "k_norm"))
+
+
+def check_teacher_architecture(model: PreTrainedModel, source: str = "") -> AttentionLayout:
+    """Raise a TeacherLoadError naming what is missing or extra unless every decoder layer is a pre-norm block
+    (input_layernorm, self_attn with q/k/v/o projections and optionally per-head q/k norms, post_attention_layernorm,
+    a gated MLP of gate/up/down projections) whose attention matches the layout its config describes; returns it."""
     model_type = getattr(model.config, "model_type", "?")
+    what = f"Teacher {source!r} is a '{model_type}' model ({type(model).__name__})"
+    supported = (f"supported: {', '.join(KNOWN_FAMILIES)}, and any causal LM whose decoder layers have the same "
+                 "parts with the same meaning (README \"Teachers\")")
     try:
         layers = decoder_of(model).layers
     except TeacherLoadError as err:
-        raise TeacherLoadError(
-            f"Teacher {source!r} is a '{model_type}' model ({type(model).__name__}); "
-            f"only Llama-architecture causal LMs are supported: {err}"
-        ) from err
+        raise TeacherLoadError(f"{what}; {supported}: {err}") from err
+    expected = attention_layout(model.config)
     for index, layer in enumerate(layers):
-        attn = getattr(layer, "self_attn", None)
-        missing = [n for n in ("q_proj", "k_proj", "v_proj", "o_proj") if not hasattr(attn, n)]
-        if attn is None:
-            missing = ["self_attn"]
-        if not hasattr(layer, "input_layernorm"):
-            missing.append("input_layernorm")
-        if missing:
-            raise TeacherLoadError(
-                f"Teacher {source!r} is a '{model_type}' model ({type(model).__name__}); only "
-                f"Llama-architecture causal LMs are supported, but layer {index} lacks {', '.join(missing)}."
-            )
+        problems = _layer_problems(layer)
+        if not problems and layout_of_layer(layer.self_attn) != expected:
+            problems = [f"attention {layout_of_layer(layer.self_attn)} where its config says {expected}"]
+        if problems:
+            raise TeacherLoadError(f"{what}; {supported}, but layer {index} {'; '.join(problems)}.")
+    return expected
+
+
+def _layer_problems(layer: nn.Module) -> list[str]:
+    """What a decoder layer lacks or has beyond the parts the student copies, as phrases ('lacks ...', 'also has ...')."""
+    problems = []
+    parts = {name for name, _ in layer.named_children()}
+    if parts - _LAYER_PARTS:
+        problems.append(f"also has {', '.join(sorted(parts - _LAYER_PARTS))} (the student would drop it)")
+    if _LAYER_PARTS - parts:
+        problems.append(f"lacks {', '.join(sorted(_LAYER_PARTS - parts))}")
+        return problems
+    attn = {name for name, _ in layer.self_attn.named_children()}
+    if _ATTENTION_PARTS - attn:
+        problems.append(f"lacks self_attn.{', self_attn.'.join(sorted(_ATTENTION_PARTS - attn))}")
+    extra = attn - _ATTENTION_PARTS - _OPTIONAL_ATTENTION_PARTS
+    if extra:
+        problems.append(f"also has self_attn.{', self_attn.'.join(sorted(extra))} (the student would drop it)")
+    if len({"q_norm", "k_norm"} & attn) == 1:
+        problems.append("has only one of self_attn.q_norm and self_attn.k_norm")
+    mlp = {name for name, _ in layer.mlp.named_children()} - {"act_fn"}
+    if mlp != _MLP_PARTS:
+        problems.append(f"has an MLP of {', '.join(sorted(mlp)) or 'nothing'}, not the gated gate/up/down_proj")
+    return problems
 
 
 # ----------------------------------------------------------------------------------------------

@@ -71,7 +71,8 @@ class Probe(Protocol):
 
 
 class AttentionProbe:
-    """The teacher's own softmax attention (a Llama-style attention module and the model's rotary embedding)."""
+    """The teacher's own softmax attention (a Llama-, Mistral- or Qwen-style attention module and the model's rotary
+    embedding)."""
 
     def __init__(self, attn: nn.Module, rotary: nn.Module, num_heads: int, num_kv_heads: int, head_dim: int):
         self.attn, self.rotary = attn, rotary
@@ -89,6 +90,8 @@ class AttentionProbe:
         a, n_rep = self.attn, self.heads // self.kv_heads
         split = lambda t: t.unflatten(-1, (-1, self.head_dim))  # noqa: E731
         q, k, v = split(a.q_proj(x)), split(a.k_proj(x)), split(a.v_proj(x))
+        if hasattr(a, "q_norm"):  # Qwen3: per-head RMSNorm of q and k before RoPE
+            q, k = a.q_norm(q), a.k_norm(k)
         cos, sin = self.rotary(x, positions)
         q, k = apply_rope(q, k, cos, sin)
         return q, k.repeat_interleave(n_rep, dim=2), v.repeat_interleave(n_rep, dim=2)  # transformers' repeat_kv

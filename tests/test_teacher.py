@@ -220,9 +220,9 @@ def test_folder_and_file_that_are_not_teachers(tmp_path: Path):
         load_teacher(str(tmp_path / "weights.bin"))
 
 
-def test_non_llama_model_is_rejected(tmp_path: Path):
+def test_a_model_without_llama_style_layers_is_rejected_naming_the_families(tmp_path: Path):
     GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64, n_positions=32)).save_pretrained(tmp_path)
-    with pytest.raises(TeacherLoadError, match="'gpt2' model.*Llama"):
+    with pytest.raises(TeacherLoadError, match=r"'gpt2' model.*supported: llama, mistral, qwen2, qwen3"):
         load_teacher(str(tmp_path))
 
 

@@ -10,7 +10,7 @@ Subclasses add their own parameters and implement `_mix` (recurrence over q, k, 
 from __future__ import annotations
 
 from collections.abc import Collection
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any, ClassVar, Optional
 
 import torch
@@ -23,13 +23,17 @@ from harness.mixers.ops import apply_rope, expand_kv, l2norm
 
 @dataclass
 class MixerShape:
-    """The teacher attention's geometry, which the student mixer keeps."""
+    """The teacher attention's geometry, which the student mixer keeps, and the layout of its projections
+    (`harness.teacher.AttentionLayout`: biases, Qwen3's per-head q/k RMSNorm)."""
 
     hidden_size: int
     num_heads: int
     num_kv_heads: int
     head_dim: int
-    attention_bias: bool = False
+    qkv_bias: bool = False
+    o_bias: bool = False
+    qk_norm: bool = False
+    norm_eps: float = 1e-6  # of the q/k norms
 
     @property
     def n_rep(self) -> int:
@@ -37,14 +41,21 @@ class MixerShape:
 
     @classmethod
     def from_config(cls, config: Any) -> "MixerShape":
+        """From a student's config, or a teacher's (and a student's saved before the layout fields existed, which
+        has only Llama's `attention_bias`): its layout as `harness.teacher.attention_layout` reads it."""
         heads = config.num_attention_heads
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+        layout = {name: getattr(config, name, None) for name in ("qkv_bias", "o_bias", "qk_norm")}
+        if any(v is None for v in layout.values()):
+            from harness.teacher import attention_layout
+
+            layout = asdict(attention_layout(config))
         return cls(
             hidden_size=config.hidden_size,
             num_heads=heads,
             num_kv_heads=getattr(config, "num_key_value_heads", None) or heads,
-            head_dim=head_dim,
-            attention_bias=bool(getattr(config, "attention_bias", False)),
+            head_dim=getattr(config, "head_dim", None) or config.hidden_size // heads,
+            **{name: bool(value) for name, value in layout.items()},
+            norm_eps=float(getattr(config, "rms_norm_eps", 1e-6)),
         )
 
 
@@ -119,10 +130,13 @@ class Mixer(nn.Module):
         super().__init__()
         self.shape, self.options, self.layer_idx = shape, options, layer_idx
         inner = shape.num_heads * shape.head_dim
-        self.q_proj = nn.Linear(shape.hidden_size, inner, bias=shape.attention_bias)
-        self.k_proj = nn.Linear(shape.hidden_size, inner, bias=shape.attention_bias)
-        self.v_proj = nn.Linear(shape.hidden_size, inner, bias=shape.attention_bias)
-        self.o_proj = nn.Linear(inner, shape.hidden_size, bias=shape.attention_bias)  # Llama: o_proj too
+        self.q_proj = nn.Linear(shape.hidden_size, inner, bias=shape.qkv_bias)
+        self.k_proj = nn.Linear(shape.hidden_size, inner, bias=shape.qkv_bias)
+        self.v_proj = nn.Linear(shape.hidden_size, inner, bias=shape.qkv_bias)
+        self.o_proj = nn.Linear(inner, shape.hidden_size, bias=shape.o_bias)
+        if shape.qk_norm:  # Qwen3: RMSNorm over each head of q and k, before RoPE (and here before any conv)
+            self.q_norm = HeadRMSNorm(shape.head_dim, eps=shape.norm_eps)
+            self.k_norm = HeadRMSNorm(shape.head_dim, eps=shape.norm_eps)
 
     # ---------------------------------------------------------------- forward
     def forward(
@@ -158,7 +172,17 @@ class Mixer(nn.Module):
     def project_qkv(self, x, state: Optional[MixerState], use_cache: bool, mask: Optional[torch.Tensor] = None):
         """q, k, v `[B, T, H, D]` and the new conv state (None for mixers without a short convolution). mask:
         padded tokens, which a short convolution sees as zeros (the recurrence ignores them in `_mix`)."""
-        return self._heads(self.q_proj(x)), self._heads(self.k_proj(x)), self._heads(self.v_proj(x)), None
+        q, k = self.project_qk(x)
+        return self._heads(q), self._heads(k), self._heads(self.v_proj(x)), None
+
+    def project_qk(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """q and k `[B, T, H x D]` as the teacher's attention makes them before RoPE: projected, and with per-head
+        q/k norms where the teacher has them (Qwen3)."""
+        q, k = self.q_proj(x), self.k_proj(x)
+        if self.shape.qk_norm:
+            q = self.q_norm(self._heads(q)).flatten(2)
+            k = self.k_norm(self._heads(k)).flatten(2)
+        return q, k
 
     def _mix(self, x, q, k, v, prior, backend: str, mask: Optional[torch.Tensor] = None):
         """The recurrence over q, k, v `[B, T, H, D]` from state `prior` -> (o `[B, T, H, D]`, new state); padded
@@ -189,7 +213,8 @@ class Mixer(nn.Module):
     # ---------------------------------------------------------------- weight transfer
     @torch.no_grad()
     def transfer_from_attention(self, attn: nn.Module) -> None:
-        """Copy the teacher attention's Q, K, V, O (K and V expanded from the KV heads) bit for bit."""
+        """Copy the teacher attention's Q, K, V, O (K and V expanded from the KV heads), their biases and its q/k norms
+        bit for bit."""
         s = self.shape
         self.q_proj.weight.copy_(attn.q_proj.weight)
         self.o_proj.weight.copy_(attn.o_proj.weight)
@@ -203,6 +228,9 @@ class Mixer(nn.Module):
             dst, src = getattr(self, name), getattr(attn, name)
             if dst.bias is not None:
                 dst.bias.copy_(src.bias)
+        if s.qk_norm:  # one weight over head_dim, shared by every head: no expansion
+            self.q_norm.weight.copy_(attn.q_norm.weight)
+            self.k_norm.weight.copy_(attn.k_norm.weight)
 
     def reset_new_parameters(self) -> None:
         """Initialise the parameters the teacher does not have, as the mixer's authors do."""
@@ -325,7 +353,7 @@ class ConvMixer(Mixer):
                                       activation=None if options.qkv_activation == "identity" else "silu")
 
     def project_qkv(self, x, state, use_cache, mask=None):
-        qkv = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)
+        qkv = torch.cat([*self.project_qk(x), self.v_proj(x)], dim=-1)
         tail = None
         if self.options.short_conv:
             if mask is not None:  # a padded input is a zero, as before the first token: left padding changes nothing
