@@ -38,9 +38,10 @@ from harness.student import HarnessForCausalLM, RecurrentCache
 
 
 def graphable(model: Any) -> bool:
-    """A harness student on a CUDA device without rotary embeddings (their positions come from the host)."""
+    """A harness student on a CUDA device without rotary embeddings (their positions come from the host) and without
+    a sliding window (its step has not been captured on a GPU yet: it decodes eagerly)."""
     return (isinstance(model, HarnessForCausalLM) and model.model.rotary_emb is None
-            and next(model.parameters()).is_cuda)
+            and not (model.config.mixer_options or {}).get("window") and next(model.parameters()).is_cuda)
 
 
 class GraphedStep:

@@ -136,6 +136,7 @@ class StudentBlock(nn.Module):
         options = saved_options(config.mixer, config.mixer_options)
         self.input_layernorm = BlockRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.mixer: Mixer = mixer_class(config.mixer)(MixerShape.from_config(config), options, layer_idx)
+        attach_teacher_rope(self.mixer, config)
         self.post_attention_layernorm = BlockRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.mlp = BlockMLP(config)
 
@@ -299,6 +300,13 @@ def _check_mask_length(attention_mask: torch.Tensor, tokens: torch.Tensor, cache
     if tuple(attention_mask.shape[:2]) != expected:
         raise ValueError(f"attention_mask of shape {tuple(attention_mask.shape)} must be [batch, cached + new tokens] "
                          f"= {list(expected)} when it pads")
+
+
+def attach_teacher_rope(mixer: Mixer, config: Any) -> None:
+    """A mixer with a sliding window (`options.window`) rotates its window's q and k as the teacher does: the
+    teacher's rotary embedding (its own base, not the mixer's `rope_theta`)."""
+    if mixer.options.window:
+        mixer.attach_window_rotary(LlamaRotaryEmbedding(config))
 
 
 def student_rotary(config: HarnessConfig) -> Optional[LlamaRotaryEmbedding]:

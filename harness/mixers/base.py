@@ -18,7 +18,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from harness.mixers.kernels import resolve_backend
-from harness.mixers.ops import apply_rope, expand_kv, l2norm
+from harness.mixers.ops import apply_rope, expand_kv, l2norm, rotate_half_rope
+from harness.mixers.window import WindowCache
 
 
 @dataclass
@@ -71,6 +72,12 @@ class MixerOptions:
         default=None, metadata={"help": "With rope: the rotary base; null takes the teacher's (SmolLM2: 100000). "
                                 "10000 is the rotation of the published RetNet and of fla's layers."})
     chunk_size: int = field(default=64, metadata={"help": "Chunk length of the PyTorch chunkwise form."})
+    window: int = field(
+        default=0, metadata={"help": "Sliding-window softmax attention beside the recurrence in the same layer "
+                             "(LoLCATs-style; 0: off): each token also attends, by the teacher's softmax over its q "
+                             "and k with the teacher's RoPE, to itself and the window - 1 tokens before it. The window's "
+                             "heads output is added to the mixer's, scaled per head by window_gain, which starts at 0: "
+                             "at step 0 the layer is the teacher's attention cut to the window (docs/TRANSFER.md)."})
     backend: str = field(
         default="auto", metadata={"help": "auto (kernel on CUDA, else reference), kernel or reference."}
     )
@@ -88,6 +95,8 @@ class MixerOptions:
         self.check_choice("output_scale", OUTPUT_SCALES)
         if self.rope_theta is not None and self.rope_theta <= 0:
             raise ValueError(f"rope_theta={self.rope_theta} must be > 0 (or null for the teacher's)")
+        if self.window < 0:
+            raise ValueError(f"window={self.window} must be >= 0 (0: no sliding window)")
 
     def check_choice(self, name: str, allowed: Collection[str]) -> None:
         """A ValueError naming the option, its value and what is allowed, unless the value is one of `allowed`."""
@@ -98,20 +107,24 @@ class MixerOptions:
 
 @dataclass
 class MixerState:
-    """Decoding state of one mixer layer: the recurrent state and, with short convolutions, the conv tail."""
+    """Decoding state of one mixer layer: the recurrent state, with short convolutions the conv tail, and with a
+    sliding window (`options.window`) its last keys and values (`harness.mixers.window.WindowCache`)."""
 
     recurrent: Any = None
     conv: Optional[torch.Tensor] = None
+    window: Optional[WindowCache] = None
 
     def map(self, fn) -> "MixerState":
         def apply(x):
             if isinstance(x, torch.Tensor):
                 return fn(x)
+            if isinstance(x, tuple) and hasattr(x, "_fields"):  # a NamedTuple takes its fields positionally
+                return type(x)(*(apply(y) for y in x))
             if isinstance(x, (tuple, list)):
                 return type(x)(apply(y) for y in x)
             return x
 
-        return MixerState(apply(self.recurrent), apply(self.conv))
+        return MixerState(apply(self.recurrent), apply(self.conv), apply(self.window))
 
     def tensors(self) -> list[torch.Tensor]:
         """Every tensor of the state, in a fixed order (the order `map` visits them)."""
@@ -137,6 +150,14 @@ class Mixer(nn.Module):
         if shape.qk_norm:  # Qwen3: RMSNorm over each head of q and k, before RoPE (and here before any conv)
             self.q_norm = HeadRMSNorm(shape.head_dim, eps=shape.norm_eps)
             self.k_norm = HeadRMSNorm(shape.head_dim, eps=shape.norm_eps)
+        self.window_rotary: Optional[nn.Module] = None  # the teacher's RoPE for the window (attach_window_rotary)
+        if options.window:
+            self.window_gain = nn.Parameter(torch.zeros(shape.num_heads))
+
+    def attach_window_rotary(self, rotary: Optional[nn.Module]) -> None:
+        """Give a mixer with a sliding window the teacher's rotary embedding (a transformers rotary module: (x,
+        position_ids) -> (cos, sin)), which its window applies to q and k; None for a teacher without RoPE."""
+        self.window_rotary = rotary
 
     # ---------------------------------------------------------------- forward
     def forward(
@@ -159,21 +180,45 @@ class Mixer(nn.Module):
                      ) -> tuple[torch.Tensor, Optional[MixerState]]:
         """What o_proj reads, `[B, T, heads x head_dim]` in x's dtype (the teacher's counterpart is its attention
         heads' output), and the new state if use_cache; mask as in `forward`."""
-        q, k, v, conv_state = self.project_qkv(x, state, use_cache, mask=mask)
+        projected = (*self.project_qk(x), self.v_proj(x)) if self.options.window else None
+        q, k, v, conv_state = self.project_qkv(x, state, use_cache, mask=mask, projected=projected)
         if self.options.rope:
             if position_embeddings is None:
                 raise ValueError(f"{self.name}: rope=True needs position_embeddings from the model")
             q, k = apply_rope(q, k, *position_embeddings)
         prior = state.recurrent if state is not None else None
         o, recurrent = self._mix(x, q, k, v, prior, self.backend_for(x), mask=mask)
-        heads = self._output(x, o).flatten(2).to(x.dtype)
-        return heads, (MixerState(recurrent, conv_state) if use_cache else None)
+        heads = self._output(x, o).to(x.dtype)
+        window = None
+        if self.options.window:
+            local, window = self._window(projected, mask, state.window if state is not None else None, use_cache)
+            heads = local.to(x.dtype) + heads * self.window_gain.to(x.dtype)[:, None]
+        return heads.flatten(2), (MixerState(recurrent, conv_state, window) if use_cache else None)
 
-    def project_qkv(self, x, state: Optional[MixerState], use_cache: bool, mask: Optional[torch.Tensor] = None):
+    def _window(self, projected, mask, prior: Optional[WindowCache], use_cache: bool):
+        """The sliding-window softmax attention `[B, T, H, D]` over the teacher's q, k (RoPE'd here), v, and its new
+        cache if use_cache."""
+        from harness.mixers.window import window_attention
+
+        q, k, v = (self._heads(t) for t in projected)
+        rotate = None
+        if self.window_rotary is not None:
+            rotary = self.window_rotary
+
+            def rotate(t: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+                cos, sin = rotary(t, positions[None])
+                return rotate_half_rope(t, cos, sin)
+
+        return window_attention(q, k, v, self.options.window, scale=self.shape.head_dim ** -0.5, mask=mask,
+                                prior=prior, want_cache=use_cache, rotate=rotate)
+
+    def project_qkv(self, x, state: Optional[MixerState], use_cache: bool, mask: Optional[torch.Tensor] = None,
+                    projected: Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = None):
         """q, k, v `[B, T, H, D]` and the new conv state (None for mixers without a short convolution). mask:
-        padded tokens, which a short convolution sees as zeros (the recurrence ignores them in `_mix`)."""
-        q, k = self.project_qk(x)
-        return self._heads(q), self._heads(k), self._heads(self.v_proj(x)), None
+        padded tokens, which a short convolution sees as zeros (the recurrence ignores them in `_mix`). projected:
+        (q, k, v) `[B, T, H x D]` as `project_qk` and v_proj give them, when the caller has them already."""
+        q, k, v = projected if projected is not None else (*self.project_qk(x), self.v_proj(x))
+        return self._heads(q), self._heads(k), self._heads(v), None
 
     def project_qk(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """q and k `[B, T, H x D]` as the teacher's attention makes them before RoPE: projected, and with per-head
@@ -231,6 +276,8 @@ class Mixer(nn.Module):
         if s.qk_norm:  # one weight over head_dim, shared by every head: no expansion
             self.q_norm.weight.copy_(attn.q_norm.weight)
             self.k_norm.weight.copy_(attn.k_norm.weight)
+        if self.options.window:  # the window alone at step 0: the teacher's attention over the recent tokens
+            self.window_gain.zero_()
 
     def reset_new_parameters(self) -> None:
         """Initialise the parameters the teacher does not have, as the mixer's authors do."""
@@ -352,8 +399,8 @@ class ConvMixer(Mixer):
             self.qkv_conv = ShortConv(3 * shape.num_heads * shape.head_dim, options.conv_size,
                                       activation=None if options.qkv_activation == "identity" else "silu")
 
-    def project_qkv(self, x, state, use_cache, mask=None):
-        qkv = torch.cat([*self.project_qk(x), self.v_proj(x)], dim=-1)
+    def project_qkv(self, x, state, use_cache, mask=None, projected=None):
+        qkv = torch.cat(projected if projected is not None else [*self.project_qk(x), self.v_proj(x)], dim=-1)
         tail = None
         if self.options.short_conv:
             if mask is not None:  # a padded input is a zero, as before the first token: left padding changes nothing

@@ -28,3 +28,11 @@ def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     """x / sqrt(sum x^2 + eps) over the last dim (fla's l2norm), the sum in float32, the result in x's dtype."""
     xf = x.float()  # one upcast, not two
     return x * torch.rsqrt((xf * xf).sum(-1, keepdim=True) + eps).to(x.dtype)
+
+
+def rotate_half_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """The rotary embedding of one of q or k, `[B, T, H, D]`, with (cos, sin) `[B or 1, T, D]`: `apply_rope` for one
+    tensor (for keys and queries at different positions)."""
+    cos, sin = cos.unsqueeze(2).to(x.dtype), sin.unsqueeze(2).to(x.dtype)
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat((-x2, x1), dim=-1) * sin

@@ -55,7 +55,7 @@ from harness.observe import RunLogger, check_finite
 from harness.schedule import build_scheduler
 from harness.stages.common import (PER_LAYER_STAGES, group_dir, load_job_teacher, num_student_layers, resolve_device,
                                    run_dir, teacher_dtype)
-from harness.student import FIT_KINDS, StudentBlock, fit_output_scales, rope_for, student_config
+from harness.student import FIT_KINDS, StudentBlock, attach_teacher_rope, fit_output_scales, rope_for, student_config
 from harness.teacher import capture_activations
 
 WEIGHTS = "weights.safetensors"
@@ -172,6 +172,7 @@ def init_mixer(teacher_layer: nn.Module, config: Any, layer: int, seed: int) -> 
     teacher lacks."""
     options = mixer_options(config.mixer, config.mixer_options)
     mixer = mixer_class(config.mixer)(MixerShape.from_config(config), options, layer).float()
+    attach_teacher_rope(mixer, config)
     mixer.transfer_from_attention(teacher_layer.self_attn)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(layer_seed(seed, layer))

@@ -1,0 +1,89 @@
+"""Sliding-window softmax attention: each query attends to itself and the `window - 1` real tokens before it.
+
+What `student.options.window` puts beside a mixer's recurrence in the same layer (docs/TRANSFER.md, "Sliding
+window"): the teacher's softmax attention, exact over the recent tokens, while the recurrence carries what lies
+further back. Computed blockwise (blocks of `window` queries read their own block and the one before), so memory and
+time grow as T x window, not T^2. Decoding keeps the last `window - 1` keys and values (`WindowCache`), before RoPE:
+RoPE scores depend only on the distance between query and key, so every call rotates its keys and queries by their
+place in the window it sees, and a cache needs no position counter (rows of different lengths share one batch, and a
+decoding step has the same shapes every time).
+
+Padding: a masked token is no key for anyone. Padding sits before a row's first token (left) or after its last
+(right), so the distance in positions between two real tokens is their distance in the row.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable, NamedTuple, Optional
+
+import torch
+
+Rotate = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (x [B, L, H, D], positions [L]) -> x rotated
+
+
+class WindowCache(NamedTuple):
+    """The last `window - 1` keys and values `[B, W - 1, H, D]` (before RoPE) and which of them are real `[B, W - 1]`
+    (a row shorter than the window, or left-padded, has empty slots)."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+    valid: torch.Tensor
+
+
+def window_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int, *, scale: float,
+                     mask: Optional[torch.Tensor] = None, prior: Optional[WindowCache] = None,
+                     want_cache: bool = False, rotate: Optional[Rotate] = None,
+                     ) -> tuple[torch.Tensor, Optional[WindowCache]]:
+    """q, k, v `[B, T, H, D]` (K/V heads already expanded, q and k before RoPE) -> (o `[B, T, H, D]` in q's dtype, the
+    cache after the last token if `want_cache`). mask: bool `[B, T]`, False at padding. prior: the cache of the tokens
+    before these, whose keys count as the earliest of the window. rotate: RoPE, applied here to the keys (cached and
+    new) at positions 0.. and to the queries at theirs; None for none. Softmax in float32."""
+    if window < 1:
+        raise ValueError(f"window={window} must be >= 1")
+    batch, length, heads, dim = q.shape
+    valid = torch.ones(batch, length, dtype=torch.bool, device=q.device) if mask is None else mask.bool()
+    if prior is not None:  # the cached keys come first: the window of the first new tokens reaches into them
+        k, v = torch.cat([prior.k.to(k.dtype), k], 1), torch.cat([prior.v.to(v.dtype), v], 1)
+        valid = torch.cat([prior.valid, valid], 1)
+    past = k.shape[1] - length
+    cache = _last(k, v, valid, window - 1) if want_cache else None
+    if rotate is not None:
+        positions = torch.arange(k.shape[1], device=q.device)
+        q, k = rotate(q, positions[past:]), rotate(k, positions)
+    return _blockwise(q, k, v, valid, window, scale, past).to(q.dtype), cache
+
+
+def _blockwise(q, k, v, valid, window: int, scale: float, past: int) -> torch.Tensor:
+    """Queries in blocks of `window`; block i (queries past + i*W .. past + (i+1)*W - 1 of the keys) reads the keys
+    from W - 1 before its first query to its last: at most 2W - 1 keys, all the window of each of its queries."""
+    batch, length, heads, dim = q.shape
+    out = []
+    for start in range(0, length, window):
+        stop = min(start + window, length)
+        first_query, last_query = past + start, past + stop - 1
+        lo = max(0, first_query - (window - 1))
+        keys, values = k[:, lo:last_query + 1].float(), v[:, lo:last_query + 1].float()
+        scores = torch.einsum("bthd,bshd->bhts", q[:, start:stop].float(), keys) * scale
+        t = torch.arange(first_query, last_query + 1, device=q.device)[:, None]
+        s = torch.arange(lo, last_query + 1, device=q.device)[None, :]
+        allowed = (s <= t) & (t - s < window)
+        allowed = allowed[None, None] & valid[:, None, None, lo:last_query + 1]
+        scores = scores.masked_fill(~allowed, -math.inf)
+        # a padded query can see no key at all: its row would be all -inf (NaN); it gets zeros instead
+        probs = torch.nan_to_num(scores.softmax(-1), nan=0.0)
+        out.append(torch.einsum("bhts,bshd->bthd", probs, values))
+    return torch.cat(out, 1)
+
+
+def _last(k, v, valid, size: int) -> WindowCache:
+    """The last `size` keys, values and validity, with empty slots on the left where the sequence is shorter."""
+    if size == 0:
+        empty = k[:, :0]
+        return WindowCache(empty.clone(), v[:, :0].clone(), valid[:, :0].clone())
+    short = size - k.shape[1]
+    if short > 0:
+        k = torch.cat([k.new_zeros(k.shape[0], short, *k.shape[2:]), k], 1)
+        v = torch.cat([v.new_zeros(v.shape[0], short, *v.shape[2:]), v], 1)
+        valid = torch.cat([valid.new_zeros(valid.shape[0], short), valid], 1)
+    return WindowCache(k[:, -size:].clone(), v[:, -size:].clone(), valid[:, -size:].clone())
