@@ -171,6 +171,16 @@ def build_parser() -> argparse.ArgumentParser:
                         "passwordless ssh between the nodes).")
     submit.add_argument("--sbatch-option", action="append", default=[], metavar="OPT",
                         help="An extra #SBATCH option, e.g. --sbatch-option=--qos=high (repeatable).")
+    submit.add_argument("--rank-layers", action="store_true",
+                        help="Submit the layer ranking instead of the pipeline (`harness transfer --rank-layers`): a "
+                        "job array, one task per layer group (run.layer_groups or --layers-per-task), then a merge "
+                        "job after it into RUN_DIR/ranking/layer_ranking.json; ids in RUN_DIR/slurm/rank-jobs.json.")
+    submit.add_argument("--rank-by", choices=("stage1", "kl"), default="stage1",
+                        help="With --rank-layers: the measure (see `harness transfer --help`; default stage1).")
+    submit.add_argument("--rank-sequences", type=int, help="With --rank-layers: held-out sequences per task "
+                        "(transfer's --sequences).")
+    submit.add_argument("--rank-seq-len", type=int, help="With --rank-layers: tokens per sequence (transfer's "
+                        "--seq-len).")
     submit.set_defaults(handler=cmd_submit)
 
     status = sub.add_parser(
@@ -204,9 +214,28 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog="examples:\n  harness transfer jobs/quickstart.yaml\n"
         "  harness transfer jobs/quickstart.yaml --mixer all --variant gate_init=random --variant conv_init=random\n"
-        "  harness transfer jobs/study-small/smollm2-135m-gla-small.yaml --layers 0-5 --sequences 4 --per-layer",
+        "  harness transfer jobs/study-small/smollm2-135m-gla-small.yaml --layers 0-5 --sequences 4 --per-layer\n"
+        "\nranking the layers (which ones a hybrid student keeps as softmax attention):\n"
+        "  harness transfer --rank-layers JOB                  # each layer's stage-1 loss, costliest first\n"
+        "  harness transfer --rank-layers JOB --rank-by kl     # end-to-end KL with only that layer replaced\n"
+        "  harness transfer --rank-layers JOB --layers 0-9     # one part; merged once every layer has one\n"
+        "  harness transfer --rank-layers JOB --merge          # merge the parts written so far\n"
+        "  harness submit JOB --rank-layers                    # on Slurm: one array task per layer group\n"
+        "The ranking uses the stage-1 weights of layers whose stage 1 is complete in the run, else the init, "
+        "and writes RUN_DIR/ranking/layer_ranking.json and .md (parts under RUN_DIR/ranking/parts/).",
     )
     _add_job_args(transfer)
+    transfer.add_argument("--rank-layers", action="store_true",
+                          help="Rank the layers by what linearizing each one alone costs (see --rank-by), instead "
+                          "of the fidelity report; --mixer and --variant do not apply (the job's mixer is ranked).")
+    transfer.add_argument("--rank-by", choices=("stage1", "kl"), default="stage1",
+                          help="With --rank-layers: 'stage1' (default), the layer's stage-1 loss (its mixer's output "
+                          "against the teacher's attention output); 'kl', KL(teacher || model) per token of the "
+                          "teacher with only that layer's attention replaced by its mixer (a whole forward per "
+                          "layer).")
+    transfer.add_argument("--merge", action="store_true",
+                          help="With --rank-layers: only merge the parts already written into layer_ranking.json "
+                          "(an error names the layers still missing).")
     transfer.add_argument("--mixer", help="Mixers to measure: a name, a comma list, or 'all' (default: the job's).")
     transfer.add_argument("--variant", action="append", default=[], metavar="OPTIONS",
                           help="Also measure with these mixer options on top of the job's, e.g. "
@@ -396,6 +425,8 @@ def cmd_submit(args: argparse.Namespace) -> int:
     elif not args.job:
         raise ConfigError("harness submit needs a job file, or --resume RUN_DIR.")
     job = load_job(args.job, args.overrides)
+    if args.rank_layers:
+        return _submit_ranking(job, args)
     if args.resume and not args.dry_run:
         cancelled = clear_blocked(Path(args.resume))
         if cancelled:
@@ -411,6 +442,29 @@ def cmd_submit(args: argparse.Namespace) -> int:
         print("# dependency graph\n" + dependency_graph(planned))
         return 0
     ids = submit(job, planned)
+    print("# submitted\n" + "\n".join(f"  {stage}: {jid}" for stage, jid in ids.items()))
+    return 0
+
+
+def _submit_ranking(job, args: argparse.Namespace) -> int:
+    """`harness submit --rank-layers`: the ranking's array and merge (harness.launch.slurm.plan_ranking)."""
+    from harness.launch.slurm import RANK_RECORD, SlurmOptions, dependency_graph, plan_ranking, submit
+
+    if args.resume:
+        raise ConfigError("--rank-layers submits the ranking of a job file; --resume continues a pipeline. Submit "
+                          "the ranking again with the job file (its finished parts are simply measured again).")
+    extra = [a for flag, v in (("--sequences", args.rank_sequences), ("--seq-len", args.rank_seq_len))
+             if v is not None for a in (flag, str(v))]
+    opts = SlurmOptions(partition=args.partition, account=args.account, time=args.time,
+                        gpus_per_node=min(args.gpus_per_node, 1), cpus_per_task=args.cpus_per_task, mem=args.mem,
+                        layers_per_task=args.layers_per_task, extra=args.sbatch_option)
+    planned = plan_ranking(job, args.job, args.overrides, opts, args.rank_by, extra)
+    if args.dry_run:
+        for p in planned:
+            print(f"# ---- {p.stage}.sbatch\n{p.script}")
+        print("# dependency graph\n" + dependency_graph(planned))
+        return 0
+    ids = submit(job, planned, record=RANK_RECORD)
     print("# submitted\n" + "\n".join(f"  {stage}: {jid}" for stage, jid in ids.items()))
     return 0
 
@@ -451,12 +505,18 @@ def cmd_transfer(args: argparse.Namespace) -> int:
     from harness.transfer import markdown, resolve_mixers, transfer_report, write_report
 
     job = load_job(args.job, args.overrides)
+    if args.merge and not args.rank_layers:
+        raise ConfigError("--merge merges the parts of a layer ranking: use it with --rank-layers.")
+    if args.rank_layers and args.merge:
+        return _merge_ranking(job, args.rank_by)
     args.seq_len = args.seq_len if args.seq_len is not None else min(512, job.data.seq_len)
     for name, value in (("--sequences", args.sequences), ("--seq-len", args.seq_len)):
         if value < 1:
             raise ConfigError(f"{name} {value} must be at least 1.")
     if args.seq_len > job.data.seq_len:
         raise ConfigError(f"--seq-len {args.seq_len} is longer than the job's data.seq_len={job.data.seq_len}.")
+    if args.rank_layers:
+        return _rank_layers(job, args)
     try:
         mixers = resolve_mixers(args.mixer, job.student.mixer)
         layers = parse_layers(args.layers, num_student_layers(job)) if args.layers else None
@@ -469,6 +529,41 @@ def cmd_transfer(args: argparse.Namespace) -> int:
     paths = write_report(report, Path(args.out) if args.out else run_dir(job) / "transfer", args.per_layer)
     print(markdown(report, args.per_layer), end="")
     print(f"\n[harness] wrote {paths[0]} and {paths[1]}")
+    return 0
+
+
+def _rank_layers(job, args: argparse.Namespace) -> int:
+    """`harness transfer --rank-layers`: one part for the chosen layers, merged when every layer has one."""
+    from harness.ranking import merge_ranking, rank_layers, write_part
+    from harness.stages.common import num_student_layers, parse_layers
+
+    if args.mixer or args.variant or args.out or args.per_layer:
+        raise ConfigError("--rank-layers ranks the job's own mixer into RUN_DIR/ranking: drop --mixer, --variant, "
+                          "--out and --per-layer (set student.mixer=... or student.options.* instead).")
+    layers = parse_layers(args.layers, num_student_layers(job)) if args.layers else None
+    try:
+        part = rank_layers(job, measure=args.rank_by, layers=layers, sequences=args.sequences, seq_len=args.seq_len)
+    except ValueError as err:
+        if isinstance(err, ConfigError):
+            raise
+        raise ConfigError(str(err)) from err
+    print(f"[harness] wrote {write_part(job, part)}")
+    merged = merge_ranking(job, args.rank_by, require_all=False)
+    if merged is None:
+        print("[harness] other layers have no part yet: layer_ranking.json is written once every layer has one "
+              "(or merge with --merge)")
+        return 0
+    print(merged.with_suffix(".md").read_text(), end="")
+    print(f"\n[harness] wrote {merged} and {merged.with_suffix('.md')}")
+    return 0
+
+
+def _merge_ranking(job, measure: str) -> int:
+    from harness.ranking import merge_ranking
+
+    merged = merge_ranking(job, measure)
+    print(merged.with_suffix(".md").read_text(), end="")
+    print(f"\n[harness] wrote {merged} and {merged.with_suffix('.md')}")
     return 0
 
 

@@ -8,6 +8,9 @@
                   every node over pdsh/ssh (--node-launch ssh); rendezvous on the first node
     eval          afterok on distill (with eval.enabled): `harness eval job RUN_DIR/eval.yaml` on one GPU
 
+`harness submit JOB --rank-layers` plans the layer ranking instead (`plan_ranking`): `rank`, a job array of
+`harness transfer --rank-layers` (one task per layer group), and `rank_merge` after it; ids in rank-jobs.json.
+
 Finished stages are left out (their COMPLETE markers), so re-submitting a run submits only what is left.
 The job ids are recorded in RUN_DIR/slurm/jobs.json, the rendered scripts in RUN_DIR/slurm/*.sbatch.
 """
@@ -21,7 +24,7 @@ import sys
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from string import Template
-from typing import Optional
+from typing import Optional, Sequence
 
 from harness.config import ConfigError, JobConfig
 from harness.stages.common import layer_groups, num_student_layers, run_dir
@@ -116,13 +119,7 @@ def plan_jobs(job: JobConfig, job_path: str, overrides: list[str], opts: SlurmOp
         return REQUEUE_WRAPPER.format(preempt_dir=(out / "slurm").resolve(), command=command,
                                       requeue_exit=REQUEUE_EXIT)
 
-    n_layers = num_student_layers(job)
-    if opts.layers_per_task:
-        groups = layer_groups(n_layers, -(-n_layers // opts.layers_per_task))
-    else:
-        from harness.stages.common import default_count
-
-        groups = layer_groups(n_layers, default_count(job.run.layer_groups, 2))
+    groups = task_groups(job, opts)
     planned: list[PlannedJob] = []
     previous: Optional[str] = None
     for stage in ("align_mixer", "align_hidden"):
@@ -157,6 +154,45 @@ def plan_jobs(job: JobConfig, job_path: str, overrides: list[str], opts: SlurmOp
                          launch=launch(command), **common)
         planned.append(PlannedJob("eval", script, previous))
     return planned
+
+
+def task_groups(job: JobConfig, opts: SlurmOptions) -> list[list[int]]:
+    """The layer groups of the array tasks: --layers-per-task layers each, else run.layer_groups groups."""
+    n_layers = num_student_layers(job)
+    if opts.layers_per_task:
+        return layer_groups(n_layers, -(-n_layers // opts.layers_per_task))
+    from harness.stages.common import default_count
+
+    return layer_groups(n_layers, default_count(job.run.layer_groups, 2))
+
+
+RANK_RECORD = "rank-jobs.json"  # the ranking's job ids, apart from the pipeline's jobs.json (and its --resume)
+
+
+def plan_ranking(job: JobConfig, job_path: str, overrides: list[str], opts: SlurmOptions, measure: str = "stage1",
+                 rank_args: Sequence[str] = (), python: str = sys.executable,
+                 workdir: Optional[Path] = None) -> list[PlannedJob]:
+    """`harness submit --rank-layers`: the layer ranking (harness/ranking.py) as a job array, one task per layer
+    group, each writing its part, then a merge job after the whole array into RUN_DIR/ranking/layer_ranking.json.
+    `rank_args`: further `harness transfer` options (e.g. --sequences 8). No preemption wrapper: a task holds no
+    state worth a checkpoint, and a failed one is rerun as a whole."""
+    from harness.ranking import check_measure
+
+    check_measure(measure)
+    if opts.cpus_per_task < 1 or opts.gpus_per_node < 0 or opts.layers_per_task < 0:
+        raise ConfigError("--cpus-per-task must be >= 1, --gpus-per-node and --layers-per-task >= 0.")
+    out = run_dir(job)
+    job_args = " ".join(shlex.quote(a) for a in ([str(Path(job_path).resolve())] if job_path else []) + overrides)
+    base = (f"{shlex.quote(python)} -m harness.cli transfer {job_args} --rank-layers --rank-by {measure}"
+            + "".join(f" {shlex.quote(a)}" for a in rank_args))
+    common = dict(name=job.name, log_dir=str((out / "logs").resolve()), cpus_per_task=opts.cpus_per_task,
+                  workdir=shlex.quote(str((workdir or Path.cwd()).resolve())), measure=measure)
+    groups = task_groups(job, opts)
+    rank = _render("rank.sbatch", groups=" ".join(f"{g[0]}-{g[-1]}" for g in groups), last_task=len(groups) - 1,
+                   resources=opts.resources(1 if opts.gpus_per_node else 0), command=f'{base} --layers "$LAYERS"',
+                   **common)
+    merge = _render("rank-merge.sbatch", resources=opts.resources(0), command=f"{base} --merge", **common)
+    return [PlannedJob("rank", rank, None, len(groups)), PlannedJob("rank_merge", merge, "rank")]
 
 
 PORT = 29500  # stage 3's rendezvous port on the allocation's first node
@@ -228,7 +264,7 @@ def _render(template: str, **values) -> str:
 def dependency_graph(planned: list[PlannedJob]) -> str:
     lines = []
     for p in planned:
-        tasks = f" (array of {p.tasks})" if p.tasks > 1 or p.stage.startswith("align") else ""
+        tasks = f" (array of {p.tasks})" if p.tasks > 1 or p.stage.startswith("align") or p.stage == "rank" else ""
         after = f" after {p.depends_on} succeeds" if p.depends_on else " (no dependency)"
         lines.append(f"  {p.stage}{tasks}{after}")
     return "\n".join(lines) if lines else "  nothing left to run"
@@ -259,13 +295,15 @@ def clear_blocked(run: Path) -> list[str]:
     return pending
 
 
-def submit(job: JobConfig, planned: list[PlannedJob], sbatch: str = "sbatch") -> dict[str, str]:
-    """sbatch each planned job with afterok on its predecessor; record and return stage -> job id."""
+def submit(job: JobConfig, planned: list[PlannedJob], sbatch: str = "sbatch", record: str = "jobs.json") -> dict[str, str]:
+    """sbatch each planned job with afterok on its predecessor; record and return stage -> job id. The pipeline's
+    record (jobs.json) comes with the job it ran (what --resume reads); another `record` only with its ids."""
     from omegaconf import OmegaConf
 
     folder = run_dir(job) / "slurm"
     folder.mkdir(parents=True, exist_ok=True)
-    saved_job_path(run_dir(job)).write_text(OmegaConf.to_yaml(OmegaConf.structured(job)))
+    if record == "jobs.json":
+        saved_job_path(run_dir(job)).write_text(OmegaConf.to_yaml(OmegaConf.structured(job)))
     (run_dir(job) / "logs").mkdir(parents=True, exist_ok=True)
     ids: dict[str, str] = {}
     for p in planned:
@@ -278,6 +316,6 @@ def submit(job: JobConfig, planned: list[PlannedJob], sbatch: str = "sbatch") ->
         if result.returncode != 0:
             raise RuntimeError(f"sbatch failed for {p.stage}: {result.stderr.strip()}")
         ids[p.stage] = result.stdout.strip().split(";")[0]
-    record = {"jobs": ids, "planned": [asdict(p) | {"script": str(folder / f'{p.stage}.sbatch')} for p in planned]}
-    (folder / "jobs.json").write_text(json.dumps(record, indent=1))
+    saved = {"jobs": ids, "planned": [asdict(p) | {"script": str(folder / f'{p.stage}.sbatch')} for p in planned]}
+    (folder / record).write_text(json.dumps(saved, indent=1))
     return ids

@@ -1,0 +1,283 @@
+"""Layer ranking: which attention layers cost the most to linearize, measured one layer at a time.
+
+`harness transfer --rank-layers JOB` builds each layer's mixer as stage 1 starts it (`harness.stages.align.init_mixer`
+and `fit_output_scales`, as `harness transfer` does), or takes its stage-1 weights where the run has finished stage 1
+for that layer, and measures what replacing that one layer costs on held-out sequences of the job's data:
+
+  stage1  the layer's stage-1 loss (stages.align_mixer.loss, `mse` by default: the mixer's output against the
+          teacher's attention output on the teacher's own input to that layer), as stage 1 computes it
+  kl      KL(teacher || model) per token, the model being the teacher with ONLY that layer's attention replaced
+          by the mixer (everything else the teacher's): what the replacement costs end to end
+
+The costliest layers are the ones a hybrid student keeps as softmax attention (`costliest_layers`).
+
+Files under RUN/ranking/ (RUN = the job's output_dir), written atomically:
+  parts/<measure>/layers-AA-BB.json  one layer group's costs (what one Slurm array task writes)
+  layer_ranking.json / .md           every layer of the teacher, costliest first (ties: the lower index first),
+                                     merged from the parts once they cover every layer (`merge_ranking`)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+from pathlib import Path
+from typing import Any, Iterator, Optional, Sequence
+
+import torch
+from torch import nn
+
+from harness.config import ConfigError, JobConfig
+from harness.files import atomic_write_text
+
+MEASURES = ("stage1", "kl")
+RANKING_DIR, RANKING_JSON, RANKING_MD, PARTS_DIR = "ranking", "layer_ranking.json", "layer_ranking.md", "parts"
+RANK_COMMAND = "harness transfer --rank-layers JOB"  # how the errors tell the user to write the ranking
+# What a part's costs depend on besides its layers: parts that differ in any of these are not one ranking.
+SETTINGS = ("job", "teacher", "teacher_layers", "mixer", "options", "measure", "loss", "data", "seed")
+
+__all__ = ["MEASURES", "MixerAsAttention", "replaced_attention", "kl_per_token", "rank_layers", "merge_ranking",
+           "costliest_layers", "ranking_dir", "ranking_order"]
+
+
+def ranking_dir(job: JobConfig) -> Path:
+    from harness.stages.common import run_dir
+
+    return run_dir(job) / RANKING_DIR
+
+
+def part_path(job: JobConfig, measure: str, layers: Sequence[int]) -> Path:
+    from harness.stages.common import group_name
+
+    return ranking_dir(job) / PARTS_DIR / measure / f"{group_name(list(layers))}.json"
+
+
+def check_measure(measure: str) -> str:
+    if measure not in MEASURES:
+        raise ConfigError(f"--rank-by '{measure}' is not a ranking measure; use one of {', '.join(MEASURES)}.")
+    return measure
+
+
+# ------------------------------------------------------------------------------------------ one layer replaced
+
+
+class MixerAsAttention(nn.Module):
+    """A token mixer standing in for a teacher layer's `self_attn`.
+
+    transformers 5.x calls the attention as `self_attn(hidden_states=..., position_embeddings=..., attention_mask=...,
+    ...)` and reads `(output, weights)`. The mixer reads the normalised hidden states (in its own dtype) and, when
+    its options use RoPE, the student's position embeddings for positions 0..T-1 (`rope(ids-shaped [B, T])`), not the
+    teacher's: its rope_theta may differ. Sequences must be unpadded: the teacher's mask (causal, or None) is not
+    read, the mixer is causal by construction.
+    """
+
+    def __init__(self, mixer: nn.Module, rope: Any = None):
+        super().__init__()
+        self.mixer = mixer
+        self.rope = rope if rope is not None else (lambda ids: None)
+
+    def forward(self, hidden_states: torch.Tensor, position_embeddings: Any = None, attention_mask: Any = None,
+                **kwargs: Any) -> tuple[torch.Tensor, None]:
+        dtype = next(self.mixer.parameters()).dtype
+        y, _ = self.mixer(hidden_states.to(dtype), position_embeddings=self.rope(hidden_states[..., 0]))
+        return y.to(hidden_states.dtype), None
+
+
+@contextlib.contextmanager
+def replaced_attention(model: nn.Module, layer: int, module: Optional[nn.Module]) -> Iterator[nn.Module]:
+    """The block runs `model` (a Llama-style causal LM) with layer `layer`'s `self_attn` replaced by `module`
+    (None: nothing replaced); the teacher's attention is put back afterwards, also when the block fails."""
+    block = model.model.layers[layer]
+    original = block.self_attn
+    if module is not None:
+        block.self_attn = module
+    try:
+        yield model
+    finally:
+        block.self_attn = original
+
+
+@torch.no_grad()
+def log_probs(model: nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    """The model's next-token log-probabilities `[B, T, V]` (float32) on unpadded ids `[B, T]`."""
+    return torch.log_softmax(model(input_ids=ids, use_cache=False).logits.float(), dim=-1)
+
+
+@torch.no_grad()
+def kl_per_token(teacher_log_p: torch.Tensor, log_q: torch.Tensor) -> float:
+    """KL(teacher || model) = sum_v p (log p - log q), averaged over every token (float64 sum)."""
+    p = teacher_log_p.exp()
+    per_token = (p * (teacher_log_p - log_q)).sum(-1)
+    return float(per_token.double().mean())
+
+
+# ------------------------------------------------------------------------------------------ measuring
+
+
+def start_mixers(job: JobConfig, model: nn.Module, config: Any, layers: Sequence[int], fit_ids: torch.Tensor,
+                 device: torch.device) -> dict[int, tuple[nn.Module, str]]:
+    """layer -> (its mixer, "stage1" or "init"): the stage-1 weights where a complete stage-1 group holds the
+    layer, else the mixer as stage 1 starts it (init_mixer, output scales fitted on stage 1's first batch)."""
+    from harness.stages.align import find_group_weights, init_mixer, stage_autocast
+    from harness.student import FIT_KINDS, fit_output_scales, rope_for
+    from harness.teacher import capture_activations
+    from harness.transfer import stage1_mixer
+
+    stage1 = find_group_weights(job, "align_mixer")
+    out: dict[int, tuple[nn.Module, str]] = {}
+    fresh = [l for l in layers if l not in stage1]
+    if fresh:
+        acts = capture_activations(model, fit_ids, layers=fresh, kinds=FIT_KINDS)
+        mixers = {l: init_mixer(model.model.layers[l], config, l, job.seed).to(device) for l in fresh}
+        fit_output_scales(mixers, acts, rope_for(config, device)(fit_ids), stage_autocast(job, device))
+        out.update({l: (m, "init") for l, m in mixers.items()})
+    for l in layers:
+        if l in stage1:
+            out[l] = (stage1_mixer(job, config, model.model.layers[l], l, stage1[l]).to(device), "stage1")
+    return {l: out[l] for l in layers}
+
+
+def rank_layers(job: JobConfig, *, measure: str = "stage1", layers: Optional[Sequence[int]] = None,
+                sequences: int = 2, seq_len: int = 512, device: Optional[torch.device] = None,
+                progress: bool = True) -> dict[str, Any]:
+    """Each layer's cost under `measure` (see the module docstring), for `layers` (default: all). Returns the
+    part (JSON-able): the settings (SETTINGS) and {"layers": {"L": {"cost", "weights"}}}."""
+    from tqdm import tqdm
+
+    from harness.data import prepare_job_corpus
+    from harness.stages.align import first_batch, layer_loss, stage_autocast
+    from harness.stages.common import load_job_teacher, num_student_layers, resolve_device
+    from harness.student import rope_for, student_config
+    from harness.teacher import capture_activations
+    from harness.transfer import sample_sequences
+
+    check_measure(measure)
+    device = device or resolve_device(job)
+    n_layers = num_student_layers(job)
+    chosen = sorted(set(layers)) if layers is not None else list(range(n_layers))
+    if not chosen or chosen[0] < 0 or chosen[-1] >= n_layers:
+        raise ConfigError(f"layers {list(layers or [])} are outside the teacher's 0-{n_layers - 1}.")
+    # the stage-1 loss reads the teacher up to the last chosen layer; the KL runs all of it
+    teacher = load_job_teacher(job, device, up_to_layer=chosen[-1] + 1 if measure == "stage1" else None)
+    model = teacher.model
+    corpus = prepare_job_corpus(job, teacher.tokenizer, max_positions=model.config.max_position_embeddings)
+    ids, origin = sample_sequences(corpus, sequences, seq_len)
+    ids = ids.to(device)
+    config = student_config(model.config, job.student.mixer, dict(job.student.options))
+    rope = rope_for(config, device)
+    mixers = start_mixers(job, model, config, chosen, first_batch(job, corpus).to(device), device)
+    loss = job.stages.align_mixer.loss
+    if measure == "stage1":
+        acts = capture_activations(model, ids, layers=chosen, kinds=("attn_input", "attn_output"))
+    else:
+        teacher_log_p = log_probs(model, ids)
+    costs = {}
+    for layer in tqdm(chosen, desc=f"rank ({measure})", unit="layer", disable=not progress):
+        mixer, weights = mixers[layer]
+        mixer.eval()
+        with torch.no_grad():
+            if measure == "stage1":
+                with stage_autocast(job, device):
+                    cost = float(layer_loss(mixer, "align_mixer", acts, layer, rope(ids), loss))
+            else:
+                with replaced_attention(model, layer, MixerAsAttention(mixer, rope)):
+                    cost = kl_per_token(teacher_log_p, log_probs(model, ids))
+        costs[str(layer)] = {"cost": cost, "weights": weights}
+    return {"job": job.name, "teacher": job.teacher.source, "teacher_layers": n_layers, "mixer": job.student.mixer,
+            "options": dict(job.student.options), "measure": measure, "loss": loss if measure == "stage1" else None,
+            "data": {"origin": origin, "sequences": int(ids.shape[0]), "seq_len": int(ids.shape[1])},
+            "seed": job.seed, "layers": costs}
+
+
+# ------------------------------------------------------------------------------------------ files
+
+
+def write_part(job: JobConfig, part: dict[str, Any]) -> Path:
+    """One layer group's costs under RUN/ranking/parts/<measure>/ (atomically)."""
+    layers = sorted(int(l) for l in part["layers"])
+    path = part_path(job, part["measure"], layers)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(path, json.dumps(part, indent=1, sort_keys=True))
+    return path
+
+
+def ranking_order(costs: dict[int, float]) -> list[int]:
+    """Layers costliest first; equal costs (and NaN, last) by layer index, so that the order is deterministic."""
+    return sorted(costs, key=lambda l: (math.isnan(costs[l]), -costs[l] if not math.isnan(costs[l]) else 0.0, l))
+
+
+def _settings(part: dict[str, Any]) -> dict[str, Any]:
+    return {k: part.get(k) for k in SETTINGS}
+
+
+def merge_ranking(job: JobConfig, measure: str = "stage1", *, require_all: bool = True) -> Optional[Path]:
+    """Merge the parts of `measure` into RUN/ranking/layer_ranking.json and .md; returns the JSON's path.
+
+    Parts made under other settings than the newest part (data, seed, teacher, mixer, loss: an older ranking) are
+    left out. When the parts do not cover every layer of the teacher: a ConfigError naming the missing layers
+    (`require_all`), else None and nothing written."""
+    folder = ranking_dir(job) / PARTS_DIR / check_measure(measure)
+    files = sorted(folder.glob("layers-*.json"), key=lambda p: (p.stat().st_mtime_ns, p.name)) if folder.is_dir() else []
+    if not files:
+        raise ConfigError(f"No {measure} ranking parts under {folder}; write them with `{RANK_COMMAND} --rank-by "
+                          f"{measure}` (or `harness submit JOB --rank-layers`).")
+    parts = [json.loads(p.read_text()) for p in files]
+    newest = _settings(parts[-1])
+    costs: dict[int, dict[str, Any]] = {}
+    for part in parts:  # oldest first: a layer measured again later takes its newer cost
+        if _settings(part) == newest:
+            costs.update({int(l): v for l, v in part["layers"].items()})
+    missing = [l for l in range(newest["teacher_layers"]) if l not in costs]
+    if missing:
+        if not require_all:
+            return None
+        from harness.stages.align import _spans
+
+        raise ConfigError(f"The {measure} ranking parts under {folder} lack layer(s) {missing} of the teacher's "
+                          f"{newest['teacher_layers']}; run `{RANK_COMMAND} --rank-by {measure} --layers "
+                          f"{_spans(missing)}` first.")
+    order = ranking_order({l: v["cost"] for l, v in costs.items()})
+    ranking = {**newest, "order": order,
+               "layers": [{"layer": l, "rank": order.index(l) + 1, **costs[l]} for l in sorted(costs)]}
+    out = ranking_dir(job)
+    atomic_write_text(out / RANKING_JSON, json.dumps(ranking, indent=1, sort_keys=True))
+    atomic_write_text(out / RANKING_MD, markdown(ranking))
+    return out / RANKING_JSON
+
+
+def markdown(ranking: dict[str, Any]) -> str:
+    """The ranking as Markdown: costliest layer first."""
+    d = ranking["data"]
+    what = (f"stage-1 loss ({ranking['loss']}) of the layer's mixer" if ranking["measure"] == "stage1"
+            else "KL(teacher || model) per token, only this layer's attention replaced by its mixer")
+    by_layer = {r["layer"]: r for r in ranking["layers"]}
+    lines = [f"# Layer ranking: {ranking['job']}", "",
+             f"Teacher `{ranking['teacher']}` ({ranking['teacher_layers']} layers), mixer {ranking['mixer']}; "
+             f"cost = {what}, on {d['sequences']} sequences x {d['seq_len']} tokens of the {d['origin']}, seed "
+             f"{ranking['seed']}. Costliest first (equal costs: lower layer first).", "",
+             "| rank | layer | cost | weights |", "|---|---|---|---|"]
+    lines += [f"| {i + 1} | {l} | {by_layer[l]['cost']:.6g} | {by_layer[l]['weights']} |"
+              for i, l in enumerate(ranking["order"])]
+    return "\n".join(lines) + "\n"
+
+
+def costliest_layers(job: JobConfig, k: int) -> list[int]:
+    """The `k` costliest layers of the job's ranking (RUN/ranking/layer_ranking.json), sorted by index: the layers a
+    hybrid student keeps as the teacher's attention. ConfigError when the file is missing, is another teacher's,
+    or k is outside 0..layers."""
+    from harness.stages.common import num_student_layers
+
+    path = ranking_dir(job) / RANKING_JSON
+    if not path.is_file():
+        raise ConfigError(f"No layer ranking at {path}: write it with `{RANK_COMMAND}` (or `harness submit JOB "
+                          "--rank-layers` on Slurm), then choose the layers from it.")
+    ranking = json.loads(path.read_text())
+    n = num_student_layers(job)
+    if ranking.get("teacher") != job.teacher.source or ranking.get("teacher_layers") != n:
+        raise ConfigError(f"{path} ranks the {ranking.get('teacher_layers')} layers of teacher "
+                          f"'{ranking.get('teacher')}', not the {n} of this job's '{job.teacher.source}'; rank again "
+                          f"with `{RANK_COMMAND}`.")
+    if isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= n:
+        raise ConfigError(f"K={k!r} costliest layers: K must be an integer from 0 to the teacher's {n} layers.")
+    return sorted(ranking["order"][:k])

@@ -1,0 +1,321 @@
+"""Layer ranking (harness/ranking.py): the one-layer replacement is checked against the teacher itself and against a
+hand-written forward, the stage-1 cost against `harness transfer`'s step-0 MSE (itself checked against stage 1's
+first logged loss), a teacher built with one sharp attention layer ranks it first under both measures, and parts
+merge into the whole ranking; the Slurm plan is rendered and its scripts run here with bash."""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+from harness.cli import main
+from harness.config import ConfigError
+from harness.ranking import (MixerAsAttention, costliest_layers, kl_per_token, log_probs, merge_ranking, rank_layers,
+                             ranking_dir, ranking_order, replaced_attention, write_part)
+from harness.transfer import AttentionProbe, transfer_report
+from tests.pipeline import make_setting, tiny_job
+
+SHARP, MILD = 2, 1  # the sharp layer after the mild one: neither index order nor depth favours it
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory):
+    root = tmp_path_factory.mktemp("ranking")
+    make_setting(root / "setting")
+    return root
+
+
+def job_in(root: Path, run: str, *overrides: str):
+    return tiny_job(root / "setting", root / run, "data.validation_tokens=512", *overrides)
+
+
+def rank_and_merge(job, measure: str = "stage1", groups=None) -> dict:
+    for layers in groups or [None]:
+        write_part(job, rank_layers(job, measure=measure, layers=layers, sequences=2, seq_len=32, progress=False))
+    return json.loads(merge_ranking(job, measure).read_text())
+
+
+@pytest.fixture(scope="module")
+def sharp_teacher(root):
+    """The tiny teacher made so that linear attention copies all but two layers exactly: q = k = 0 gives uniform
+    causal attention, which linear_attn (elu+1 features, normalised) reproduces; layer MILD keeps its random q/k
+    (mildly non-uniform attention), layer SHARP has q and k scaled by 8, so its softmax is near one-hot on some
+    earlier key, which no linear mixer copies. Every o_proj is scaled by 10 and the final norm by 20, alike for all
+    layers, so that attention matters to the logits and the next-token distributions are peaked."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    src, _ = make_setting(root / "setting")
+    model = AutoModelForCausalLM.from_pretrained(src)
+    with torch.no_grad():
+        for i, layer in enumerate(model.model.layers):
+            a = layer.self_attn
+            a.o_proj.weight.mul_(10)
+            if i == SHARP:
+                a.q_proj.weight.mul_(8)
+                a.k_proj.weight.mul_(8)
+            elif i != MILD:
+                a.q_proj.weight.zero_()
+                a.k_proj.weight.zero_()
+        model.model.norm.weight.mul_(20)
+    out = root / "sharp-teacher"
+    model.save_pretrained(out)
+    AutoTokenizer.from_pretrained(src).save_pretrained(out)
+    return out
+
+
+# ------------------------------------------------------------------------------------------ the measures
+
+
+@pytest.mark.parametrize("measure", ["stage1", "kl"])
+def test_a_sharp_layer_ranks_first_and_a_mildly_non_uniform_one_second(root, sharp_teacher, measure):
+    job = job_in(root, f"sharp-{measure}", f"teacher.source={sharp_teacher}", "student.mixer=linear_attn")
+    ranking = rank_and_merge(job, measure)
+    costs = {r["layer"]: r["cost"] for r in ranking["layers"]}
+    assert ranking["order"][:2] == [SHARP, MILD], costs
+    uniform = [l for l in costs if l not in (SHARP, MILD)]
+    assert costs[SHARP] > 10 * costs[MILD] and costs[MILD] > 1e-3
+    assert all(abs(costs[l]) < 1e-6 for l in uniform)  # copied exactly: the teacher's uniform attention
+    assert {r["weights"] for r in ranking["layers"]} == {"init"} and ranking["measure"] == measure
+    assert costliest_layers(job, 1) == [SHARP] and costliest_layers(job, 2) == sorted([SHARP, MILD])
+
+
+class TeacherAttentionAsMixer(torch.nn.Module):
+    """The teacher's own attention (harness.transfer.AttentionProbe, an independent softmax) behind a mixer's call
+    convention `(x, position_embeddings=...) -> (y, state)`; counts its calls."""
+
+    def __init__(self, model, layer: int):
+        super().__init__()
+        self.probe, self.calls = AttentionProbe.of_teacher(model, layer), 0
+        self.anchor = torch.nn.Parameter(torch.zeros(1))  # MixerAsAttention reads the dtype of a parameter
+
+    def forward(self, x, position_embeddings=None):
+        self.calls += 1
+        positions = torch.arange(x.shape[1])[None].expand(x.shape[0], -1)
+        return self.probe.output(x, positions), None
+
+
+def test_kl_is_zero_with_no_layer_or_the_teachers_own_attention_standing_in(root):
+    from harness.stages.common import load_job_teacher
+
+    job = job_in(root, "kl-zero")
+    model = load_job_teacher(job).model
+    ids = torch.randint(0, model.config.vocab_size, (2, 24), generator=torch.Generator().manual_seed(0))
+    teacher = log_probs(model, ids)
+    with replaced_attention(model, 1, None):
+        assert kl_per_token(teacher, log_probs(model, ids)) == 0.0
+    for layer in range(model.config.num_hidden_layers):
+        original = model.model.layers[layer].self_attn
+        copy = TeacherAttentionAsMixer(model, layer)
+        with replaced_attention(model, layer, MixerAsAttention(copy)):
+            assert model.model.layers[layer].self_attn is not original
+            kl = kl_per_token(teacher, log_probs(model, ids))
+        assert copy.calls == 1 and model.model.layers[layer].self_attn is original
+        assert abs(kl) < 1e-7, (layer, kl)  # float32 log-probabilities: rounding at ~1e-8
+    zero = TeacherAttentionAsMixer(model, 2)
+    zero.forward = lambda x, position_embeddings=None: (torch.zeros_like(x), None)
+    with replaced_attention(model, 2, MixerAsAttention(zero)):  # the stand-in is what runs: dropping it costs
+        assert kl_per_token(teacher, log_probs(model, ids)) > 1e-4
+    first = model.model.layers[0].self_attn
+    with pytest.raises(RuntimeError, match="inside"), replaced_attention(model, 0, MixerAsAttention(zero)):
+        raise RuntimeError("inside")
+    assert model.model.layers[0].self_attn is first
+    assert torch.equal(log_probs(model, ids), teacher)  # restored after the failure too
+
+
+def test_the_replaced_forward_is_the_hand_written_one(root):
+    """A mixer with RoPE of its own (rope_theta unlike the teacher's) in layer 2: the model's forward equals one
+    written out here, the mixer reading the normalised hidden state and its own position embeddings."""
+    from harness.stages.align import init_mixer
+    from harness.stages.common import load_job_teacher
+    from harness.student import rope_for, student_config
+
+    job = job_in(root, "by-hand", "student.mixer=gla", "student.options.rope=true", "student.options.rope_theta=500")
+    model = load_job_teacher(job).model
+    config = student_config(model.config, job.student.mixer, dict(job.student.options))
+    mixer, rope = init_mixer(model.model.layers[2], config, 2, job.seed).eval(), rope_for(config, torch.device("cpu"))
+    ids = torch.randint(0, model.config.vocab_size, (2, 24), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        h = model.model.embed_tokens(ids)
+        positions = torch.arange(24)[None].expand(2, -1)
+        teacher_rope = model.model.rotary_emb(h, positions)
+        for i, layer in enumerate(model.model.layers):
+            if i == 2:
+                h = h + mixer(layer.input_layernorm(h), position_embeddings=rope(ids))[0]
+                h = h + layer.mlp(layer.post_attention_layernorm(h))
+            else:
+                h = layer(h, position_embeddings=teacher_rope, attention_mask=None)
+        by_hand = torch.log_softmax(model.lm_head(model.model.norm(h)).float(), -1)
+        with replaced_attention(model, 2, MixerAsAttention(mixer, rope)):
+            replaced = log_probs(model, ids)
+    torch.testing.assert_close(replaced, by_hand, rtol=1e-5, atol=1e-5)
+    assert kl_per_token(log_probs(model, ids), replaced) > 1e-4
+
+
+def test_the_stage1_cost_is_the_transfer_reports_step0_mse_then_the_stage1_weights(root):
+    """Before stage 1, each layer's cost is `harness transfer`'s init mse on the same sequences (that one is stage 1's
+    first logged loss, tests/test_transfer.py); once stage 1 finished a group, its layers use the trained weights."""
+    from harness.stages.align import align_group
+
+    job = job_in(root, "stage1", "budget.total_tokens=8192")
+    before = rank_layers(job, sequences=2, seq_len=32, progress=False)
+    report = transfer_report(job, mixers=[job.student.mixer], sequences=2, seq_len=32, progress=False)
+    init = {r["layer"]: r["mse"] for r in report["rows"] if r["when"] == "init"}
+    assert {int(l): v["cost"] for l, v in before["layers"].items()} == pytest.approx(init, rel=1e-6)
+    align_group(job, "align_mixer", [0, 1])
+    after = rank_layers(job, sequences=2, seq_len=32, progress=False)
+    assert [after["layers"][str(l)]["weights"] for l in range(4)] == ["stage1", "stage1", "init", "init"]
+    report = transfer_report(job, mixers=[job.student.mixer], sequences=2, seq_len=32, progress=False)
+    trained = {r["layer"]: r["mse"] for r in report["rows"] if r["when"] == "stage1"}
+    assert {l: after["layers"][str(l)]["cost"] for l in (0, 1)} == pytest.approx(trained, rel=1e-6)
+    assert all(after["layers"][str(l)] == before["layers"][str(l)] for l in (2, 3))
+    assert all(after["layers"][str(l)]["cost"] < before["layers"][str(l)]["cost"] for l in (0, 1))
+
+
+# ------------------------------------------------------------------------------------------ files
+
+
+@pytest.mark.parametrize("measure", ["stage1", "kl"])
+def test_the_ranking_is_deterministic(root, measure):
+    files = []
+    for run in ("det-a", "det-b"):
+        job = job_in(root, f"{run}-{measure}")
+        rank_and_merge(job, measure)
+        files.append({p.name: p.read_bytes() for p in ranking_dir(job).glob("layer_ranking.*")})
+    assert set(files[0]) == {"layer_ranking.json", "layer_ranking.md"} and files[0] == files[1]
+    ranking = json.loads(files[0]["layer_ranking.json"])
+    costs = {r["layer"]: r["cost"] for r in ranking["layers"]}
+    assert ranking["order"] == sorted(costs, key=lambda l: -costs[l])  # costliest first
+    assert ranking["data"] == {"origin": "validation split", "sequences": 2, "seq_len": 32} and ranking["seed"] == 0
+    assert [r["rank"] for r in sorted(ranking["layers"], key=lambda r: r["rank"])] == [1, 2, 3, 4]
+
+
+def test_ties_are_broken_by_layer_index():
+    assert ranking_order({3: 1.0, 0: 2.0, 2: 1.0, 1: 2.0, 4: float("nan")}) == [0, 1, 2, 3, 4]
+
+
+def test_parts_merge_into_the_whole_ranking(root):
+    whole = rank_and_merge(job_in(root, "whole"))
+    job = job_in(root, "parts")
+    stale = rank_layers(job, layers=[0, 1], sequences=1, seq_len=32, progress=False)  # an older ranking's part
+    write_part(job, stale)
+    write_part(job, rank_layers(job, layers=[0, 1], sequences=2, seq_len=32, progress=False))
+    with pytest.raises(ConfigError, match=r"lack layer\(s\) \[2, 3\].*--layers 2-3"):
+        merge_ranking(job)
+    assert merge_ranking(job, require_all=False) is None and not (ranking_dir(job) / "layer_ranking.json").exists()
+    write_part(job, rank_layers(job, layers=[2, 3], sequences=2, seq_len=32, progress=False))
+    merged = json.loads(merge_ranking(job).read_text())
+    assert merged == whole
+    assert sorted(p.name for p in (ranking_dir(job) / "parts" / "stage1").iterdir()) == ["layers-00-01.json",
+                                                                                       "layers-02-03.json"]
+    with pytest.raises(ConfigError, match=r"No kl ranking parts .*--rank-by kl"):
+        merge_ranking(job, "kl")
+
+
+def test_costliest_layers_names_what_is_missing_and_bad_k(root):
+    job = job_in(root, "costliest")
+    path = ranking_dir(job) / "layer_ranking.json"
+    with pytest.raises(ConfigError, match=rf"No layer ranking at {path}.*harness transfer --rank-layers JOB"):
+        costliest_layers(job, 2)
+    ranking = rank_and_merge(job)
+    costs = {r["layer"]: r["cost"] for r in ranking["layers"]}
+    for k in range(5):
+        top = sorted(costs, key=costs.get, reverse=True)[:k]
+        assert costliest_layers(job, k) == sorted(top)
+    for bad in (-1, 5, True, "2", 1.0):
+        with pytest.raises(ConfigError, match=r"K must be an integer from 0 to the teacher's 4 layers"):
+            costliest_layers(job, bad)
+    other = job_in(root, "costliest", "teacher.num_layers=3")  # the same run directory, a shallower teacher
+    with pytest.raises(ConfigError, match="ranks the 4 layers of teacher .* not the 3"):
+        costliest_layers(other, 1)
+
+
+# ------------------------------------------------------------------------------------------ CLI and Slurm
+
+
+def job_file(job, folder: Path) -> Path:
+    path = folder / "job.yaml"
+    path.write_text(OmegaConf.to_yaml(OmegaConf.structured(job)))
+    return path
+
+
+def test_the_cli_ranks_in_parts_merges_and_names_bad_input(root, tmp_path, capsys):
+    job = job_in(root, "cli")
+    path = str(job_file(job, tmp_path))
+    assert main(["transfer", path, "--rank-layers", "--layers", "0-1", "--seq-len", "32"]) == 0
+    assert "once every layer has one" in capsys.readouterr().out
+    assert main(["transfer", path, "--rank-layers", "--layers", "2-3", "--seq-len", "32"]) == 0
+    out = capsys.readouterr().out
+    assert "# Layer ranking:" in out and "| rank | layer | cost | weights |" in out
+    written = (ranking_dir(job) / "layer_ranking.json").read_text()
+    assert main(["transfer", path, "--rank-layers", "--merge"]) == 0
+    assert (ranking_dir(job) / "layer_ranking.json").read_text() == written
+    assert main(["transfer", path, "--rank-layers", "--mixer", "gla"]) == 2
+    assert "drop --mixer" in capsys.readouterr().err
+    assert main(["transfer", path, "--merge"]) == 2
+    assert "use it with --rank-layers" in capsys.readouterr().err
+    assert main(["transfer", path, "--rank-layers", "--merge", "--rank-by", "kl"]) == 2
+    assert "No kl ranking parts" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["transfer", path, "--rank-layers", "--rank-by", "mse"])
+
+
+def test_the_slurm_plan_is_an_array_per_layer_group_then_a_merge_and_its_scripts_run(root, tmp_path, capsys,
+                                                                                       monkeypatch):
+    from harness.launch.slurm import SlurmOptions, dependency_graph, plan_ranking
+
+    job = job_in(root, "slurm", "run.layer_groups=2")
+    path = job_file(job, tmp_path)
+    planned = plan_ranking(job, str(path), ["run.layer_groups=2"], SlurmOptions(partition="gpu", gpus_per_node=1),
+                           "kl", ["--sequences", "2", "--seq-len", "32"], python=sys.executable)
+    assert [(p.stage, p.depends_on, p.tasks) for p in planned] == [("rank", None, 2), ("rank_merge", "rank", 1)]
+    rank, merge = (p.script for p in planned)
+    assert "#SBATCH --array=0-1" in rank and "GROUPS_=(0-1 2-3)" in rank and "#SBATCH --gpus-per-node=1" in rank
+    assert (f"-m harness.cli transfer {path.resolve()} run.layer_groups=2 --rank-layers --rank-by kl --sequences 2 "
+            '--seq-len 32 --layers "$LAYERS"') in rank
+    assert "--rank-layers --rank-by kl --sequences 2 --seq-len 32 --merge" in merge and "--array" not in merge
+    assert "#SBATCH --partition=gpu" in merge and "--gpus-per-node" not in merge
+    assert dependency_graph(planned) == "  rank (array of 2) (no dependency)\n  rank_merge after rank succeeds"
+    four = plan_ranking(job, str(path), [], SlurmOptions(layers_per_task=1))
+    assert four[0].tasks == 4 and "#SBATCH --array=0-3" in four[0].script and "GROUPS_=(0-0 1-1 2-2 3-3)" in four[0].script
+    # the scripts as Slurm would run them (task 0's part is written here, to keep the test short), then the merge
+    write_part(job, rank_layers(job, measure="kl", layers=[0, 1], sequences=2, seq_len=32, progress=False))
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    ran = subprocess.run(["bash", "-c", rank], env={**env, "SLURM_ARRAY_TASK_ID": "1"}, capture_output=True,
+                         text=True, timeout=300)
+    assert ran.returncode == 0, ran.stderr[-2000:]
+    assert "layers-02-03.json" in ran.stdout
+    (ranking_dir(job) / "layer_ranking.json").unlink()  # the task merged already; the merge job does it too
+    ran = subprocess.run(["bash", "-c", merge], env=env, capture_output=True, text=True, timeout=300)
+    assert ran.returncode == 0, ran.stderr[-2000:]
+    assert json.loads((ranking_dir(job) / "layer_ranking.json").read_text()) == rank_and_merge(
+        job_in(root, "slurm-reference"), "kl")
+    # `harness submit --rank-layers`: the dry run shows what is submitted, the merge waits for the whole array
+    args = ["submit", str(path), "--rank-layers", "--rank-by", "kl", "--rank-sequences", "2"]
+    assert main(args + ["--dry-run"]) == 0
+    shown = capsys.readouterr().out
+    calls = tmp_path / "calls.jsonl"
+    recorder = tmp_path / "sbatch"
+    recorder.write_text(f"""#!/usr/bin/env python3
+import json, os, sys
+n = sum(1 for _ in open({str(calls)!r})) if os.path.exists({str(calls)!r}) else 0
+with open({str(calls)!r}, 'a') as f:
+    f.write(json.dumps({{"argv": sys.argv[1:], "script": open(sys.argv[-1]).read()}}) + "\\n")
+print(200 + n)
+""")
+    recorder.chmod(recorder.stat().st_mode | stat.S_IEXEC)
+    monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
+    assert main(args) == 0
+    records = [json.loads(line) for line in calls.read_text().splitlines()]
+    assert [r["argv"][1:-1] for r in records] == [[], ["--dependency=afterok:200", "--kill-on-invalid-dep=no"]]
+    assert all(r["script"] in shown for r in records) and "--sequences 2 --layers" in records[0]["script"]
+    slurm = Path(job.output_dir) / "slurm"
+    assert json.loads((slurm / "rank-jobs.json").read_text())["jobs"] == {"rank": "200", "rank_merge": "201"}
+    assert not (slurm / "jobs.json").exists() and not (slurm / "job.yaml").exists()  # the pipeline's record is apart
