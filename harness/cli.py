@@ -221,8 +221,9 @@ def build_parser() -> argparse.ArgumentParser:
         "  harness transfer --rank-layers JOB --layers 0-9     # one part; merged once every layer has one\n"
         "  harness transfer --rank-layers JOB --merge          # merge the parts written so far\n"
         "  harness submit JOB --rank-layers                    # on Slurm: one array task per layer group\n"
-        "The ranking uses the stage-1 weights of layers whose stage 1 is complete in the run, else the init, "
-        "and writes RUN_DIR/ranking/layer_ranking.json and .md (parts under RUN_DIR/ranking/parts/).",
+        "The ranking takes each layer's stage-1 weights where the run's stage 1 is complete for it, else the\n"
+        "mixer as stage 1 starts it, and writes RUN_DIR/ranking/layer_ranking.json and .md (costliest first;\n"
+        "parts under RUN_DIR/ranking/parts/). docs/TRANSFER.md, 'Ranking the layers', says more.",
     )
     _add_job_args(transfer)
     transfer.add_argument("--rank-layers", action="store_true",

@@ -72,15 +72,17 @@ class MixerAsAttention(nn.Module):
     read, the mixer is causal by construction.
     """
 
-    def __init__(self, mixer: nn.Module, rope: Any = None):
+    def __init__(self, mixer: nn.Module, rope: Any = None, autocast: Any = None):
         super().__init__()
         self.mixer = mixer
         self.rope = rope if rope is not None else (lambda ids: None)
+        self.autocast = autocast if autocast is not None else contextlib.nullcontext()  # stage 1's (stage_autocast)
 
     def forward(self, hidden_states: torch.Tensor, position_embeddings: Any = None, attention_mask: Any = None,
                 **kwargs: Any) -> tuple[torch.Tensor, None]:
         dtype = next(self.mixer.parameters()).dtype
-        y, _ = self.mixer(hidden_states.to(dtype), position_embeddings=self.rope(hidden_states[..., 0]))
+        with self.autocast:
+            y, _ = self.mixer(hidden_states.to(dtype), position_embeddings=self.rope(hidden_states[..., 0]))
         return y.to(hidden_states.dtype), None
 
 
@@ -181,7 +183,7 @@ def rank_layers(job: JobConfig, *, measure: str = "stage1", layers: Optional[Seq
                 with stage_autocast(job, device):
                     cost = float(layer_loss(mixer, "align_mixer", acts, layer, rope(ids), loss))
             else:
-                with replaced_attention(model, layer, MixerAsAttention(mixer, rope)):
+                with replaced_attention(model, layer, MixerAsAttention(mixer, rope, stage_autocast(job, device))):
                     cost = kl_per_token(teacher_log_p, log_probs(model, ids))
         costs[str(layer)] = {"cost": cost, "weights": weights}
     return {"job": job.name, "teacher": job.teacher.source, "teacher_layers": n_layers, "mixer": job.student.mixer,
