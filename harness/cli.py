@@ -554,15 +554,16 @@ def _rank_layers(job, args: argparse.Namespace) -> int:
         print("[harness] other layers have no part yet: layer_ranking.json is written once every layer has one "
               "(or merge with --merge)")
         return 0
-    print(merged.with_suffix(".md").read_text(), end="")
-    print(f"\n[harness] wrote {merged} and {merged.with_suffix('.md')}")
-    return 0
+    return _show_ranking(merged)
 
 
 def _merge_ranking(job, measure: str) -> int:
     from harness.ranking import merge_ranking
 
-    merged = merge_ranking(job, measure)
+    return _show_ranking(merge_ranking(job, measure))
+
+
+def _show_ranking(merged) -> int:
     print(merged.with_suffix(".md").read_text(), end="")
     print(f"\n[harness] wrote {merged} and {merged.with_suffix('.md')}")
     return 0

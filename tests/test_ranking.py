@@ -265,6 +265,12 @@ def test_the_cli_ranks_in_parts_merges_and_names_bad_input(root, tmp_path, capsy
     assert "No kl ranking parts" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         main(["transfer", path, "--rank-layers", "--rank-by", "mse"])
+    from harness.cli import build_parser
+    from harness.ranking import MEASURES
+
+    commands = build_parser()._subparsers._group_actions[0].choices
+    for cmd in ("transfer", "submit"):  # the CLI's spelling (kept literal: --help imports no torch)
+        assert tuple(next(a for a in commands[cmd]._actions if a.dest == "rank_by").choices) == MEASURES
 
 
 def test_the_slurm_plan_is_an_array_per_layer_group_then_a_merge_and_its_scripts_run(root, tmp_path, capsys,
