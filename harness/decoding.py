@@ -24,6 +24,10 @@ The graph reads the token and every layer's state from static buffers, and its l
 back into them, so a replay leaves the cache as an eager step would (`cache.seen_tokens` is advanced on the host).
 Mixers with rotary embeddings take positions from the host each step and are decoded eagerly, as is everything
 off CUDA. `tests/gpu/test_decoding_gpu.py` checks graphed against eager tokens for every mixer.
+
+Hybrid students (kept softmax-attention layers) are decoded eagerly too: their KV states grow by one column per
+token, so no two steps have the same shapes (`graph_blocker` says why). In a batch their rows' KV states are
+left-padded to the longest prompt and the prompts' mask hides the padding, as for rotary mixers.
 """
 
 from __future__ import annotations
@@ -34,14 +38,36 @@ from typing import Any, Callable, Optional, Sequence
 
 import torch
 
+from harness.attention import KVState
 from harness.student import HarnessForCausalLM, RecurrentCache
 
 
+def graph_blocker(model: Any) -> Optional[str]:
+    """Why `model`'s decoding step cannot be captured as a CUDA graph, or None when it can."""
+    if not isinstance(model, HarnessForCausalLM):
+        return f"{type(model).__name__} is not a harness student"
+    if model.config.kept_layers():
+        return (f"a hybrid student (softmax attention kept in layers {sorted(model.config.kept_layers())}): its KV "
+                "cache grows every step, so the step's shapes change")
+    if model.model.rotary_emb is not None:
+        return "its mixers use rotary embeddings, whose positions come from the host each step"
+    if (model.config.mixer_options or {}).get("window"):
+        return "its mixers have a sliding window (student.options.window), whose step has not been captured on a GPU yet"
+    if not next(model.parameters()).is_cuda:
+        return "it is not on a CUDA device"
+    return None
+
+
 def graphable(model: Any) -> bool:
-    """A harness student on a CUDA device without rotary embeddings (their positions come from the host) and without
-    a sliding window (its step has not been captured on a GPU yet: it decodes eagerly)."""
-    return (isinstance(model, HarnessForCausalLM) and model.model.rotary_emb is None
-            and not (model.config.mixer_options or {}).get("window") and next(model.parameters()).is_cuda)
+    """A harness student on a CUDA device without rotary embeddings (their positions come from the host),
+    kept attention layers (growing KV caches) or a sliding window: `graph_blocker` is None."""
+    return graph_blocker(model) is None
+
+
+def needs_positions(model: HarnessForCausalLM) -> bool:
+    """Whether the student's steps read positions (rotary mixers, kept attention layers): a batch of prompts of
+    unequal lengths then passes their left-padded mask each step."""
+    return model.model.rotary_emb is not None or model.model.attention_rotary is not None
 
 
 class GraphedStep:
@@ -49,8 +75,8 @@ class GraphedStep:
     the graph's static buffers: keep using this object (not the model) for the cache's next tokens."""
 
     def __init__(self, model: HarnessForCausalLM, cache: RecurrentCache, warmup: int = 2) -> None:
-        if not graphable(model):
-            raise ValueError("GraphedStep needs a harness student on CUDA without rotary embeddings")
+        if (reason := graph_blocker(model)) is not None:
+            raise ValueError(f"GraphedStep cannot capture this model's step: {reason}")
         if any(s is None for s in cache.states):
             raise ValueError("GraphedStep needs a prefilled cache (every layer's state set)")
         self.model, self.cache = model, cache
@@ -130,7 +156,7 @@ def greedy_decode_batch(model: Any, prompts: Sequence[Sequence[int] | torch.Tens
     if any(r.numel() == 0 for r in rows):
         raise ValueError("greedy_decode_batch: every prompt needs at least one token")
     logits, cache = _prefill_rows(model, rows)
-    mask = _prompt_mask(rows) if model.model.rotary_emb is not None else None
+    mask = _prompt_mask(rows) if needs_positions(model) else None
     step = _graphed_or_none(model, cache) if graphs and graphable(model) and max_new_tokens > 1 else None
     news: list[list[int]] = [[] for _ in rows]
     open_rows = set(range(len(rows)))
@@ -172,7 +198,10 @@ def _prefill_rows(model: HarnessForCausalLM, rows: list[torch.Tensor]) -> tuple[
 
 
 def _stack(states: list[Any]) -> Any:
-    """One layer's per-row states (batch 1 each) as one state of the rows in order (a copy even for one row)."""
+    """One layer's per-row states (batch 1 each) as one state of the rows in order (a copy even for one row); KV
+    states of unequal lengths are left-padded to the longest (the prompts' mask hides the padding)."""
+    if isinstance(states[0], KVState):
+        return KVState.stack_left_padded(states)
     columns = [torch.cat(ts) for ts in zip(*(s.tensors() for s in states), strict=True)]
     it = iter(columns)
     return states[0].map(lambda _: next(it))

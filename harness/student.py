@@ -1,9 +1,14 @@
-"""The student: the teacher's network with every attention block replaced by a linear-time mixer.
+"""The student: the teacher's network with its attention blocks replaced by linear-time mixers.
 
 `HarnessConfig` / `HarnessForCausalLM` are ordinary transformers classes registered with the Auto* factories
 when `harness` is imported, so a saved student loads with `AutoModelForCausalLM.from_pretrained(dir)`
 (no remote code). Decoding keeps one `MixerState` per layer in a `RecurrentCache`: prefill runs the chunked
 form once, then each new token is one recurrent step; memory does not grow with the context.
+
+A hybrid student (`HarnessConfig.attention_layers`, the job's `student.attention_layers`) keeps the teacher's
+softmax attention in those layers (`AttentionBlock`, harness.attention): their weights are the teacher's under
+the teacher's names, their RoPE the teacher's, and their cache entry a growing `KVState` beside the other
+layers' fixed-size MixerStates.
 """
 
 from __future__ import annotations
@@ -12,7 +17,7 @@ import contextlib
 import copy
 import warnings
 from dataclasses import asdict, dataclass
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 from huggingface_hub.dataclasses import strict
@@ -22,6 +27,7 @@ from transformers.cache_utils import Cache
 from transformers.modeling_outputs import ModelOutput
 from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm, LlamaRotaryEmbedding
 
+from harness.attention import KVState, SoftmaxAttention
 from harness.mixers import Mixer, MixerShape, MixerState, mixer_class, mixer_options, resolved_options, saved_options
 from harness.teacher import attention_layout
 
@@ -40,16 +46,30 @@ class HarnessConfig(LlamaConfig):
     qkv_bias: bool | None = None
     o_bias: bool | None = None
     qk_norm: bool | None = None
+    # Layers that keep the teacher's softmax attention (a hybrid student); None or [] keeps none.
+    attention_layers: list[int] | None = None
+    # The teacher's sliding window of each kept layer, in attention_layers' order (Mistral's; None: full context).
+    attention_windows: list[int | None] | None = None
+
+    def kept_layers(self) -> frozenset[int]:
+        """The layers that keep softmax attention (`attention_layers`)."""
+        return frozenset(self.attention_layers or ())
+
+    def attention_window(self, layer: int) -> Optional[int]:
+        """The teacher's sliding window at kept layer `layer` (None: it attends to the whole context)."""
+        windows = self.attention_windows or [None] * len(self.attention_layers or ())
+        return dict(zip(self.attention_layers or (), windows)).get(layer)
 
 
 class RecurrentCache(Cache):
-    """Per-layer mixer states for generation, behind transformers' Cache interface."""
+    """Per-layer decoding states behind transformers' Cache interface: a MixerState for a mixer layer, a KVState
+    (growing with the context) for a kept softmax-attention layer."""
 
     is_compileable = False
 
     def __init__(self, num_layers: int = 0) -> None:
         super().__init__(layers=[])
-        self.states: list[Optional[MixerState]] = [None] * num_layers
+        self.states: list[Optional[MixerState | KVState]] = [None] * num_layers
         self.seen_tokens = 0
 
     def __len__(self) -> int:
@@ -74,11 +94,15 @@ class RecurrentCache(Cache):
         self.reorder_cache(indices)
 
     def state_bytes(self) -> int:
-        """Memory held by the states: constant in the context length."""
+        """Memory held by every state: constant in the context length, but for the KV part (`kv_bytes`)."""
         return sum(_tensor_bytes(s) for s in self.states if s is not None)
 
+    def kv_bytes(self) -> int:
+        """Memory held by the kept attention layers' keys and values: it grows linearly with the context."""
+        return sum(_tensor_bytes(s) for s in self.states if isinstance(s, KVState))
 
-def _tensor_bytes(state: MixerState) -> int:
+
+def _tensor_bytes(state: MixerState | KVState) -> int:
     return sum(t.numel() * t.element_size() for t in state.tensors())
 
 
@@ -150,11 +174,32 @@ class StudentBlock(nn.Module):
         return hidden + self.mlp(normed, fused=fused), state
 
 
+class AttentionBlock(nn.Module):
+    """A teacher decoder layer kept as it is (a hybrid student's `attention_layers`): x + attn(norm(x)), then
+    x + mlp(norm(x)), with the teacher's softmax attention (`SoftmaxAttention`), norms and MLP under the teacher's
+    names. It runs in PyTorch (no fused norms): at init it computes what the teacher's layer computes."""
+
+    def __init__(self, config: HarnessConfig, layer_idx: int):
+        super().__init__()
+        self.input_layernorm = BlockRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.self_attn = SoftmaxAttention(MixerShape.from_config(config), layer_idx, config.attention_window(layer_idx))
+        self.post_attention_layernorm = BlockRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.mlp = BlockMLP(config)
+
+    def forward(self, hidden, position_embeddings=None, state=None, use_cache=False, mask=None):
+        """position_embeddings: the teacher's rotary (cos, sin) at the new tokens; mask: None, or `[B, seen + T]`
+        over the cached and the new tokens, 0 at padding (the keys a row must not see)."""
+        mixed, state = self.self_attn(self.input_layernorm(hidden), position_embeddings=position_embeddings,
+                                      state=state, use_cache=use_cache, key_mask=mask)
+        normed, hidden = self.post_attention_layernorm(mixed, residual=hidden)
+        return hidden + self.mlp(normed), state
+
+
 class HarnessPreTrainedModel(PreTrainedModel):
     config_class = HarnessConfig
     base_model_prefix = "model"
     supports_gradient_checkpointing = True
-    _no_split_modules = ["StudentBlock"]
+    _no_split_modules = ["StudentBlock", "AttentionBlock"]
     # students saved before gate_init existed have swish gates without a bias; initialised to 0 it computes the same
     _keys_to_ignore_on_load_missing = [r"\.mixer\.g_proj\.bias$"]
 
@@ -163,9 +208,13 @@ class HarnessModel(HarnessPreTrainedModel):
     def __init__(self, config: HarnessConfig):
         super().__init__(config)
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, config.pad_token_id)
-        self.layers = nn.ModuleList(StudentBlock(config, i) for i in range(config.num_hidden_layers))
+        kept = config.kept_layers()
+        self.layers = nn.ModuleList((AttentionBlock if i in kept else StudentBlock)(config, i)
+                                    for i in range(config.num_hidden_layers))
         self.norm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.rotary_emb = student_rotary(config)
+        # the teacher's own rotary (its theta, not the mixers' rope_theta option), for the kept attention layers
+        self.attention_rotary = LlamaRotaryEmbedding(config) if kept else None
         self.gradient_checkpointing = False
         self.recompute_blocks = frozenset(range(config.num_hidden_layers))  # under gradient_checkpointing
         self.post_init()
@@ -177,20 +226,24 @@ class HarnessModel(HarnessPreTrainedModel):
         untouched and the rotary positions count real tokens only, so that a padded row computes what it would
         alone (at its real positions)."""
         hidden = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
-        rope = None
-        if self.rotary_emb is not None:
-            rope = self.rotary_emb(hidden, self._positions(hidden, cache, attention_mask))
+        rope = attention_rope = None
+        if self.rotary_emb is not None or self.attention_rotary is not None:
+            positions = self._positions(hidden, cache, attention_mask)
+            rope = self.rotary_emb(hidden, positions) if self.rotary_emb is not None else None
+            attention_rope = self.attention_rotary(hidden, positions) if self.attention_rotary is not None else None
         mask = None
         if attention_mask is not None:
             mask = attention_mask[:, -hidden.shape[1]:].bool()
             mask = None if bool(mask.all()) else mask  # decoding steps after a left-padded prompt
         for i, block in enumerate(self.layers):
             prior = cache.states[i] if cache is not None else None
+            # a kept attention layer reads the teacher's rotary and the mask over every key, cached ones included
+            args = (attention_rope, attention_mask) if isinstance(block, AttentionBlock) else (rope, mask)
             if self.gradient_checkpointing and self.training and i in self.recompute_blocks:
-                hidden, state = self._gradient_checkpointing_func(block.__call__, hidden, rope, prior, use_cache,
-                                                                  mask)
+                hidden, state = self._gradient_checkpointing_func(block.__call__, hidden, args[0], prior, use_cache,
+                                                                  args[1])
             else:
-                hidden, state = block(hidden, rope, prior, use_cache, mask)
+                hidden, state = block(hidden, args[0], prior, use_cache, args[1])
             if use_cache:
                 cache.states[i] = state
         if use_cache:
@@ -348,17 +401,18 @@ def rope_for(config: HarnessConfig, device: torch.device) -> Callable[[torch.Ten
 
 
 def build_student(teacher: Any, mixer: str, *, fit_on: Optional[torch.Tensor] = None,
-                  **options: Any) -> HarnessForCausalLM:
+                  attention_layers: Sequence[int] = (), **options: Any) -> HarnessForCausalLM:
     """A student of `teacher` (a `harness.teacher.Teacher` or a Llama-style causal LM) with `mixer` layers.
 
     Embeddings, norms, MLPs and the (tied) head are copied; each mixer gets the teacher attention's
     Q, K, V, O (K/V expanded over the query heads) and its new parameters as its options say (docs/TRANSFER.md).
+    attention_layers: layers that keep the teacher's softmax attention (a hybrid), copied bit for bit.
     fit_on: token ids `[B, T]` on which each mixer's output scale is fitted to the teacher's attention heads
     (options.output_scale), as stage 1 does on its first batch; None leaves the scales as built.
     """
     model = teacher if isinstance(teacher, nn.Module) else teacher.model
     mixer_options(mixer, options)  # validates before anything is built
-    config = student_config(model.config, mixer, options)
+    config = student_config(model.config, mixer, options, attention_layers)
     dtype = next(model.parameters()).dtype
     student = HarnessForCausalLM(config).to(dtype)
     copy_teacher_weights(model, student)
@@ -370,7 +424,8 @@ def build_student(teacher: Any, mixer: str, *, fit_on: Optional[torch.Tensor] = 
         acts = capture_activations(model, ids, kinds=FIT_KINDS)
         rope = rope_for(config, ids.device)(ids)
         student.to(ids.device)
-        fit_output_scales({i: layer.mixer for i, layer in enumerate(student.model.layers)}, acts, rope)
+        fit_output_scales({i: layer.mixer for i, layer in enumerate(student.model.layers)
+                           if isinstance(layer, StudentBlock)}, acts, rope)
     return student
 
 
@@ -411,16 +466,35 @@ def warn_zero_embedding_rows(student: HarnessForCausalLM) -> None:
                       RuntimeWarning, stacklevel=3)
 
 
-def student_config(teacher_config: Any, mixer: str, options: dict[str, Any]) -> HarnessConfig:
+def student_config(teacher_config: Any, mixer: str, options: dict[str, Any],
+                   attention_layers: Sequence[int] = ()) -> HarnessConfig:
     """The config of a `mixer` student of a teacher with `teacher_config`: the teacher's geometry and attention layout
-    (biases, q/k norms), the mixer and every one of its options."""
+    (biases, q/k norms), the mixer and every one of its options, and the layers that keep softmax attention
+    (`attention_layers`, sorted; None when there are none, as in a student saved before hybrids existed)."""
+    kept = sorted(int(i) for i in attention_layers)
+    outside = [i for i in kept if not 0 <= i < teacher_config.num_hidden_layers]
+    if outside or len(set(kept)) != len(kept):
+        raise ValueError(f"attention_layers {list(attention_layers)} must be distinct layers of the "
+                         f"{teacher_config.num_hidden_layers}-layer teacher (0-{teacher_config.num_hidden_layers - 1})")
     fields = {k: v for k, v in teacher_config.to_dict().items() if k in HarnessConfig.__dataclass_fields__}
     for drop in ("model_type", "architectures", "quantization_config", "transformers_version", "dtype",
-                 "qkv_bias", "o_bias", "qk_norm"):
+                 "qkv_bias", "o_bias", "qk_norm", "attention_layers", "attention_windows"):
         fields.pop(drop, None)
     layout = asdict(attention_layout(teacher_config))
+    windows = [teacher_window(teacher_config, i) for i in kept]
     return HarnessConfig(**fields, **layout, mixer=mixer, mixer_options=resolved_options(mixer, options),
+                         attention_layers=kept or None, attention_windows=windows if any(windows) else None,
                          architectures=["HarnessForCausalLM"])
+
+
+def teacher_window(teacher_config: Any, layer: int) -> Optional[int]:
+    """The sliding window of the teacher's layer `layer`: Mistral's everywhere, Qwen2's where its layer_types say
+    sliding_attention; None for full attention."""
+    window = getattr(teacher_config, "sliding_window", None)
+    types = getattr(teacher_config, "layer_types", None)
+    if window is None or (types is not None and types[layer] != "sliding_attention"):
+        return None
+    return int(window)
 
 
 @torch.no_grad()
@@ -434,8 +508,21 @@ def copy_teacher_weights(teacher: nn.Module, student: HarnessForCausalLM) -> Non
         s_layer.input_layernorm.load_state_dict(t_layer.input_layernorm.state_dict())
         s_layer.post_attention_layernorm.load_state_dict(t_layer.post_attention_layernorm.state_dict())
         s_layer.mlp.load_state_dict(t_layer.mlp.state_dict())
-        s_layer.mixer.transfer_from_attention(t_layer.self_attn)
-        s_layer.mixer.reset_new_parameters()
+        if isinstance(s_layer, AttentionBlock):
+            copy_attention(t_layer.self_attn, s_layer.self_attn)
+        else:
+            s_layer.mixer.transfer_from_attention(t_layer.self_attn)
+            s_layer.mixer.reset_new_parameters()
+
+
+def copy_attention(teacher_attn: nn.Module, kept: SoftmaxAttention) -> None:
+    """The teacher attention's tensors into a kept layer's SoftmaxAttention, bit for bit, by their names (the
+    teacher's non-persistent rotary buffers, if its attention holds any, are not ours)."""
+    theirs = teacher_attn.state_dict()
+    missing = [k for k in kept.state_dict() if k not in theirs]
+    if missing:
+        raise ValueError(f"the teacher's attention has no {missing} for kept layer {kept.layer_idx}")
+    kept.load_state_dict({k: theirs[k] for k in kept.state_dict()})
 
 
 def count_parameters(model: nn.Module) -> int:

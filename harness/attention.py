@@ -1,0 +1,115 @@
+"""The teacher's softmax attention, as a hybrid student keeps it in its `student.attention_layers`.
+
+`SoftmaxAttention` holds the teacher attention's q/k/v/o projections in the teacher's layout (K and V at the
+teacher's num_kv_heads, biases, Qwen3's per-head q/k RMSNorm before RoPE) under the teacher's names, so that
+`load_state_dict(teacher_layer.self_attn.state_dict())` copies it bit for bit. It computes causal grouped-query
+attention with torch's scaled_dot_product_attention (scale head_dim**-0.5, as the teacher's), and decodes with
+a growing `KVState` (keys and values of every token seen, `[B, kv_heads, T, D]`).
+
+Padding (tests/test_padding.py's conventions): the key mask `[B, seen + T]` (0 at padding) hides padded keys, so
+that a row padded on the left (generation) or on the right (scoring) attends at its real tokens to what it would
+alone. A padded query attends at least to itself (a row of only masked keys would be NaN, and a NaN value at a
+padded position would poison the real ones through 0 x NaN).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers.models.llama.modeling_llama import LlamaRMSNorm, apply_rotary_pos_emb
+
+from harness.mixers import MixerShape
+
+
+@dataclass
+class KVState:
+    """Decoding state of a kept softmax-attention layer: keys and values of every token seen, `[B, kv_heads, T, D]`
+    (after RoPE). It grows by one column per token, unlike a mixer's `MixerState`."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+
+    def map(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> "KVState":
+        return KVState(fn(self.k), fn(self.v))
+
+    def tensors(self) -> list[torch.Tensor]:
+        """k and v, in the order `map` visits them (as MixerState.tensors)."""
+        return [self.k, self.v]
+
+    @property
+    def length(self) -> int:
+        return self.k.shape[2]
+
+    @staticmethod
+    def stack_left_padded(states: list["KVState"]) -> "KVState":
+        """Rows' states (batch 1 each, any lengths) as one batch, each padded with zeros on the left to the longest:
+        the columns of a left-padded batch, whose mask then hides the padding."""
+        width = max(s.length for s in states)
+
+        def pad(t: torch.Tensor) -> torch.Tensor:
+            return F.pad(t, (0, 0, width - t.shape[2], 0))
+
+        return KVState(torch.cat([pad(s.k) for s in states]), torch.cat([pad(s.v) for s in states]))
+
+
+class SoftmaxAttention(nn.Module):
+    """The teacher's attention block (module docstring): x `[B, T, hidden]` -> (y `[B, T, hidden]`, KVState)."""
+
+    def __init__(self, shape: MixerShape, layer_idx: int = 0, window: Optional[int] = None):
+        super().__init__()
+        self.shape, self.layer_idx, self.window = shape, layer_idx, window
+        d = shape.head_dim
+        self.q_proj = nn.Linear(shape.hidden_size, shape.num_heads * d, bias=shape.qkv_bias)
+        self.k_proj = nn.Linear(shape.hidden_size, shape.num_kv_heads * d, bias=shape.qkv_bias)
+        self.v_proj = nn.Linear(shape.hidden_size, shape.num_kv_heads * d, bias=shape.qkv_bias)
+        self.o_proj = nn.Linear(shape.num_heads * d, shape.hidden_size, bias=shape.o_bias)
+        if shape.qk_norm:  # Qwen3: RMSNorm over each head of q and k, before RoPE
+            self.q_norm = LlamaRMSNorm(d, eps=shape.norm_eps)
+            self.k_norm = LlamaRMSNorm(d, eps=shape.norm_eps)
+
+    def forward(self, x: torch.Tensor, *, position_embeddings: tuple[torch.Tensor, torch.Tensor],
+                state: Optional[KVState] = None, use_cache: bool = False,
+                key_mask: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, Optional[KVState]]:
+        """key_mask: None (no padding) or `[B, seen + T]` over the cached and the new tokens, 0 at padding.
+        position_embeddings: the teacher's (cos, sin) `[B, T, D]` at the new tokens' positions."""
+        b, t, _ = x.shape
+        q, k, v = (self._heads(p(x)) for p in (self.q_proj, self.k_proj, self.v_proj))
+        if self.shape.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        q, k = apply_rotary_pos_emb(q, k, *position_embeddings)
+        if state is not None:
+            k, v = torch.cat([state.k, k], 2), torch.cat([state.v, v], 2)
+        mask = causal_mask(t, k.shape[2], key_mask, x.device, self.window)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None and t > 1,
+                                             scale=self.shape.head_dim ** -0.5,
+                                             enable_gqa=self.shape.num_kv_heads != self.shape.num_heads)
+        y = self.o_proj(out.transpose(1, 2).reshape(b, t, -1))
+        return y, (KVState(k, v) if use_cache else None)
+
+    def _heads(self, x: torch.Tensor) -> torch.Tensor:
+        return x.unflatten(-1, (-1, self.shape.head_dim))
+
+
+def causal_mask(queries: int, keys: int, key_mask: Optional[torch.Tensor], device: torch.device,
+                window: Optional[int] = None) -> Optional[torch.Tensor]:
+    """The bool attention mask `[B or 1, 1, queries, keys]` of the last `queries` of `keys` tokens (True: attend),
+    or None where sdpa's own `is_causal` (queries == keys) or no mask at all (one query) says it. window: the
+    teacher's sliding window (a query sees the `window` columns up to its own; transformers' convention)."""
+    if key_mask is None and window is None and (queries == keys or queries == 1):
+        return None
+    cols = torch.arange(keys, device=device)
+    own = (keys - queries + torch.arange(queries, device=device))[:, None]  # each query's own column
+    allowed = cols[None] <= own
+    if window is not None:
+        allowed = allowed & (cols[None] > own - window)
+    if key_mask is not None:
+        allowed = allowed[None] & key_mask.to(device).bool()[:, None, :]
+        allowed = allowed | (cols[None] == own)[None]
+    else:
+        allowed = allowed[None]
+    return allowed[:, None]
