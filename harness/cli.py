@@ -600,6 +600,7 @@ def parameter_counts(job) -> tuple[int, int]:
     import torch
     from transformers import AutoModelForCausalLM
 
+    from harness.stages.common import kept_attention_layers
     from harness.student import HarnessForCausalLM, count_parameters, student_config
     from harness.teacher import teacher_config
 
@@ -608,7 +609,8 @@ def parameter_counts(job) -> tuple[int, int]:
         cfg.num_hidden_layers = min(job.teacher.num_layers, cfg.num_hidden_layers)
     with torch.device("meta"):
         teacher = AutoModelForCausalLM.from_config(cfg)
-        student = HarnessForCausalLM(student_config(cfg, job.student.mixer, job.student.options))
+        student = HarnessForCausalLM(student_config(cfg, job.student.mixer, job.student.options,
+                                                    kept_attention_layers(job)))
     return count_parameters(teacher), count_parameters(student)
 
 

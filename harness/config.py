@@ -101,6 +101,13 @@ class StudentConfig:
         help="Mixer options (e.g. {rope: true, chunk_size: 64}); `harness info` lists each mixer's options.",
         factory=dict,
     )
+    attention_layers: list[int] = described(
+        help="Layers (0-based indices of the student, e.g. [3, 17]) that keep the teacher's softmax attention "
+        "instead of a mixer: a hybrid student. Stages 1-2 skip them (the merge takes them from the teacher bit "
+        "for bit), stage 3 trains them with the rest; their decoding cache grows with the context. Empty: none.",
+        factory=list, rule=each(Rule(lambda i: isinstance(i, int) and not isinstance(i, bool) and i >= 0,
+                                     "be a layer index >= 0")),
+    )
 
 
 @dataclass
@@ -629,6 +636,7 @@ def validate(job: JobConfig) -> None:
         mixer_options(job.student.mixer, job.student.options)
     except (TypeError, ValueError) as err:
         raise ConfigError(f"Bad student.options for mixer '{job.student.mixer}': {err}") from None
+    _check_attention_layers(job.student.attention_layers)
     _check_data(job.data)
     for stage in (*STAGES, "sft"):
         _check_warmup_and_decay(f"stages.{stage}", getattr(job.stages, stage))
@@ -678,6 +686,14 @@ def _choice_problem(key: str, value: Any, hint: Any) -> Optional[str]:
         return None
     bad = [v for v in (value if isinstance(value, list) else [value]) if v not in choice.values()]
     return bad_choice(key, bad[0], choice) if bad else None
+
+
+def _check_attention_layers(layers: list[int]) -> None:
+    """No layer named twice (the range against the teacher's depth: `harness.stages.common.kept_attention_layers`)."""
+    twice = sorted({i for i in layers if list(layers).count(i) > 1})
+    if twice:
+        raise ConfigError(f"student.attention_layers={list(layers)} names layer(s) {twice} more than once; "
+                          "name each kept layer once.")
 
 
 def _check_warmup_and_decay(key: str, stage: StageConfig) -> None:

@@ -8,7 +8,9 @@ every distinct parameter, embeddings included, a tied head counted once (SmolLM2
 the output head's matmul, 2 V h FLOPs per token forward; the input lookup does no matmul). Dense terms only:
 the teacher's attention scores (4 L s h per token forward, non-causal count as in PaLM's 12 L s h for training:
 0.14 GFLOP at 135M and 0.40 GFLOP at 1.7B, seq 2048, against 1.22 and 14.3 GFLOP for 6N + 2N) and the students'
-recurrences are not counted, so MFU understates the work done. SFT counts 6 N_student (`dense_flops_per_token`).
+recurrences are not counted, so MFU understates the work done. A hybrid student's kept softmax-attention layers
+(student.attention_layers) count as the teacher's do: their parameters (K/V at the KV heads), not a mixer's.
+SFT counts 6 N_student (`dense_flops_per_token`).
 `setup_mfu` gives a stage's logger (harness.observe.Throughput) these figures.
 
 The peak (`resolve_peak`): $HARNESS_PEAK_FLOPS (FLOP/s per device) when set, else the NVIDIA datasheet's dense

@@ -45,7 +45,8 @@ JSON (+ the same tables next to it as .md).
            gradient against the limits, and times (CUDA only; harness.bench.recurrences).
   decode   greedy decoding at batches 1 / 8 / 32 after contexts of 1k / 8k / 32k tokens: the student's
            recurrent step vs the teacher's KV-cache step, ms per step and tokens/s (batch x steps / s), state and
-           KV-cache bytes; flatness = ms/token at the longest context / shortest, per batch.
+           KV-cache bytes; flatness = ms/token at the longest context / shortest, per batch. With
+           --attention-layers, a hybrid student: also its KV bytes and KV bytes per token of context.
 
 Several processes: `torchrun --standalone --nproc_per_node 8 -m harness.cli bench ...` (the step runs on
 every rank, MFU divides by world x peak; kernels and decode run on rank 0). Triton compiles each kernel
@@ -132,6 +133,9 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
                      help="Prompts decoded together (one context each, all the same length). Default 1,8,32.")
     dec.add_argument("--new-tokens", type=int, default=64, help="Timed tokens per context. Default 64.")
     dec.add_argument("--no-teacher-decode", action="store_true", help="Time the student only.")
+    dec.add_argument("--attention-layers", default="", metavar="I,J",
+                     help="Layers of the student that keep softmax attention (a hybrid, e.g. 3,17): its KV bytes and "
+                     "KV bytes per token of context are reported beside the state bytes. Default: none.")
     ker = p.add_argument_group("kernels")
     ker.add_argument("--kernel-batch", type=int, default=None, help="Batch of the layer bench (default --micro-batch).")
     ker.add_argument("--variants", default="", help="Extra kernel rows NAME@CASE=ROUTE ($HARNESS_FLA_ROUTES).")
@@ -146,6 +150,19 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
 
 def _split(text: str) -> list[str]:
     return [x.strip() for x in text.split(",") if x.strip()]
+
+
+def _attention_layers(text: str) -> list[int]:
+    """--attention-layers as distinct layer indices >= 0 (the model checks them against its depth)."""
+    items = _split(text)
+    bad = [item for item in items if not item.isdigit()]
+    if bad:
+        raise SystemExit(f"harness bench: --attention-layers item '{bad[0]}' is not a layer index >= 0 "
+                         "(e.g. --attention-layers 3,17)")
+    layers = [int(item) for item in items]
+    if len(set(layers)) != len(layers):
+        raise SystemExit(f"harness bench: --attention-layers {text} names a layer twice")
+    return layers
 
 
 def _decode_batches(text: str) -> list[int]:
@@ -271,12 +288,14 @@ def run_cli(args: argparse.Namespace, argv: Optional[Sequence[str]] = None) -> i
     if rank == 0 and "decode" in what:
         results["decode"] = []
         contexts = [int(c) for c in _split(args.contexts)]
+        kept = _attention_layers(args.attention_layers)
         for shape, mixer, batch in itertools.product(shapes, mixers, _decode_batches(args.decode_batches)):
             try:
                 res = bench_decode(shape if not args.teacher else "custom", mixer, contexts=contexts,
                                    new_tokens=args.new_tokens, batch=batch, dtype=args.dtype, device=device,
                                    teacher_source=args.teacher, layers=args.layers, options=options,
-                                   teacher=not args.no_teacher_decode, seed=args.seed)
+                                   teacher=not args.no_teacher_decode, seed=args.seed,
+                                   attention_layers=kept)
             except Exception as err:  # noqa: BLE001
                 res = {"shape": shape, "mixer": mixer, "batch": batch, "error": f"{type(err).__name__}: {err}",
                        "trace": traceback.format_exc(limit=8)}

@@ -4,6 +4,11 @@ a `RecurrentCache` (fixed-size state per row), the teacher a KV cache (grows wit
 context: ms per step (`ms_per_token`: one token per row), tokens/s (batch x steps / s), prefill ms, state /
 KV-cache bytes for the whole batch; flatness = ms/token at the longest context / at the shortest (1.0 = flat).
 `harness bench --what decode` runs it at each of `--decode-batches` (default 1, 8, 32).
+
+A hybrid student (`--attention-layers 3,17`: those layers keep softmax attention) also reports `kv_bytes`, the part
+of its state held by the kept layers' keys and values (it grows with the context), and `kv_bytes_per_token`
+(kv_bytes / tokens in the cache, the whole batch); its `state_bytes` counts everything. Hybrids decode eagerly
+(`graph_skipped` says why: harness.decoding.graph_blocker).
 """
 
 from __future__ import annotations
@@ -92,19 +97,29 @@ def decode_timing(model: nn.Module, ids: torch.Tensor, new_tokens: int, warmup_t
     synchronize(dev)
     ms = (time.perf_counter() - t0) * 1e3 / max(new_tokens, 1)
     state = cache.state_bytes() if recurrent else _kv_cache_bytes(cache)
+    kv = kv_figures(cache) if recurrent and model.config.kept_layers() else {}
     return {"ms_per_token": ms, "tokens_per_s": ids.shape[0] * 1e3 / ms if ms > 0 else 0.0,
-            "prefill_ms": prefill_ms, "state_bytes": state, "cuda_graph": graphed is not None,
+            "prefill_ms": prefill_ms, "state_bytes": state, **kv, "cuda_graph": graphed is not None,
             **({"graph_capture_ms": capture_ms} if graphed is not None else {})}
+
+
+def kv_figures(cache: Any) -> dict[str, Any]:
+    """A hybrid student's KV part of its RecurrentCache: kv_bytes (whole batch) and kv_bytes_per_token (per token
+    of context in the cache: prompt and decoded tokens, each row counted once, as the bytes are over the batch)."""
+    kv = cache.kv_bytes()
+    return {"kv_bytes": kv, "kv_bytes_per_token": kv / max(cache.seen_tokens, 1)}
 
 
 def bench_decode(shape: str = "135M", mixer: str = "gated_deltanet", *, contexts: Sequence[int] = (1024, 8192, 32768),
                  new_tokens: int = 64, warmup_tokens: int = 4, batch: int = 1,
                  dtype: Optional[str | torch.dtype] = None, device: Optional[str | torch.device] = None,
                  teacher_source: Optional[str] = None, layers: Optional[int] = None,
-                 options: Optional[dict] = None, teacher: bool = True, seed: int = 0) -> dict[str, Any]:
+                 options: Optional[dict] = None, teacher: bool = True, seed: int = 0,
+                 attention_layers: Sequence[int] = ()) -> dict[str, Any]:
     """Per-token decoding time of the student (recurrent state) and the teacher (KV cache) at each context.
     On CUDA the student is timed with its step as a CUDA graph (`student`, as NIAH decodes) and eagerly
-    (`student_eager`); elsewhere `student` is eager.
+    (`student_eager`); elsewhere, and for a hybrid student (`attention_layers` keep softmax attention), `student`
+    is eager.
 
     Returns {"shape", "mixer", ..., "rows": [{context, student: {...}, teacher: {...}, speedup}],
     "student_flatness", "teacher_flatness"} with flatness = ms/token at the longest context / at the shortest.
@@ -114,11 +129,12 @@ def bench_decode(shape: str = "135M", mixer: str = "gated_deltanet", *, contexts
     device = resolve_device(device)
     dtype = resolve_dtype(dtype, device)
     t_model, student = build_pair(shape, mixer, options=options, source=teacher_source, layers=layers,
-                                  device=device, teacher_dtype=dtype, seed=seed)
+                                  device=device, teacher_dtype=dtype, seed=seed, attention_layers=attention_layers)
     student.to(dtype).eval()
-    from harness.decoding import graphable
+    from harness.decoding import graph_blocker
 
-    graphs = graphable(student)
+    blocker = graph_blocker(student)
+    graphs = blocker is None
     vocab, max_pos = t_model.config.vocab_size, t_model.config.max_position_embeddings
     g = torch.Generator(device="cpu").manual_seed(seed + 7)
     warm = torch.randint(0, vocab, (batch, 64), generator=g).to(device)
@@ -147,6 +163,8 @@ def bench_decode(shape: str = "135M", mixer: str = "gated_deltanet", *, contexts
     out: dict[str, Any] = {
         "shape": "custom" if teacher_source else canonical_shape(shape), "mixer": mixer,
         "options": dict(options or {}), "layers": t_model.config.num_hidden_layers, "batch": batch,
+        "attention_layers": sorted(student.config.kept_layers()),
+        **({"graph_skipped": blocker} if blocker and device.type == "cuda" else {}),
         "dtype": str(dtype).removeprefix("torch."), "device": str(device), "new_tokens": new_tokens, "rows": rows,
     }
     for label in ("student", "student_eager", "teacher"):

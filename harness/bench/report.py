@@ -117,12 +117,19 @@ def decode_table(decodes: list[dict[str, Any]]) -> list[str]:
             lines.append(f"{head} {r['context']} | {_fmt(s.get('ms_per_token'), '.2f')}{graph} | "
                          f"{_fmt(e.get('ms_per_token'), '.2f')} | {_fmt(t.get('ms_per_token'), '.2f')} | "
                          f"{_fmt(s.get('tokens_per_s'), '.0f')} | {_fmt(t.get('tokens_per_s'), '.0f')} | "
-                         f"{_fmt(r.get('speedup'), '.2f')} | {_bytes(s.get('state_bytes'))} | "
+                         f"{_fmt(r.get('speedup'), '.2f')} | {_bytes(s.get('state_bytes'))}{_kv_note(s)} | "
                          f"{_bytes(t.get('state_bytes'))} |")
         lines.append(f"{head} flatness (longest / shortest) | {_fmt(d.get('student_flatness'), '.2f')} | "
                      f"{_fmt(d.get('student_eager_flatness'), '.2f')} | {_fmt(d.get('teacher_flatness'), '.2f')} "
                      "||||||")
     return lines
+
+
+def _kv_note(student: dict[str, Any]) -> str:
+    """' (KV x, y per token)' for a hybrid student's row (its kept attention layers' keys and values), else ''."""
+    if student.get("kv_bytes") is None:
+        return ""
+    return f" (KV {_bytes(student['kv_bytes'])}, {_fmt(student.get('kv_bytes_per_token'), '.0f')} B per token)"
 
 
 def kernel_table(rows: list[dict[str, Any]]) -> str:

@@ -3,7 +3,7 @@ and the (teacher, student) pair that stage 3 starts from."""
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 import torch
 from torch import nn
@@ -118,15 +118,16 @@ def fill_zero_embedding_rows(model: nn.Module) -> None:
 def build_pair(shape: str = "135M", mixer: str = "gated_deltanet", *, options: Optional[dict] = None,
                source: Optional[str] = None, layers: Optional[int] = None,
                device: Optional[str | torch.device] = None, teacher_dtype: torch.dtype = torch.float32,
-               seed: int = 0) -> tuple[nn.Module, nn.Module]:
+               seed: int = 0, attention_layers: Sequence[int] = ()) -> tuple[nn.Module, nn.Module]:
     """(teacher in `teacher_dtype`, fp32 student) as stage 3 starts from: the student is built from the fp32
-    teacher by `harness.student.build_student` (weights copied, new parameters at their authors' init)."""
+    teacher by `harness.student.build_student` (weights copied, new parameters at their authors' init), keeping
+    softmax attention in `attention_layers` (a hybrid)."""
     from harness.student import build_student
 
     device = resolve_device(device)
     teacher = build_teacher(shape, source=source, layers=layers, device=device, dtype=torch.float32, seed=seed)
     torch.manual_seed(seed)
     with torch.device(device):  # initialised where it runs (a 1.7B student on a CPU takes a while)
-        student = build_student(teacher, mixer, **(options or {}))
+        student = build_student(teacher, mixer, attention_layers=attention_layers, **(options or {}))
     teacher.to(teacher_dtype)
     return teacher, student

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Optional
 
 from harness.config import JobConfig
-from harness.stages.common import PER_LAYER_STAGES, default_count, group_name, layer_groups, num_student_layers, run_dir
+from harness.stages.common import PER_LAYER_STAGES, default_count, group_name, job_layer_groups, run_dir
 
 
 class StageFailed(RuntimeError):
@@ -70,8 +70,7 @@ def run_pipeline(job: JobConfig, job_path: str, overrides: list[str]) -> Path:
     """Run stages 1-3 (skipping complete ones) and return the final student's directory."""
     out = run_dir(job)
     (out / "logs").mkdir(parents=True, exist_ok=True)
-    n_layers = num_student_layers(job)
-    groups = layer_groups(n_layers, default_count(job.run.layer_groups, 2))
+    groups = job_layer_groups(job, default_count(job.run.layer_groups, 2))  # none holds a kept attention layer
     for stage in PER_LAYER_STAGES:
         with timed(job, stage, groups=len(groups), parallel=default_count(job.run.parallel_groups, 2),
                    gpus=len(_gpus())):

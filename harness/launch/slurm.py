@@ -27,7 +27,7 @@ from string import Template
 from typing import Optional, Sequence
 
 from harness.config import ConfigError, JobConfig
-from harness.stages.common import layer_groups, num_student_layers, run_dir
+from harness.stages.common import kept_attention_layers, layer_groups, num_student_layers, run_dir
 
 TEMPLATES = Path(__file__).resolve().parents[2] / "slurm"
 
@@ -156,14 +156,17 @@ def plan_jobs(job: JobConfig, job_path: str, overrides: list[str], opts: SlurmOp
     return planned
 
 
-def task_groups(job: JobConfig, opts: SlurmOptions) -> list[list[int]]:
-    """The layer groups of the array tasks: --layers-per-task layers each, else run.layer_groups groups."""
-    n_layers = num_student_layers(job)
-    if opts.layers_per_task:
-        return layer_groups(n_layers, -(-n_layers // opts.layers_per_task))
+def task_groups(job: JobConfig, opts: SlurmOptions, every_layer: bool = False) -> list[list[int]]:
+    """The layer groups of the array tasks: --layers-per-task layers each, else run.layer_groups groups; over the
+    layers stages 1-2 train (the kept attention layers are no task's), or with `every_layer` over all of them (the
+    ranking measures every layer)."""
     from harness.stages.common import default_count
 
-    return layer_groups(n_layers, default_count(job.run.layer_groups, 2))
+    n_layers = num_student_layers(job)
+    kept = () if every_layer else kept_attention_layers(job)
+    trained = n_layers - len(kept)
+    count = -(-trained // opts.layers_per_task) if opts.layers_per_task else default_count(job.run.layer_groups, 2)
+    return layer_groups(n_layers, count, kept)
 
 
 RANK_RECORD = "rank-jobs.json"  # the ranking's job ids, apart from the pipeline's jobs.json (and its --resume)
@@ -187,7 +190,7 @@ def plan_ranking(job: JobConfig, job_path: str, overrides: list[str], opts: Slur
             + "".join(f" {shlex.quote(a)}" for a in rank_args))
     common = dict(name=job.name, log_dir=str((out / "logs").resolve()), cpus_per_task=opts.cpus_per_task,
                   workdir=shlex.quote(str((workdir or Path.cwd()).resolve())), measure=measure)
-    groups = task_groups(job, opts)
+    groups = task_groups(job, opts, every_layer=True)
     rank = _render("rank.sbatch", groups=" ".join(f"{g[0]}-{g[-1]}" for g in groups), last_task=len(groups) - 1,
                    resources=opts.resources(1 if opts.gpus_per_node else 0), command=f'{base} --layers "$LAYERS"',
                    **common)

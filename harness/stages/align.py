@@ -53,8 +53,8 @@ from harness.losses import alignment_loss
 from harness.mixers import Mixer, MixerShape, mixer_class, mixer_options, resolved_options, saved_options
 from harness.observe import RunLogger, check_finite
 from harness.schedule import build_scheduler
-from harness.stages.common import (PER_LAYER_STAGES, group_dir, load_job_teacher, num_student_layers, resolve_device,
-                                   run_dir, teacher_dtype)
+from harness.stages.common import (PER_LAYER_STAGES, group_dir, kept_attention_layers, load_job_teacher,
+                                   num_student_layers, resolve_device, run_dir, teacher_dtype)
 from harness.student import FIT_KINDS, StudentBlock, attach_teacher_rope, fit_output_scales, rope_for, student_config
 from harness.teacher import capture_activations
 
@@ -73,7 +73,9 @@ __all__ = ["align_group", "check_group", "group_complete", "find_group_weights",
 
 
 def check_group(job: JobConfig, stage: str, layers: list[int]) -> list[int]:
-    """The sorted layers of a group, or ConfigError: stage 1 or 2, a contiguous range inside the student."""
+    """The sorted layers a group trains, or ConfigError: stage 1 or 2, a contiguous range inside the student, less
+    the layers that keep softmax attention (`kept_attention_layers`: no stage-1/2 group trains them), which a
+    range may span."""
     if stage not in PER_LAYER_STAGES:
         raise ConfigError(f"Stage '{stage}' is not a per-layer stage; use one of {', '.join(PER_LAYER_STAGES)}.")
     chosen = sorted(set(int(l) for l in layers))
@@ -84,10 +86,15 @@ def check_group(job: JobConfig, stage: str, layers: list[int]) -> list[int]:
     if outside:
         raise ConfigError(f"Layer(s) {outside} of the {stage} group are outside the model: the student has {n} "
                           f"layers (0-{n - 1}).")
-    if chosen != list(range(chosen[0], chosen[-1] + 1)):
+    kept = set(kept_attention_layers(job))
+    if any(l not in chosen and l not in kept for l in range(chosen[0], chosen[-1] + 1)):
         raise ConfigError(f"A layer group must be a contiguous range (its folder is named by its first and last "
                           f"layer); got {chosen}. Run one group per range instead.")
-    return chosen
+    trained = [l for l in chosen if l not in kept]
+    if not trained:
+        raise ConfigError(f"Layer(s) {chosen} keep the teacher's softmax attention (student.attention_layers): "
+                          f"{stage} trains no kept layer. Name layers of mixers.")
+    return trained
 
 
 def group_complete(job: JobConfig, stage: str, layers: list[int]) -> bool:

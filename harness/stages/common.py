@@ -23,7 +23,7 @@ Run directory (job.output_dir):
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
@@ -75,16 +75,41 @@ def parse_layers(spec: str, num_layers: int) -> list[int]:
     return sorted(layers)
 
 
-def layer_groups(num_layers: int, groups: int) -> list[list[int]]:
-    """Split layers 0..num_layers-1 into `groups` contiguous groups of near-equal size."""
-    groups = max(1, min(groups, num_layers))
-    base, extra = divmod(num_layers, groups)
+def layer_groups(num_layers: int, groups: int, kept: Collection[int] = ()) -> list[list[int]]:
+    """Split the layers 0..num_layers-1 that stages 1-2 train (all but `kept`, the layers that keep softmax
+    attention) into `groups` groups of near-equal size, each a contiguous range of them (a range of the depth
+    less the kept layers in it). No layer trained: no group."""
+    trained = [l for l in range(num_layers) if l not in set(kept)]
+    if not trained:
+        return []
+    groups = max(1, min(groups, len(trained)))
+    base, extra = divmod(len(trained), groups)
     out, start = [], 0
     for g in range(groups):
         size = base + (1 if g < extra else 0)
-        out.append(list(range(start, start + size)))
+        out.append(trained[start:start + size])
         start += size
     return out
+
+
+def kept_attention_layers(job: JobConfig) -> list[int]:
+    """The layers of the job's student that keep the teacher's softmax attention, sorted: student.attention_layers,
+    each checked against the student's depth (the teacher's, after teacher.num_layers). Every stage, planner and
+    builder reads them here, so that another way of choosing them changes this function only."""
+    layers = sorted(job.student.attention_layers)
+    if not layers:
+        return []
+    n = num_student_layers(job)
+    outside = [l for l in layers if not 0 <= l < n]
+    if outside:
+        raise ConfigError(f"student.attention_layers={list(job.student.attention_layers)} names layer(s) {outside} "
+                          f"outside the student: it has {n} layers (0-{n - 1}).")
+    return layers
+
+
+def job_layer_groups(job: JobConfig, groups: int) -> list[list[int]]:
+    """The job's stage-1/2 layer groups (`layer_groups` of its student, less its kept attention layers)."""
+    return layer_groups(num_student_layers(job), groups, kept_attention_layers(job))
 
 
 def resolve_device(job: JobConfig) -> torch.device:

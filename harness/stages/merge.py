@@ -2,7 +2,8 @@
 
 The student is built from the (teacher.num_layers-truncated) teacher by `build_student` (torch seeded by
 job.seed), so embeddings, final norm and head are the teacher's; every decoder layer is then replaced by the
-stage-2 weights that hold it (found by their keys, whatever the grouping). It is saved in float32, whatever
+stage-2 weights that hold it (found by their keys, whatever the grouping), but for the layers that keep softmax
+attention (student.attention_layers), which no stage-1/2 group trains: they stay the teacher's, bit for bit. It is saved in float32, whatever
 teacher.dtype, so that the fp32 weights the groups trained are kept exactly.
 """
 
@@ -12,6 +13,7 @@ import json
 import re
 import shutil
 import time
+from collections.abc import Collection
 from pathlib import Path
 
 import torch
@@ -21,7 +23,7 @@ from harness.config import ConfigError, JobConfig
 from harness.files import atomic_dir
 from harness.mixers import resolved_options
 from harness.stages.align import check_made_under, find_group_weights, missing_error, read_layer_tensors
-from harness.stages.common import load_job_teacher, num_student_layers, run_dir
+from harness.stages.common import kept_attention_layers, load_job_teacher, num_student_layers, run_dir
 from harness.student import HarnessForCausalLM, build_student
 
 MERGED = "merged"
@@ -43,21 +45,21 @@ def merge_student(job: JobConfig) -> Path:
     dest = merged_dir(job)
     if (dest / MERGE_JSON).is_file():
         return dest
-    n = num_student_layers(job)
-    files = {l: p for l, p in find_group_weights(job, "align_hidden").items() if l < n}
-    missing = [l for l in range(n) if l not in files]
+    n, kept = num_student_layers(job), kept_attention_layers(job)
+    files = {l: p for l, p in find_group_weights(job, "align_hidden").items() if l < n and l not in kept}
+    missing = [l for l in range(n) if l not in files and l not in kept]
     if missing:
         raise missing_error("align_hidden", missing, "merge")
     for path in sorted(set(files.values())):
         check_made_under(CheckpointManager(path.parent).complete_meta() or {}, job, path.parent)
     teacher = load_job_teacher(job, torch.device("cpu"))
     torch.manual_seed(job.seed)
-    student = build_student(teacher, job.student.mixer, **dict(job.student.options)).float()
-    load_layers(student, files)
+    student = build_student(teacher, job.student.mixer, attention_layers=kept, **dict(job.student.options)).float()
+    load_layers(student, files, kept)
     groups = sorted(set(files.values()))
     record = {
         "time": time.time(), "num_layers": n, "mixer": job.student.mixer,
-        "options": resolved_options(job.student.mixer, job.student.options),
+        "options": resolved_options(job.student.mixer, job.student.options), "attention_layers": kept,
         "teacher": job.teacher.source,
         "groups": [{"file": str(p.relative_to(run_dir(job))), "layers": [l for l, q in files.items() if q == p],
                     "sha256": file_digest(p)["sha256"]} for p in groups],
@@ -66,8 +68,9 @@ def merge_student(job: JobConfig) -> Path:
     return dest
 
 
-def load_layers(student: HarnessForCausalLM, files: dict[int, Path]) -> None:
-    """Copy layer l's tensors from files[l] into `student`; raise if any layer tensor is left uncovered."""
+def load_layers(student: HarnessForCausalLM, files: dict[int, Path], kept: Collection[int] = ()) -> None:
+    """Copy layer l's tensors from files[l] into `student`; raise if any layer tensor is left uncovered, but for the
+    `kept` softmax-attention layers, which keep the teacher's tensors that build_student copied."""
     params = student.state_dict()
     for layer, path in files.items():
         prefix = f"model.layers.{layer}."
@@ -82,8 +85,8 @@ def load_layers(student: HarnessForCausalLM, files: dict[int, Path]) -> None:
             for name, t in tensors.items():
                 params[prefix + name].copy_(t)
     covered = {int(m.group(1)) for k in params if (m := re.match(r"model\.layers\.(\d+)\.", k))}
-    if covered - set(files):
-        raise ConfigError(f"student layers {sorted(covered - set(files))} have no stage-2 weights")
+    if covered - set(files) - set(kept):
+        raise ConfigError(f"student layers {sorted(covered - set(files) - set(kept))} have no stage-2 weights")
 
 
 def _save_atomically(student: HarnessForCausalLM, tokenizer, record: dict, dest: Path) -> None:
