@@ -311,7 +311,9 @@ def cmd_info(args: argparse.Namespace) -> int:
     teacher_n, student_n = parameter_counts(job)
     print("\n# parameters")
     print(f"  teacher: {teacher_n:,}")
-    print(f"  student ({job.student.mixer}): {student_n:,}")
+    kept = job.student.attention_layers
+    print(f"  student ({job.student.mixer}{f', softmax attention kept in layers {sorted(kept)}' if kept else ''}): "
+          f"{student_n:,}")
     print("\n# stage plan (tokens per step = micro_batch_size x grad_accum x seq_len, x deepspeed.world_size "
           "for distill; every layer group of stages 1-2 sees its stage's tokens)")
     print(f"  {'stage':<14}{'tokens':>16}{'tokens/step':>14}{'steps':>10}{'warmup':>8}")

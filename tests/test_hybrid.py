@@ -242,3 +242,26 @@ def test_a_hybrid_run_skips_kept_layers_in_stages_1_2_and_trains_them_in_stage_3
     trained = final.model.layers[1].self_attn.q_proj.weight
     assert not torch.equal(trained.float(), theirs["self_attn.q_proj.weight"].float())  # stage 3 trained it
     assert torch.isfinite(final(torch.randint(1, 300, (1, 12))).logits).all()
+
+
+def test_decode_bench_reports_the_hybrids_kv_bytes_as_the_teachers_per_layer():
+    from harness.bench.decode import bench_decode
+
+    res = bench_decode("tiny", "gla", contexts=(8, 24), new_tokens=2, warmup_tokens=1, batch=2, device="cpu",
+                       dtype="fp32", attention_layers=[1], options={"chunk_size": 8})
+    assert res["attention_layers"] == [1] and res["layers"] == 2
+    for row in res["rows"]:
+        s, t = row["student"], row["teacher"]
+        # one kept layer of two: half the teacher's KV cache, which holds as many tokens (the transformers cache)
+        assert s["kv_bytes"] * 2 == t["state_bytes"] and s["state_bytes"] > s["kv_bytes"]
+        assert s["kv_bytes_per_token"] == s["kv_bytes"] / (row["context"] + 3)  # prompt + warm-up + timed steps
+
+
+def test_bench_attention_layers_argument_names_a_bad_item():
+    from harness.bench.cli import _attention_layers
+
+    assert _attention_layers("3, 17") == [3, 17] and _attention_layers("") == []
+    with pytest.raises(SystemExit, match="item 'x' is not a layer index"):
+        _attention_layers("3,x")
+    with pytest.raises(SystemExit, match="names a layer twice"):
+        _attention_layers("3,3")
