@@ -308,11 +308,15 @@ def cmd_info(args: argparse.Namespace) -> int:
         print("\n# fields")
         for key, help_text in _walk_help():
             print(f"  {key}: {help_text}")
-    teacher_n, student_n = parameter_counts(job)
+    kept = _kept_layers_for_info(job)
+    teacher_n, student_n = parameter_counts(job, kept if kept is not None else [])
     print("\n# parameters")
     print(f"  teacher: {teacher_n:,}")
-    kept = job.student.attention_layers
-    print(f"  student ({job.student.mixer}{f', softmax attention kept in layers {sorted(kept)}' if kept else ''}): "
+    spec = job.student.attention_layers
+    where = f"{spec} = {kept}" if isinstance(spec, str) and kept is not None else kept
+    if kept is None:
+        where = f"{spec}, not ranked yet (`harness transfer --rank-layers JOB`; counted here as no layer kept)"
+    print(f"  student ({job.student.mixer}{f', softmax attention kept in layers {where}' if spec else ''}): "
           f"{student_n:,}")
     print("\n# stage plan (tokens per step = micro_batch_size x grad_accum x seq_len, x deepspeed.world_size "
           "for distill; every layer group of stages 1-2 sees its stage's tokens)")
@@ -597,8 +601,22 @@ def _walk_help(prefix: str = "", node=None):
             yield from _walk_help(key + ".", value)
 
 
-def parameter_counts(job) -> tuple[int, int]:
-    """Teacher and student parameter counts from the teacher's config alone (models built on the meta device)."""
+def _kept_layers_for_info(job) -> Optional[list[int]]:
+    """The job's kept attention layers; None where 'auto:K' has no layer ranking yet (`harness info` still runs)."""
+    from harness.config import ConfigError, auto_layer_count
+    from harness.stages.common import kept_attention_layers
+
+    try:
+        return kept_attention_layers(job)
+    except ConfigError:
+        if auto_layer_count(job.student.attention_layers) is None:
+            raise
+        return None
+
+
+def parameter_counts(job, kept: Optional[list[int]] = None) -> tuple[int, int]:
+    """Teacher and student parameter counts from the teacher's config alone (models built on the meta device);
+    `kept`: the kept attention layers, when the caller has them (else the job's)."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -611,8 +629,8 @@ def parameter_counts(job) -> tuple[int, int]:
         cfg.num_hidden_layers = min(job.teacher.num_layers, cfg.num_hidden_layers)
     with torch.device("meta"):
         teacher = AutoModelForCausalLM.from_config(cfg)
-        student = HarnessForCausalLM(student_config(cfg, job.student.mixer, job.student.options,
-                                                    kept_attention_layers(job)))
+        kept = kept_attention_layers(job) if kept is None else kept
+        student = HarnessForCausalLM(student_config(cfg, job.student.mixer, job.student.options, kept))
     return count_parameters(teacher), count_parameters(student)
 
 

@@ -101,12 +101,14 @@ class StudentConfig:
         help="Mixer options (e.g. {rope: true, chunk_size: 64}); `harness info` lists each mixer's options.",
         factory=dict,
     )
-    attention_layers: list[int] = described(
+    attention_layers: Any = described(
         help="Layers (0-based indices of the student, e.g. [3, 17]) that keep the teacher's softmax attention "
         "instead of a mixer: a hybrid student. Stages 1-2 skip them (the merge takes them from the teacher bit "
-        "for bit), stage 3 trains them with the rest; their decoding cache grows with the context. Empty: none.",
-        factory=list, rule=each(Rule(lambda i: isinstance(i, int) and not isinstance(i, bool) and i >= 0,
-                                     "be a layer index >= 0")),
+        "for bit), stage 3 trains them with the rest; their decoding cache grows with the context. 'auto:K' keeps "
+        "the K layers that cost most to linearize, as `harness transfer --rank-layers` ranked them (its file "
+        "RUN/ranking/layer_ranking.json must exist). Empty: none.",
+        factory=list, rule=Rule(lambda v: _attention_layers_spelling(v) is None,
+                                "be a list of layer indices >= 0 (e.g. [3, 17]) or 'auto:K' (K an integer >= 0)"),
     )
 
 
@@ -507,6 +509,9 @@ def load_job(path: str | Path | None, overrides: list[str] = ()) -> JobConfig:
         job = OmegaConf.to_object(merged)
     except OmegaConfBaseException as err:
         raise ConfigError(_explain_omegaconf(err, path)) from None
+    except TypeError as err:  # OmegaConf's own, for a mapping merged onto a list (e.g. `key=auto:` reads as {auto: null})
+        raise ConfigError(f"A value of {path or 'the overrides'} ({', '.join(overrides) or 'none'}) has the wrong kind "
+                          f"for its field ({err}); quote a string that contains ':' (key='a:b').") from None
     validate(job)
     return job
 
@@ -688,8 +693,29 @@ def _choice_problem(key: str, value: Any, hint: Any) -> Optional[str]:
     return bad_choice(key, bad[0], choice) if bad else None
 
 
-def _check_attention_layers(layers: list[int]) -> None:
+AUTO_LAYERS = "auto:"
+
+
+def _attention_layers_spelling(value: Any) -> Optional[str]:
+    """Why `value` is not a spelling of student.attention_layers (a list of indices >= 0, or 'auto:K'), or None."""
+    if isinstance(value, str):
+        count = value[len(AUTO_LAYERS):] if value.startswith(AUTO_LAYERS) else ""
+        return None if count.isdigit() else "not 'auto:K'"
+    if isinstance(value, (list, tuple)) or OmegaConf.is_list(value):
+        ok = all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in value)
+        return None if ok else "an item is not a layer index >= 0"
+    return f"a {type(value).__name__}"
+
+
+def auto_layer_count(value: Any) -> Optional[int]:
+    """K of student.attention_layers 'auto:K'; None for a list."""
+    return int(value[len(AUTO_LAYERS):]) if isinstance(value, str) else None
+
+
+def _check_attention_layers(layers: Any) -> None:
     """No layer named twice (the range against the teacher's depth: `harness.stages.common.kept_attention_layers`)."""
+    if isinstance(layers, str):
+        return
     twice = sorted({i for i in layers if list(layers).count(i) > 1})
     if twice:
         raise ConfigError(f"student.attention_layers={list(layers)} names layer(s) {twice} more than once; "

@@ -195,7 +195,7 @@ def test_hybrids_are_not_graphed_and_say_why(teacher):
 def test_config_refuses_duplicates_and_layers_outside_the_student(tmp_path):
     with pytest.raises(ConfigError, match=r"names layer\(s\) \[1\] more than once"):
         load_job(None, ["student.attention_layers=[1,3,1]"])
-    with pytest.raises(ConfigError, match="Bad value -2 in student.attention_layers"):
+    with pytest.raises(ConfigError, match=r"student.attention_layers=\[-2\] must be a list of layer indices >= 0"):
         load_job(None, ["student.attention_layers=[-2]"])
     job = tiny_job(tmp_path / "setting", tmp_path / "run", "student.attention_layers=[2,4]")
     with pytest.raises(ConfigError, match=r"layer\(s\) \[4\] outside the student: it has 4 layers"):

@@ -85,6 +85,26 @@ def test_a_sharp_layer_ranks_first_and_a_mildly_non_uniform_one_second(root, sha
     assert all(abs(costs[l]) < 1e-6 for l in uniform)  # copied exactly: the teacher's uniform attention
     assert {r["weights"] for r in ranking["layers"]} == {"init"} and ranking["measure"] == measure
     assert costliest_layers(job, 1) == [SHARP] and costliest_layers(job, 2) == sorted([SHARP, MILD])
+    # a hybrid of the same run keeps the costliest layer: stages 1-2 plan no group for it
+    from harness.stages.common import job_layer_groups, kept_attention_layers
+
+    hybrid = job_in(root, f"sharp-{measure}", f"teacher.source={sharp_teacher}", "student.mixer=linear_attn",
+                    "student.attention_layers=auto:1")
+    assert kept_attention_layers(hybrid) == [SHARP]
+    assert SHARP not in sum(job_layer_groups(hybrid, 2), [])
+
+
+def test_auto_attention_layers_are_spelled_auto_k_and_need_a_ranking(root):
+    from harness.stages.common import kept_attention_layers
+
+    for bad in ("auto:two", "auto", "first:2"):
+        with pytest.raises(ConfigError, match=r"student.attention_layers.*'auto:K'"):
+            job_in(root, "auto-bad", f"student.attention_layers={bad}")
+    with pytest.raises(ConfigError, match=r"wrong kind for its field"):  # `auto:` reads as a mapping {auto: null}
+        job_in(root, "auto-bad", "student.attention_layers=auto:")
+    job = job_in(root, "auto-unranked", "student.attention_layers=auto:2")  # loads: the ranking is read when needed
+    with pytest.raises(ConfigError, match=r"No layer ranking at .*harness transfer"):
+        kept_attention_layers(job)
 
 
 class TeacherAttentionAsMixer(torch.nn.Module):

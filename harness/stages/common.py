@@ -94,8 +94,16 @@ def layer_groups(num_layers: int, groups: int, kept: Collection[int] = ()) -> li
 
 def kept_attention_layers(job: JobConfig) -> list[int]:
     """The layers of the job's student that keep the teacher's softmax attention, sorted: student.attention_layers,
-    each checked against the student's depth (the teacher's, after teacher.num_layers). Every stage, planner and
-    builder reads them here, so that another way of choosing them changes this function only."""
+    each checked against the student's depth (the teacher's, after teacher.num_layers), or with 'auto:K' the K
+    costliest layers of the job's layer ranking (`harness.ranking.costliest_layers`). Every stage, planner and
+    builder reads them here."""
+    from harness.config import auto_layer_count
+
+    k = auto_layer_count(job.student.attention_layers)
+    if k is not None:  # read from the layer ranking when needed, not at load_job: the ranking runs on this job too
+        from harness.ranking import costliest_layers
+
+        return costliest_layers(job, k)
     layers = sorted(job.student.attention_layers)
     if not layers:
         return []
