@@ -21,11 +21,24 @@ key=value, e.g.
 """
 
 
+def parse_args_with_late_overrides(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.Namespace:
+    """parse_args, where key=value overrides may also follow the options (`harness transfer JOB --rank-layers
+    output_dir=X`): argparse gives its positional `key=value ...` only the words before the first option, and calls
+    the later ones unrecognised. Anything else unrecognised is the usual error."""
+    args, extra = parser.parse_known_args(argv)
+    late = [a for a in extra if "=" in a and not a.startswith("-")]
+    if hasattr(args, "overrides") and late == extra:
+        args.overrides = [*(args.overrides or []), *late]
+    elif extra:
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    return args
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     from harness.eval.cli import rewrite_argv
 
     parser = build_parser()
-    args = parser.parse_args(rewrite_argv(list(sys.argv[1:] if argv is None else argv)))
+    args = parse_args_with_late_overrides(parser, rewrite_argv(list(sys.argv[1:] if argv is None else argv)))
     if not getattr(args, "handler", None):
         parser.print_help()
         return 0

@@ -201,3 +201,15 @@ def test_fields_built_in_code_are_checked_like_merged_ones():
         check_fields(DataConfig(txt_sample_by="word"), "data.")
     with pytest.raises(ConfigError, match=r"^data.shuffle_buffer=0 must be a positive number.$"):
         check_fields(DataConfig(shuffle_buffer=0), "data.")
+
+
+def test_overrides_may_follow_the_options_and_anything_else_unknown_is_an_error(capsys):
+    from harness.cli import build_parser, parse_args_with_late_overrides
+
+    parser = build_parser()
+    args = parse_args_with_late_overrides(parser, ["info", "jobs/quickstart.yaml", "seed=3", "--explain",
+                                                   "student.mixer=gla"])
+    assert args.explain and args.overrides == ["seed=3", "student.mixer=gla"]
+    with pytest.raises(SystemExit) as stop:
+        parse_args_with_late_overrides(parser, ["info", "jobs/quickstart.yaml", "--explain", "--bogus", "seed=3"])
+    assert stop.value.code == 2 and "unrecognized arguments: --bogus seed=3" in capsys.readouterr().err
