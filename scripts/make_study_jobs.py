@@ -161,9 +161,13 @@ def authors_init(mixer: str) -> dict[str, str]:
     return {k: str(v).lower() if isinstance(v, bool) else str(v) for k, v in authors_options(mixer).items()}
 
 
-STUDY_50M_EXTRA = {  # name suffix -> (seed, options, recipe, what it is)
-    "seed2": (1, {}, OURS_50M, "a second seed (init draw and data order)"),
-    "authors-init": (0, authors_init("gated_deltanet"), OURS_50M, "the mixers' authors' init (the old-init ablation)"),
+STUDY_50M_EXTRA = {  # name suffix -> (seed, options, recipe, what it is, more student fields)
+    "seed2": (1, {}, OURS_50M, "a second seed (init draw and data order)", ""),
+    "authors-init": (0, authors_init("gated_deltanet"), OURS_50M, "the mixers' authors' init (the old-init ablation)",
+                     ""),
+    # issue 28: a hybrid keeping the two layers `harness transfer --rank-layers` finds costliest (stage-1 loss at init)
+    "hybrid2": (0, {}, OURS_50M, "a hybrid, 2 of 30 layers kept as softmax attention (auto:2)",
+                "\n  attention_layers: auto:2   # the 2 costliest of RUN/ranking/layer_ranking.json"),
 }
 
 
@@ -175,19 +179,19 @@ def options_yaml(options: dict[str, str]) -> str:
 
 
 def study_50m_jobs() -> dict[str, str]:
-    """File name -> text of the 50M-token small study: the seven mixers, then gated_deltanet's second seed and
-    its authors'-init ablation."""
+    """File name -> text of the 50M-token small study: the seven mixers, then gated_deltanet's second seed, its
+    authors'-init ablation and its hybrid with two softmax-attention layers kept (issue 28)."""
     jobs = {}
     for mixer in MIXERS:
         name = f"smollm2-135m-{mixer}-50m"
         jobs[f"{name}.yaml"] = STUDY_50M_TEMPLATE.format(
             title=f"SmolLM2-135M-Instruct teacher, {mixer} student, 50M tokens", name=name, seed=0, mixer=mixer,
             options="", **OURS_50M)
-    for suffix, (seed, options, recipe, what) in STUDY_50M_EXTRA.items():
+    for suffix, (seed, options, recipe, what, student) in STUDY_50M_EXTRA.items():
         name = f"smollm2-135m-gated_deltanet-50m-{suffix}"
         jobs[f"{name}.yaml"] = STUDY_50M_TEMPLATE.format(
             title=f"SmolLM2-135M-Instruct teacher, gated_deltanet student, 50M tokens: {what}", name=name,
-            seed=seed, mixer="gated_deltanet", options=options_yaml(options), **recipe)
+            seed=seed, mixer="gated_deltanet", options=options_yaml(options) + student, **recipe)
     return jobs
 
 

@@ -10,6 +10,8 @@
 # writes the reports, metrics and logs of every run so far (no checkpoints or weights) to $OUT/study-small.tar.xz.
 # GPU_TESTS="pytest arguments" also runs those GPU tests on the last GPU beside the lanes (log: $OUT/gpu_tests.log).
 # HARNESS_DECODE_GRAPHS=0 makes the evaluations decode eagerly (harness/decoding.py).
+# A job with `student.attention_layers: auto:K` (a hybrid) is ranked first, once: `harness transfer --rank-layers`
+# with RANK_ARGS (default "--sequences 8 --seq-len 2048"), into the run's ranking/ (it comes back with the results).
 # RUNS (default runs/study-small) is where the runs go and what comes back; OVERRIDES (default none) are job
 # overrides given to every run, e.g. OVERRIDES="eval.enabled=false" with RUNS=runs/transfer-small for the
 # transfer-fidelity runs of docs/TRANSFER.md. The payload may leave out lm-eval (evalsite) when nothing evaluates.
@@ -65,6 +67,12 @@ lane() {  # lane GPU JOB[/TAG]...: the jobs one after another on one GPU; a fail
     [ -e "$HARNESS_PREEMPT_FILE" ] && return
     file=$(ls jobs/*/smollm2-135m-"$job".yaml 2>/dev/null | head -n 1)
     [ -n "$file" ] || { echo "lane $gpu: no jobs/*/smollm2-135m-$job.yaml"; continue; }
+    # a hybrid that keeps auto:K layers reads them from its layer ranking: rank first (harness/ranking.py)
+    # shellcheck disable=SC2086 # OVERRIDES, extra and RANK_ARGS are lists of words
+    if grep -q "attention_layers: auto:" "$file" && [ ! -f "$S/$n/ranking/layer_ranking.json" ]; then
+      CUDA_VISIBLE_DEVICES=$gpu python3 -m harness.cli transfer "$file" --rank-layers ${RANK_ARGS:---sequences 8 \
+        --seq-len 2048} ${OVERRIDES:-} $extra name="$n" output_dir="$S/$n" || { echo "lane $gpu: $n: ranking failed"; continue; }
+    fi
     # shellcheck disable=SC2086 # OVERRIDES and extra are lists of key=value words
     if CUDA_VISIBLE_DEVICES=$gpu python3 -m harness.cli run "$file" ${OVERRIDES:-} \
          $extra name="$n" output_dir="$S/$n"; then
