@@ -30,21 +30,16 @@ from torch import nn
 
 from harness.config import ConfigError, JobConfig
 from harness.files import atomic_write_text
+# the ranking's file and what reads it live with the stages, which read the kept layers from it
+from harness.stages.common import RANK_COMMAND, RANKING_DIR, RANKING_JSON, costliest_layers, ranking_dir  # noqa: F401
 
 MEASURES = ("stage1", "kl")
-RANKING_DIR, RANKING_JSON, RANKING_MD, PARTS_DIR = "ranking", "layer_ranking.json", "layer_ranking.md", "parts"
-RANK_COMMAND = "harness transfer --rank-layers JOB"  # how the errors tell the user to write the ranking
+RANKING_MD, PARTS_DIR = "layer_ranking.md", "parts"
 # What a part's costs depend on besides its layers: parts that differ in any of these are not one ranking.
 SETTINGS = ("job", "teacher", "teacher_layers", "mixer", "options", "measure", "loss", "data", "seed")
 
 __all__ = ["MEASURES", "MixerAsAttention", "replaced_attention", "kl_per_token", "rank_layers", "merge_ranking",
            "costliest_layers", "ranking_dir", "ranking_order"]
-
-
-def ranking_dir(job: JobConfig) -> Path:
-    from harness.stages.common import run_dir
-
-    return run_dir(job) / RANKING_DIR
 
 
 def part_path(job: JobConfig, measure: str, layers: Sequence[int]) -> Path:
@@ -262,24 +257,3 @@ def markdown(ranking: dict[str, Any]) -> str:
     lines += [f"| {i + 1} | {l} | {by_layer[l]['cost']:.6g} | {by_layer[l]['weights']} |"
               for i, l in enumerate(ranking["order"])]
     return "\n".join(lines) + "\n"
-
-
-def costliest_layers(job: JobConfig, k: int) -> list[int]:
-    """The `k` costliest layers of the job's ranking (RUN/ranking/layer_ranking.json), sorted by index: the layers a
-    hybrid student keeps as the teacher's attention. ConfigError when the file is missing, is another teacher's,
-    or k is outside 0..layers."""
-    from harness.stages.common import num_student_layers
-
-    path = ranking_dir(job) / RANKING_JSON
-    if not path.is_file():
-        raise ConfigError(f"No layer ranking at {path}: write it with `{RANK_COMMAND}` (or `harness submit JOB "
-                          "--rank-layers` on Slurm), then choose the layers from it.")
-    ranking = json.loads(path.read_text())
-    n = num_student_layers(job)
-    if ranking.get("teacher") != job.teacher.source or ranking.get("teacher_layers") != n:
-        raise ConfigError(f"{path} ranks the {ranking.get('teacher_layers')} layers of teacher "
-                          f"'{ranking.get('teacher')}', not the {n} of this job's '{job.teacher.source}'; rank again "
-                          f"with `{RANK_COMMAND}`.")
-    if isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= n:
-        raise ConfigError(f"K={k!r} costliest layers: K must be an integer from 0 to the teacher's {n} layers.")
-    return sorted(ranking["order"][:k])

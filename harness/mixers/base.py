@@ -19,7 +19,7 @@ from torch import nn
 
 from harness.mixers.kernels import resolve_backend
 from harness.mixers.ops import apply_rope, expand_kv, l2norm, rotate_half_rope
-from harness.mixers.window import WindowCache
+from harness.mixers.window import WindowCache, window_attention
 
 
 @dataclass
@@ -198,8 +198,6 @@ class Mixer(nn.Module):
     def _window(self, projected, mask, prior: Optional[WindowCache], use_cache: bool):
         """The sliding-window softmax attention `[B, T, H, D]` over the teacher's q, k (RoPE'd here), v, and its new
         cache if use_cache."""
-        from harness.mixers.window import window_attention
-
         q, k, v = (self._heads(t) for t in projected)
         rotate = None
         if self.window_rotary is not None:

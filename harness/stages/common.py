@@ -31,7 +31,7 @@ from typing import Any, Optional
 import torch
 
 from harness.checkpoint import CheckpointManager, load_rng, save_rng
-from harness.config import PER_LAYER as PER_LAYER_STAGES, ConfigError, JobConfig
+from harness.config import PER_LAYER as PER_LAYER_STAGES, ConfigError, JobConfig, auto_layer_count
 from harness.engine import PlainEngine, all_reduce_host
 from harness.export import TAG
 
@@ -92,17 +92,41 @@ def layer_groups(num_layers: int, groups: int, kept: Collection[int] = ()) -> li
     return out
 
 
+# The layer ranking (harness/ranking.py writes it; `auto:K` kept layers are read from it here)
+RANKING_DIR, RANKING_JSON = "ranking", "layer_ranking.json"
+RANK_COMMAND = "harness transfer --rank-layers JOB"  # how the errors tell the user to write the ranking
+
+
+def ranking_dir(job: JobConfig) -> Path:
+    return run_dir(job) / RANKING_DIR
+
+
+def costliest_layers(job: JobConfig, k: int) -> list[int]:
+    """The `k` costliest layers of the job's ranking (RUN/ranking/layer_ranking.json), sorted by index: the layers a
+    hybrid student keeps as the teacher's attention. ConfigError when the file is missing, is another teacher's,
+    or k is outside 0..layers."""
+    path = ranking_dir(job) / RANKING_JSON
+    if not path.is_file():
+        raise ConfigError(f"No layer ranking at {path}: write it with `{RANK_COMMAND}` (or `harness submit JOB "
+                          "--rank-layers` on Slurm), then choose the layers from it.")
+    ranking = json.loads(path.read_text())
+    n = num_student_layers(job)
+    if ranking.get("teacher") != job.teacher.source or ranking.get("teacher_layers") != n:
+        raise ConfigError(f"{path} ranks the {ranking.get('teacher_layers')} layers of teacher "
+                          f"'{ranking.get('teacher')}', not the {n} of this job's '{job.teacher.source}'; rank again "
+                          f"with `{RANK_COMMAND}`.")
+    if isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= n:
+        raise ConfigError(f"K={k!r} costliest layers: K must be an integer from 0 to the teacher's {n} layers.")
+    return sorted(ranking["order"][:k])
+
+
 def kept_attention_layers(job: JobConfig) -> list[int]:
     """The layers of the job's student that keep the teacher's softmax attention, sorted: student.attention_layers,
     each checked against the student's depth (the teacher's, after teacher.num_layers), or with 'auto:K' the K
-    costliest layers of the job's layer ranking (`harness.ranking.costliest_layers`). Every stage, planner and
+    costliest layers of the job's layer ranking (`costliest_layers`). Every stage, planner and
     builder reads them here."""
-    from harness.config import auto_layer_count
-
     k = auto_layer_count(job.student.attention_layers)
     if k is not None:  # read from the layer ranking when needed, not at load_job: the ranking runs on this job too
-        from harness.ranking import costliest_layers
-
         return costliest_layers(job, k)
     layers = sorted(job.student.attention_layers)
     if not layers:
