@@ -222,9 +222,20 @@ def test_group_planning_leaves_the_kept_layers_out(tmp_path):
 
 
 def test_a_hybrid_run_skips_kept_layers_in_stages_1_2_and_trains_them_in_stage_3(tmp_path):
+    """The whole pipeline on a Qwen3 teacher (q/k norms, head_dim != hidden / heads; also the teacher-family check
+    of issue 28 end to end): stages 1-2 capture from it, the kept layer stays the teacher's, stage 3 trains it."""
+    from tests.pipeline import make_setting, tiny_tokenizer
+    from tests.tiny import tiny_qwen3
+
+    make_setting(tmp_path / "setting")
+    tok = tiny_tokenizer()
+    qwen = tiny_qwen3(num_layers=4, vocab=len(tok))
+    qwen.config.eos_token_id = tok.eos_token_id
+    qwen.save_pretrained(tmp_path / "qwen3")
+    tok.save_pretrained(tmp_path / "qwen3")
     out = tmp_path / "run"
-    job = tiny_job(tmp_path / "setting", out, "student.attention_layers=[1]", "budget.split=[0.1,0.1,0.8]",
-                   "run.layer_groups=1", "run.parallel_groups=1", total=640)
+    job = tiny_job(tmp_path / "setting", out, f"teacher.source={tmp_path / 'qwen3'}", "student.attention_layers=[1]",
+                   "budget.split=[0.1,0.1,0.8]", "run.layer_groups=1", "run.parallel_groups=1", total=640)
     path = tmp_path / "job.yaml"
     path.write_text(OmegaConf.to_yaml(OmegaConf.structured(job)))
     done = harness_cli("run", str(path))
@@ -232,7 +243,7 @@ def test_a_hybrid_run_skips_kept_layers_in_stages_1_2_and_trains_them_in_stage_3
     for stage in ("align_mixer", "align_hidden"):  # one group, spanning the kept layer
         with safe_open(out / stage / "layers-00-03" / "weights.safetensors", framework="pt") as f:
             assert {int(k.split(".")[2]) for k in f.keys()} == {0, 2, 3}
-    teacher = AutoModelForCausalLM.from_pretrained(tmp_path / "setting" / "teacher")
+    teacher = AutoModelForCausalLM.from_pretrained(tmp_path / "qwen3")
     merged = AutoModelForCausalLM.from_pretrained(out / "merged")
     final = AutoModelForCausalLM.from_pretrained(out / "student")
     assert merged.config.attention_layers == final.config.attention_layers == [1]
@@ -242,6 +253,7 @@ def test_a_hybrid_run_skips_kept_layers_in_stages_1_2_and_trains_them_in_stage_3
     trained = final.model.layers[1].self_attn.q_proj.weight
     assert not torch.equal(trained.float(), theirs["self_attn.q_proj.weight"].float())  # stage 3 trained it
     assert torch.isfinite(final(torch.randint(1, 300, (1, 12))).logits).all()
+    assert final.model.layers[0].mixer.q_norm.weight.shape == theirs["self_attn.q_norm.weight"].shape  # Qwen3's
 
 
 def test_decode_bench_reports_the_hybrids_kv_bytes_as_the_teachers_per_layer():
