@@ -10,8 +10,9 @@ from typing import Optional
 from harness.config import ConfigError
 
 DESCRIPTION = """\
-Linearize a pretrained Transformer: replace every attention block of a teacher with a linear-time
-mixer (linear_attn, retnet, gla, deltanet, gated_deltanet, kda, mlstm) and train the student by
+Linearize a pretrained Transformer (Llama, Mistral, Qwen2, Qwen3): replace the attention blocks of a
+teacher with a linear-time mixer (linear_attn, retnet, gla, deltanet, gated_deltanet, kda, mlstm) -
+every block, or all but those a hybrid keeps (student.attention_layers) - and train the student by
 per-layer alignment and distillation.
 
 A job is a YAML file (see jobs/); any field can be overridden on the command line with a dotted
