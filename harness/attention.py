@@ -4,7 +4,8 @@
 teacher's num_kv_heads, biases, Qwen3's per-head q/k RMSNorm before RoPE) under the teacher's names, so that
 `load_state_dict(teacher_layer.self_attn.state_dict())` copies it bit for bit. It computes causal grouped-query
 attention with torch's scaled_dot_product_attention (scale head_dim**-0.5, as the teacher's), and decodes with
-a growing `KVState` (keys and values of every token seen, `[B, kv_heads, T, D]`).
+a growing `KVState` (keys and values of every token seen, `[B, kv_heads, T, D]`; under the teacher's sliding window,
+Mistral's, only the last `window - 1`).
 
 Padding (tests/test_padding.py's conventions): the key mask `[B, seen + T]` (0 at padding) hides padded keys, so
 that a row padded on the left (generation) or on the right (scoring) attends at its real tokens to what it would
@@ -28,7 +29,8 @@ from harness.mixers import MixerShape
 @dataclass
 class KVState:
     """Decoding state of a kept softmax-attention layer: keys and values of every token seen, `[B, kv_heads, T, D]`
-    (after RoPE). It grows by one column per token, unlike a mixer's `MixerState`."""
+    (after RoPE). It grows by one column per token, unlike a mixer's `MixerState`, up to the teacher's sliding window
+    where it has one (then the last `window - 1` columns)."""
 
     k: torch.Tensor
     v: torch.Tensor
@@ -84,12 +86,22 @@ class SoftmaxAttention(nn.Module):
         q, k = apply_rotary_pos_emb(q, k, *position_embeddings)
         if state is not None:
             k, v = torch.cat([state.k, k], 2), torch.cat([state.v, v], 2)
+        if key_mask is not None:  # a windowed cache holds only the last columns: the mask's columns end with them
+            key_mask = key_mask[:, -k.shape[2]:]
         mask = causal_mask(t, k.shape[2], key_mask, x.device, self.window)
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None and t > 1,
                                              scale=self.shape.head_dim ** -0.5,
                                              enable_gqa=self.shape.num_kv_heads != self.shape.num_heads)
         y = self.o_proj(out.transpose(1, 2).reshape(b, t, -1))
-        return y, (KVState(k, v) if use_cache else None)
+        return y, (self._cached(k, v) if use_cache else None)
+
+    def _cached(self, k: torch.Tensor, v: torch.Tensor) -> KVState:
+        """The KV state to keep: every column, or under a sliding window only the last `window - 1` (a later query
+        sees no column before those; transformers' sliding-window cache keeps the same)."""
+        if self.window is None:
+            return KVState(k, v)
+        first = max(0, k.shape[2] - (self.window - 1))
+        return KVState(k[:, :, first:], v[:, :, first:])
 
     def _heads(self, x: torch.Tensor) -> torch.Tensor:
         return x.unflatten(-1, (-1, self.shape.head_dim))

@@ -113,6 +113,28 @@ def test_mixed_cache_generate_equals_greedy_full_forwards(teacher, mixer, rope):
     assert cache.kv_bytes() == kv * 12 // 11 and cache.state_bytes() - cache.kv_bytes() == total - kv
 
 
+def test_a_sliding_window_layer_caches_only_its_window_and_decodes_as_full_forwards(prompts):
+    """Mistral's window (8): the kept layer's cache holds the last 7 columns, and decoding past the window (prompts
+    of 5 to 22 tokens, alone and left-padded together) still gives the tokens of full forwards."""
+    t = TINY_FAMILIES["mistral"](num_layers=3).float()
+    s = hybrid(t, "gated_deltanet")
+    for p in prompts:
+        out = s.generate(p[None], generation_config=GEN)
+        assert torch.equal(out, greedy_by_full_forwards(s, p[None], GEN.max_new_tokens))
+    cache = RecurrentCache(3)
+    with torch.no_grad():
+        s(prompts[2][None], cache=cache, use_cache=True)
+        assert cache.states[1].length == 7
+        s(prompts[2][None, :1], cache=cache, use_cache=True)
+    assert cache.states[1].length == 7
+    ids, mask = padded(prompts, "left")
+    out = s.generate(input_ids=ids, attention_mask=mask, generation_config=GEN)[:, ids.shape[1]:]
+    batched = greedy_decode_batch(s, prompts, GEN.max_new_tokens, graphs=False)
+    for row, p in enumerate(prompts):
+        alone = greedy_by_full_forwards(s, p[None], GEN.max_new_tokens)[0, len(p):]
+        assert torch.equal(out[row], alone) and batched[row] == alone.tolist()
+
+
 @pytest.mark.parametrize("side", ["left", "right"])
 def test_padded_hybrid_rows_compute_what_they_compute_alone(teacher, prompts, side):
     s = hybrid(teacher, "gated_deltanet", rope=True)
