@@ -100,6 +100,13 @@ def _looks_like_path(source: str) -> bool:
     )
 
 
+def teacher_identity(source: str) -> str:
+    """The teacher a source names, spelled one way: an existing file or folder as its absolute resolved path (so
+    that `./models/t` and `/abs/models/t` are one teacher), anything else (an alias, a hub id) as given."""
+    path = Path(source).expanduser()
+    return str(path.resolve()) if path.exists() else source
+
+
 def classify_source(source: str) -> str:
     """The kind of a teacher source, from its spelling and the filesystem, without loading or fetching.
 

@@ -92,6 +92,13 @@ def test_a_sharp_layer_ranks_first_and_a_mildly_non_uniform_one_second(root, sha
                     "student.attention_layers=auto:1")
     assert kept_attention_layers(hybrid) == [SHARP]
     assert SHARP not in sum(job_layer_groups(hybrid, 2), [])
+    # the teacher spelled as a relative path is the same teacher; another teacher's ranking is refused
+    relative = job_in(root, f"sharp-{measure}", f"teacher.source={os.path.relpath(sharp_teacher)}",
+                      "student.mixer=linear_attn", "student.attention_layers=auto:1")
+    assert kept_attention_layers(relative) == [SHARP]
+    other = job_in(root, f"sharp-{measure}", "student.mixer=linear_attn", "student.attention_layers=auto:1")
+    with pytest.raises(ConfigError, match=r"ranks the .* layers of teacher"):
+        kept_attention_layers(other)
 
 
 def test_auto_attention_layers_are_spelled_auto_k_and_need_a_ranking(root):

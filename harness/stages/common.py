@@ -109,9 +109,12 @@ def costliest_layers(job: JobConfig, k: int) -> list[int]:
     if not path.is_file():
         raise ConfigError(f"No layer ranking at {path}: write it with `{RANK_COMMAND}` (or `harness submit JOB "
                           "--rank-layers` on Slurm), then choose the layers from it.")
+    from harness.teacher import teacher_identity
+
     ranking = json.loads(path.read_text())
     n = num_student_layers(job)
-    if ranking.get("teacher") != job.teacher.source or ranking.get("teacher_layers") != n:
+    teacher = teacher_identity(job.teacher.source)
+    if teacher_identity(str(ranking.get("teacher"))) != teacher or ranking.get("teacher_layers") != n:
         raise ConfigError(f"{path} ranks the {ranking.get('teacher_layers')} layers of teacher "
                           f"'{ranking.get('teacher')}', not the {n} of this job's '{job.teacher.source}'; rank again "
                           f"with `{RANK_COMMAND}`.")
