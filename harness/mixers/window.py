@@ -2,8 +2,8 @@
 
 What `student.options.window` puts beside a mixer's recurrence in the same layer (docs/TRANSFER.md, "Sliding
 window"): the teacher's softmax attention, exact over the recent tokens, while the recurrence carries what lies
-further back. Computed blockwise (blocks of `window` queries read their own block and the one before), so memory and
-time grow as T x window, not T^2. Decoding keeps the last `window - 1` keys and values (`WindowCache`), before RoPE:
+further back. Computed blockwise in one batched product (blocks of `window` queries read their own block and the `window - 1`
+keys before it), so memory and time grow as T x window, not T^2. Decoding keeps the last `window - 1` keys and values (`WindowCache`), before RoPE:
 RoPE scores depend only on the distance between query and key, so every call rotates its keys and queries by their
 place in the window it sees, and a cache needs no position counter (rows of different lengths share one batch, and a
 decoding step has the same shapes every time).
@@ -55,25 +55,34 @@ def window_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: 
 
 
 def _blockwise(q, k, v, valid, window: int, scale: float, past: int) -> torch.Tensor:
-    """Queries in blocks of `window`; block i (queries past + i*W .. past + (i+1)*W - 1 of the keys) reads the keys
-    from W - 1 before its first query to its last: at most 2W - 1 keys, all the window of each of its queries."""
+    """Queries in blocks of C (= the window, or fewer when the sequence is shorter); each block reads, in one batched
+    product, the C + W - 1 keys from W - 1 before its first query to its last: all the window of each of its
+    queries. The keys are padded on the left to W - 1 before the first query (invalid slots), so that every block
+    has the same band: query a of a block sees its keys a .. a + W - 1."""
     batch, length, heads, dim = q.shape
-    out = []
-    for start in range(0, length, window):
-        stop = min(start + window, length)
-        first_query, last_query = past + start, past + stop - 1
-        lo = max(0, first_query - (window - 1))
-        keys, values = k[:, lo:last_query + 1].float(), v[:, lo:last_query + 1].float()
-        scores = torch.einsum("bthd,bshd->bhts", q[:, start:stop].float(), keys) * scale
-        t = torch.arange(first_query, last_query + 1, device=q.device)[:, None]
-        s = torch.arange(lo, last_query + 1, device=q.device)[None, :]
-        allowed = (s <= t) & (t - s < window)
-        allowed = allowed[None, None] & valid[:, None, None, lo:last_query + 1]
-        scores = scores.masked_fill(~allowed, -math.inf)
-        # a padded query can see no key at all: its row would be all -inf (NaN); it gets zeros instead
-        probs = torch.nan_to_num(scores.softmax(-1), nan=0.0)
-        out.append(torch.einsum("bhts,bshd->bthd", probs, values))
-    return torch.cat(out, 1)
+    window = min(window, past + length)  # a longer window sees no more: every key is already in it
+    keep = min(past, window - 1)  # the past keys any new query can still see
+    k, v, valid = k[:, past - keep:], v[:, past - keep:], valid[:, past - keep:]
+    size = min(window, length)
+    blocks = -(-length // size)
+    left, right = window - 1 - keep, blocks * size - length  # pad the keys to W - 1 before, the queries to C x blocks
+    span = size + window - 1
+
+    def spans(x: torch.Tensor) -> torch.Tensor:  # [B, (W - 1) + blocks x C, ...] -> [B, blocks, span, ...]
+        x = torch.nn.functional.pad(x, (0, 0) * (x.dim() - 2) + (left, right))
+        return x.unfold(1, span, size).movedim(-1, 2)
+
+    keys, values = spans(k.float()), spans(v.float())
+    seen = spans(valid)  # [B, blocks, span]
+    queries = torch.nn.functional.pad(q.float(), (0, 0, 0, 0, 0, right)).unflatten(1, (blocks, size))
+    scores = torch.einsum("bnqhd,bnshd->bnhqs", queries, keys) * scale
+    a, s = torch.arange(size, device=q.device)[:, None], torch.arange(span, device=q.device)[None, :]
+    allowed = ((s >= a) & (s < a + window))[None, None, None] & seen[:, :, None, None, :]
+    scores = scores.masked_fill(~allowed, -math.inf)
+    # a padded query can see no key at all: its row would be all -inf (NaN); it gets zeros instead
+    probs = torch.nan_to_num(scores.softmax(-1), nan=0.0)
+    out = torch.einsum("bnhqs,bnshd->bnqhd", probs, values)
+    return out.flatten(1, 2)[:, :length]
 
 
 def _last(k, v, valid, size: int) -> WindowCache:
