@@ -59,3 +59,20 @@ def test_cached_decoding_on_the_gpu_gives_the_tokens_of_full_forwards(mixer, var
         for _ in range(8):
             tokens = torch.cat([tokens, model(tokens).logits[:, -1:].argmax(-1)], dim=1)
     assert new == tokens[0, 40:].tolist()
+
+
+@pytest.mark.filterwarnings("error::RuntimeWarning")  # a failed capture falls back to eager with this warning
+@pytest.mark.parametrize("mixer", MIXERS)
+def test_a_window_step_captured_as_a_cuda_graph_decodes_as_the_eager_step(mixer, monkeypatch):
+    """What lifting graph_blocker's window clause needs: the window's step (a fixed-size cache of the last W - 1 keys
+    and values) captured as a graph gives the eager step's tokens, on prompts shorter and longer than the window,
+    alone and batched. The blocker is bypassed here only."""
+    import harness.decoding as decoding
+
+    model = built(mixer, "kernel", "window", torch.bfloat16)
+    monkeypatch.setattr(decoding, "graph_blocker", lambda m: None)
+    gen = torch.Generator().manual_seed(7)
+    prompts = [torch.randint(3, 512, (n,), generator=gen).cuda() for n in (9, 40)]
+    for p in prompts:
+        assert greedy_decode_batch(model, [p], 24, graphs=True) == greedy_decode_batch(model, [p], 24, graphs=False)
+    assert greedy_decode_batch(model, prompts, 24, graphs=True) == greedy_decode_batch(model, prompts, 24, graphs=False)
