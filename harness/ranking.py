@@ -181,8 +181,9 @@ def rank_layers(job: JobConfig, *, measure: str = "stage1", layers: Optional[Seq
                 with replaced_attention(model, layer, MixerAsAttention(mixer, rope, stage_autocast(job, device))):
                     cost = kl_per_token(teacher_log_p, log_probs(model, ids))
         costs[str(layer)] = {"cost": cost, "weights": weights}
-    return {"job": job.name, "teacher": teacher_identity(job.teacher.source), "teacher_layers": n_layers, "mixer": job.student.mixer,
-            "options": dict(job.student.options), "measure": measure, "loss": loss if measure == "stage1" else None,
+    return {"job": job.name, "teacher": teacher_identity(job.teacher.source), "teacher_layers": n_layers,
+            "mixer": job.student.mixer, "options": dict(job.student.options), "measure": measure,
+            "loss": loss if measure == "stage1" else None,
             "data": {"origin": origin, "sequences": int(ids.shape[0]), "seq_len": int(ids.shape[1])},
             "seed": job.seed, "layers": costs}
 

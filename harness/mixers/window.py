@@ -2,11 +2,11 @@
 
 What `student.options.window` puts beside a mixer's recurrence in the same layer (docs/TRANSFER.md, "Sliding
 window"): the teacher's softmax attention, exact over the recent tokens, while the recurrence carries what lies
-further back. Computed blockwise in one batched product (blocks of `window` queries read their own block and the `window - 1`
-keys before it), so memory and time grow as T x window, not T^2. Decoding keeps the last `window - 1` keys and values (`WindowCache`), before RoPE:
-RoPE scores depend only on the distance between query and key, so every call rotates its keys and queries by their
-place in the window it sees, and a cache needs no position counter (rows of different lengths share one batch, and a
-decoding step has the same shapes every time).
+further back. Computed blockwise in one batched product (blocks of `window` queries read their own block and the
+`window - 1` keys before it), so memory and time grow as T x window, not T^2. Decoding keeps the last `window - 1`
+keys and values (`WindowCache`), before RoPE: RoPE scores depend only on the distance between query and key, so
+every call rotates its keys and queries by their place in the window it sees, and a cache needs no position counter
+(rows of different lengths share one batch, and a decoding step has the same shapes every time).
 
 Padding: a masked token is no key for anyone. Padding sits before a row's first token (left) or after its last
 (right), so the distance in positions between two real tokens is their distance in the row.
