@@ -6,6 +6,8 @@ every mixer on every family."""
 
 from __future__ import annotations
 
+import copy
+
 import json
 
 import pytest
@@ -117,13 +119,15 @@ def test_transfer_copies_biases_and_qk_norms_bit_for_bit(teachers, family, mixer
             assert not hasattr(mix, "q_norm")
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("family", FAMILIES)
-def test_the_mixers_q_and_k_are_the_teachers_before_rope(teachers, family):
+def test_the_mixers_q_and_k_are_the_teachers_before_rope(teachers, family, dtype):
     """What every mixer's q/k path starts from (before its conv, feature map, RoPE): the teacher's q_norm(q_proj(x))
-    and k_norm(k_proj(x)), with K expanded over the query heads."""
-    teacher = teachers[family]
-    student = build_student(teacher, "gla")
-    x = torch.randn(2, 7, teacher.config.hidden_size, generator=torch.Generator().manual_seed(1))
+    and k_norm(k_proj(x)), with K expanded over the query heads; in bfloat16 bit for bit (the q/k norms round as
+    the teacher's do)."""
+    teacher = copy.deepcopy(teachers[family]).to(dtype)
+    student = build_student(teacher, "gla").to(dtype)
+    x = torch.randn(2, 7, teacher.config.hidden_size, generator=torch.Generator().manual_seed(1)).to(dtype)
     attn, mix = teacher.model.layers[0].self_attn, student.model.layers[0].mixer
     d = teacher.config.head_dim
     q_t, k_t = attn.q_proj(x).unflatten(-1, (-1, d)), attn.k_proj(x).unflatten(-1, (-1, d))
@@ -131,8 +135,9 @@ def test_the_mixers_q_and_k_are_the_teachers_before_rope(teachers, family):
         q_t, k_t = attn.q_norm(q_t), attn.k_norm(k_t)
     n_rep = teacher.config.num_attention_heads // teacher.config.num_key_value_heads
     q_s, k_s = mix.project_qk(x)
-    torch.testing.assert_close(q_s, q_t.flatten(2), rtol=1e-6, atol=1e-6)
-    torch.testing.assert_close(k_s, k_t.repeat_interleave(n_rep, 2).flatten(2), rtol=1e-6, atol=1e-6)
+    tol = 1e-6 if dtype == torch.float32 else 0.0
+    torch.testing.assert_close(q_s, q_t.flatten(2), rtol=tol, atol=tol)
+    torch.testing.assert_close(k_s, k_t.repeat_interleave(n_rep, 2).flatten(2), rtol=tol, atol=tol)
 
 
 def test_a_qwen3_students_logits_follow_the_teachers_qk_norms():

@@ -16,6 +16,7 @@ from typing import Any, ClassVar, Optional
 import torch
 import torch.nn.functional as F
 from torch import nn
+from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
 from harness.mixers.kernels import resolve_backend
 from harness.mixers.ops import apply_rope, expand_kv, l2norm, rotate_half_rope
@@ -147,9 +148,10 @@ class Mixer(nn.Module):
         self.k_proj = nn.Linear(shape.hidden_size, inner, bias=shape.qkv_bias)
         self.v_proj = nn.Linear(shape.hidden_size, inner, bias=shape.qkv_bias)
         self.o_proj = nn.Linear(inner, shape.hidden_size, bias=shape.o_bias)
-        if shape.qk_norm:  # Qwen3: RMSNorm over each head of q and k, before RoPE (and here before any conv)
-            self.q_norm = HeadRMSNorm(shape.head_dim, eps=shape.norm_eps)
-            self.k_norm = HeadRMSNorm(shape.head_dim, eps=shape.norm_eps)
+        if shape.qk_norm:  # Qwen3: RMSNorm over each head of q and k, before RoPE (and here before any conv);
+            # the teacher's own norm class, which rounds as the teacher does in bf16 (the weight multiplies after the cast)
+            self.q_norm = LlamaRMSNorm(shape.head_dim, eps=shape.norm_eps)
+            self.k_norm = LlamaRMSNorm(shape.head_dim, eps=shape.norm_eps)
         self.window_rotary: Optional[nn.Module] = None  # the teacher's RoPE for the window (attach_window_rotary)
         if options.window:
             self.window_gain = nn.Parameter(torch.zeros(shape.num_heads))
