@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import os
-import stat
 import subprocess
 import sys
 from pathlib import Path
@@ -22,6 +21,7 @@ from harness.ranking import (MixerAsAttention, costliest_layers, kl_per_token, l
                              ranking_dir, ranking_order, replaced_attention, write_part)
 from harness.transfer import AttentionProbe, transfer_report
 from tests.pipeline import make_setting, tiny_job
+from tests.test_submit import recording_sbatch
 
 SHARP, MILD = 2, 1  # the sharp layer after the mild one: neither index order nor depth favours it
 
@@ -334,19 +334,9 @@ def test_the_slurm_plan_is_an_array_per_layer_group_then_a_merge_and_its_scripts
     args = ["submit", str(path), "--rank-layers", "--rank-by", "kl", "--rank-sequences", "2"]
     assert main(args + ["--dry-run"]) == 0
     shown = capsys.readouterr().out
-    calls = tmp_path / "calls.jsonl"
-    recorder = tmp_path / "sbatch"
-    recorder.write_text(f"""#!/usr/bin/env python3
-import json, os, sys
-n = sum(1 for _ in open({str(calls)!r})) if os.path.exists({str(calls)!r}) else 0
-with open({str(calls)!r}, 'a') as f:
-    f.write(json.dumps({{"argv": sys.argv[1:], "script": open(sys.argv[-1]).read()}}) + "\\n")
-print(200 + n)
-""")
-    recorder.chmod(recorder.stat().st_mode | stat.S_IEXEC)
-    monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
+    records_of = recording_sbatch(tmp_path, monkeypatch, first_id=200)
     assert main(args) == 0
-    records = [json.loads(line) for line in calls.read_text().splitlines()]
+    records = records_of()
     assert [r["argv"][1:-1] for r in records] == [[], ["--dependency=afterok:200", "--kill-on-invalid-dep=no"]]
     assert all(r["script"] in shown for r in records) and "--sequences 2 --layers" in records[0]["script"]
     slurm = Path(job.output_dir) / "slurm"

@@ -27,6 +27,22 @@ def job_and_path(tmp_path):
     return job, path
 
 
+def recording_sbatch(tmp_path: Path, monkeypatch, first_id: int):
+    """Put an `sbatch` on PATH that records each call (its argv and the script it was given) and prints job ids
+    first_id, first_id + 1, ...; returns a function that reads the records back, in call order."""
+    calls, recorder = tmp_path / "calls.jsonl", tmp_path / "sbatch"
+    recorder.write_text(f"""#!/usr/bin/env python3
+import json, os, sys
+n = sum(1 for _ in open({str(calls)!r})) if os.path.exists({str(calls)!r}) else 0
+with open({str(calls)!r}, 'a') as f:
+    f.write(json.dumps({{"argv": sys.argv[1:], "script": open(sys.argv[-1]).read()}}) + "\\n")
+print({first_id} + n)
+""")
+    recorder.chmod(recorder.stat().st_mode | stat.S_IEXEC)
+    monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
+    return lambda: [json.loads(line) for line in calls.read_text().splitlines()]
+
+
 def test_multi_node_rendering_and_graph(job_and_path):
     job, path = job_and_path
     opts = SlurmOptions(partition="gpu", account="proj", time="2:00:00", nodes=2, gpus_per_node=4)
@@ -125,19 +141,9 @@ def test_dry_run_shows_what_is_submitted(job_and_path, tmp_path, capsys, monkeyp
     args = ["submit", str(path), "--nodes", "2", "--gpus-per-node", "4", "--partition", "gpu"]
     assert main(args + ["--dry-run"]) == 0
     shown = capsys.readouterr().out
-    recorder = tmp_path / "sbatch"
-    calls = tmp_path / "calls.jsonl"
-    recorder.write_text(f"""#!/usr/bin/env python3
-import json, sys
-n = sum(1 for _ in open({str(calls)!r})) if __import__('os').path.exists({str(calls)!r}) else 0
-with open({str(calls)!r}, 'a') as f:
-    f.write(json.dumps({{"argv": sys.argv[1:], "script": open(sys.argv[-1]).read()}}) + "\\n")
-print(100 + n)
-""")
-    recorder.chmod(recorder.stat().st_mode | stat.S_IEXEC)
-    monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
+    records_of = recording_sbatch(tmp_path, monkeypatch, first_id=100)
     assert main(args) == 0
-    records = [json.loads(line) for line in calls.read_text().splitlines()]
+    records = records_of()
     assert [r["argv"][1:-1] for r in records] == [[], ["--dependency=afterok:100", "--kill-on-invalid-dep=no"],
                                                   ["--dependency=afterok:101", "--kill-on-invalid-dep=no"],
                                                   ["--dependency=afterok:102", "--kill-on-invalid-dep=no"],
