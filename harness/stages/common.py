@@ -79,7 +79,8 @@ def layer_groups(num_layers: int, groups: int, kept: Collection[int] = ()) -> li
     """Split the layers 0..num_layers-1 that stages 1-2 train (all but `kept`, the layers that keep softmax
     attention) into `groups` groups of near-equal size, each a contiguous range of them (a range of the depth
     less the kept layers in it). No layer trained: no group."""
-    trained = [l for l in range(num_layers) if l not in set(kept)]
+    kept = set(kept)
+    trained = [l for l in range(num_layers) if l not in kept]
     if not trained:
         return []
     groups = max(1, min(groups, len(trained)))
