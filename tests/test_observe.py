@@ -33,9 +33,11 @@ def test_jsonl_line_written_and_flushed_per_call(tmp_path: Path) -> None:
     rows = _lines(tmp_path / METRICS)  # read while the logger is still open: nothing waits for close()
     assert len(rows) == 1
     assert rows[0]["step"] == 1 and rows[0]["tokens"] == 100 and rows[0]["stage"] == "distill"
-    assert rows[0]["loss"] == 2.5 and rows[0]["lr"] == 1e-3 and "tokens_per_s" in rows[0]
+    assert rows[0]["loss"] == 2.5 and rows[0]["lr"] == 1e-3
+    assert "tokens_per_s" not in rows[0]  # one point is no rate: no 0.0 for a median to take as measured
     logger.log(2, 200, loss=2.0)
-    assert [r["step"] for r in _lines(tmp_path / METRICS)] == [1, 2]
+    rows = _lines(tmp_path / METRICS)
+    assert [r["step"] for r in rows] == [1, 2] and rows[1]["tokens_per_s"] > 0
     assert logger.bar.n == 200
     logger.close()
 
@@ -105,7 +107,9 @@ def test_non_finite_loss_raises(bad: float) -> None:
 
 def test_throughput_window_and_mfu_arithmetic() -> None:
     tp = Throughput(window=3, flops_per_token=6e9, peak_flops=1e15)
-    assert tp.tokens_per_s == 0.0
+    assert tp.tokens_per_s is None and tp.mfu is None and tp.summary().keys() == {"peak_mem_gib"}
+    tp.update(0, now=0.0)
+    assert tp.tokens_per_s is None  # one point (e.g. the first step after a resume) is no rate yet
     for t, n in [(0.0, 0), (1.0, 1000), (2.0, 2000), (3.0, 5000)]:
         tp.update(n, now=t)
     assert tp.tokens_per_s == pytest.approx((5000 - 1000) / 2)  # window of 3 drops the first point
