@@ -58,5 +58,6 @@ def tiny_job(root: Path, out: Path, *overrides: str, total: int = 40_960) -> Job
         f"output_dir={out}", "run.device=cpu", "run.log_every_steps=1", "student.options.chunk_size=16",
         *(f"stages.{s}.micro_batch_size=2" for s in ("align_mixer", "align_hidden", "distill")),
         "eval.enabled=false",  # tests that evaluate say so
+        "eval.chat_samples=false",  # ~55 s of greedy decoding per CPU eval job; tests/test_eval_job.py opts in
         *overrides,
     ])

@@ -16,8 +16,7 @@ from tests.test_run import harness_cli
 
 TINY_DURING = ["eval.enabled=true", "eval.tasks=[]", "eval.niah.lengths=[]", "eval.perplexity_tokens=64",
                "eval.during.tasks=[piqa]", "eval.during.limit=2", "eval.during.niah_lengths=[256]",
-               "eval.niah.depths=[0.5]", "eval.niah.kinds=[kv]", "eval.during.perplexity_tokens=64",
-               "eval.chat_samples=false"]
+               "eval.niah.depths=[0.5]", "eval.niah.kinds=[kv]", "eval.during.perplexity_tokens=64"]
 
 
 def test_marks_fire_at_multiples_and_not_twice_after_a_resume(tmp_path, monkeypatch):

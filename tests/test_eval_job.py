@@ -32,8 +32,8 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
     root = tmp_path_factory.mktemp("eval_job")
     out = root / "run"
-    job = tiny_job(root, out, "eval.enabled=true", f"eval.tasks=[{','.join(TASKS)}]", "eval.limit=4",
-                   "eval.batch_size=2", "eval.niah.lengths=[256]", "eval.niah.depths=[0.0,1.0]",
+    job = tiny_job(root, out, "eval.enabled=true", "eval.chat_samples=true", f"eval.tasks=[{','.join(TASKS)}]",
+                   "eval.limit=4", "eval.batch_size=2", "eval.niah.lengths=[256]", "eval.niah.depths=[0.0,1.0]",
                    "eval.niah.kinds=[passkey]", "eval.niah.samples=1", "eval.perplexity_tokens=128",
                    "name=tiny-run")
     teacher = AutoModelForCausalLM.from_pretrained(job.teacher.source)

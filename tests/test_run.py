@@ -30,8 +30,7 @@ def test_run_all_stages_then_skip_when_rerun(tmp_path):
     job = tiny_job(tmp_path / "setting", out, "budget.split=[0.1,0.1,0.8]", "run.layer_groups=2",
                    "run.parallel_groups=2", "data.validation_tokens=128", "eval.enabled=true",
                    "eval.tasks=[piqa]", "eval.limit=2", "eval.niah.lengths=[256]", "eval.niah.depths=[0.5]",
-                   "eval.niah.kinds=[kv]", "eval.niah.samples=1", "eval.perplexity_tokens=64",
-                   "eval.chat_samples=false", total=1280)
+                   "eval.niah.kinds=[kv]", "eval.niah.samples=1", "eval.perplexity_tokens=64", total=1280)
     job_path = tmp_path / "job.yaml"
     job_path.write_text(OmegaConf.to_yaml(OmegaConf.structured(job)))
 

@@ -38,8 +38,7 @@ def submitted(out: Path) -> dict[str, str]:
 
 
 TINY_EVAL = ["eval.enabled=true", "eval.tasks=[piqa]", "eval.limit=2", "eval.niah.lengths=[256]",
-             "eval.niah.depths=[0.5]", "eval.niah.kinds=[kv]", "eval.niah.samples=1", "eval.perplexity_tokens=64",
-             "eval.chat_samples=false"]
+             "eval.niah.depths=[0.5]", "eval.niah.kinds=[kv]", "eval.niah.samples=1", "eval.perplexity_tokens=64"]
 
 
 def test_pipeline_runs_through_arrays_and_dependencies(slurm_cluster, tmp_path):
@@ -70,7 +69,7 @@ def test_evaluations_along_stage_3_run_as_their_own_slurm_jobs(slurm_cluster, tm
 
     during = ["eval.every_tokens=256", "eval.during.tasks=[]", "eval.during.niah_lengths=[]",
               "eval.during.perplexity_tokens=64", "eval.tasks=[]", "eval.niah.lengths=[]", "eval.enabled=true",
-              "eval.perplexity_tokens=64", "eval.chat_samples=false"]
+              "eval.perplexity_tokens=64"]
     path, out = write_job(tmp_path, "curve", *during)
     result = harness(slurm_cluster, "submit", str(path), "--cpus-per-task", "1")
     assert result.returncode == 0, result.stderr[-3000:]
