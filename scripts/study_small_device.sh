@@ -3,15 +3,24 @@
 #
 #   bash scripts/study_small_device.sh setup    # once per machine, after the payload pieces are in /tmp/carry
 #   bash scripts/study_small_device.sh lanes    # every run call: resumes what the last call left, then archives
+#   bash scripts/study_small_device.sh start    # or: the lanes in a process session of their own, which runs on
+#   bash scripts/study_small_device.sh watch    #   between calls; each call then waits for them and archives
 #
 # `lanes` runs LANES (default: four lanes, two per GPU: stage 3 keeps one job's GPU busy only about half the time,
 # and greedy NIAH decoding at batch 1 is bound by the host) until STOP_AT seconds, when it touches
 # $HARNESS_PREEMPT_FILE so every stage checkpoints and exits; whatever still runs at KILL_AT is killed. Then it
 # writes the reports, metrics and logs of every run so far (no checkpoints or weights) to $OUT/study-small.tar.xz.
-# GPU_TESTS="pytest arguments" also runs those GPU tests on the last GPU beside the lanes (log: $OUT/gpu_tests.log).
+# GPU_TESTS="pytest arguments" also runs those GPU tests on the last GPU beside the lanes (log: RUNS/gpu_tests.log,
+# copied to $OUT).
 # HARNESS_DECODE_GRAPHS=0 makes the evaluations decode eagerly (harness/decoding.py).
 # A job with `student.attention_layers: auto:K` (a hybrid) is ranked first, once: `harness transfer --rank-layers`
 # with RANK_ARGS (default "--sequences 8 --seq-len 2048"), into the run's ranking/ (it comes back with the results).
+# `start` + `watch` (detached lanes): no preemption and resume at each call's end. The device tool leaves a process
+# session of its own running when the call returns, so the lanes go on while the next call comes (it must come
+# within the machine's 30 s, as for `lanes`) and stage 3 loses nothing at the boundary; `watch` returns as soon as
+# every lane has finished (LANES_FINISHED), else WATCH_FOR seconds (default 570) into its call, archiving as `lanes`.
+# SEED (default .cache/study-seed, if the setup call carries it) is copied into RUNS by `setup`, e.g. a teacher's cached
+# evaluation: a path carried in one call and not the next is removed on the machine, so runs must not be carried.
 # RUNS (default runs/study-small) is where the runs go and what comes back; OVERRIDES (default none) are job
 # overrides given to every run, e.g. OVERRIDES="eval.enabled=false" with RUNS=runs/transfer-small for the
 # transfer-fidelity runs of docs/TRANSFER.md. The payload may leave out lm-eval (evalsite) when nothing evaluates.
@@ -22,25 +31,25 @@
 # e.g. PREPARE="jobs/study-small-50m/smollm2-135m-gla-50m.yaml jobs/paper-recipe/smollm2-135m-gated_deltanet-50m-paper.yaml".
 set -u
 S=${RUNS:-runs/study-small}
-STOP_AT=${STOP_AT:-520}
-KILL_AT=${KILL_AT:-555}
+D=${DEVICE_TMP:-/tmp}  # where the pieces arrive (carry/) and the payload unpacks (hc/, evalsite/)
 DEFAULT_LANES=("0:gated_deltanet-small kda-small" "0:deltanet-small gla-small"
                "1:linear_attn-small mlstm-small" "1:retnet-small linear_attn-small-seed2")
 
 setup() {
-  (cd /tmp/carry && cat study-payload.part-* >study-payload.tar.xz && sha256sum -c study-payload.sha256 \
-     && tar -C /tmp -xJf study-payload.tar.xz) || exit 4
-  rm -rf /tmp/carry
+  (cd "$D/carry" && cat study-payload.part-* >study-payload.tar.xz && sha256sum -c study-payload.sha256 \
+     && tar -C "$D" -xJf study-payload.tar.xz) || exit 4
+  rm -rf "$D/carry"
   source .devbundle/setup.sh || exit 4
-  export HARNESS_CACHE=/tmp/hc HF_HUB_OFFLINE=1 PYTHONPATH=$PYTHONPATH:/tmp/evalsite
-  if [ -d /tmp/evalsite ]; then python3 -c "import lm_eval" || exit 4; fi
+  export HARNESS_CACHE="$D/hc" HF_HUB_OFFLINE=1 PYTHONPATH=$PYTHONPATH:$D/evalsite
+  if [ -d "$D/evalsite" ]; then python3 -c "import lm_eval" || exit 4; fi
   python3 -c "import harness; harness.load_teacher('smollm2-135m-instruct-gguf')" || exit 4
   local job
   for job in ${PREPARE:-jobs/study-small/smollm2-135m-gla-small.yaml}; do  # one job per corpus and seq_len
-    python3 -m harness.cli data prepare "$job" >/tmp/prepare.log 2>&1 || { tail -n 20 /tmp/prepare.log; exit 4; }
-    tail -n 7 /tmp/prepare.log
+    python3 -m harness.cli data prepare "$job" >"$D/prepare.log" 2>&1 || { tail -n 20 "$D/prepare.log"; exit 4; }
+    tail -n 7 "$D/prepare.log"
   done
-  touch /tmp/hc/.ready
+  if [ -d "${SEED:-.cache/study-seed}" ]; then mkdir -p "$S" && cp -rn "${SEED:-.cache/study-seed}"/. "$S"/; fi
+  touch "$D/hc/.ready"
 }
 
 tag_overrides() {  # the job overrides of a lane tag
@@ -83,31 +92,36 @@ lane() {  # lane GPU JOB[/TAG]...: the jobs one after another on one GPU; a fail
   done
 }
 
-lanes() {
+environment() {  # the installed bundle and the payload's cache; every lane inherits it
   source .devbundle/setup.sh || exit 4
-  test -f /tmp/hc/.ready || { echo "fresh machine: carry the payload again and run setup"; exit 3; }
-  export HARNESS_CACHE=/tmp/hc PYTHONPATH=$PYTHONPATH:/tmp/evalsite HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 \
-         HARNESS_PREEMPT_FILE=/tmp/stop S OVERRIDES
+  test -f "$D/hc/.ready" || { echo "fresh machine: carry the payload again and run setup"; exit 3; }
+  export HARNESS_CACHE="$D/hc" PYTHONPATH=$PYTHONPATH:$D/evalsite HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 \
+         HARNESS_PREEMPT_FILE="$D/stop" S OVERRIDES
   export -f lane tag_overrides
-  rm -f /tmp/stop
-  mkdir -p "$S" "$OUT"
-  (sleep $((STOP_AT - SECONDS)); touch /tmp/stop) &
-  local stopper=$! specs=("${DEFAULT_LANES[@]}") pids=() i=0 spec
+  mkdir -p "$S"
+}
+
+run_lanes() {  # every lane at once (and GPU_TESTS beside them) until all end or KILL_AT seconds pass
+  local specs=("${DEFAULT_LANES[@]}") pids=() i=0 spec limit=${KILL_AT:-}
   [ -n "${LANES:-}" ] && IFS=';' read -r -a specs <<<"$LANES"
   if [ -n "${GPU_TESTS:-}" ]; then
     # shellcheck disable=SC2086 # GPU_TESTS is a list of pytest arguments
-    CUDA_VISIBLE_DEVICES=$(nvidia-smi -L | tail -n 1 | cut -d: -f1 | tr -dc 0-9) timeout $((KILL_AT - SECONDS)) \
-      python3 -m pytest -q $GPU_TESTS >"$OUT/gpu_tests.log" 2>&1 &
+    CUDA_VISIBLE_DEVICES=$(nvidia-smi -L | tail -n 1 | cut -d: -f1 | tr -dc 0-9) \
+      ${limit:+timeout $((limit - SECONDS))} python3 -m pytest -q $GPU_TESTS >"$S/gpu_tests.log" 2>&1 &
     pids+=($!)
   fi
   for spec in "${specs[@]}"; do
-    timeout $((KILL_AT - SECONDS)) bash -c "lane ${spec%%:*} ${spec#*:}" >>"$S/lane$i.log" 2>&1 &
+    ${limit:+timeout $((limit - SECONDS))} bash -c "lane ${spec%%:*} ${spec#*:}" >>"$S/lane$i.log" 2>&1 &
     pids+=($!)
     i=$((i + 1))
   done
   wait "${pids[@]}"
-  kill $stopper 2>/dev/null
+}
+
+archive() {  # the reports, metrics and logs of every run so far (no checkpoints or weights) into $OUT
+  mkdir -p "$OUT"
   tail -n 2 "$S"/lane*.log
+  [ -f "$S/gpu_tests.log" ] && cp "$S/gpu_tests.log" "$OUT/"
   ls "$S"/*/DONE 2>/dev/null
   for t in "$S"/*/logs/timings.jsonl; do [ -f "$t" ] && echo "$t: $(tr '\n' ' ' <"$t" | cut -c1-400)"; done
   local top=${S#runs/}
@@ -117,8 +131,44 @@ lanes() {
   ls -l "$OUT"
 }
 
+lanes() {  # one call's share: preempt at STOP_AT (checkpoints), kill at KILL_AT, archive
+  environment
+  STOP_AT=${STOP_AT:-520} KILL_AT=${KILL_AT:-555}
+  rm -f "$D/stop"
+  # the sleep dies with its subshell, so that a call whose lanes end early returns at once
+  (trap 'kill $! 2>/dev/null; exit' TERM; sleep $((STOP_AT - SECONDS)) & wait $!; touch "$D/stop") &
+  local stopper=$!
+  run_lanes
+  kill $stopper 2>/dev/null
+  archive
+}
+
+start() {  # the lanes in a new process session: the device tool leaves it running when the call returns
+  environment
+  if [ -f "$S/lanes.pid" ] && kill -0 "$(cat "$S/lanes.pid")" 2>/dev/null; then
+    echo "lanes already running (pid $(cat "$S/lanes.pid"))"; return
+  fi
+  rm -f "$S/LANES_FINISHED" "$D/stop"
+  KILL_AT='' setsid nohup bash "$0" run-lanes >"$S/lanes.out" 2>&1 </dev/null &
+  echo $! >"$S/lanes.pid"
+  echo "lanes started (pid $!): $S/lanes.out"
+}
+
+watch() {  # wait for the detached lanes (at most WATCH_FOR seconds into this process), then archive
+  local until=${WATCH_FOR:-570}
+  while [ ! -f "$S/LANES_FINISHED" ] && [ "$SECONDS" -lt "$until" ]; do
+    if ! kill -0 "$(cat "$S/lanes.pid" 2>/dev/null)" 2>/dev/null; then echo "lanes not running"; break; fi
+    sleep 1
+  done
+  [ -f "$S/LANES_FINISHED" ] && echo "all lanes finished" || echo "lanes still running at ${SECONDS}s"
+  archive
+}
+
 case "${1:-}" in
   setup) setup ;;
   lanes) lanes ;;
-  *) echo "usage: $0 setup|lanes (see docs/STUDY.md)"; exit 2 ;;
+  start) start ;;
+  watch) environment && watch ;;
+  run-lanes) environment && run_lanes; touch "$S/LANES_FINISHED" ;;  # what `start` runs, detached
+  *) echo "usage: $0 setup|lanes|start|watch (see docs/STUDY.md)"; exit 2 ;;
 esac

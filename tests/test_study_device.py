@@ -1,0 +1,134 @@
+"""scripts/study_small_device.sh without a GPU: a fake `python3` stands in for harness, so that what the script
+itself decides (which jobs a lane runs, when `watch` returns, what comes back in the archive, the seed copy) is
+checked. The lanes detached by `start` must outlive the command that started them, as on the device machine."""
+
+import os
+import shutil
+import subprocess
+import tarfile
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+FAKE_PYTHON = """#!/bin/bash
+# harness stand-in: `-m harness.cli run JOB ... output_dir=D` writes D/eval/report.json after a pause
+for a; do case $a in output_dir=*) d=${a#output_dir=};; esac; done
+[ -n "$d" ] || { echo "fake python3 $*"; exit 0; }  # `-c ...` and `data prepare` in setup
+mkdir -p "$d/eval" "$d/checkpoints"; echo "$@" >>"$d/calls"
+for _ in $(seq $((${FAKE_RUN_S:-1} * 10))); do  # a stage checkpoints and exits 85 on a preemption request
+  [ -e "$HARNESS_PREEMPT_FILE" ] && exit 85; sleep 0.1
+done
+echo '{}' >"$d/eval/report.json"; echo weights >"$d/checkpoints/model.safetensors"
+"""
+
+
+@pytest.fixture
+def machine(tmp_path):
+    """A copy of the script in a bare tree, a no-op bundle, a ready payload cache, a fake python3 on PATH."""
+    if not shutil.which("setsid") or not shutil.which("xz"):
+        pytest.fail("setsid and xz are part of every Debian system this runs on")
+    tree = tmp_path / "tree"
+    (tree / "scripts").mkdir(parents=True)
+    shutil.copy(ROOT / "scripts/study_small_device.sh", tree / "scripts")
+    (tree / ".devbundle").mkdir()
+    (tree / ".devbundle/setup.sh").write_text("export PYTHONPATH=${PYTHONPATH:-}\n")
+    (tree / "jobs/x").mkdir(parents=True)
+    for job in ("a", "b", "c"):
+        (tree / f"jobs/x/smollm2-135m-{job}.yaml").write_text("name: fake\n")
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "python3").write_text(FAKE_PYTHON)
+    (bin_dir / "python3").chmod(0o755)
+    (tmp_path / "dev/hc").mkdir(parents=True)
+    (tmp_path / "dev/hc/.ready").touch()
+    env = dict(os.environ, PATH=f"{bin_dir}:{os.environ['PATH']}", OUT=str(tmp_path / "out"), RUNS="runs/s",
+               DEVICE_TMP=str(tmp_path / "dev"))
+    return tree, env
+
+
+def script(tree, env, verb, **extra):
+    return subprocess.run(["bash", "scripts/study_small_device.sh", verb], cwd=tree, env=dict(env, **extra),
+                          capture_output=True, text=True, timeout=120)
+
+
+def archived(env):
+    with tarfile.open(Path(env["OUT"]) / "s.tar.xz") as tar:
+        return set(tar.getnames())
+
+
+def test_detached_lanes_outlive_start_and_watch_waits_for_them(machine):
+    tree, env = machine
+    env = dict(env, LANES="0:a b;0:c", FAKE_RUN_S="3")
+    started = script(tree, env, "start")
+    assert started.returncode == 0 and "lanes started" in started.stdout, started.stderr
+    assert "lanes already running" in script(tree, env, "start").stdout  # a second start does not double them
+    early = script(tree, env, "watch", WATCH_FOR="1")
+    assert "lanes still running" in early.stdout
+    assert not (tree / "runs/s/smollm2-135m-b/DONE").exists()
+    t0 = time.monotonic()
+    done = script(tree, env, "watch", WATCH_FOR="60")
+    assert "all lanes finished" in done.stdout, done.stdout + done.stderr
+    assert time.monotonic() - t0 < 30  # returned when the lanes ended, not at WATCH_FOR
+    for job in ("a", "b", "c"):
+        assert (tree / f"runs/s/smollm2-135m-{job}/DONE").exists()
+    names = archived(env)
+    assert "s/smollm2-135m-b/eval/report.json" in names and "s/smollm2-135m-c/DONE" in names
+    assert not any("checkpoints" in n or n.endswith(".safetensors") for n in names)
+    # started again, the lanes skip finished jobs: each job ran exactly once
+    script(tree, env, "start")
+    script(tree, env, "watch", WATCH_FOR="60")
+    for job in ("a", "b", "c"):
+        assert len((tree / f"runs/s/smollm2-135m-{job}/calls").read_text().splitlines()) == 1
+
+
+def test_lanes_preempt_at_stop_at_resume_in_the_next_call_and_name_a_missing_job(machine):
+    tree, env = machine
+    t0 = time.monotonic()
+    out = script(tree, env, "lanes", LANES="0:a nosuchjob", STOP_AT="2", KILL_AT="60", FAKE_RUN_S="30")
+    assert out.returncode == 0, out.stderr
+    assert time.monotonic() - t0 < 15  # the stop request ended the run, then the call
+    log = (tree / "runs/s/lane0.log").read_text()
+    assert "smollm2-135m-a stopped or failed (rc 85)" in log
+    assert not (tree / "runs/s/smollm2-135m-a/DONE").exists()
+    t0 = time.monotonic()
+    out = script(tree, env, "lanes", LANES="0:a nosuchjob", STOP_AT="30", KILL_AT="60")
+    assert time.monotonic() - t0 < 20  # lanes that end early end the call: nothing waits for STOP_AT
+    assert "no jobs/*/smollm2-135m-nosuchjob.yaml" in (tree / "runs/s/lane0.log").read_text()
+    assert (tree / "runs/s/smollm2-135m-a/DONE").exists()
+    assert len((tree / "runs/s/smollm2-135m-a/calls").read_text().splitlines()) == 2
+    assert "s/smollm2-135m-a/eval/report.json" in archived(env)
+
+
+def test_a_fresh_machine_is_refused_until_setup_joins_the_pieces_and_copies_the_seed(machine, tmp_path):
+    tree, env = machine
+    dev = tmp_path / "dev"
+    shutil.rmtree(dev / "hc")
+    refused = script(tree, env, "start")
+    assert refused.returncode == 3 and "fresh machine" in refused.stdout
+    # a payload as study_payload.sh packs it: hc/ and evalsite/, xz, cut into pieces, the sha256 beside them
+    (tmp_path / "payload/hc").mkdir(parents=True)
+    (tmp_path / "payload/hc/teacher.gguf").write_bytes(os.urandom(200_000))
+    (tmp_path / "payload/evalsite").mkdir()
+    (dev / "carry").mkdir(parents=True)
+    subprocess.run("tar -C payload -cJf dev/carry/study-payload.tar.xz hc evalsite && cd dev/carry && "
+                   "split -b 60000 -d -a 1 study-payload.tar.xz study-payload.part- && "
+                   "sha256sum study-payload.tar.xz >study-payload.sha256 && rm study-payload.tar.xz",
+                   shell=True, cwd=tmp_path, check=True)
+    seed = tree / ".cache/study-seed/teacher-2048"
+    seed.mkdir(parents=True)
+    (seed / "bench.json").write_text("{}")
+    out = script(tree, env, "setup", PREPARE="jobs/x/smollm2-135m-a.yaml")
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert (dev / "hc/teacher.gguf").read_bytes() == (tmp_path / "payload/hc/teacher.gguf").read_bytes()
+    assert not (dev / "carry").exists()
+    assert (tree / "runs/s/teacher-2048/bench.json").read_text() == "{}"
+    assert script(tree, env, "lanes", LANES="0:a", STOP_AT="30", KILL_AT="60").returncode == 0
+    assert (tree / "runs/s/smollm2-135m-a/DONE").exists()
+    # a corrupt piece stops setup before anything is unpacked
+    (dev / "carry").mkdir()
+    (dev / "carry/study-payload.part-0").write_bytes(b"x")
+    (dev / "carry/study-payload.sha256").write_text("0" * 64 + "  study-payload.tar.xz\n")
+    assert script(tree, env, "setup").returncode == 4
