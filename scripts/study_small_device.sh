@@ -48,7 +48,8 @@ setup() {
     python3 -m harness.cli data prepare "$job" >"$D/prepare.log" 2>&1 || { tail -n 20 "$D/prepare.log"; exit 4; }
     tail -n 7 "$D/prepare.log"
   done
-  if [ -d "${SEED:-.cache/study-seed}" ]; then mkdir -p "$S" && cp -rn "${SEED:-.cache/study-seed}"/. "$S"/; fi
+  local seed=${SEED:-.cache/study-seed}
+  if [ -d "$seed" ]; then mkdir -p "$S" && cp -rn "$seed"/. "$S"/; fi
   touch "$D/hc/.ready"
 }
 
