@@ -189,8 +189,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="Submit the layer ranking instead of the pipeline (`harness transfer --rank-layers`): a "
                         "job array, one task per layer group (run.layer_groups or --layers-per-task), then a merge "
                         "job after it into RUN_DIR/ranking/layer_ranking.json; ids in RUN_DIR/slurm/rank-jobs.json.")
-    submit.add_argument("--rank-by", choices=("stage1", "kl"), default="stage1",
-                        help="With --rank-layers: the measure (see `harness transfer --help`; default stage1).")
+    submit.add_argument("--rank-by", choices=("stage1", "kl"),
+                        help="With --rank-layers: the measure (see `harness transfer --help`; default: the one the "
+                        "job's student.attention_layers 'auto:K:MEASURE' names, else stage1).")
     submit.add_argument("--rank-sequences", type=int, help="With --rank-layers: held-out sequences per task "
                         "(transfer's --sequences).")
     submit.add_argument("--rank-seq-len", type=int, help="With --rank-layers: tokens per sequence (transfer's "
@@ -232,22 +233,25 @@ def build_parser() -> argparse.ArgumentParser:
         "\nranking the layers (which ones a hybrid student keeps as softmax attention):\n"
         "  harness transfer --rank-layers JOB                  # each layer's stage-1 loss, costliest first\n"
         "  harness transfer --rank-layers JOB --rank-by kl     # end-to-end KL with only that layer replaced\n"
+        "                                                      # (the default when JOB keeps 'auto:K:kl' layers)\n"
         "  harness transfer --rank-layers JOB --layers 0-9     # one part; merged once every layer has one\n"
         "  harness transfer --rank-layers JOB --merge          # merge the parts written so far\n"
         "  harness submit JOB --rank-layers                    # on Slurm: one array task per layer group\n"
         "The ranking takes each layer's stage-1 weights where the run's stage 1 is complete for it, else the\n"
         "mixer as stage 1 starts it, and writes RUN_DIR/ranking/layer_ranking.json and .md (costliest first;\n"
-        "parts under RUN_DIR/ranking/parts/). docs/TRANSFER.md, 'Ranking the layers', says more.",
+        "parts under RUN_DIR/ranking/parts/). The two measures can choose different layers (SmolLM2-135M with\n"
+        "gated_deltanet: stage1 puts layers 24 and 27 first, kl layers 1 and 0). docs/TRANSFER.md, 'Ranking the\n"
+        "layers', says more.",
     )
     _add_job_args(transfer)
     transfer.add_argument("--rank-layers", action="store_true",
                           help="Rank the layers by what linearizing each one alone costs (see --rank-by), instead "
                           "of the fidelity report; --mixer and --variant do not apply (the job's mixer is ranked).")
-    transfer.add_argument("--rank-by", choices=("stage1", "kl"), default="stage1",
-                          help="With --rank-layers: 'stage1' (default), the layer's stage-1 loss (its mixer's output "
-                          "against the teacher's attention output); 'kl', KL(teacher || model) per token of the "
-                          "teacher with only that layer's attention replaced by its mixer (a whole forward per "
-                          "layer).")
+    transfer.add_argument("--rank-by", choices=("stage1", "kl"),
+                          help="With --rank-layers: 'stage1', the layer's stage-1 loss (its mixer's output against "
+                          "the teacher's attention output); 'kl', KL(teacher || model) per token of the teacher with "
+                          "only that layer's attention replaced by its mixer (a whole forward per layer). Default: "
+                          "the measure the job's student.attention_layers 'auto:K:MEASURE' names, else stage1.")
     transfer.add_argument("--merge", action="store_true",
                           help="With --rank-layers: only merge the parts already written into layer_ranking.json "
                           "(an error names the layers still missing).")
@@ -479,7 +483,7 @@ def _submit_ranking(job, args: argparse.Namespace) -> int:
     opts = SlurmOptions(partition=args.partition, account=args.account, time=args.time,
                         gpus_per_node=min(args.gpus_per_node, 1), cpus_per_task=args.cpus_per_task, mem=args.mem,
                         layers_per_task=args.layers_per_task, extra=args.sbatch_option)
-    planned = plan_ranking(job, args.job, args.overrides, opts, args.rank_by, extra)
+    planned = plan_ranking(job, args.job, args.overrides, opts, _rank_measure(job, args.rank_by), extra)
     if args.dry_run:
         for p in planned:
             print(f"# ---- {p.stage}.sbatch\n{p.script}")
@@ -528,6 +532,7 @@ def cmd_transfer(args: argparse.Namespace) -> int:
     job = load_job(args.job, args.overrides)
     if args.merge and not args.rank_layers:
         raise ConfigError("--merge merges the parts of a layer ranking: use it with --rank-layers.")
+    args.rank_by = _rank_measure(job, args.rank_by)
     if args.rank_layers and args.merge:
         return _merge_ranking(job, args.rank_by)
     args.seq_len = args.seq_len if args.seq_len is not None else min(512, job.data.seq_len)
@@ -551,6 +556,13 @@ def cmd_transfer(args: argparse.Namespace) -> int:
     print(markdown(report, args.per_layer), end="")
     print(f"\n[harness] wrote {paths[0]} and {paths[1]}")
     return 0
+
+
+def _rank_measure(job, given: Optional[str]) -> str:
+    """--rank-by as given, else the measure the job's 'auto:K:MEASURE' names, else stage1."""
+    from harness.config import auto_layer_measure
+
+    return given or auto_layer_measure(job.student.attention_layers) or "stage1"
 
 
 def _rank_layers(job, args: argparse.Namespace) -> int:

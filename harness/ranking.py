@@ -28,12 +28,11 @@ from typing import Any, Iterator, Optional, Sequence
 import torch
 from torch import nn
 
-from harness.config import ConfigError, JobConfig
+from harness.config import RANK_MEASURES as MEASURES, ConfigError, JobConfig
 from harness.files import atomic_write_text
 # the ranking's file and what reads it live with the stages, which read the kept layers from it
 from harness.stages.common import RANK_COMMAND, RANKING_DIR, RANKING_JSON, costliest_layers, ranking_dir  # noqa: F401
 
-MEASURES = ("stage1", "kl")
 RANKING_MD, PARTS_DIR = "layer_ranking.md", "parts"
 # What a part's costs depend on besides its layers: parts that differ in any of these are not one ranking.
 SETTINGS = ("job", "teacher", "teacher_layers", "mixer", "options", "measure", "loss", "data", "seed")

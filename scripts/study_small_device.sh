@@ -14,7 +14,8 @@
 # copied to $OUT).
 # HARNESS_DECODE_GRAPHS=0 makes the evaluations decode eagerly (harness/decoding.py).
 # A job with `student.attention_layers: auto:K` (a hybrid) is ranked first, once: `harness transfer --rank-layers`
-# with RANK_ARGS (default "--sequences 8 --seq-len 2048"), into the run's ranking/ (it comes back with the results).
+# with RANK_ARGS (default "--sequences 8 --seq-len 2048"), into the run's ranking/ (it comes back with the results),
+# by the measure that its `auto:K:MEASURE` names (`--rank-by` defaults to it).
 # `start` + `watch` (detached lanes): no preemption and resume at each call's end. The device tool leaves a process
 # session of its own running when the call returns, so the lanes go on while the next call comes (it must come
 # within the machine's 30 s, as for `lanes`) and stage 3 loses nothing at the boundary; `watch` returns as soon as

@@ -84,7 +84,7 @@ def _as_dict(job) -> dict:
 
 def test_the_50m_study_is_one_recipe_and_matches_its_generator():
     """jobs/study-small-50m/: the seven mixers, gated_deltanet's second seed, its authors'-init ablation and its
-    hybrid (2 layers kept), one
+    hybrids (2 layers kept, by either ranking measure), one
     recipe at >= 50M tokens on the mixed corpus; the files are what scripts/make_study_jobs.py writes."""
     from harness.transfer import authors_options
 
@@ -94,7 +94,7 @@ def test_the_50m_study_is_one_recipe_and_matches_its_generator():
     assert {p.name: p.read_text() for p in folder.glob("*.yaml")} == expected
     base = "smollm2-135m-gated_deltanet-50m"
     assert set(expected) == {f"smollm2-135m-{m}-50m.yaml" for m in MIXERS} | {
-        f"{base}-seed2.yaml", f"{base}-authors-init.yaml", f"{base}-hybrid2.yaml"}
+        f"{base}-seed2.yaml", f"{base}-authors-init.yaml", f"{base}-hybrid2.yaml", f"{base}-hybrid2-kl.yaml"}
     jobs = {name: load_job(folder / name) for name in expected}
 
     def recipe(job):
@@ -104,8 +104,9 @@ def test_the_50m_study_is_one_recipe_and_matches_its_generator():
         d.pop("student")
         return d
 
-    assert jobs[f"{base}-hybrid2.yaml"].student.attention_layers == "auto:2"
-    assert all(j.student.attention_layers == [] for n, j in jobs.items() if n != f"{base}-hybrid2.yaml")
+    hybrids = {f"{base}-hybrid2.yaml": "auto:2:stage1", f"{base}-hybrid2-kl.yaml": "auto:2:kl"}
+    assert {n: jobs[n].student.attention_layers for n in hybrids} == hybrids
+    assert all(j.student.attention_layers == [] for n, j in jobs.items() if n not in hybrids)
 
     first = jobs[f"{base}.yaml"]
     assert all(recipe(job) == recipe(first) for job in jobs.values())

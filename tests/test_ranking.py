@@ -99,14 +99,30 @@ def test_a_sharp_layer_ranks_first_and_a_mildly_non_uniform_one_second(root, sha
     other = job_in(root, f"sharp-{measure}", "student.mixer=linear_attn", "student.attention_layers=auto:1")
     with pytest.raises(ConfigError, match=r"ranks the .* layers of teacher"):
         kept_attention_layers(other)
+    # 'auto:K:MEASURE' takes a ranking by that measure only, and names the command that writes the other
+    named = job_in(root, f"sharp-{measure}", f"teacher.source={sharp_teacher}", "student.mixer=linear_attn",
+                   f"student.attention_layers=auto:1:{measure}")
+    assert kept_attention_layers(named) == [SHARP]
+    unlike = "kl" if measure == "stage1" else "stage1"
+    wrong = job_in(root, f"sharp-{measure}", f"teacher.source={sharp_teacher}", "student.mixer=linear_attn",
+                   f"student.attention_layers=auto:1:{unlike}")
+    with pytest.raises(ConfigError, match=rf"ranks the layers by {measure}, but .* asks for a {unlike} ranking: "
+                                          rf".*--rank-layers JOB --rank-by {unlike}"):
+        kept_attention_layers(wrong)
 
 
 def test_auto_attention_layers_are_spelled_auto_k_and_need_a_ranking(root):
     from harness.stages.common import kept_attention_layers
 
-    for bad in ("auto:two", "auto", "first:2"):
-        with pytest.raises(ConfigError, match=r"student.attention_layers.*'auto:K'"):
+    from harness.config import auto_layer_count, auto_layer_measure
+
+    for bad in ("auto:two", "auto", "first:2", "auto:2:mse", "auto:2:kl:kl", "auto:kl"):
+        with pytest.raises(ConfigError, match=r"student.attention_layers.*'auto:K'.*stage1, kl"):
             job_in(root, "auto-bad", f"student.attention_layers={bad}")
+    for spelled, k, measure in (("auto:3", 3, None), ("auto:2:kl", 2, "kl"), ("auto:0:stage1", 0, "stage1")):
+        layers = job_in(root, "auto-good", f"student.attention_layers={spelled}").student.attention_layers
+        assert (auto_layer_count(layers), auto_layer_measure(layers)) == (k, measure)
+    assert auto_layer_count([1, 2]) is None and auto_layer_measure([1, 2]) is None
     with pytest.raises(ConfigError, match=r"wrong kind for its field"):  # `auto:` reads as a mapping {auto: null}
         job_in(root, "auto-bad", "student.attention_layers=auto:")
     job = job_in(root, "auto-unranked", "student.attention_layers=auto:2")  # loads: the ranking is read when needed
@@ -268,6 +284,7 @@ def test_costliest_layers_names_what_is_missing_and_bad_k(root):
 
 
 def job_file(job, folder: Path) -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
     path = folder / "job.yaml"
     path.write_text(OmegaConf.to_yaml(OmegaConf.structured(job)))
     return path
@@ -289,6 +306,10 @@ def test_the_cli_ranks_in_parts_merges_and_names_bad_input(root, tmp_path, capsy
     assert main(["transfer", path, "--merge"]) == 2
     assert "use it with --rank-layers" in capsys.readouterr().err
     assert main(["transfer", path, "--rank-layers", "--merge", "--rank-by", "kl"]) == 2
+    assert "No kl ranking parts" in capsys.readouterr().err
+    # without --rank-by, the measure is the one the job's 'auto:K:MEASURE' names (here kl: no parts yet)
+    named = str(job_file(job_in(root, "cli", "student.attention_layers=auto:1:kl"), tmp_path / "named"))
+    assert main(["transfer", named, "--rank-layers", "--merge"]) == 2
     assert "No kl ranking parts" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         main(["transfer", path, "--rank-layers", "--rank-by", "mse"])
@@ -334,6 +355,10 @@ def test_the_slurm_plan_is_an_array_per_layer_group_then_a_merge_and_its_scripts
     args = ["submit", str(path), "--rank-layers", "--rank-by", "kl", "--rank-sequences", "2"]
     assert main(args + ["--dry-run"]) == 0
     shown = capsys.readouterr().out
+    named = job_file(job_in(root, "slurm", "run.layer_groups=2", "student.attention_layers=auto:1:kl"),
+                     tmp_path / "named")
+    assert main(["submit", str(named), "--rank-layers", "--dry-run"]) == 0  # the job's measure without --rank-by
+    assert "--rank-layers --rank-by kl" in capsys.readouterr().out
     records_of = recording_sbatch(tmp_path, monkeypatch, first_id=200)
     assert main(args) == 0
     records = records_of()

@@ -31,7 +31,7 @@ from typing import Any, Optional
 import torch
 
 from harness.checkpoint import CheckpointManager, load_rng, save_rng
-from harness.config import PER_LAYER as PER_LAYER_STAGES, ConfigError, JobConfig, auto_layer_count
+from harness.config import PER_LAYER as PER_LAYER_STAGES, ConfigError, JobConfig, auto_layer_count, auto_layer_measure
 from harness.engine import PlainEngine, all_reduce_host
 from harness.export import TAG
 
@@ -102,10 +102,10 @@ def ranking_dir(job: JobConfig) -> Path:
     return run_dir(job) / RANKING_DIR
 
 
-def costliest_layers(job: JobConfig, k: int) -> list[int]:
+def costliest_layers(job: JobConfig, k: int, measure: Optional[str] = None) -> list[int]:
     """The `k` costliest layers of the job's ranking (RUN/ranking/layer_ranking.json), sorted by index: the layers a
     hybrid student keeps as the teacher's attention. ConfigError when the file is missing, is another teacher's,
-    or k is outside 0..layers."""
+    ranks by another measure than `measure` (None: any), or k is outside 0..layers."""
     path = ranking_dir(job) / RANKING_JSON
     if not path.is_file():
         raise ConfigError(f"No layer ranking at {path}: write it with `{RANK_COMMAND}` (or `harness submit JOB "
@@ -119,6 +119,10 @@ def costliest_layers(job: JobConfig, k: int) -> list[int]:
         raise ConfigError(f"{path} ranks the {ranking.get('teacher_layers')} layers of teacher "
                           f"'{ranking.get('teacher')}', not the {n} of this job's '{job.teacher.source}'; rank again "
                           f"with `{RANK_COMMAND}`.")
+    if measure is not None and ranking.get("measure") != measure:
+        raise ConfigError(f"{path} ranks the layers by {ranking.get('measure')}, but student.attention_layers="
+                          f"{job.student.attention_layers} asks for a {measure} ranking: write it with "
+                          f"`{RANK_COMMAND} --rank-by {measure}`.")
     if isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= n:
         raise ConfigError(f"K={k!r} costliest layers: K must be an integer from 0 to the teacher's {n} layers.")
     return sorted(ranking["order"][:k])
@@ -131,7 +135,7 @@ def kept_attention_layers(job: JobConfig) -> list[int]:
     builder reads them here."""
     k = auto_layer_count(job.student.attention_layers)
     if k is not None:  # read from the layer ranking when needed, not at load_job: the ranking runs on this job too
-        return costliest_layers(job, k)
+        return costliest_layers(job, k, auto_layer_measure(job.student.attention_layers))
     layers = sorted(job.student.attention_layers)
     if not layers:
         return []
