@@ -112,9 +112,8 @@ def test_a_sharp_layer_ranks_first_and_a_mildly_non_uniform_one_second(root, sha
 
 
 def test_auto_attention_layers_are_spelled_auto_k_and_need_a_ranking(root):
-    from harness.stages.common import kept_attention_layers
-
     from harness.config import auto_layer_count, auto_layer_measure
+    from harness.stages.common import kept_attention_layers
 
     for bad in ("auto:two", "auto", "first:2", "auto:2:mse", "auto:2:kl:kl", "auto:kl"):
         with pytest.raises(ConfigError, match=r"student.attention_layers.*'auto:K'.*stage1, kl"):
