@@ -52,13 +52,17 @@ def teacher_results_dir(spec: EvalSpec) -> Path:
     """
     if spec.teacher_cache is None:
         return Path(spec.output_dir) / "teacher"
-    key = {
+    digest = hashlib.sha256(json.dumps(teacher_cache_key(spec), sort_keys=True).encode()).hexdigest()[:12]
+    name = Path(str(spec.teacher)).name.replace(".gguf", "") or "teacher"
+    return Path(spec.teacher_cache) / f"{name}-{digest}"
+
+
+def teacher_cache_key(spec: EvalSpec) -> dict:
+    """What names a teacher's cached results (teacher_results_dir hashes it); only "perplexity" depends on the data."""
+    return {
         "teacher": spec.teacher, "num_layers": spec.teacher_num_layers, "dtype": spec.dtype, "limit": spec.limit,
         "haystack": spec.niah.haystack, "prompt": spec.niah.prompt, "perplexity": _perplexity_settings(spec),
     }
-    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:12]
-    name = Path(str(spec.teacher)).name.replace(".gguf", "") or "teacher"
-    return Path(spec.teacher_cache) / f"{name}-{digest}"
 
 
 def _perplexity_settings(spec: EvalSpec) -> Optional[dict]:
