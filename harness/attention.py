@@ -5,7 +5,8 @@ teacher's num_kv_heads, biases, Qwen3's per-head q/k RMSNorm before RoPE) under 
 `load_state_dict(teacher_layer.self_attn.state_dict())` copies it bit for bit. It computes causal grouped-query
 attention with torch's scaled_dot_product_attention (scale head_dim**-0.5, as the teacher's), and decodes with
 a growing `KVState` (keys and values of every token seen, `[B, kv_heads, T, D]`; under the teacher's sliding window,
-Mistral's, only the last `window - 1`).
+Mistral's, only the last `window - 1`), or, where the decoder allocates the room up front, a `FixedKVState` written
+in place (fixed shapes: a step that a CUDA graph can capture).
 
 Padding (tests/test_padding.py's conventions): the key mask `[B, seen + T]` (0 at padding) hides padded keys, so
 that a row padded on the left (generation) or on the right (scoring) attends at its real tokens to what it would
@@ -58,6 +59,46 @@ class KVState:
         return KVState(torch.cat([pad(s.k) for s in states]), torch.cat([pad(s.v) for s in states]))
 
 
+@dataclass
+class FixedKVState:
+    """Decoding state of a kept softmax-attention layer with its room allocated up front: keys and values
+    `[B, kv_heads, capacity, D]` (after RoPE), `valid` `[B, capacity]` (True where a column holds a real key, so
+    that a left-padded prompt's padding and the room not yet written stay hidden) and `length` `[B]` (the columns
+    written, the same in every row; a tensor, so that a step reads and advances it on the device). Each decoding
+    step writes its key and value in place at column `length` and attends over every column under `valid`: the
+    step's shapes never change, so it can be captured as a CUDA graph (harness.decoding). A masked column adds
+    exactly nothing to the softmax, so the step computes what a growing `KVState` computes."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+    valid: torch.Tensor
+    length: torch.Tensor
+
+    def map(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> "FixedKVState":
+        return FixedKVState(fn(self.k), fn(self.v), fn(self.valid), fn(self.length))
+
+    def tensors(self) -> list[torch.Tensor]:
+        """k, v, valid and length, in the order `map` visits them (as MixerState.tensors)."""
+        return [self.k, self.v, self.valid, self.length]
+
+    @property
+    def capacity(self) -> int:
+        return self.k.shape[2]
+
+    @staticmethod
+    def from_growing(state: KVState, capacity: int, key_mask: Optional[torch.Tensor] = None) -> "FixedKVState":
+        """`state`'s columns, then room for `capacity - state.length` more. key_mask: `[B, state.length]`, 0 where
+        a column is padding (a left-padded batch's), or None (every column real)."""
+        b, heads, seen, d = state.k.shape
+        if capacity < seen:
+            raise ValueError(f"capacity {capacity} is smaller than the {seen} columns already cached")
+        k, v = (t.new_zeros(b, heads, capacity, d) for t in (state.k, state.v))
+        k[:, :, :seen], v[:, :, :seen] = state.k, state.v
+        valid = torch.zeros(b, capacity, dtype=torch.bool, device=state.k.device)
+        valid[:, :seen] = True if key_mask is None else key_mask.to(state.k.device).bool()
+        return FixedKVState(k, v, valid, torch.full((b,), seen, dtype=torch.long, device=state.k.device))
+
+
 class SoftmaxAttention(nn.Module):
     """The teacher's attention block (module docstring): x `[B, T, hidden]` -> (y `[B, T, hidden]`, KVState)."""
 
@@ -84,6 +125,8 @@ class SoftmaxAttention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         q, k = apply_rotary_pos_emb(q, k, *position_embeddings)
+        if isinstance(state, FixedKVState):
+            return self._fixed_step(q, k, v, state), state
         if state is not None:
             k, v = torch.cat([state.k, k], 2), torch.cat([state.v, v], 2)
         if key_mask is not None:  # a windowed cache holds only the last columns: the mask's columns end with them
@@ -94,6 +137,22 @@ class SoftmaxAttention(nn.Module):
                                              enable_gqa=self.shape.num_kv_heads != self.shape.num_heads)
         y = self.o_proj(out.transpose(1, 2).reshape(b, t, -1))
         return y, (self._cached(k, v) if use_cache else None)
+
+    def _fixed_step(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, state: FixedKVState) -> torch.Tensor:
+        """One decoding token against a FixedKVState: its key and value written in place at column `length`, then
+        attention over the columns `valid` marks (the cached real keys and its own). `length` is read on the device,
+        so there is no bound check here: the caller allocates the room (harness.decoding)."""
+        if q.shape[2] != 1 or self.window is not None:
+            raise ValueError("a FixedKVState takes one token per step, in a layer without a sliding window")
+        column = state.length[:1]
+        state.k.index_copy_(2, column, k)
+        state.v.index_copy_(2, column, v)
+        state.valid.index_fill_(1, column, True)
+        state.length.add_(1)
+        out = F.scaled_dot_product_attention(q, state.k, state.v, attn_mask=state.valid[:, None, None, :],
+                                             scale=self.shape.head_dim ** -0.5,
+                                             enable_gqa=self.shape.num_kv_heads != self.shape.num_heads)
+        return self.o_proj(out.transpose(1, 2).reshape(q.shape[0], 1, -1))
 
     def _cached(self, k: torch.Tensor, v: torch.Tensor) -> KVState:
         """The KV state to keep: every column, or under a sliding window only the last `window - 1` (a later query

@@ -25,9 +25,12 @@ back into them, so a replay leaves the cache as an eager step would (`cache.seen
 Mixers with rotary embeddings take positions from the host each step and are decoded eagerly, as is everything
 off CUDA. `tests/gpu/test_decoding_gpu.py` checks graphed against eager tokens for every mixer.
 
-Hybrid students (kept softmax-attention layers) are decoded eagerly too: their KV states grow by one column per
-token, so no two steps have the same shapes (`graph_blocker` says why). In a batch their rows' KV states are
-left-padded to the longest prompt and the prompts' mask hides the padding, as for rotary mixers.
+Hybrid students (kept softmax-attention layers): after the prefill their growing KV states become FixedKVStates
+with room for the new tokens (`RecurrentCache.fix_kv`; eagerly too, so that CPU tests check the path a graph
+captures): each step writes its key and value in place and reads its rotary position from the device, so the step
+has fixed shapes and is captured like a pure student's. In a batch the rows' KV columns are left-padded to the
+longest prompt and `valid` hides the padding. Kept layers under a sliding window (Mistral's) keep growing states
+and decode eagerly (`graph_blocker` says why).
 """
 
 from __future__ import annotations
@@ -46,9 +49,9 @@ def graph_blocker(model: Any) -> Optional[str]:
     """Why `model`'s decoding step cannot be captured as a CUDA graph, or None when it can."""
     if not isinstance(model, HarnessForCausalLM):
         return f"{type(model).__name__} is not a harness student"
-    if model.config.kept_layers():
-        return (f"a hybrid student (softmax attention kept in layers {sorted(model.config.kept_layers())}): its KV "
-                "cache grows every step, so the step's shapes change")
+    if model.config.kept_layers() and not fixable_kv(model):
+        return (f"a hybrid student whose kept softmax-attention layers {sorted(model.config.kept_layers())} have a "
+                "sliding window: their KV caches drop columns, so the step's shapes change")
     if model.model.rotary_emb is not None:
         return "its mixers use rotary embeddings, whose positions come from the host each step"
     if not next(model.parameters()).is_cuda:
@@ -57,11 +60,19 @@ def graph_blocker(model: Any) -> Optional[str]:
 
 
 def graphable(model: Any) -> bool:
-    """A harness student on a CUDA device without rotary embeddings (their positions come from the host) or kept
-    attention layers (growing KV caches): `graph_blocker` is None. A sliding window (student.options.window) keeps
-    a fixed-size cache of its last N - 1 keys and values, so its step is captured like the recurrence's
-    (tests/gpu/test_hybrid_gpu.py checks the graphed step against the eager one)."""
+    """A harness student on a CUDA device without rotary mixers (their positions come from the host) or kept
+    attention layers under a sliding window: `graph_blocker` is None. A mixer's sliding window
+    (student.options.window) keeps a fixed-size cache of its last N - 1 keys and values, and kept layers decode with
+    FixedKVStates, so their steps are captured like the recurrence's (tests/gpu/test_hybrid_gpu.py checks the
+    graphed steps against the eager ones)."""
     return graph_blocker(model) is None
+
+
+def fixable_kv(model: HarnessForCausalLM) -> bool:
+    """Whether a hybrid student's KV states can be fixed (`RecurrentCache.fix_kv`): kept layers, none under a
+    sliding window."""
+    kept = model.config.kept_layers()
+    return bool(kept) and all(model.config.attention_window(i) is None for i in kept)
 
 
 def needs_positions(model: HarnessForCausalLM) -> bool:
@@ -72,13 +83,22 @@ def needs_positions(model: HarnessForCausalLM) -> bool:
 
 class GraphedStep:
     """One decoding step of `model` over `cache` (after its prefill) as a CUDA graph. The cache's states become
-    the graph's static buffers: keep using this object (not the model) for the cache's next tokens."""
+    the graph's static buffers: keep using this object (not the model) for the cache's next tokens. A hybrid's
+    growing KV states are fixed first with room for `new_tokens` (`RecurrentCache.fix_kv`), unless they are."""
 
-    def __init__(self, model: HarnessForCausalLM, cache: RecurrentCache, warmup: int = 2) -> None:
+    def __init__(self, model: HarnessForCausalLM, cache: RecurrentCache, warmup: int = 2,
+                 new_tokens: Optional[int] = None) -> None:
         if (reason := graph_blocker(model)) is not None:
             raise ValueError(f"GraphedStep cannot capture this model's step: {reason}")
         if any(s is None for s in cache.states):
             raise ValueError("GraphedStep needs a prefilled cache (every layer's state set)")
+        if any(isinstance(s, KVState) for s in cache.states):
+            if new_tokens is None:
+                raise ValueError("GraphedStep of a hybrid needs new_tokens (the room its fixed KV states allocate)")
+            cache.fix_kv(new_tokens)
+        if cache.capacity is not None and cache.capacity - cache.seen_tokens < warmup:
+            raise ValueError(f"the cache's fixed KV room holds {cache.capacity - cache.seen_tokens} more tokens; "
+                             f"the capture's warm-up takes {warmup}")
         self.model, self.cache = model, cache
         batch = cache.states[0].tensors()[0].shape[0]
         self.token = torch.zeros(batch, 1, dtype=torch.long, device=next(model.parameters()).device)
@@ -92,7 +112,8 @@ class GraphedStep:
                 out = model(self.token, cache=cache, use_cache=True, logits_to_keep=1)
                 for static, new in zip(self.states, cache.states):
                     for dst, src in zip(static.tensors(), new.tensors(), strict=True):
-                        dst.copy_(src)
+                        if dst.data_ptr() != src.data_ptr():  # a FixedKVState was written in place
+                            dst.copy_(src)
                 self.logits = out.logits[:, -1]
         finally:  # also after a failed capture, so that eager decoding can go on from this cache
             cache.states, cache.seen_tokens = list(self.states), seen
@@ -102,6 +123,8 @@ class GraphedStep:
         workspaces set up before capture); the real states are left as they are."""
         scratch = RecurrentCache(len(self.states))
         scratch.states = [s.map(lambda t: t.clone()) for s in self.states]
+        scratch.seen_tokens, scratch.capacity = self.cache.seen_tokens, self.cache.capacity
+        scratch.positions = None if self.cache.positions is None else self.cache.positions.clone()
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
@@ -111,6 +134,8 @@ class GraphedStep:
 
     def __call__(self, token: torch.Tensor) -> torch.Tensor:
         """Feed `token` `[B, 1]`; returns the next-token logits `[B, V]` (a static buffer: overwritten next call)."""
+        if self.cache.capacity is not None and self.cache.seen_tokens >= self.cache.capacity:
+            raise ValueError(f"the cache's fixed KV room ({self.cache.capacity} tokens) is full")
         self.token.copy_(token)
         self.graph.replay()
         self.cache.seen_tokens += 1
@@ -157,6 +182,9 @@ def greedy_decode_batch(model: Any, prompts: Sequence[Sequence[int] | torch.Tens
         raise ValueError("greedy_decode_batch: every prompt needs at least one token")
     logits, cache = _prefill_rows(model, rows)
     mask = _prompt_mask(rows) if needs_positions(model) else None
+    if fixable_kv(model):  # positions and padding then live in the cache
+        cache.fix_kv(max_new_tokens, mask)
+        mask = None
     step = _graphed_or_none(model, cache) if graphs and graphable(model) and max_new_tokens > 1 else None
     news: list[list[int]] = [[] for _ in rows]
     open_rows = set(range(len(rows)))

@@ -27,7 +27,7 @@ from transformers.cache_utils import Cache
 from transformers.modeling_outputs import ModelOutput
 from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm, LlamaRotaryEmbedding
 
-from harness.attention import KVState, SoftmaxAttention
+from harness.attention import FixedKVState, KVState, SoftmaxAttention
 from harness.mixers import Mixer, MixerShape, MixerState, mixer_class, mixer_options, resolved_options, saved_options
 from harness.teacher import attention_layout
 
@@ -63,14 +63,21 @@ class HarnessConfig(LlamaConfig):
 
 class RecurrentCache(Cache):
     """Per-layer decoding states behind transformers' Cache interface: a MixerState for a mixer layer, a KVState
-    (growing with the context) for a kept softmax-attention layer."""
+    (growing with the context) or a FixedKVState (its room allocated up front: `fix_kv`) for a kept
+    softmax-attention layer.
+
+    `positions` (`[B]`, on the device; None until `fix_kv` sets it): each row's next rotary position, its count of
+    real tokens so far. Where it is set, a step reads its positions from it (no mask needed after a left-padded
+    prompt) and advances it in place, so that the step's inputs all live on the device (a CUDA graph's)."""
 
     is_compileable = False
 
     def __init__(self, num_layers: int = 0) -> None:
         super().__init__(layers=[])
-        self.states: list[Optional[MixerState | KVState]] = [None] * num_layers
+        self.states: list[Optional[MixerState | KVState | FixedKVState]] = [None] * num_layers
         self.seen_tokens = 0
+        self.positions: Optional[torch.Tensor] = None
+        self.capacity: Optional[int] = None  # the FixedKVStates' columns (`fix_kv`), None while KV states grow
 
     def __len__(self) -> int:
         return len(self.states)
@@ -85,10 +92,28 @@ class RecurrentCache(Cache):
         return self.seen_tokens + 1, 0
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        self.states = [s.map(lambda t: t.index_select(0, beam_idx.to(t.device))) if s else s for s in self.states]
+        self._map_rows(lambda t: t.index_select(0, beam_idx.to(t.device)))
 
     def batch_repeat_interleave(self, repeats: int) -> None:
-        self.states = [s.map(lambda t: t.repeat_interleave(repeats, 0)) if s else s for s in self.states]
+        self._map_rows(lambda t: t.repeat_interleave(repeats, 0))
+
+    def _map_rows(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        self.states = [s.map(fn) if s else s for s in self.states]
+        if self.positions is not None:
+            self.positions = fn(self.positions)
+
+    def fix_kv(self, new_tokens: int, prompt_mask: Optional[torch.Tensor] = None) -> None:
+        """Turn every growing KVState into a FixedKVState with room for `new_tokens` more tokens, and set
+        `positions` from the prompts (prompt_mask: `[B, seen_tokens]`, 0 at a left-padded batch's padding; None:
+        no padding). Not for a student whose kept layers have a sliding window (their states drop columns)."""
+        if self.capacity is not None:
+            raise ValueError("the cache's KV states are fixed already")
+        self.capacity = self.seen_tokens + new_tokens
+        self.states = [FixedKVState.from_growing(s, self.capacity, prompt_mask)
+                       if isinstance(s, KVState) else s for s in self.states]
+        rows = next(t for s in self.states if s is not None for t in s.tensors())
+        self.positions = (prompt_mask.long().sum(-1).to(rows.device) if prompt_mask is not None
+                          else torch.full((rows.shape[0],), self.seen_tokens, dtype=torch.long, device=rows.device))
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
         self.reorder_cache(indices)
@@ -98,11 +123,12 @@ class RecurrentCache(Cache):
         return sum(_tensor_bytes(s) for s in self.states if s is not None)
 
     def kv_bytes(self) -> int:
-        """Memory held by the kept attention layers' keys and values: it grows linearly with the context."""
-        return sum(_tensor_bytes(s) for s in self.states if isinstance(s, KVState))
+        """Memory held by the kept attention layers' keys and values: it grows linearly with the context (a
+        FixedKVState's: its whole capacity, allocated up front)."""
+        return sum(_tensor_bytes(s) for s in self.states if isinstance(s, (KVState, FixedKVState)))
 
 
-def _tensor_bytes(state: MixerState | KVState) -> int:
+def _tensor_bytes(state: MixerState | KVState | FixedKVState) -> int:
     return sum(t.numel() * t.element_size() for t in state.tensors())
 
 
@@ -235,6 +261,10 @@ class HarnessModel(HarnessPreTrainedModel):
         if attention_mask is not None:
             mask = attention_mask[:, -hidden.shape[1]:].bool()
             mask = None if bool(mask.all()) else mask  # decoding steps after a left-padded prompt
+        fixed = cache is not None and cache.positions is not None
+        if fixed and cache.seen_tokens + hidden.shape[1] > cache.capacity:
+            raise ValueError(f"the cache's fixed KV room ({cache.capacity} tokens) is full: {cache.seen_tokens} seen, "
+                             f"{hidden.shape[1]} more given")
         for i, block in enumerate(self.layers):
             prior = cache.states[i] if cache is not None else None
             # a kept attention layer reads the teacher's rotary and the mask over every key, cached ones included
@@ -248,6 +278,8 @@ class HarnessModel(HarnessPreTrainedModel):
                 cache.states[i] = state
         if use_cache:
             cache.seen_tokens += hidden.shape[1]
+            if fixed:
+                cache.positions.add_(hidden.shape[1])
         return self.norm(hidden)
 
     @staticmethod
@@ -256,6 +288,8 @@ class HarnessModel(HarnessPreTrainedModel):
         """Rotary positions `[B, T]` of the new tokens: seen..seen+T-1 without a mask; with one, each token's count
         of real tokens before it (transformers' cumsum(mask) - 1; padded tokens get 0)."""
         length = hidden.shape[1]
+        if attention_mask is None and cache is not None and cache.positions is not None:
+            return cache.positions[:, None] + torch.arange(length, device=hidden.device)[None]
         if attention_mask is None:
             start = cache.seen_tokens if cache is not None else 0
             positions = torch.arange(start, start + length, device=hidden.device)[None]

@@ -201,14 +201,52 @@ def test_a_saved_hybrid_reloads_as_one(teacher, tmp_path):
         assert torch.equal(back(ids).logits, s(ids).logits)
 
 
-def test_hybrids_are_not_graphed_and_say_why(teacher):
-    s = hybrid(teacher)
-    assert not graphable(s) and "hybrid" in graph_blocker(s)
+def test_a_hybrid_under_a_sliding_window_is_not_graphed_and_says_why():
+    s = hybrid(TINY_FAMILIES["mistral"](num_layers=3).float(), "gated_deltanet")
+    assert not graphable(s) and "sliding window" in graph_blocker(s)
     cache = RecurrentCache(3)
     with torch.no_grad():
         s(torch.tensor([[4, 5]]), cache=cache, use_cache=True)
-    with pytest.raises(ValueError, match="hybrid"):
+    with pytest.raises(ValueError, match="sliding window"):
         GraphedStep(s, cache)
+
+
+def test_a_full_context_hybrid_is_kept_from_graphs_only_by_the_device(teacher):
+    s = hybrid(teacher)
+    assert graph_blocker(s) == "it is not on a CUDA device"
+
+
+@pytest.mark.parametrize("mixer,rope", [("gla", False), ("gated_deltanet", True)])
+def test_fixed_kv_steps_compute_what_growing_ones_do(teacher, prompts, mixer, rope):
+    """A left-padded batch (prompts of 5, 13, 22 tokens) prefilled, then 6 steps: the FixedKVState (keys written in
+    place, padding and unwritten room hidden by `valid`, positions from the cache) gives the logits of the growing
+    KVState with the prompts' mask. rope: the mixers' rotary reads the cache's positions too."""
+    s = hybrid(teacher, mixer, rope=rope)
+    ids, mask = padded(prompts, "left")
+    steps = torch.randint(3, 97, (len(prompts), 6), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        grow, fixed = RecurrentCache(3), RecurrentCache(3)
+        s(ids, attention_mask=mask, cache=grow, use_cache=True)
+        s(ids, attention_mask=mask, cache=fixed, use_cache=True)
+        fixed.fix_kv(6, mask)
+        assert fixed.positions.tolist() == [len(p) for p in prompts] and fixed.capacity == ids.shape[1] + 6
+        kv_room = fixed.kv_bytes()
+        for j in range(6):
+            mask = torch.cat([mask, mask.new_ones(len(prompts), 1)], 1)
+            want = s(steps[:, j:j + 1], attention_mask=mask, cache=grow).logits
+            got = s(steps[:, j:j + 1], cache=fixed).logits
+            torch.testing.assert_close(got, want, atol=ATOL, rtol=0)
+        assert fixed.kv_bytes() == kv_room  # written in place: nothing allocated per step
+        assert fixed.positions.tolist() == [len(p) + 6 for p in prompts]
+        with pytest.raises(ValueError, match="room"):
+            s(steps[:, :1], cache=fixed)
+
+
+def test_greedy_decode_batch_of_a_rotary_hybrid_equals_full_forwards(teacher, prompts):
+    s = hybrid(teacher, "gated_deltanet", rope=True)
+    together = greedy_decode_batch(s, prompts, 8)
+    for p, tokens in zip(prompts, together):
+        assert tokens == greedy_by_full_forwards(s, p[None], 8)[0, len(p):].tolist()
 
 
 # ---------------------------------------------------------------- configuration and stages

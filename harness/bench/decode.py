@@ -7,8 +7,8 @@ KV-cache bytes for the whole batch; flatness = ms/token at the longest context /
 
 A hybrid student (`--attention-layers 3,17`: those layers keep softmax attention) also reports `kv_bytes`, the part
 of its state held by the kept layers' keys and values (it grows with the context), and `kv_bytes_per_token`
-(kv_bytes / tokens in the cache, the whole batch); its `state_bytes` counts everything. Hybrids decode eagerly
-(`graph_skipped` says why: harness.decoding.graph_blocker).
+(kv_bytes / tokens in the cache, the whole batch); its `state_bytes` counts everything. On CUDA a hybrid's step is
+graphed with its KV room allocated up front (harness.decoding; `graph_skipped` says why where it cannot be).
 """
 
 from __future__ import annotations
@@ -73,7 +73,7 @@ def decode_timing(model: nn.Module, ids: torch.Tensor, new_tokens: int, warmup_t
     graphed, capture_ms = None, None
     if recurrent and graphs:
         t0 = time.perf_counter()
-        graphed = GraphedStep(model, cache)
+        graphed = GraphedStep(model, cache, new_tokens=warmup_tokens + new_tokens)
         synchronize(dev)
         capture_ms = (time.perf_counter() - t0) * 1e3
 
@@ -105,9 +105,10 @@ def decode_timing(model: nn.Module, ids: torch.Tensor, new_tokens: int, warmup_t
 
 def kv_figures(cache: Any) -> dict[str, Any]:
     """A hybrid student's KV part of its RecurrentCache: kv_bytes (whole batch) and kv_bytes_per_token (per token
-    of context in the cache: prompt and decoded tokens, each row counted once, as the bytes are over the batch)."""
+    of context the cache holds: prompt and decoded tokens, or the room a fixed KV cache allocated, each row counted
+    once, as the bytes are over the batch)."""
     kv = cache.kv_bytes()
-    return {"kv_bytes": kv, "kv_bytes_per_token": kv / max(cache.seen_tokens, 1)}
+    return {"kv_bytes": kv, "kv_bytes_per_token": kv / max(cache.capacity or cache.seen_tokens, 1)}
 
 
 def bench_decode(shape: str = "135M", mixer: str = "gated_deltanet", *, contexts: Sequence[int] = (1024, 8192, 32768),
@@ -118,8 +119,8 @@ def bench_decode(shape: str = "135M", mixer: str = "gated_deltanet", *, contexts
                  attention_layers: Sequence[int] = ()) -> dict[str, Any]:
     """Per-token decoding time of the student (recurrent state) and the teacher (KV cache) at each context.
     On CUDA the student is timed with its step as a CUDA graph (`student`, as NIAH decodes) and eagerly
-    (`student_eager`); elsewhere, and for a hybrid student (`attention_layers` keep softmax attention), `student`
-    is eager.
+    (`student_eager`; for a hybrid student, whose kept layers then hold FixedKVStates, the eager one keeps growing
+    KV states, as `generate` does); elsewhere `student` is eager.
 
     Returns {"shape", "mixer", ..., "rows": [{context, student: {...}, teacher: {...}, speedup}],
     "student_flatness", "teacher_flatness"} with flatness = ms/token at the longest context / at the shortest.

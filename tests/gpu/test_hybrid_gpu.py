@@ -1,7 +1,7 @@
 """Hybrid students (kept softmax-attention layers) and sliding-window mixers on the GPU: on the kernel backend in
 bfloat16 their logits stay within the bf16 floor of the fp32 reference (as far as a pure student of the same mixer
-does), cached decoding (mixed KV + recurrent cache, eager) gives the tokens of full forwards, and a window's
-decoding step captured as a CUDA graph gives the eager step's tokens. Skipped without CUDA.
+does), cached decoding (mixed KV + recurrent cache) gives the tokens of full forwards, and a window's or a hybrid's decoding
+step captured as a CUDA graph gives the eager step's tokens. Skipped without CUDA.
 
     source .devbundle/setup.sh && python3 -m pytest -q tests/gpu/test_hybrid_gpu.py
 """
@@ -51,8 +51,6 @@ def test_the_kernel_backend_in_bf16_stays_at_the_pure_students_floor(mixer, vari
 @pytest.mark.parametrize("variant", ["hybrid", "window"])
 def test_cached_decoding_on_the_gpu_gives_the_tokens_of_full_forwards(mixer, variant):
     model = built(mixer, "kernel", variant)
-    if variant == "hybrid":
-        assert graph_blocker(model) is not None  # a growing KV cache decodes eagerly, and says why
     prompt = torch.randint(3, 512, (1, 40), generator=torch.Generator().manual_seed(2)).cuda()
     new = greedy_decode_batch(model, [prompt[0]], 8)[0]
     tokens = prompt
@@ -64,11 +62,13 @@ def test_cached_decoding_on_the_gpu_gives_the_tokens_of_full_forwards(mixer, var
 
 @pytest.mark.filterwarnings("error::RuntimeWarning")  # a failed capture falls back to eager with this warning
 @pytest.mark.parametrize("mixer", MIXERS)
-def test_a_window_step_captured_as_a_cuda_graph_decodes_as_the_eager_step(mixer):
-    """The window's step (a fixed-size cache of the last W - 1 keys and values) captured as a graph gives the eager
-    step's tokens, on prompts shorter and longer than the window, alone and batched (graph_blocker lets a window
-    through because of this test: 15 passed on an H200, 2026-12-02; in this form, 3 passed on 2026-12-03)."""
-    model = built(mixer, "kernel", "window", torch.bfloat16)
+@pytest.mark.parametrize("variant", ["window", "hybrid"])
+def test_a_step_captured_as_a_cuda_graph_decodes_as_the_eager_step(mixer, variant):
+    """The window's step (a fixed-size cache of the last W - 1 keys and values) and a hybrid's (FixedKVStates
+    written in place, positions on the device) captured as a graph give the eager step's tokens, on prompts
+    shorter and longer than the window, alone and batched (graph_blocker lets a window through because of this
+    test: 15 passed on an H200, 2026-12-02; in this form, 3 passed on 2026-12-03; the hybrid cases are new)."""
+    model = built(mixer, "kernel", variant, torch.bfloat16)
     assert graph_blocker(model) is None
     gen = torch.Generator().manual_seed(7)
     prompts = [torch.randint(3, 512, (n,), generator=gen).cuda() for n in (9, 40)]
