@@ -81,10 +81,6 @@ class FixedKVState:
         """k, v, valid and length, in the order `map` visits them (as MixerState.tensors)."""
         return [self.k, self.v, self.valid, self.length]
 
-    @property
-    def capacity(self) -> int:
-        return self.k.shape[2]
-
     @staticmethod
     def from_growing(state: KVState, capacity: int, key_mask: Optional[torch.Tensor] = None) -> "FixedKVState":
         """`state`'s columns, then room for `capacity - state.length` more. key_mask: `[B, state.length]`, 0 where

@@ -125,7 +125,8 @@ class RecurrentCache(Cache):
     def kv_bytes(self) -> int:
         """Memory held by the kept attention layers' keys and values: it grows linearly with the context (a
         FixedKVState's: its whole capacity, allocated up front)."""
-        return sum(_tensor_bytes(s) for s in self.states if isinstance(s, (KVState, FixedKVState)))
+        return sum(t.numel() * t.element_size() for s in self.states if isinstance(s, (KVState, FixedKVState))
+                   for t in (s.k, s.v))
 
 
 def _tensor_bytes(state: MixerState | KVState | FixedKVState) -> int:
