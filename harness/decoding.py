@@ -14,16 +14,17 @@ HARNESS_DECODE_GRAPHS=0 in the environment turns the graphs off wherever `graphs
 Batches (`greedy_decode_batch`): each prompt is prefilled on its own (batch 1, unpadded: exactly the prefill of
 `greedy_decode`, on either backend, with no padding computed, and one long prompt at a time in
 memory), the prompts' states are stacked into one batch, and then every decoding step feeds one token per row.
-No row ever sees padding: the steps of a row are those it takes alone, only batched. With rotary embeddings each
-step passes the left-padded mask of the prompts (cached + new tokens), so that a row's positions count its own
-tokens. A row that has stopped keeps stepping (its tokens are dropped) until every row has: the batch keeps its
-shape, so the graph stays valid. On CPU float32 the tokens are those of batch 1 (tests/test_decoding.py); on a GPU
-in bfloat16 a batched matmul may round differently from a batch-1 one, so a near-tie can rarely go the other way.
+No row ever sees padding: the steps of a row are those it takes alone, only batched. With rotary embeddings the
+cache tracks each row's next position on the device (`RecurrentCache.track_positions`, from the prompts'
+left-padded mask), so that a row's positions count its own tokens and no step needs a mask. A row that has stopped
+keeps stepping (its tokens are dropped) until every row has: the batch keeps its shape, so the graph stays valid.
+On CPU float32 the tokens are those of batch 1 (tests/test_decoding.py); on a GPU in bfloat16 a batched matmul may
+round differently from a batch-1 one, so a near-tie can rarely go the other way.
 
 The graph reads the token and every layer's state from static buffers, and its last kernels copy the new states
 back into them, so a replay leaves the cache as an eager step would (`cache.seen_tokens` is advanced on the host).
-Mixers with rotary embeddings take positions from the host each step and are decoded eagerly, as is everything
-off CUDA. `tests/gpu/test_decoding_gpu.py` checks graphed against eager tokens for every mixer.
+Rotary positions are read from the cache and advanced in the graph; everything off CUDA decodes eagerly.
+`tests/gpu/test_decoding_gpu.py` checks graphed against eager tokens for every mixer.
 
 Hybrid students (kept softmax-attention layers): after the prefill their growing KV states become FixedKVStates
 with room for the new tokens (`RecurrentCache.fix_kv`; eagerly too, so that CPU tests check the path a graph
@@ -52,19 +53,17 @@ def graph_blocker(model: Any) -> Optional[str]:
     if model.config.kept_layers() and not fixable_kv(model):
         return (f"a hybrid student whose kept softmax-attention layers {sorted(model.config.kept_layers())} have a "
                 "sliding window: their KV caches drop columns, so the step's shapes change")
-    if model.model.rotary_emb is not None:
-        return "its mixers use rotary embeddings, whose positions come from the host each step"
     if not next(model.parameters()).is_cuda:
         return "it is not on a CUDA device"
     return None
 
 
 def graphable(model: Any) -> bool:
-    """A harness student on a CUDA device without rotary mixers (their positions come from the host) or kept
-    attention layers under a sliding window: `graph_blocker` is None. A mixer's sliding window
-    (student.options.window) keeps a fixed-size cache of its last N - 1 keys and values, and kept layers decode with
-    FixedKVStates, so their steps are captured like the recurrence's (tests/gpu/test_hybrid_gpu.py checks the
-    graphed steps against the eager ones)."""
+    """A harness student on a CUDA device without kept attention layers under a sliding window: `graph_blocker`
+    is None. A mixer's sliding window (student.options.window) keeps a fixed-size cache of its last N - 1 keys and
+    values, kept layers decode with FixedKVStates, and rotary positions are read from the cache on the device
+    (`RecurrentCache.track_positions`), so these steps are captured like the recurrence's
+    (tests/gpu/test_hybrid_gpu.py and test_decoding_gpu.py check the graphed steps against the eager ones)."""
     return graph_blocker(model) is None
 
 
@@ -84,7 +83,8 @@ def needs_positions(model: HarnessForCausalLM) -> bool:
 class GraphedStep:
     """One decoding step of `model` over `cache` (after its prefill) as a CUDA graph. The cache's states become
     the graph's static buffers: keep using this object (not the model) for the cache's next tokens. A hybrid's
-    growing KV states are fixed first with room for `new_tokens` (`RecurrentCache.fix_kv`), unless they are."""
+    growing KV states are fixed first with room for `new_tokens` (`RecurrentCache.fix_kv`), unless they are; a
+    student with rotary mixers gets its positions tracked in the cache (`track_positions`), unless they are."""
 
     def __init__(self, model: HarnessForCausalLM, cache: RecurrentCache, warmup: int = 2,
                  new_tokens: Optional[int] = None) -> None:
@@ -96,6 +96,8 @@ class GraphedStep:
             if new_tokens is None:
                 raise ValueError("GraphedStep of a hybrid needs new_tokens (the room its fixed KV states allocate)")
             cache.fix_kv(new_tokens)
+        if cache.positions is None and needs_positions(model):
+            cache.track_positions()
         if cache.capacity is not None and cache.capacity - cache.seen_tokens < warmup:
             raise ValueError(f"the cache's fixed KV room holds {cache.capacity - cache.seen_tokens} more tokens; "
                              f"the capture's warm-up takes {warmup}")
@@ -184,6 +186,9 @@ def greedy_decode_batch(model: Any, prompts: Sequence[Sequence[int] | torch.Tens
     mask = _prompt_mask(rows) if needs_positions(model) else None
     if fixable_kv(model):  # positions and padding then live in the cache
         cache.fix_kv(max_new_tokens, mask)
+        mask = None
+    elif mask is not None and not model.config.kept_layers():  # rotary mixers only: positions live in the cache
+        cache.track_positions(mask)
         mask = None
     step = _graphed_or_none(model, cache) if graphs and graphable(model) and max_new_tokens > 1 else None
     news: list[list[int]] = [[] for _ in rows]

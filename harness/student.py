@@ -66,9 +66,10 @@ class RecurrentCache(Cache):
     (growing with the context) or a FixedKVState (its room allocated up front: `fix_kv`) for a kept
     softmax-attention layer.
 
-    `positions` (`[B]`, on the device; None until `fix_kv` sets it): each row's next rotary position, its count of
-    real tokens so far. Where it is set, a step reads its positions from it (no mask needed after a left-padded
-    prompt) and advances it in place, so that the step's inputs all live on the device (a CUDA graph's)."""
+    `positions` (`[B]`, on the device; None until `track_positions` or `fix_kv` sets it): each row's next rotary
+    position, its count of real tokens so far. Where it is set, a step reads its positions from it (no mask needed
+    after a left-padded prompt) and advances it in place, so that the step's inputs all live on the device (a CUDA
+    graph's)."""
 
     is_compileable = False
 
@@ -111,6 +112,11 @@ class RecurrentCache(Cache):
         self.capacity = self.seen_tokens + new_tokens
         self.states = [FixedKVState.from_growing(s, self.capacity, prompt_mask)
                        if isinstance(s, KVState) else s for s in self.states]
+        self.track_positions(prompt_mask)
+
+    def track_positions(self, prompt_mask: Optional[torch.Tensor] = None) -> None:
+        """Set `positions` from the prompts (prompt_mask as in `fix_kv`): from here on each step reads its rotary
+        positions from the cache, on the device, instead of from a mask or the host's `seen_tokens`."""
         rows = next(t for s in self.states if s is not None for t in s.tensors())
         self.positions = (prompt_mask.long().sum(-1).to(rows.device) if prompt_mask is not None
                           else torch.full((rows.shape[0],), self.seen_tokens, dtype=torch.long, device=rows.device))
@@ -262,8 +268,7 @@ class HarnessModel(HarnessPreTrainedModel):
         if attention_mask is not None:
             mask = attention_mask[:, -hidden.shape[1]:].bool()
             mask = None if bool(mask.all()) else mask  # decoding steps after a left-padded prompt
-        fixed = cache is not None and cache.positions is not None
-        if fixed and cache.seen_tokens + hidden.shape[1] > cache.capacity:
+        if cache is not None and cache.capacity is not None and cache.seen_tokens + hidden.shape[1] > cache.capacity:
             raise ValueError(f"the cache's fixed KV room ({cache.capacity} tokens) is full: {cache.seen_tokens} seen, "
                              f"{hidden.shape[1]} more given")
         for i, block in enumerate(self.layers):
@@ -279,7 +284,7 @@ class HarnessModel(HarnessPreTrainedModel):
                 cache.states[i] = state
         if use_cache:
             cache.seen_tokens += hidden.shape[1]
-            if fixed:
+            if cache.positions is not None:
                 cache.positions.add_(hidden.shape[1])
         return self.norm(hidden)
 

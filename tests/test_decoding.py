@@ -11,7 +11,7 @@ from transformers import GenerationConfig
 
 import harness
 from harness import decoding
-from harness.decoding import GraphedStep, graphable, greedy_decode, greedy_decode_batch
+from harness.decoding import GraphedStep, graph_blocker, graphable, greedy_decode, greedy_decode_batch
 from harness.mixers import MIXERS
 from tests.tiny import tiny_llama
 
@@ -80,6 +80,28 @@ def test_batched_greedy_decode_gives_each_prompts_batch_1_tokens(teacher, mixer,
     assert greedy_decode_batch(student, prompts, 12, done=done) == ended
 
 
+def test_rotary_steps_read_positions_from_the_cache(teacher, monkeypatch):
+    """After left-padded prompts a rotary student's steps take no mask: each row's position is tracked in the
+    cache on the device and advanced by the step (what a CUDA graph replays), and the tokens are `generate`'s for
+    each prompt alone."""
+    student = random_student(teacher, "gla", True)
+    prompts = [[5, 6, 7], [8, 9, 10, 11, 12, 13, 14]]
+    alone = [hf_greedy(student, torch.tensor([p]), 6, []) for p in prompts]  # generate: positions from its mask
+    steps = []
+    forward = student.forward
+
+    def spy(ids, **kw):
+        cache = kw.get("cache")
+        if ids.shape[1] == 1:
+            steps.append((kw.get("attention_mask"), cache.positions.tolist()))
+        return forward(ids, **kw)
+
+    monkeypatch.setattr(student, "forward", spy)
+    assert greedy_decode_batch(student, prompts, 6) == alone
+    assert [mask for mask, _ in steps] == [None] * 5
+    assert [positions for _, positions in steps] == [[3 + i, 7 + i] for i in range(5)]
+
+
 def test_batched_decoding_stops_once_every_row_has(teacher, monkeypatch):
     """One unpadded prefill per prompt, then batched steps until the last row ends, not one more: row 0 ends at
     its first token (a stop token), row 1 after four, so three steps of two rows run."""
@@ -101,9 +123,11 @@ def test_greedy_decode_rejects_a_batch(teacher):
         greedy_decode(student, torch.ones(2, 4, dtype=torch.long), 3)
 
 
-def test_graphs_need_a_cuda_student_without_rope(teacher, monkeypatch):
+def test_graphs_need_a_cuda_student(teacher, monkeypatch):
     student = harness.build_student(teacher, "gated_deltanet").eval()
     assert not graphable(student) and not graphable(teacher)  # on the CPU; a teacher is never graphed here
+    rotary = harness.build_student(teacher, "gated_deltanet", rope=True).eval()
+    assert graph_blocker(rotary) == "it is not on a CUDA device"  # its positions live in the cache
     with pytest.raises(ValueError, match="CUDA"):
         GraphedStep(student, None)
     asked = []

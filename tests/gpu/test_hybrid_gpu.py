@@ -1,7 +1,8 @@
 """Hybrid students (kept softmax-attention layers) and sliding-window mixers on the GPU: on the kernel backend in
 bfloat16 their logits stay within the bf16 floor of the fp32 reference (as far as a pure student of the same mixer
-does), cached decoding (mixed KV + recurrent cache) gives the tokens of full forwards, and a window's or a hybrid's decoding
-step captured as a CUDA graph gives the eager step's tokens. Skipped without CUDA.
+does), cached decoding (mixed KV + recurrent cache) gives the tokens of full forwards, and a window's or a
+hybrid's decoding step captured as a CUDA graph gives the eager step's tokens. Skipped without CUDA (18 passed on
+an H200, 2026-12-04).
 
     source .devbundle/setup.sh && python3 -m pytest -q tests/gpu/test_hybrid_gpu.py
 """
