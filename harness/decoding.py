@@ -75,8 +75,9 @@ def fixable_kv(model: HarnessForCausalLM) -> bool:
 
 
 def needs_positions(model: HarnessForCausalLM) -> bool:
-    """Whether the student's steps read positions (rotary mixers, kept attention layers): a batch of prompts of
-    unequal lengths then passes their left-padded mask each step."""
+    """Whether the student's steps read positions (rotary mixers, kept attention layers): after a batch of prompts
+    of unequal lengths the cache tracks them (`track_positions`, `fix_kv`), or, for kept layers under a sliding
+    window, each step passes the prompts' left-padded mask."""
     return model.model.rotary_emb is not None or model.model.attention_rotary is not None
 
 
