@@ -67,7 +67,7 @@ def _write_niah(folder: Path, top1: list[int], grid: dict = GRID, seed: int = 0)
 
 
 def make_run(runs: Path, name: str, student: dict[str, list[int]], niah: list[int], *, ppl: float = 20.0,
-             **changes) -> Path:
+             seq_len: int = 2048, **changes) -> Path:
     """runs/NAME/eval/{report.json, student/} beside runs/teacher/, as the evaluation job leaves them."""
     teacher = runs / "teacher"
     if not (teacher / "bench.json").is_file():
@@ -78,7 +78,8 @@ def make_run(runs: Path, name: str, student: dict[str, list[int]], niah: list[in
     out = run / "eval" / "student"
     _write_bench(out, student, limit=changes.get("limit", LIMIT), docs_from=changes.get("docs_from", 0))
     _write_niah(out, niah, changes.get("grid", GRID), changes.get("seed", 0))
-    (out / "perplexity.json").write_text(json.dumps({"ppl": ppl, "tokens": 4096, "source": "text"}))
+    (out / "perplexity.json").write_text(json.dumps({"ppl": ppl, "tokens": 4096, "source": "text",
+                                                     "seq_len": seq_len}))
     report = build_report(out, teacher, label=name, mixer="gla", tasks=list(TEACHER))
     (run / "eval" / "report.json").write_text(json.dumps(report))
     return run
@@ -289,9 +290,65 @@ def test_report_command_writes_the_paired_section(two_runs, tmp_path, capsys):
     assert both[1]["rows"][0]["diff"] == pytest.approx(-both[0]["rows"][0]["diff"])
 
 
+def test_held_out_measures_of_runs_at_different_windows_are_not_differenced(two_runs, tmp_path, capsys):
+    """A run held out in 512-token windows against one in 2048: the benchmarks and NIAH pair as ever, perplexity
+    and validation CE/KL get no difference (a token's loss depends on its context), and the comparison names the
+    run whose window differs. The window is read from the student's perplexity.json when the report lacks it."""
+    short = make_run(tmp_path / "runs-512", "run-short", STUDENT_B, NIAH_B, ppl=30.0, seq_len=512)
+    report_path = short / "eval" / "report.json"
+    report = json.loads(report_path.read_text())
+    assert report["perplexity"]["seq_len"] == 512
+    del report["perplexity"]["seq_len"]  # as a report written before the window was recorded
+    report_path.write_text(json.dumps(report))
+    rows = _rows(paired.paired_report(_loaded(two_runs[0]), _loaded(short)))
+    ppl = rows["held-out perplexity"]
+    assert (ppl["a"], ppl["b"], ppl["diff"], ppl["ci"]) == (20.0, 30.0, None, None)
+    assert ppl["note"] == "not comparable: held out in windows of 2048 and 512 tokens"
+    assert rows["piqa (acc)"]["diff"] == pytest.approx(2 / 12)  # the benchmarks still pair
+    same = _rows(paired.paired_report(_loaded(two_runs[0]), _loaded(two_runs[1])))["held-out perplexity"]
+    assert same["diff"] == 10.0 and same["note"] == paired.NO_INTERVAL
+    a, b = map(str, two_runs)
+    assert harness_main(["report", a, b, str(short), "--out", str(tmp_path / "cmp"), "--baseline", "run-a"]) == 0
+    text = (tmp_path / "cmp" / "comparison.md").read_text()
+    assert "are over windows of 2048 tokens, but for run-short [gla]: 512 tokens" in text
+    assert "| held-out perplexity | 4096 | 20 | 30 | - | not comparable: held out in windows of 2048 and 512 tokens |" \
+        in text
+    assert "| held-out perplexity | 4096 | 20 | 30 | +10 | no interval (" in text  # run-b - run-a, one window
+    saved = json.loads((tmp_path / "cmp" / "comparison.json").read_text())
+    assert [r["perplexity"]["seq_len"] for r in saved["runs"]] == [2048, 2048, 512]
+    assert "| teacher (2048-token windows) | 0.8333 |" in text and "| teacher (512-token windows) | 0.8333 |" in text
+    assert "| teacher |" not in text
+    assert harness_main(["report", a, b, "--out", str(tmp_path / "one")]) == 0
+    assert "| teacher | 0.8333 |" in (tmp_path / "one" / "comparison.md").read_text()  # one teacher: one plain row
+
+
+def test_teachers_at_one_window_are_named_by_folder(two_runs, tmp_path):
+    from harness.eval.report import _teachers
+
+    other = make_run(tmp_path / "elsewhere", "run-c", STUDENT_B, NIAH_B)
+    reports = [json.loads((run / "eval" / "report.json").read_text()) for run in (*two_runs, other)]
+    assert [name for name, _ in _teachers(reports)] == ["teacher (runs/teacher)", "teacher (elsewhere/teacher)"]
+
+
 def test_report_command_refuses_unknown_names(two_runs, tmp_path, capsys):
     a, b = map(str, two_runs)
     assert harness_main(["report", a, b, "--out", str(tmp_path / "cmp"), "--pairs", "run-a:kda"]) == 2
     assert "'kda' is not one of the runs; the runs are called: run-a, run-b" in capsys.readouterr().err
     assert harness_main(["report", a, "--baseline", "run-a"]) == 2
     assert "at least two runs" in capsys.readouterr().err
+
+
+def test_niah_plot_draws_each_run_and_each_teacher_folder_once_in_its_own_style(two_runs, tmp_path):
+    from harness.eval.report import _figure, _plot_niah_panel
+    from harness.eval.training import run_line_style
+
+    short = make_run(tmp_path / "runs-512", "run-short", STUDENT_B, NIAH_B, seq_len=512)
+    reports = [json.loads((run / "eval" / "report.json").read_text()) for run in (*two_runs, short)]
+    ax = _figure().add_subplot()
+    _plot_niah_panel(ax, reports, lambda side: side, "exact")
+    lines = ax.get_lines()
+    assert [line.get_label() for line in lines] == ["run-a [gla]", "run-b [gla]", "run-short [gla]",
+                                                    "teacher (2048-token windows)", "teacher (512-token windows)"]
+    assert len({(line.get_color(), line.get_linestyle()) for line in lines}) == len(lines)
+    styles = [tuple(run_line_style(i).values()) for i in range(30)]
+    assert len(set(styles)) == 30  # colours repeat past ten runs, their dashes do not

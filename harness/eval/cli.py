@@ -280,14 +280,15 @@ def cmd_eval_marks(args: argparse.Namespace) -> int:
 
 def cmd_report(args: argparse.Namespace) -> int:
     from harness.eval.history import load_histories
-    from harness.eval.report import attach_training, compare, comparison_markdown, find_report, markdown
+    from harness.eval.report import (attach_training, compare, comparison_markdown, find_report, markdown,
+                                     with_heldout_window)
 
     reports, paths, with_history = [], [], []
     for path in args.runs:
         has_history = any((Path(path) / sub / "history.jsonl").is_file() for sub in ("eval", "."))
         with_history += [path] if has_history else []
         try:
-            reports.append(attach_training(find_report(path), path))
+            reports.append(attach_training(with_heldout_window(find_report(path), path), path))
             paths.append(path)
         except FileNotFoundError as err:
             if not has_history:

@@ -41,7 +41,7 @@ import numpy as np
 from harness.eval.lm_eval_tasks import read_examples
 from harness.eval.recovery import (BOOTSTRAP_SAMPLES, BOOTSTRAP_SEED, LEVEL, normalised_draws, normalised_recovery,
                                    paired_bootstrap, percentile_interval)
-from harness.eval.report import eval_dirs, paired_columns, report_file
+from harness.eval.report import eval_dirs, heldout_window, paired_columns, report_file
 
 NIAH_SETTINGS = ("niah_format", "haystack", "prompt", "seed", "max_new_tokens", "tokenizer")  # the cells' header
 NO_INTERVAL = "aggregate only: no per-document values are stored"
@@ -352,19 +352,21 @@ def niah_rows(a: RunResults, b: RunResults, samples: int = BOOTSTRAP_SAMPLES, se
 
 
 def heldout_rows(a: RunResults, b: RunResults) -> list[dict]:
-    """Held-out perplexity and stage 3's validation CE and KL: plain differences, no interval."""
+    """Held-out perplexity and stage 3's validation CE and KL: plain differences, no interval; no difference at
+    all when the two runs' held-out windows differ in length (a token's loss depends on its context)."""
     ppl = lambda run: (run.report.get("perplexity") or {}).get("student")  # noqa: E731
     distill = lambda run: ((run.report.get("training") or {}).get("final") or {}).get("distill") or {}  # noqa: E731
-    rows = []
+    windows = heldout_window(a.report, a.student_dir), heldout_window(b.report, b.student_dir)
+    apart = None not in windows and windows[0] != windows[1]
+    note = f"not comparable: held out in windows of {windows[0]} and {windows[1]} tokens" if apart else NO_INTERVAL
+    values = []
     if ppl(a) is not None or ppl(b) is not None:
-        tokens = (a.report.get("perplexity") or {}).get("tokens")
-        rows.append({"metric": "held-out perplexity", "unit": "value", **_row(ppl(a), ppl(b), None, tokens,
-                                                                                NO_INTERVAL)})
+        values.append(("held-out perplexity", ppl(a), ppl(b), (a.report.get("perplexity") or {}).get("tokens")))
     for key, name in (("val_ce", "stage 3 validation CE"), ("val_kl", "stage 3 validation KL")):
         if distill(a).get(key) is not None or distill(b).get(key) is not None:
-            rows.append({"metric": name, "unit": "value",
-                         **_row(distill(a).get(key), distill(b).get(key), None, None, NO_INTERVAL)})
-    return rows
+            values.append((name, distill(a).get(key), distill(b).get(key), None))
+    rows = [{"metric": name, "unit": "value", **_row(x, y, None, n, note)} for name, x, y, n in values]
+    return [{**row, "diff": None} if apart else row for row in rows]
 
 
 def paired_report(a: RunResults, b: RunResults, samples: int = BOOTSTRAP_SAMPLES, seed: int = BOOTSTRAP_SEED) -> dict:

@@ -158,8 +158,19 @@ def perplexity_summary(student: Optional[dict], teacher: Optional[dict]) -> Opti
     if student is None and teacher is None:
         return None
     s, t = (student or {}).get("ppl"), (teacher or {}).get("ppl")
+    either = student or teacher
     return {"student": s, "teacher": t, "ratio": s / t if s and t else None,
-            "tokens": (student or teacher).get("tokens"), "source": (student or teacher).get("source")}
+            "tokens": either.get("tokens"), "source": either.get("source"), "seq_len": either.get("seq_len")}
+
+
+def heldout_window(report: dict, student_dir: Optional[Path] = None) -> Optional[int]:
+    """The length in tokens of the windows that a run's held-out perplexity (and stage 3's validation CE and KL,
+    on the same split) were computed over: the job's data.seq_len. Recorded in the report (reports written
+    before 2026-12-04 lack it), else read from the student's perplexity.json; None where neither says."""
+    recorded = (report.get("perplexity") or {}).get("seq_len")
+    if recorded is None and student_dir is not None and (Path(student_dir) / "perplexity.json").is_file():
+        recorded = json.loads((Path(student_dir) / "perplexity.json").read_text()).get("seq_len")
+    return recorded
 
 
 def build_report(student_dir: Path, teacher_dir: Optional[Path], *, label: str, mixer: Optional[str] = None,
@@ -362,7 +373,7 @@ def comparison_markdown(reports: list[dict], paired: Optional[list[dict]] = None
               "NIAH: exact-match accuracy over all lengths, depths, kinds; NIAH lik.: the likelihood score, the "
               "true value ranked first among its candidates (chance: see its table); ppl ratio: student / teacher "
               "perplexity.", ""]
-    lines += _left_out(reports)
+    lines += _left_out(reports) + _window_note(reports)
     lines += _scores_table(reports, tasks) + _niah_table(reports) + _training_table(reports, plotted=True)
     lines += paired_markdown(paired or [])
     return "\n".join(lines)
@@ -390,6 +401,8 @@ def _paired_diff(row: dict) -> str:
 
 def _excludes_zero(row: dict) -> str:
     if row["excludes_zero"] is None:
+        if row["diff"] is None and row.get("note"):
+            return row["note"]  # e.g. not comparable (harness.eval.paired.heldout_rows)
         return f"no interval ({row['note']})" if row.get("note") else "-"
     return "yes" if row["excludes_zero"] else "no"
 
@@ -406,7 +419,8 @@ def paired_markdown(pairs: Sequence[dict]) -> list[str]:
              "differences. The average normalised recovery resamples its tasks independently and averages them. "
              "pts: percentage points; n: examples or prompts (tasks for the averages, tokens for perplexity). "
              "Held-out perplexity and stage 3's validation CE and KL are stored as aggregates only, so their "
-             "difference has no interval.", ""]
+             "difference has no interval, and between runs held out in windows of different lengths no "
+             "difference is given.", ""]
     for pair in pairs:
         teacher = "" if pair["shared_teacher"] else " (the runs' teachers' result folders differ)"
         lines += [f"### {pair['b']} (B) - {pair['a']} (A){teacher}", "",
@@ -447,9 +461,16 @@ def _left_out(reports: list[dict]) -> list[str]:
     return lines + [""] if lines else []
 
 
-def _teachers(reports: list[dict]) -> list[dict]:
-    """One report per distinct teacher (its rows are the same in every report that shares it)."""
-    return list({r.get("teacher_dir"): r for r in reports if r.get("teacher_dir")}.values())
+def _teachers(reports: list[dict]) -> list[tuple[str, dict]]:
+    """(row name, report) for each distinct teacher result folder (its rows are the same in every report that
+    shares it): "teacher", or where there are several, named by their held-out window or their folder."""
+    distinct = list({r.get("teacher_dir"): r for r in reports if r.get("teacher_dir")}.values())
+    if len(distinct) < 2:
+        return [("teacher", r) for r in distinct]
+    tags = [f"{(r.get('perplexity') or {}).get('seq_len')}-token windows" for r in distinct]
+    if len(set(tags)) < len(tags) or any(t.startswith("None") for t in tags):
+        tags = [str(Path(r["teacher_dir"]).relative_to(Path(r["teacher_dir"]).parent.parent)) for r in distinct]
+    return [(f"teacher ({tag})", r) for tag, r in zip(tags, distinct)]
 
 
 def _scores_table(reports: list[dict], tasks: list[str]) -> list[str]:
@@ -458,7 +479,7 @@ def _scores_table(reports: list[dict], tasks: list[str]) -> list[str]:
     metrics = [next((r["tasks"][t]["metric"] for r in reports if t in r["tasks"]), "") for t in tasks]
     lines = ["## Scores", "", "| model | " + " | ".join(f"{t} ({m})" for t, m in zip(tasks, metrics)) +
              " | average | perplexity |", "|" + "---|" * (len(tasks) + 3)]
-    rows = [(_name(r), r, "student") for r in reports] + [("teacher", r, "teacher") for r in _teachers(reports)]
+    rows = [(_name(r), r, "student") for r in reports] + [(name, r, "teacher") for name, r in _teachers(reports)]
     for name, r, side in rows:
         cells = [_fmt(r["tasks"].get(t, {}).get(side)) for t in tasks]
         cells += [_fmt(r["average"][side]), _fmt((r.get("perplexity") or {}).get(side))]
@@ -470,7 +491,7 @@ def _scores_table(reports: list[dict], tasks: list[str]) -> list[str]:
 
 def _niah_table(reports: list[dict]) -> list[str]:
     sides = [(_name(r), (r.get("niah") or {}).get("student")) for r in reports]
-    sides += [("teacher", (r.get("niah") or {}).get("teacher")) for r in _teachers(reports)]
+    sides += [(name, (r.get("niah") or {}).get("teacher")) for name, r in _teachers(reports)]
     sides = [(name, result) for name, result in sides if result]
     if not sides:
         return []
@@ -542,6 +563,28 @@ def _training_table(reports: list[dict], plotted: bool = False) -> list[str]:
                         f"the weighted terms (CE + KL by default). Training values are means "
                         f"over the logged steps of the stage's last {fraction:.0%}; validation on the held-out split at the end of stage 3."
                         + (" Curves: loss_curves.png." if plotted else ""), ""]
+
+
+def with_heldout_window(report: dict, path: str | Path) -> dict:
+    """The report with perplexity.seq_len (`heldout_window`) read from its student's result folder where the
+    report does not record it."""
+    ppl = report.get("perplexity")
+    if not ppl or ppl.get("seq_len") is not None:
+        return report
+    return {**report, "perplexity": {**ppl, "seq_len": heldout_window(report, eval_dirs(path, report)[0])}}
+
+
+def _window_note(reports: list[dict]) -> list[str]:
+    """A line naming the runs whose held-out windows are not the most common length, when the runs differ."""
+    windows = {_name(r): (r.get("perplexity") or {}).get("seq_len") for r in reports}
+    known = [w for w in windows.values() if w is not None]
+    if len(set(known)) < 2:
+        return []
+    common = max(set(known), key=known.count)
+    others = "; ".join(f"{name}: {w}" for name, w in windows.items() if w is not None and w != common)
+    return [f"- Held-out perplexity, the ppl ratio and the validation CE and KL are over windows of {common} tokens, "
+            f"but for {others} tokens: compare them only between runs of one window length (a token in a shorter "
+            "window has less context), and the benchmarks and NIAH across all."]
 
 
 def attach_training(report: dict, path: str | Path) -> dict:
@@ -637,21 +680,18 @@ def plot_niah_by_length(reports: list[dict], path: Path) -> None:
 
 def _plot_niah_panel(ax, reports: list[dict], pick, ylabel: str) -> None:
     """One panel of plot_niah_by_length: `pick(side)` gives the {"by_length"} block drawn from a report's side."""
-    teachers_drawn: set[str] = set()
-    for r in reports:
-        niah = r.get("niah") or {}
-        for side in ("student", "teacher"):
-            result = pick(niah.get(side)) if niah.get(side) else None
-            if not result:
-                continue
-            if side == "teacher":
-                if r.get("teacher_dir") in teachers_drawn:
-                    continue
-                teachers_drawn.add(r.get("teacher_dir"))
-            xs = sorted(int(k) for k in result["by_length"])
-            ys = [100 * result["by_length"][str(x)] for x in xs]
-            style = dict(linestyle="--", color="black") if side == "teacher" else {}
-            ax.plot(xs, ys, marker="o", label="teacher" if side == "teacher" else _name(r), **style)
+    from harness.eval.training import run_line_style
+
+    lines = [(_name(r), pick(r["niah"]["student"]), run_line_style(i)) for i, r in enumerate(reports)
+             if (r.get("niah") or {}).get("student")]
+    teacher_styles = [{"color": "black", "linestyle": "--"}, {"color": "dimgray", "linestyle": "-."}]
+    lines += [(name, pick(r["niah"]["teacher"]), teacher_styles[i % 2]) for i, (name, r) in enumerate(_teachers(reports))
+              if (r.get("niah") or {}).get("teacher")]
+    for name, result, style in lines:
+        if not result:
+            continue
+        xs = sorted(int(k) for k in result["by_length"])
+        ax.plot(xs, [100 * result["by_length"][str(x)] for x in xs], marker="o", label=name, **style)
     ax.set_xscale("log", base=2)
     ax.set_xlabel("prompt length (tokens)")
     ax.set_ylabel(ylabel)

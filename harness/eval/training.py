@@ -111,6 +111,12 @@ def panel_loss(summaries: dict[str, dict], stage: str) -> tuple[str, set[str]]:
     return "MSE; (l2): L2 norm", {name for name, loss in losses.items() if loss != "mse"}
 
 
+def run_line_style(i: int) -> dict:
+    """The colour and dash of the i-th run's line in a plot of several runs (these loss curves, the report's NIAH
+    by length): matplotlib's ten colours, dashed past ten runs, dotted past 20."""
+    return {"color": f"C{i % 10}", "linestyle": ("-", "--", ":")[i // 10 % 3]}
+
+
 def plot_loss_curves(summaries: dict[str, dict], path: str | Path) -> Path:
     """One panel per stage (log-scale loss against tokens), one line per run; stage 3's validation CE as dots."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
@@ -125,11 +131,12 @@ def plot_loss_curves(summaries: dict[str, dict], path: str | Path) -> Path:
             curve = (summary or {}).get("curves", {}).get(stage)
             if not curve:
                 continue
-            color = f"C{i % 10}"
+            style = run_line_style(i)
             label = f"{name} (l2)" if name in marked else name
-            ax.plot([t / 1e6 for t in curve["tokens"]], curve[key], label=label, color=color, linewidth=1)
+            ax.plot([t / 1e6 for t in curve["tokens"]], curve[key], label=label, linewidth=1, **style)
             if stage == "distill" and curve.get("val_tokens"):
-                ax.scatter([t / 1e6 for t in curve["val_tokens"]], curve["val_ce"], color=color, s=18, zorder=3)
+                ax.scatter([t / 1e6 for t in curve["val_tokens"]], curve["val_ce"], color=style["color"], s=18,
+                           zorder=3)
         ax.set_yscale("log")
         ax.set_xlabel("tokens (M)")
         ax.set_title(title.format(loss=loss), fontsize=10)
