@@ -467,9 +467,11 @@ def _teachers(reports: list[dict]) -> list[tuple[str, dict]]:
     distinct = list({r.get("teacher_dir"): r for r in reports if r.get("teacher_dir")}.values())
     if len(distinct) < 2:
         return [("teacher", r) for r in distinct]
-    tags = [f"{(r.get('perplexity') or {}).get('seq_len')}-token windows" for r in distinct]
-    if len(set(tags)) < len(tags) or any(t.startswith("None") for t in tags):
+    windows = [(r.get("perplexity") or {}).get("seq_len") for r in distinct]
+    if None in windows or len(set(windows)) < len(windows):
         tags = [str(Path(r["teacher_dir"]).relative_to(Path(r["teacher_dir"]).parent.parent)) for r in distinct]
+    else:
+        tags = [f"{w}-token windows" for w in windows]
     return [(f"teacher ({tag})", r) for tag, r in zip(tags, distinct)]
 
 
