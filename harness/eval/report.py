@@ -687,8 +687,8 @@ def _plot_niah_panel(ax, reports: list[dict], pick, ylabel: str) -> None:
     lines = [(_name(r), pick(r["niah"]["student"]), run_line_style(i)) for i, r in enumerate(reports)
              if (r.get("niah") or {}).get("student")]
     teacher_styles = [{"color": "black", "linestyle": "--"}, {"color": "dimgray", "linestyle": "-."}]
-    lines += [(name, pick(r["niah"]["teacher"]), teacher_styles[i % 2]) for i, (name, r) in enumerate(_teachers(reports))
-              if (r.get("niah") or {}).get("teacher")]
+    lines += [(name, pick(r["niah"]["teacher"]), teacher_styles[i % 2])
+              for i, (name, r) in enumerate(_teachers(reports)) if (r.get("niah") or {}).get("teacher")]
     for name, result, style in lines:
         if not result:
             continue
