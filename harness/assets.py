@@ -108,15 +108,25 @@ def pip_download(spec: str, dest_dir: Path, *, purpose: str, offline: str, error
 
 def ensure_built(dest: Path, build: Callable[[Path], Path]) -> Path:
     """`dest`, built once: returned as it is when its PROVENANCE.json exists, else `build(scratch)` under a lock
-    beside it (concurrent callers wait, then find it built). `scratch` is a temporary folder next to `dest` for
-    downloads, removed afterwards; `build` writes `dest` atomically (harness.data.store.building)."""
+    of its own beside it, `.NAME.lock` (concurrent callers wait, then find it built). `scratch` is a temporary
+    folder next to `dest` for downloads, removed afterwards; `build` writes `dest` atomically
+    (harness.data.store.building).
+
+    The lock is per artifact, not per folder: a build may need another artifact of the same folder (the mixed
+    corpus's 13-gram check reads the embedded corpus's essays), and flock would block the process on its own lock
+    if both took one lock file."""
     if (dest / "PROVENANCE.json").is_file():
         return dest
-    with file_lock(dest.parent / ".lock"):
+    with file_lock(artifact_lock(dest)):
         if (dest / "PROVENANCE.json").is_file():
             return dest
         with tempfile.TemporaryDirectory(prefix="pip-", dir=dest.parent) as scratch:
             return build(Path(scratch))
+
+
+def artifact_lock(dest: Path) -> Path:
+    """The lock file that guards building `dest` (one per artifact)."""
+    return dest.parent / f".{dest.name}.lock"
 
 
 def _installed_gguf() -> Path | None:

@@ -375,3 +375,46 @@ def test_data_prepare_builds_embedded_mixed_only_for_jobs_that_use_it(overrides,
     from harness.config import load_job
 
     assert _uses_mixed_corpus(load_job(None, overrides)) is uses
+
+
+def test_ensure_mixed_corpus_builds_on_a_cache_without_the_embedded_corpus(artifacts, tmp_path, monkeypatch):
+    """The mixed corpus's 13-gram check builds the embedded corpus (its NIAH essays) inside the mixed build; with
+    one lock per cache folder the process waited on its own flock forever. Here the whole chain runs on a fresh
+    cache (miniature artifacts, a stand-in embedded builder, one benchmark parquet), in a thread that must finish."""
+    import functools
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from harness.data import mixed
+    from harness.data.store import building
+    from harness.eval import benchmark_data
+
+    d, table = artifacts
+    cache = tmp_path / "fresh-cache"
+    bench = cache / "bench" / "piqa" / "validation"
+    bench.mkdir(parents=True)
+    pq.write_table(pa.table({"goal": [EVAL_SENTENCE]}), bench / "data.parquet")
+    monkeypatch.setattr(benchmark_data, "ensure_benchmark_data", lambda *a, **k: cache / "bench")
+
+    def tiny_embedded(wheel, dest, progress=True):  # the real builder checks the pinned wheel's sha256
+        with building(dest) as tmp:
+            (tmp / "essays.jsonl").write_text(json.dumps({"text": "An essay about rivers and mills."}) + "\n")
+            (tmp / "PROVENANCE.json").write_text("{}")
+        return dest
+
+    monkeypatch.setattr(embedded, "build_embedded_corpus", tiny_embedded)
+    monkeypatch.setenv("HARNESS_EMBEDDED_WHEEL", str(tmp_path / "unused.whl"))
+    monkeypatch.setenv(mixed.ARTIFACTS_ENV, str(d))
+    monkeypatch.setattr(mixed, "build_mixed_corpus", functools.partial(mixed.build_mixed_corpus, sources=table))
+    assert not embedded.embedded_dir(cache).exists()
+
+    result: dict = {}
+    worker = threading.Thread(target=lambda: result.update(path=mixed.ensure_mixed_corpus(cache, progress=False)),
+                              daemon=True)
+    worker.start()
+    worker.join(timeout=60)
+    assert not worker.is_alive(), "ensure_mixed_corpus is still waiting after 60 s (a lock held twice?)"
+    assert (result["path"] / "PROVENANCE.json").is_file() and (embedded.embedded_dir(cache) / "essays.jsonl").is_file()
+    prov = json.loads((result["path"] / "PROVENANCE.json").read_text())
+    assert "niah/essays" in json.dumps(prov)  # the essays took part in the 13-gram check
