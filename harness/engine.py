@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from harness.config import ConfigError, JobConfig, StageConfig
+from harness.safe_load import safe_load, use_safe_loading, zero_to_fp32_loads_safely
 
 
 
@@ -144,7 +145,7 @@ def student_engine(model: nn.Module, config: dict[str, Any], scheduler: Callable
 
     engine, *_ = deepspeed.initialize(model=model, model_parameters=param_groups(model, _weight_decay(config)),
                                       config=config, lr_scheduler=scheduler)
-    return engine
+    return use_safe_loading(engine)  # its checkpoints load with weights_only=True (harness/safe_load.py)
 
 
 class PlainEngine:
@@ -308,7 +309,8 @@ class PlainEngine:
                    path / self.STATE_FILE)
 
     def load_checkpoint(self, load_dir: str, tag: str) -> None:
-        state = torch.load(Path(load_dir) / tag / self.STATE_FILE, map_location=self.device, weights_only=False)
+        """The state `save_checkpoint` wrote (tensors and plain values only: loaded with weights_only=True)."""
+        state = safe_load(Path(load_dir) / tag / self.STATE_FILE, map_location=self.device)
         self.module.load_state_dict(state["module"])
         with torch.no_grad():
             for p, m in zip(self.params, self.masters):
@@ -344,7 +346,7 @@ def teacher_engine(model: nn.Module, config: dict[str, Any]):
         p.requires_grad_(False)
     engine, *_ = deepspeed.initialize(model=model, config=config)
     engine.eval()
-    return engine
+    return use_safe_loading(engine)
 
 
 REPLICATE_FRACTION = 0.10  # 'auto' replicates a teacher whose weights take at most this share of a device
@@ -419,14 +421,15 @@ def gathered(params: list[nn.Parameter]):
 
 def consolidated_state_dict(checkpoint_dir: Path, tag: str, prefix: str = "") -> dict[str, torch.Tensor]:
     """fp32 weights of a ZeRO checkpoint (any number of ranks) or a `PlainEngine` one, with `prefix` stripped
-    from the names."""
+    from the names. Every file loads with weights_only=True (harness/safe_load.py)."""
     plain = Path(checkpoint_dir) / tag / PlainEngine.STATE_FILE
     if plain.is_file():
-        state = torch.load(plain, map_location="cpu", weights_only=False, mmap=True)["module"]  # not the optimizer
+        state = safe_load(plain, map_location="cpu", mmap=True)["module"]  # not the optimizer
     else:
         from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
-        state = get_fp32_state_dict_from_zero_checkpoint(str(checkpoint_dir), tag=tag)
+        with zero_to_fp32_loads_safely():
+            state = get_fp32_state_dict_from_zero_checkpoint(str(checkpoint_dir), tag=tag)
     return {k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)}
 
 

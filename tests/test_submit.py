@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import shutil
 import stat
 import subprocess
 from pathlib import Path
@@ -16,6 +18,8 @@ from harness.cli import main
 from harness.config import ConfigError
 from harness.launch.slurm import SlurmOptions, dependency_graph, plan_jobs, submit
 from tests.pipeline import tiny_job
+
+REPO = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture()
@@ -72,8 +76,8 @@ def test_deepspeed_multi_node_rendering(job_and_path):
     job.run.launcher = "deepspeed"
     distill = next(p.script for p in plan_jobs(job, str(path), ["a=b c"], SlurmOptions(nodes=2, gpus_per_node=4),
                                                  python="python3") if p.stage == "distill")
-    hostfile = (Path(job.output_dir) / "slurm").resolve() / "hostfile-$SLURM_JOB_ID"
-    assert f'export HOSTFILE="{hostfile}"' in distill and "sed 's/$/ slots=4/' > \"$HOSTFILE\"" in distill
+    hostfile = f'{(Path(job.output_dir) / "slurm").resolve()}/hostfile-"$SLURM_JOB_ID"'
+    assert f"export HOSTFILE={hostfile}" in distill and "sed 's/$/ slots=4/' > \"$HOSTFILE\"" in distill
     assert ("srun --kill-on-bad-exit=1 bash -c 'exec python3 -m deepspeed.launcher.runner --hostfile \"$HOSTFILE\" "
             "--master_addr=\"$MASTER_ADDR\" --master_port=29500 --no_ssh --node_rank=\"$SLURM_NODEID\" --module "
             "harness.cli stage distill") in distill
@@ -81,7 +85,8 @@ def test_deepspeed_multi_node_rendering(job_and_path):
     ssh = next(p.script for p in plan_jobs(job, str(path), [], SlurmOptions(nodes=8, node_launch="ssh"),
                                              python="python3") if p.stage == "distill")
     assert "srun" not in ssh and "\npython3 -m deepspeed.launcher.runner --hostfile" in ssh and "--no_ssh" not in ssh
-    assert 'export DS_ENV_FILE=' in ssh and "HARNESS_PREEMPT_FILE=" in ssh and "DS_ACCELERATOR=cpu\nENV" in ssh
+    assert 'export DS_ENV_FILE=' in ssh and "HARNESS_PREEMPT_FILE=" in ssh
+    assert 'DS_ACCELERATOR=cpu > "$DS_ENV_FILE"' in ssh
     with pytest.raises(ConfigError, match="--node-launch ssh is the deepspeed launcher's pdsh mode"):
         plan_jobs(job, str(path), [], SlurmOptions(nodes=8, node_launch="ssh", launcher="torchrun"))
     with pytest.raises(ConfigError, match="Bad launcher 'mpirun' for stage 3. Allowed: torchrun, deepspeed"):
@@ -179,3 +184,215 @@ def test_the_requeue_wrapper_requeues_a_preempted_stage_and_says_whether_it_had_
     assert result.returncode == (0 if requeued else 3), result.stderr
     assert (calls.read_text() if calls.exists() else "") == ("requeue 7\n" if requeued else "")
     assert says in result.stdout + result.stderr
+
+
+# ------------------------------------------------------------------------------- values rendered into scripts
+
+
+def sbatch_arguments(script: str) -> list[str]:
+    """The options sbatch reads from a script's #SBATCH lines, split as Slurm's own parser splits them
+    (src/sbatch/opt.c, `_get_argument`): whitespace separates, "..." and '...' group, a backslash takes the next
+    character literally, an unquoted # ends the line."""
+    args: list[str] = []
+    for line in script.splitlines():
+        if not line.startswith("#SBATCH"):
+            continue
+        text, i = line[len("#SBATCH"):], 0
+        while i < len(text):
+            while i < len(text) and text[i].isspace():
+                i += 1
+            arg, quote = "", None
+            while i < len(text) and (quote or not text[i].isspace()):
+                c = text[i]
+                if c == "\\":
+                    arg, i = arg + text[i + 1], i + 2
+                    continue
+                if quote and c == quote:
+                    quote = None
+                elif not quote and c in "\"'":
+                    quote = c
+                elif not quote and c == "#":
+                    i = len(text)
+                    break
+                else:
+                    arg += c
+                i += 1
+            assert quote is None, f"unmatched quote in {line!r}"
+            if arg:
+                args.append(arg)
+    return args
+
+
+def fake_cluster(bin_dir: Path, record: Path) -> dict:
+    """srun, scontrol and a python that records its arguments (one ARG: line each) and HARNESS_PREEMPT_FILE."""
+    bin_dir.mkdir(parents=True, exist_ok=True)
+    fakes = {
+        "srun": 'while [[ "$1" == -* ]]; do shift; done; exec "$@"',
+        "scontrol": 'case "$1 $2" in "show hostnames") echo n0;; "show node") echo "NodeName=n0 NodeAddr=10.0.0.1";;'
+                    ' esac',
+        "python3": f'{{ echo "---"; echo "PREEMPT:$HARNESS_PREEMPT_FILE"; printf "ARG:%s\\n" "$@"; }} >> {record}',
+    }
+    for name, body in fakes.items():
+        (bin_dir / name).write_text(f"#!/bin/bash\n{body}\n")
+        (bin_dir / name).chmod(0o755)
+    return {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "SLURM_JOB_ID": "7",
+            "SLURM_ARRAY_TASK_ID": "1", "SLURM_JOB_NODELIST": "n0", "SLURM_NODEID": "0"}
+
+
+def test_paths_with_spaces_and_dollars_arrive_as_one_argument(tmp_path):
+    """A run directory, job file, working folder and python path holding spaces, `$`, quotes, `;` and `%`: every script
+    passes `bash -n`, sbatch reads each #SBATCH value as one argument, and run with fakes of srun, scontrol and
+    python, each command gets the job file and the preemption file intact."""
+    odd = "dir with space $HOME ;'\"%x"
+    out, bin_dir, work = tmp_path / f"run {odd}", tmp_path / f"bin {odd}", tmp_path / f"work {odd}"
+    work.mkdir()
+    job = tiny_job(tmp_path / "setting", out, "run.layer_groups=2", "eval.enabled=true")
+    path = tmp_path / f"job {odd}.yaml"
+    path.write_text(OmegaConf.to_yaml(OmegaConf.structured(job)))
+    (out / "slurm").mkdir(parents=True)  # as submit() makes it: the hostfile goes there
+    record = tmp_path / "calls"
+    env = fake_cluster(bin_dir, record)
+    opts = SlurmOptions(partition="gpu a", time="1-00:00:00", extra=["--comment=a b # c", "--qos=high"])
+    for launcher in ("torchrun", "deepspeed"):
+        job.run.launcher = launcher
+        planned = plan_jobs(job, str(path), ["stages.distill.lr=3e-4"], opts, python=str(bin_dir / "python3"),
+                            workdir=work)
+        assert [p.stage for p in planned] == ["align_mixer", "align_hidden", "merge", "distill", "eval"]
+        for p in planned:
+            assert subprocess.run(["bash", "-n"], input=p.script, text=True).returncode == 0, p.stage
+            args = sbatch_arguments(p.script)
+            output = next(a for a in args if a.startswith("--output="))
+            assert output.startswith(f"--output={str((out / 'logs').resolve()).replace('%', '%%')}/"), output
+            assert {"--partition=gpu a", "--comment=a b # c", "--qos=high", "--time=1-00:00:00"} <= set(args)
+            record.unlink(missing_ok=True)
+            ran = subprocess.run(["bash", "-c", p.script], capture_output=True, text=True, env=env, cwd=tmp_path,
+                                 timeout=60)
+            assert ran.returncode == 0, (p.stage, ran.stderr)
+            calls = record.read_text().split("---\n")[1:]
+            assert calls, p.stage
+            for call in calls:
+                lines = call.splitlines()
+                assert lines[0] == f"PREEMPT:{(out / 'slurm').resolve()}/preempt-7", p.stage
+                argv = [x[len("ARG:"):] for x in lines[1:]]
+                wanted = str((out / "eval.yaml").resolve()) if p.stage == "eval" else str(path.resolve())
+                assert wanted in argv, (p.stage, argv)
+    with pytest.raises(ConfigError, match="--node-launch ssh cannot carry"):
+        plan_jobs(job, str(path), [], SlurmOptions(node_launch="ssh"), python="python3", workdir=work)
+
+
+@pytest.mark.parametrize("name", ["a b;$(touch X)", "a\nb", "-x", "name/with/slash", "ü"])
+def test_a_job_name_outside_the_allowed_characters_is_refused(job_and_path, tmp_path, monkeypatch, capsys, name):
+    job, path = job_and_path
+    job.name = name
+    with pytest.raises(ConfigError, match=rf"name {re.escape(repr(name))} cannot name Slurm jobs: `name` may hold "
+                                          r"only letters, digits and \. _ - \+"):
+        plan_jobs(job, str(path), [], SlurmOptions(nodes=2, gpus_per_node=4))
+    monkeypatch.chdir(tmp_path)
+    assert main(["submit", str(path), f"name={name}", "--nodes", "2", "--gpus-per-node", "4", "--dry-run"]) == 2
+    assert "`name` may hold only" in capsys.readouterr().err and not (tmp_path / "X").exists()
+
+
+def test_every_job_file_has_a_name_slurm_accepts():
+    from harness.launch.slurm import check_name
+
+    names = {f: OmegaConf.load(f).get("name", "job") for f in (REPO / "jobs").rglob("*.yaml")}
+    assert len(names) > 50
+    for f, name in names.items():
+        check_name(name)
+
+
+@pytest.mark.parametrize("value, ok", [
+    ("90", True), ("90:30", True), ("2:00:00", True), ("1-12", True), ("1-12:30", True), ("1-12:30:00", True),
+    ("UNLIMITED", True), ("infinite", True), ("banana", False), ("2h", False), ("1-", False), ("1:2:3:4", False),
+    ("2:00:00\n#SBATCH --x", False), ("", True),  # empty: no limit given
+])
+def test_time_limits_take_slurm_forms_only(value, ok):
+    if ok:
+        SlurmOptions(time=value)
+    else:
+        with pytest.raises(ConfigError, match=f"--time {re.escape(repr(value))} is not a Slurm time limit. Allowed "
+                                              "forms: MINUTES, MINUTES:SECONDS, HOURS:MINUTES:SECONDS"):
+            SlurmOptions(time=value)
+
+
+def test_submit_time_banana_exits_2(job_and_path, capsys):
+    job, path = job_and_path
+    assert main(["submit", str(path), "--nodes", "2", "--gpus-per-node", "4", "--time", "banana", "--dry-run"]) == 2
+    assert "--time 'banana' is not a Slurm time limit" in capsys.readouterr().err
+
+
+def test_sbatch_values_that_cannot_be_one_line_are_refused():
+    with pytest.raises(ConfigError, match="--partition 'gpu\\\\n#SBATCH --x' holds a line break"):
+        SlurmOptions(partition="gpu\n#SBATCH --x")
+    with pytest.raises(ConfigError, match="--sbatch-option 'qos=high' is not an sbatch option"):
+        SlurmOptions(extra=["qos=high"])
+    assert SlurmOptions(extra=["-p gpu", "--exclusive"]).resources(0) == "#SBATCH -p gpu\n#SBATCH --exclusive"
+
+
+# ------------------------------------------------------------------------------------------- without Slurm
+
+
+def files_under(folder: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(folder)): p.read_bytes() if p.is_file() else b"/"
+            for p in sorted(folder.rglob("*"))} if folder.exists() else {}
+
+
+def fake_sbatch(tmp_path: Path, monkeypatch, body: str) -> None:
+    """Only this sbatch on PATH (first), its body a bash script."""
+    bin_dir = tmp_path / "fake-bin"
+    bin_dir.mkdir(exist_ok=True)
+    (bin_dir / "sbatch").write_text(f"#!/bin/bash\n{body}\n")
+    (bin_dir / "sbatch").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+
+
+CONTROLLER_DOWN = ('echo "sbatch: error: Batch job submission failed: Unable to contact slurm controller (connect '
+                   'failure)" >&2; exit 1')
+
+
+def test_submit_without_sbatch_says_what_to_do_and_writes_nothing(job_and_path, tmp_path, monkeypatch, capsys):
+    job, path = job_and_path
+    out = Path(job.output_dir)
+    before = files_under(out)
+    empty = tmp_path / "empty-bin"
+    empty.mkdir()
+    monkeypatch.setenv("PATH", str(empty))
+    assert main(["submit", str(path), "--nodes", "2", "--gpus-per-node", "4"]) == 2
+    err = capsys.readouterr().err
+    assert "needs Slurm's `sbatch`, and there is none on PATH" in err and "harness run JOB" in err
+    assert "--dry-run" in err and "login node" in err and err.count("\n") == 1  # one paragraph
+    assert files_under(out) == before
+
+
+def test_submit_when_no_controller_answers_leaves_nothing_behind(job_and_path, tmp_path, monkeypatch, capsys):
+    job, path = job_and_path
+    out = Path(job.output_dir)
+    (out / "slurm").mkdir(parents=True, exist_ok=True)
+    (out / "slurm" / "merge.sbatch").write_text("an earlier submission's script")
+    before = files_under(out)
+    fake_sbatch(tmp_path, monkeypatch, CONTROLLER_DOWN)
+    assert main(["submit", str(path), "--nodes", "2", "--gpus-per-node", "4"]) == 2
+    err = capsys.readouterr().err
+    assert ("sbatch could not submit the align_mixer job: sbatch: error: Batch job submission failed: Unable to "
+            "contact slurm controller (connect failure). Nothing was submitted") in err
+    assert "login node" in err and "harness run JOB" in err and err.count("\n") == 1
+    assert files_under(out) == before and not (out / "slurm" / "job.yaml").exists()
+    shutil.rmtree(out / "slurm")
+    before = files_under(out)
+    assert main(["submit", str(path), "--nodes", "2", "--gpus-per-node", "4"]) == 2
+    assert files_under(out) == before  # the folders it made are gone too
+
+
+def test_a_later_sbatch_failure_records_the_jobs_already_submitted(job_and_path, tmp_path, monkeypatch, capsys):
+    job, path = job_and_path
+    out = Path(job.output_dir)
+    count = tmp_path / "count"
+    fake_sbatch(tmp_path, monkeypatch, f'echo x >> {count}; [ "$(wc -l < {count})" -le 2 ] || {{ {CONTROLLER_DOWN}; }}'
+                                       f'; echo $((99 + $(wc -l < {count})))')
+    assert main(["submit", str(path), "--nodes", "2", "--gpus-per-node", "4"]) == 2
+    err = capsys.readouterr().err
+    assert "could not submit the merge job" in err and "Submitted before it: align_mixer 100, align_hidden 101" in err
+    assert f"harness submit --resume {out}" in err and "scancel 100 101" in err
+    saved = json.loads((out / "slurm" / "jobs.json").read_text())
+    assert saved["jobs"] == {"align_mixer": "100", "align_hidden": "101"}
+    assert (out / "slurm" / "job.yaml").is_file()  # what --resume reads

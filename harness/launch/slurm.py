@@ -13,12 +13,18 @@
 
 Finished stages are left out (their COMPLETE markers), so re-submitting a run submits only what is left.
 The job ids are recorded in RUN_DIR/slurm/jobs.json, the rendered scripts in RUN_DIR/slurm/*.sbatch.
+
+Every value rendered into a script is quoted where it lands: `shlex.quote` in shell lines (paths, the job file,
+overrides, the python path), Slurm's own quoting in `#SBATCH` lines (`sbatch_value`; a value there cannot hold
+a newline), and the job name is checked against `NAME_PATTERN`, `--time` against Slurm's formats.
 """
 
 from __future__ import annotations
 
 import json
+import re
 import shlex
+import shutil
 import subprocess
 import sys
 from dataclasses import asdict, dataclass, field
@@ -36,8 +42,9 @@ TEMPLATES = Path(__file__).resolve().parents[2] / "slurm"
 # is requeued and resumes from that checkpoint. torchrun reports a worker's exit code as its own failure, so a
 # failure after the preemption request is requeued too; the stopped file (touched by a process that stopped
 # cleanly) tells the log whether the checkpoint was written or the rerun resumes from an older one.
-REQUEUE_WRAPPER = """export HARNESS_PREEMPT_FILE="{preempt_dir}/preempt-$SLURM_JOB_ID"
-export HARNESS_STOPPED_FILE="{preempt_dir}/stopped-$SLURM_JOB_ID"
+# {preempt_dir} is shell-quoted (shlex.quote) by whoever formats it.
+REQUEUE_WRAPPER = """export HARNESS_PREEMPT_FILE={preempt_dir}/preempt-"$SLURM_JOB_ID"
+export HARNESS_STOPPED_FILE={preempt_dir}/stopped-"$SLURM_JOB_ID"
 rm -f "$HARNESS_PREEMPT_FILE" "$HARNESS_STOPPED_FILE"
 trap 'touch "$HARNESS_PREEMPT_FILE"' USR1
 {command} &
@@ -58,9 +65,67 @@ exit "$rc"
 """
 
 
+NAME_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._+-]*")
+NAME_CHARACTERS = "letters, digits and . _ - + (starting with a letter or digit)"
+# Slurm's --time forms: minutes, minutes:seconds, hours:minutes:seconds, days-hours, days-hours:minutes,
+# days-hours:minutes:seconds, or no limit
+TIME_PATTERN = re.compile(r"\d+(:\d+){0,2}|\d+-\d+(:\d+){0,2}|(?i:unlimited|infinite)")
+TIME_FORMS = ("MINUTES, MINUTES:SECONDS, HOURS:MINUTES:SECONDS, DAYS-HOURS, DAYS-HOURS:MINUTES, "
+              "DAYS-HOURS:MINUTES:SECONDS, or UNLIMITED / INFINITE (e.g. 90, 2:00:00, 1-12:00:00)")
+BARE = re.compile(r"[\w@%+=:,./-]+")  # characters that need no quoting, in a shell or an #SBATCH line
+EXTRA_OPTION = re.compile(r"(-[A-Za-z]|--[A-Za-z][\w-]*)(?:([= ])(.+))?", re.DOTALL)
+
+
+def check_name(name: str) -> str:
+    """The job's `name` becomes the Slurm job names (NAME-align_mixer, ...): NAME_PATTERN only."""
+    if not NAME_PATTERN.fullmatch(name):
+        raise ConfigError(f"The job's name {name!r} cannot name Slurm jobs: `name` may hold only {NAME_CHARACTERS}. "
+                          "Rename the job (name=... after the job file, or in the YAML) and submit again.")
+    return name
+
+
+def check_time(value: str) -> str:
+    """--time in one of Slurm's forms (TIME_FORMS)."""
+    if not TIME_PATTERN.fullmatch(value):
+        raise ConfigError(f"--time {value!r} is not a Slurm time limit. Allowed forms: {TIME_FORMS}.")
+    return value
+
+
+def sbatch_value(value: str, what: str) -> str:
+    """`value` as one argument of an #SBATCH line: bare when it is plain, else in double quotes with \\, " and #
+    escaped (sbatch reads quotes and backslashes in #SBATCH lines, and an unescaped # starts a comment). A line
+    break cannot be carried: refused, naming `what`."""
+    if any(c in value for c in "\n\r\0"):
+        raise ConfigError(f"{what} {value!r} holds a line break, which cannot go into an #SBATCH line; remove it.")
+    if BARE.fullmatch(value):
+        return value
+    return '"' + re.sub(r'(["\\#])', r"\\\1", value) + '"'
+
+
+def sbatch_path(path: Path, what: str) -> str:
+    """A folder for an #SBATCH --output pattern: `%` doubled (Slurm reads %j, %a, ... in it), then `sbatch_value`.
+    A backslash would switch Slurm's %-patterns off for the whole file name: refused."""
+    if "\\" in str(path):
+        raise ConfigError(f"{what} {str(path)!r} holds a backslash, which Slurm's log file patterns do not allow; "
+                          "use a folder without one.")
+    return sbatch_value(str(path).replace("%", "%%"), what)
+
+
+def sbatch_option(option: str) -> str:
+    """An --sbatch-option as an #SBATCH line's text: `--name=value`, `--name value`, `-x value` or a bare flag;
+    the value quoted by `sbatch_value`."""
+    found = EXTRA_OPTION.fullmatch(option)
+    if not found:
+        raise ConfigError(f"--sbatch-option {option!r} is not an sbatch option; write it as --name=value (e.g. "
+                          "--sbatch-option=--qos=high) or as a flag (--sbatch-option=--exclusive).")
+    name, sep, value = found.groups()
+    return name if value is None else f"{name}{sep}{sbatch_value(value, '--sbatch-option')}"
+
+
 @dataclass
 class SlurmOptions:
-    """What the cluster needs to know; every field maps to an sbatch option or the launch geometry."""
+    """What the cluster needs to know; every field maps to an sbatch option or the launch geometry. The values
+    that go into #SBATCH lines are checked on construction (ConfigError)."""
 
     partition: Optional[str] = None
     account: Optional[str] = None
@@ -75,12 +140,18 @@ class SlurmOptions:
     signal_seconds: int = 300  # USR1 this long before the time limit: checkpoint and requeue
     extra: list[str] = field(default_factory=list)  # further #SBATCH lines, e.g. "--qos=high"
 
+    def __post_init__(self) -> None:
+        if self.time:
+            check_time(self.time)
+        self.resources(0)  # refuses what cannot go into an #SBATCH line
+
     def resources(self, gpus: int) -> str:
-        lines = [f"#SBATCH --{k}={v}" for k, v in (("partition", self.partition), ("account", self.account),
-                                                     ("time", self.time), ("mem", self.mem)) if v]
+        lines = [f"#SBATCH --{k}={sbatch_value(v, f'--{k}')}"
+                 for k, v in (("partition", self.partition), ("account", self.account), ("time", self.time),
+                              ("mem", self.mem)) if v]
         if gpus:
             lines.append(f"#SBATCH --gpus-per-node={gpus}")
-        lines += [f"#SBATCH {opt}" for opt in self.extra]
+        lines += [f"#SBATCH {sbatch_option(opt)}" for opt in self.extra]
         return "\n".join(lines)
 
 
@@ -101,6 +172,7 @@ def plan_jobs(job: JobConfig, job_path: str, overrides: list[str], opts: SlurmOp
     if opts.nodes < 1 or opts.cpus_per_task < 1 or opts.gpus_per_node < 0 or opts.layers_per_task < 0:
         raise ConfigError("--nodes and --cpus-per-task must be >= 1, --gpus-per-node and --layers-per-task >= 0.")
     launcher = check_launch(opts, job)
+    check_name(job.name)
     procs = opts.nodes * max(1, opts.gpus_per_node)
     if procs != job.deepspeed.world_size:
         raise ConfigError(
@@ -110,13 +182,17 @@ def plan_jobs(job: JobConfig, job_path: str, overrides: list[str], opts: SlurmOp
     out = run_dir(job)
     job_args = " ".join(shlex.quote(a) for a in ([str(Path(job_path).resolve())] if job_path else []) + overrides)
     py = shlex.quote(python)
-    common = dict(name=job.name, log_dir=str((out / "logs").resolve()), cpus_per_task=opts.cpus_per_task,
-                  workdir=shlex.quote(str((workdir or Path.cwd()).resolve())), signal_seconds=opts.signal_seconds)
+    folder, where = (out / "slurm").resolve(), (workdir or Path.cwd()).resolve()
+    if launcher == "deepspeed" and opts.node_launch == "ssh":
+        check_pdsh_paths(python=python, workdir=where, run_dir=folder)
+    common = dict(name=job.name, log_dir=sbatch_path((out / "logs").resolve(), "The run's log folder"),
+                  cpus_per_task=opts.cpus_per_task, workdir=shlex.quote(str(where)),
+                  signal_seconds=opts.signal_seconds)
 
     def launch(command: str) -> str:
         from harness.preempt import REQUEUE_EXIT
 
-        return REQUEUE_WRAPPER.format(preempt_dir=(out / "slurm").resolve(), command=command,
+        return REQUEUE_WRAPPER.format(preempt_dir=shlex.quote(str(folder)), command=command,
                                       requeue_exit=REQUEUE_EXIT)
 
     groups = task_groups(job, opts)
@@ -140,7 +216,7 @@ def plan_jobs(job: JobConfig, job_path: str, overrides: list[str], opts: SlurmOp
     if not CheckpointManager(out / "distill" / "checkpoints").is_complete():
         procs = max(1, opts.gpus_per_node)
         how, prepare, command = distill_launch(opts, launcher, py, f"-m harness.cli stage distill {job_args}",
-                                               out / "slurm")
+                                               folder)
         script = _render("distill.sbatch", nodes=opts.nodes, procs_per_node=procs, port=PORT, how=how,
                          prepare=prepare, resources=opts.resources(opts.gpus_per_node), launch=launch(command),
                          **common)
@@ -182,14 +258,16 @@ def plan_ranking(job: JobConfig, job_path: str, overrides: list[str], opts: Slur
     from harness.ranking import check_measure
 
     check_measure(measure)
+    check_name(job.name)
     if opts.cpus_per_task < 1 or opts.gpus_per_node < 0 or opts.layers_per_task < 0:
         raise ConfigError("--cpus-per-task must be >= 1, --gpus-per-node and --layers-per-task >= 0.")
     out = run_dir(job)
     job_args = " ".join(shlex.quote(a) for a in ([str(Path(job_path).resolve())] if job_path else []) + overrides)
-    base = (f"{shlex.quote(python)} -m harness.cli transfer {job_args} --rank-layers --rank-by {measure}"
-            + "".join(f" {shlex.quote(a)}" for a in rank_args))
-    common = dict(name=job.name, log_dir=str((out / "logs").resolve()), cpus_per_task=opts.cpus_per_task,
-                  workdir=shlex.quote(str((workdir or Path.cwd()).resolve())), measure=measure)
+    base = (f"{shlex.quote(python)} -m harness.cli transfer {job_args} --rank-layers --rank-by "
+            f"{shlex.quote(measure)}" + "".join(f" {shlex.quote(a)}" for a in rank_args))
+    common = dict(name=job.name, log_dir=sbatch_path((out / "logs").resolve(), "The run's log folder"),
+                  cpus_per_task=opts.cpus_per_task, workdir=shlex.quote(str((workdir or Path.cwd()).resolve())),
+                  measure=measure)
     groups = task_groups(job, opts, every_layer=True)
     rank = _render("rank.sbatch", groups=" ".join(f"{g[0]}-{g[-1]}" for g in groups), last_task=len(groups) - 1,
                    resources=opts.resources(1 if opts.gpus_per_node else 0), command=f'{base} --layers "$LAYERS"',
@@ -218,16 +296,27 @@ def check_launch(opts: SlurmOptions, job: JobConfig) -> str:
 
 
 # The deepspeed launcher's hostfile, one line per node of the allocation, written where every node can read it.
-# In ssh mode the ranks get their environment only through DS_ENV_FILE (pdsh starts them outside this shell).
-HOSTFILE = """export HOSTFILE="{folder}/hostfile-$SLURM_JOB_ID"
+# In ssh mode the ranks get their environment only through DS_ENV_FILE (pdsh starts them outside this shell), one
+# KEY=VALUE per line. {folder} is shell-quoted (shlex.quote).
+HOSTFILE = """export HOSTFILE={folder}/hostfile-"$SLURM_JOB_ID"
 scontrol show hostnames "$SLURM_JOB_NODELIST" | sed 's/$/ slots={slots}/' > "$HOSTFILE"
 """
-ENV_FILE = """export DS_ENV_FILE="{folder}/deepspeed-env-$SLURM_JOB_ID"
-cat > "$DS_ENV_FILE" <<ENV
-HARNESS_PREEMPT_FILE={folder}/preempt-$SLURM_JOB_ID
-HARNESS_STOPPED_FILE={folder}/stopped-$SLURM_JOB_ID
-{accelerator}ENV
+ENV_FILE = """export DS_ENV_FILE={folder}/deepspeed-env-"$SLURM_JOB_ID"
+printf '%s\\n' HARNESS_PREEMPT_FILE={folder}/preempt-"$SLURM_JOB_ID" \\
+  HARNESS_STOPPED_FILE={folder}/stopped-"$SLURM_JOB_ID"{accelerator} > "$DS_ENV_FILE"
 """
+
+
+def check_pdsh_paths(**paths) -> None:
+    """--node-launch ssh: the deepspeed runner writes the python path, the working folder and the DS_ENV_FILE
+    values into the command pdsh runs on each node, unquoted or in double quotes; a path there with a space, `$`,
+    a quote or a backslash would break it or expand on the node. Those paths must be BARE."""
+    for what, path in paths.items():
+        if not BARE.fullmatch(str(path)):
+            raise ConfigError(
+                f"--node-launch ssh cannot carry the {what.replace('_', ' ')} {str(path)!r}: the deepspeed launcher "
+                "puts it unquoted into the command pdsh runs on every node. Use --node-launch srun (the default), "
+                "or a path of letters, digits and @%+=:,./-_ only.")
 
 
 def distill_launch(opts: SlurmOptions, launcher: str, py: str, target: str, folder: Path) -> tuple[str, str, str]:
@@ -238,7 +327,7 @@ def distill_launch(opts: SlurmOptions, launcher: str, py: str, target: str, fold
         command = (f"{srun} {py} -m torch.distributed.run --nnodes={opts.nodes} --nproc_per_node={procs} "
                    f"--rdzv_backend=c10d --rdzv_endpoint=\"$MASTER_ADDR:{PORT}\" --rdzv_id=\"$SLURM_JOB_ID\" {target}")
         return "srun starts one torchrun per node", "", command
-    folder = folder.resolve()
+    folder = shlex.quote(str(folder.resolve()))
     hostfile = HOSTFILE.format(folder=folder, slots=procs)
     runner = (f"{py} -m deepspeed.launcher.runner --hostfile \"$HOSTFILE\" --master_addr=\"$MASTER_ADDR\" "
               f"--master_port={PORT}")
@@ -248,7 +337,7 @@ def distill_launch(opts: SlurmOptions, launcher: str, py: str, target: str, fold
         inner = f'exec {runner} --no_ssh --node_rank="$SLURM_NODEID" {module}'
         return ("srun starts one deepspeed launcher per node (--no_ssh, its node rank from Slurm)", hostfile,
                 f"{srun} bash -c {shlex.quote(inner)}")
-    accelerator = "" if opts.gpus_per_node else "DS_ACCELERATOR=cpu\n"
+    accelerator = "" if opts.gpus_per_node else " DS_ACCELERATOR=cpu"
     env = ENV_FILE.format(folder=folder, accelerator=accelerator)
     return ("the deepspeed launcher on this node starts every node's processes over pdsh/ssh", hostfile + env,
             f"{runner} {module}")
@@ -298,27 +387,110 @@ def clear_blocked(run: Path) -> list[str]:
     return pending
 
 
-def submit(job: JobConfig, planned: list[PlannedJob], sbatch: str = "sbatch", record: str = "jobs.json") -> dict[str, str]:
+SBATCH_HELP = ("Run `harness submit` where Slurm answers (a login node of the cluster: `sinfo` lists its "
+               "partitions), or start a local Slurm (slurm/local/cluster.sh), or run the pipeline on this machine "
+               "with `harness run JOB`, or print the scripts without submitting them with `harness submit ... "
+               "--dry-run`.")
+
+
+def find_sbatch(sbatch: str = "sbatch") -> str:
+    """The path of the sbatch executable; a ConfigError saying what to do when PATH has none."""
+    found = shutil.which(sbatch)
+    if found is None:
+        raise ConfigError(f"harness submit needs Slurm's `{sbatch}`, and there is none on PATH here, so nothing was "
+                          f"submitted or written. {SBATCH_HELP}")
+    return found
+
+
+class _Undo:
+    """What a submission writes, to take back when sbatch submits none of its jobs: folders it made removed, files
+    it made deleted, files it overwrote restored (newest first)."""
+
+    def __init__(self) -> None:
+        self.steps: list = []
+
+    def mkdir(self, path: Path) -> None:
+        missing = [p for p in (path, *path.parents) if not p.exists()]
+        path.mkdir(parents=True, exist_ok=True)
+        if missing:
+            self.steps.append(lambda top=missing[-1]: shutil.rmtree(top, ignore_errors=True))
+
+    def write(self, path: Path, text: str) -> None:
+        old = path.read_text() if path.is_file() else None
+        path.write_text(text)
+        self.steps.append((lambda: path.unlink(missing_ok=True)) if old is None else (lambda: path.write_text(old)))
+
+    def undo(self) -> None:
+        for step in reversed(self.steps):
+            step()
+
+
+def _sbatch(command: str, path: Path, p: PlannedJob, ids: dict[str, str]) -> str:
+    """Submit one script (afterok on its predecessor); returns its job id, or raises ConfigError quoting sbatch."""
+    cmd = [command, "--parsable"]
+    if p.depends_on:
+        cmd += [f"--dependency=afterok:{ids[p.depends_on]}", "--kill-on-invalid-dep=no"]
+    try:
+        result = subprocess.run(cmd + [str(path)], capture_output=True, text=True)
+    except OSError as err:
+        raise ConfigError(f"sbatch could not submit the {p.stage} job: {err}.") from None
+    if result.returncode != 0:
+        said = " ".join(result.stderr.split()).rstrip(".") or f"exit status {result.returncode}"
+        raise ConfigError(f"sbatch could not submit the {p.stage} job: {said}.")
+    return result.stdout.strip().split(";")[0]
+
+
+def _refused(err: ConfigError, run: Path, ids: dict[str, str], record: Path) -> ConfigError:
+    """The error of a failed sbatch, in one paragraph: what was submitted before it, and what to do."""
+    if not ids:
+        hint = (SBATCH_HELP if "controller" in str(err).lower() else
+                "Fix what sbatch names (--partition, --account, --time, --mem and --sbatch-option go to it as given; "
+                "`harness submit ... --dry-run` prints the scripts) and submit again.")
+        return ConfigError(f"{err} Nothing was submitted, and nothing of this submission is left in {run}. {hint}")
+    done = ", ".join(f"{stage} {job_id}" for stage, job_id in ids.items())
+    resume = (f"`harness submit --resume {run}` submits what is left (cancelling those still pending first), or "
+              if record.name == "jobs.json" else "")
+    return ConfigError(f"{err} Submitted before it: {done} (recorded in {record}); the failed job and those after "
+                       f"it are not submitted. Once sbatch works, {resume}`scancel {' '.join(ids.values())}` and "
+                       "submit again.")
+
+
+def submit(job: JobConfig, planned: list[PlannedJob], sbatch: str = "sbatch",
+           record: str = "jobs.json") -> dict[str, str]:
     """sbatch each planned job with afterok on its predecessor; record and return stage -> job id. The pipeline's
-    record (jobs.json) comes with the job it ran (what --resume reads); another `record` only with its ids."""
+    record (jobs.json) comes with the job it ran (RUN_DIR/slurm/job.yaml, what --resume reads), written once the
+    first job is in; another `record` only with its ids. Without sbatch, or when sbatch submits nothing (no
+    controller answers, a bad partition...), a ConfigError says what to do and nothing written here is left; when
+    a later sbatch fails, the record holds the jobs already submitted."""
+    command = find_sbatch(sbatch)
+    run = run_dir(job)
+    folder, written, ids = run / "slurm", _Undo(), {}
+    try:
+        written.mkdir(folder)
+        written.mkdir(run / "logs")
+        for p in planned:
+            path = folder / f"{p.stage}.sbatch"
+            written.write(path, p.script)
+            ids[p.stage] = _sbatch(command, path, p, ids)
+            if len(ids) == 1 and record == "jobs.json":
+                _save_job(job, run)
+    except ConfigError as err:
+        if not ids:
+            written.undo()
+        else:
+            _record(folder / record, ids, [p for p in planned if p.stage in ids])
+        raise _refused(err, run, ids, folder / record) from None
+    _record(folder / record, ids, planned)
+    return ids
+
+
+def _save_job(job: JobConfig, run: Path) -> None:
     from omegaconf import OmegaConf
 
-    folder = run_dir(job) / "slurm"
-    folder.mkdir(parents=True, exist_ok=True)
-    if record == "jobs.json":
-        saved_job_path(run_dir(job)).write_text(OmegaConf.to_yaml(OmegaConf.structured(job)))
-    (run_dir(job) / "logs").mkdir(parents=True, exist_ok=True)
-    ids: dict[str, str] = {}
-    for p in planned:
-        path = folder / f"{p.stage}.sbatch"
-        path.write_text(p.script)
-        cmd = [sbatch, "--parsable"]
-        if p.depends_on:
-            cmd += [f"--dependency=afterok:{ids[p.depends_on]}", "--kill-on-invalid-dep=no"]
-        result = subprocess.run(cmd + [str(path)], capture_output=True, text=True)
-        if result.returncode != 0:
-            raise RuntimeError(f"sbatch failed for {p.stage}: {result.stderr.strip()}")
-        ids[p.stage] = result.stdout.strip().split(";")[0]
-    saved = {"jobs": ids, "planned": [asdict(p) | {"script": str(folder / f'{p.stage}.sbatch')} for p in planned]}
-    (folder / record).write_text(json.dumps(saved, indent=1))
-    return ids
+    saved_job_path(run).write_text(OmegaConf.to_yaml(OmegaConf.structured(job)))
+
+
+def _record(path: Path, ids: dict[str, str], planned: list[PlannedJob]) -> None:
+    """The submission's record: stage -> job id, and each planned job with its script's path."""
+    saved = {"jobs": ids, "planned": [asdict(p) | {"script": str(path.parent / f"{p.stage}.sbatch")} for p in planned]}
+    path.write_text(json.dumps(saved, indent=1))
