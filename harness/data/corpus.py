@@ -25,7 +25,8 @@ from harness.data.budget import BudgetReport, budget_report
 from harness.data.errors import DataError
 from harness.data.loader import StageStream, validation_batches
 from harness.data.packing import PackedSplit
-from harness.data.sources import SourceSpec, embedded_source_path, load_documents, parse_source, source_fingerprint
+from harness.data.sources import (SourceSpec, embedded_source_path, load_documents, parse_source, source_fingerprint,
+                                  utf8_error)
 from harness.data.store import TokenStore, building
 from harness.data.tokenise import (cache_key, default_num_proc, new_writer, resolve_eos, store_meta,
                                    tokenise_dataset, tokenise_stream)
@@ -210,9 +211,8 @@ def build_store(spec: SourceSpec, data: Any, tokenizer: Any, eos: tuple[str, int
             ds, text_field = load_documents(spec, data, cache_dir=root, streaming=streaming)
             extra = {}
             if streaming:
-                extra["exhausted"] = tokenise_stream(ds, tokenizer, text_field, eos[1], writer,
-                                                     target_tokens=target_tokens, seed=seed,
-                                                     shuffle_buffer=data.shuffle_buffer, desc=spec.describe())
+                extra["exhausted"] = _tokenise_file_stream(ds, spec, data, tokenizer, text_field, eos[1], writer,
+                                                           target_tokens=target_tokens, seed=seed)
             else:
                 num_proc = data.num_proc or default_num_proc()
                 tokenise_dataset(ds, tokenizer, text_field, eos[1], writer, work_dir=tmp, num_proc=num_proc,
@@ -224,6 +224,32 @@ def build_store(spec: SourceSpec, data: Any, tokenizer: Any, eos: tuple[str, int
             for leftover in tmp.glob("tokenised*.arrow"):  # map's intermediate output; tokens.bin replaces it
                 leftover.unlink()
     return TokenStore.open(dest)
+
+
+def _tokenise_file_stream(ds: Any, spec: SourceSpec, data: Any, tokenizer: Any, text_field: str, eos_id: int,
+                          writer: Any, *, target_tokens: int, seed: int) -> bool:
+    """tokenise_stream; where it fails on text that is not UTF-8, the DataError naming the file, offset and line."""
+    try:
+        return tokenise_stream(ds, tokenizer, text_field, eos_id, writer, target_tokens=target_tokens, seed=seed,
+                               shuffle_buffer=data.shuffle_buffer, desc=spec.describe())
+    except DataError:
+        raise
+    except Exception as err:  # datasets wraps a UnicodeDecodeError of its readers in its own types
+        if not _caused_by(err, UnicodeDecodeError):
+            raise
+        raise utf8_error(spec) or DataError(f"{spec.describe()} is not UTF-8 text ({err}); re-encode it as UTF-8, "
+                                            "e.g. with `iconv -f latin1 -t utf-8`.") from None
+
+
+def _caused_by(err: BaseException, kind: type) -> bool:
+    """Whether `err` or an exception in its chain of causes and contexts is a `kind`."""
+    seen = set()
+    while err is not None and id(err) not in seen:
+        if isinstance(err, kind):
+            return True
+        seen.add(id(err))
+        err = err.__cause__ or err.__context__
+    return False
 
 
 def _find_store(tokens_dir: Path, name: str, streaming: bool, target: int | None) -> TokenStore | None:

@@ -44,7 +44,7 @@ from typing import Any, Iterable
 from harness.assets import cache_root, check_sha256, ensure_built, pip_download, sha256_file
 from harness.data.errors import DataError
 from harness.data.order import permutation
-from harness.data.sources import SourceSpec, parse_source
+from harness.data.sources import SourceSpec, check_utf8, parse_source
 from harness.data.store import building
 
 ROLES = ("system", "user", "assistant")
@@ -153,6 +153,7 @@ def load_conversations(src: InstructionSource, ins: Any, cache_dir: Path):
             files = [str(folder / f"{name}.jsonl") for name in src.subsets]
             ds, field = datasets.load_dataset("json", data_files=files, split="train", cache_dir=hf_cache), "messages"
         elif src.spec.kind == "files":
+            check_utf8(src.spec)
             ds = datasets.load_dataset(src.spec.format, data_files=list(src.spec.files), split="train",
                                        cache_dir=hf_cache)
         elif src.spec.kind == "saved":

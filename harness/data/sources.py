@@ -12,14 +12,19 @@
 
 from __future__ import annotations
 
+import bz2
+import codecs
 import glob
+import gzip
+import lzma
 import os
 import re
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
-from harness.data.errors import DataError
+from harness.data.errors import DataError, DataWarning
 
 FORMATS = {".txt": "text", ".text": "text", ".jsonl": "json", ".json": "json", ".parquet": "parquet",
            ".arrow": "arrow"}
@@ -121,13 +126,16 @@ def parse_source(source: str, key: str = "data.source") -> SourceSpec:
 def load_documents(spec: SourceSpec, data: Any, *, cache_dir: Path, streaming: bool = False):
     """Open `spec` as a datasets Dataset (or IterableDataset when streaming) with a text column.
 
-    Returns (dataset, text_field). Raises DataError naming the file or dataset when it cannot be read
-    or lacks the text field.
+    Returns (dataset, text_field). Raises DataError naming the file or dataset when it cannot be read, is not
+    UTF-8 (a .txt/.jsonl/.json file: the byte offset and line) or no row has the text field; warns (DataWarning)
+    when some rows lack it.
     """
     import datasets
 
     text_field = data.text_field
     hf_cache = str(cache_dir / "data" / "hf")
+    if not streaming:  # a stream reads only what it needs: build_store checks its files when one fails (utf8_error)
+        check_utf8(spec)
     try:
         if spec.kind == "embedded":
             path = embedded_source_path(spec.name, cache_dir)
@@ -155,6 +163,7 @@ def load_documents(spec: SourceSpec, data: Any, *, cache_dir: Path, streaming: b
         hint = ("" if spec.kind != "hub" else " Without hub access, give a local file or 'embedded' as data.source.")
         raise DataError(f"Could not read {spec.describe()} ({type(err).__name__}: {first}).{hint}") from err
     check_text_field(ds, text_field, spec)
+    check_missing_text(ds, text_field, spec)
     return ds, text_field
 
 
@@ -167,9 +176,90 @@ def check_text_field(ds: Any, text_field: str, spec: SourceSpec) -> None:
         raise DataError(f"{spec.describe()} has no text field '{text_field}' (data.text_field). Its fields: "
                         f"{', '.join(features) or '(none)'}.")
     dtype = getattr(features[text_field], "dtype", None)
+    if dtype == "null":  # every row lacks the field, or holds null there
+        raise DataError(_no_text(spec.describe(), text_field, getattr(ds, "num_rows", None)))
     if dtype not in ("string", "large_string"):
-        raise DataError(f"Field '{text_field}' of {spec.describe()} holds {features[text_field]}, not text; "
-                        "set data.text_field to a string field.")
+        raise DataError(f"Field '{text_field}' of {spec.describe()} holds {features[text_field]}, not text (a "
+                        "mixed type means some row holds a number, list or object there); set data.text_field to a "
+                        "field whose every value is a string.")
+
+
+def check_missing_text(ds: Any, text_field: str, spec: SourceSpec) -> None:
+    """Rows of `ds` without `text_field` (or with null there) are dropped: DataError when that is every row, else a
+    DataWarning (once per source) saying how many of how many. A stream is counted as it is read
+    (harness.data.tokenise.tokenise_stream)."""
+    table = getattr(getattr(ds, "data", None), "table", None)
+    if table is None or text_field not in table.column_names:
+        return
+    missing, rows = table.column(text_field).null_count, table.num_rows
+    if missing:
+        report_missing_text(missing, rows, text_field, spec.describe())
+
+
+def report_missing_text(missing: int, rows: int, text_field: str, where: str) -> None:
+    """DataError when all `rows` of `where` lack `text_field`, else a DataWarning naming how many are dropped."""
+    if missing >= rows:
+        raise DataError(_no_text(where, text_field, rows))
+    warnings.warn(f"{missing:,} of {rows:,} rows of {where} have no text field '{text_field}' (data.text_field), "
+                  "or null there; they are dropped. Fix those rows, or set data.text_field if the text is in another "
+                  "field.", DataWarning, stacklevel=2)
+
+
+def _no_text(where: str, text_field: str, rows: Optional[int]) -> str:
+    every = f"all {rows:,} lack it or hold null" if rows else "each lacks it or holds null"
+    return (f"No row of {where} has a value in the text field '{text_field}' (data.text_field): {every}. Set "
+            "data.text_field to the field that holds the text.")
+
+
+# ------------------------------------------------------------------------------------------- text encoding
+
+_OPENERS = {".gz": gzip.open, ".bz2": bz2.open, ".xz": lzma.open}
+_CHUNK = 1 << 20
+
+
+def check_utf8(spec: SourceSpec) -> None:
+    """DataError naming the first .txt/.jsonl/.json file of `spec` that is not UTF-8 (see `first_bad_utf8`)."""
+    problem = utf8_error(spec)
+    if problem is not None:
+        raise problem
+
+
+def utf8_error(spec: SourceSpec) -> Optional[DataError]:
+    """The DataError for the first text or json file of `spec` that is not UTF-8 (where and what to do), or None."""
+    if spec.kind != "files" or spec.format not in ("text", "json"):
+        return None
+    for path in spec.files:
+        found = first_bad_utf8(path)
+        if found is not None:
+            offset, line, bad = found
+            return DataError(
+                f"'{path}' is not UTF-8 text: the bytes {bad!r} at byte offset {offset:,} (line {line:,}) are not "
+                f"valid UTF-8. Re-encode the file as UTF-8, e.g. `iconv -f latin1 -t utf-8 {path} > NEW_FILE` if "
+                "it is Latin-1 (`file -i FILE` guesses the encoding), and point the source at the new file.")
+    return None
+
+
+def first_bad_utf8(path: str) -> Optional[tuple[int, int, bytes]]:
+    """(byte offset, line number, the bad bytes) of the first byte sequence of `path` that is not valid UTF-8
+    (positions in the uncompressed text of a .gz/.bz2/.xz file), or None when all of it decodes or it is compressed
+    in a way read only by datasets (.zst, .lz4). Reads the file once, a megabyte at a time."""
+    suffix = Path(path).suffix.lower()
+    if suffix in (".zst", ".lz4"):
+        return None
+    decoder = codecs.getincrementaldecoder("utf-8")()
+    read = lines = 0  # bytes and newlines before the current chunk
+    with _OPENERS.get(suffix, open)(path, "rb") as f:
+        while True:
+            chunk = f.read(_CHUNK)
+            pending = len(decoder.getstate()[0])  # the undecoded tail of the previous chunk (no newline in it)
+            try:
+                decoder.decode(chunk, final=not chunk)
+            except UnicodeDecodeError as err:  # err.object: that tail + this chunk
+                line = lines + chunk[:max(err.start - pending, 0)].count(b"\n") + 1
+                return read - pending + err.start, line, err.object[err.start:err.end]
+            if not chunk:
+                return None
+            read, lines = read + len(chunk), lines + chunk.count(b"\n")
 
 
 def embedded_source_path(subset: str, cache_dir: Path, fetch: bool = True) -> Path:

@@ -120,24 +120,34 @@ def tokenise_stream(ds: Any, tokenizer: Any, text_field: str, eos_id: int, write
                     target_tokens: int, seed: int, shuffle_buffer: int, desc: str) -> bool:
     """Tokenise a streaming IterableDataset through a seeded shuffle buffer until `target_tokens`.
 
-    Returns True when the stream ran out before the target (the store then holds all of it).
+    Returns True when the stream ran out before the target (the store then holds all of it). Rows without the text
+    field (or null there) are dropped: a DataWarning at the end says how many of the rows read.
     """
+    from harness.data.sources import report_missing_text
+
     stream = ds.shuffle(seed=seed, buffer_size=shuffle_buffer)
     bar = tqdm(total=target_tokens, desc=f"streaming {desc}", unit="tok", unit_scale=True)
+    rows = missing = 0
+    exhausted = True
     try:
         for batch in stream.iter(batch_size=BATCH_DOCS):
             if text_field not in batch:
                 raise DataError(f"{desc} has no text field '{text_field}' (data.text_field). Its fields: "
                                 f"{', '.join(batch)}.")
-            values, lengths = encode_documents(batch[text_field], tokenizer, text_field, eos_id, desc)
+            texts = batch[text_field]
+            rows, missing = rows + len(texts), missing + sum(t is None for t in texts)
+            values, lengths = encode_documents(texts, tokenizer, text_field, eos_id, desc)
             if len(lengths):
                 writer.append(values, lengths)
                 bar.update(len(values))
             if writer.n_tokens >= target_tokens:
-                return False
-        return True
+                exhausted = False
+                break
     finally:
         bar.close()
+    if missing:
+        report_missing_text(missing, rows, text_field, desc)
+    return exhausted
 
 
 def store_meta(key: str, source_fp: dict, tokenizer: Any, eos: tuple[str, int], extra: dict | None = None) -> dict:

@@ -156,10 +156,11 @@ def load_any(args: argparse.Namespace) -> tuple[Any, Any, Any]:
     from harness.eval.job import resolve
     from harness.eval.spec import EvalSpec
 
+    check_model_arg(args.model)
     device, dtype = resolve(EvalSpec(checkpoint=".", output_dir=".", device=args.device, dtype=args.dtype))
     path = Path(args.model)
     config = path / "config.json"
-    if config.is_file() and json.loads(config.read_text()).get("model_type") == "harness_student":
+    if config.is_file() and _model_type(config) == "harness_student":
         import harness.student  # noqa: F401
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -172,6 +173,32 @@ def load_any(args: argparse.Namespace) -> tuple[Any, Any, Any]:
     if args.teacher_layers:
         truncate(teacher.model, args.teacher_layers)
     return teacher.model.to(device).eval(), teacher.tokenizer, device
+
+
+MODEL_FORMS = ("a student folder (e.g. runs/quickstart/student) or a teacher source (a Hugging Face model folder, a "
+               ".gguf file, the alias 'smollm2-135m-instruct-gguf', or a hub id)")
+
+
+def check_model_arg(model: str) -> None:
+    """ConfigError for the MODEL argument of `harness eval niah/bench/ppl` when it is a path that does not exist, or
+    a folder without config.json; it may be a student or a teacher, so the message names the argument, not either."""
+    from harness.teacher import classify_source
+
+    path = Path(model).expanduser()
+    if classify_source(model) in ("hf_dir", "gguf") and not path.exists():
+        raise ConfigError(f"The model to evaluate, '{model}', does not exist. Give {MODEL_FORMS}.")
+    if path.is_dir() and not (path / "config.json").is_file():
+        raise ConfigError(f"The model to evaluate, '{model}', is a folder without config.json, so it is no model "
+                          f"folder. Give {MODEL_FORMS}.")
+
+
+def _model_type(config: Path) -> Any:
+    """The model_type of a model folder's config.json; ConfigError naming the file when it is not a JSON object."""
+    try:
+        data = json.loads(config.read_bytes().decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise ConfigError(f"The model's {config} is not valid JSON ({err}); save or export the model again.") from None
+    return data.get("model_type") if isinstance(data, dict) else None
 
 
 def _out(args: argparse.Namespace, kind: str) -> Path:
@@ -248,14 +275,18 @@ def cmd_eval_bench(args: argparse.Namespace) -> int:
 
 
 def cmd_eval_ppl(args: argparse.Namespace) -> int:
+    from harness.config import load_job
     from harness.eval.perplexity import PerplexityError, perplexity_of_job_heldout, perplexity_of_text_file
 
+    check_model_arg(args.model)  # the model, the job and the text file are checked before the model loads
+    job = load_job(args.job) if args.job else None
+    if args.text and not Path(args.text).is_file():
+        raise ConfigError(f"--text '{args.text}' does not exist; give a .txt file (one document) or a .jsonl file "
+                          "({'text': ...} per line).")
     model, tokenizer, device = load_any(args)
     try:
-        if args.job:
-            from harness.config import load_job
-
-            result = perplexity_of_job_heldout(model, load_job(args.job), max_tokens=args.max_tokens,
+        if job is not None:
+            result = perplexity_of_job_heldout(model, job, max_tokens=args.max_tokens,
                                                tokenizer=tokenizer, device=str(device))
         else:
             result = perplexity_of_text_file(model, tokenizer, args.text, seq_len=args.seq_len,
