@@ -14,6 +14,7 @@ import os
 import secrets
 import shutil
 import tempfile
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Optional
@@ -30,6 +31,44 @@ def file_lock(path: Path) -> Iterator[None]:
             yield
         finally:
             fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+class LockHeld(OSError):
+    """`hold_lock` found the lock taken; `note` is what its holder wrote into the file ('' if unreadable)."""
+
+    def __init__(self, path: Path, note: str) -> None:
+        super().__init__(f"{path} is locked by another process")
+        self.path, self.note = path, note
+
+
+def hold_lock(path: Path, note: str = "") -> int:
+    """Take an exclusive advisory lock (flock) on `path` without waiting, write `note` into the file and return the
+    open descriptor: the lock holds until that descriptor is closed in every process that has it (a child started
+    with it in `pass_fds` shares it). Raises LockHeld, with the holder's note, when another holder has it. The lock
+    is the kernel's and ends with its holders, so a file left behind by a process that died blocks nothing."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        raise LockHeld(path, read_lock_note(path)) from None
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, note.encode(), 0)
+    return fd
+
+
+def read_lock_note(path: Path, tries: int = 5) -> str:
+    """The note in a lock file (its holder may be writing it: a few short retries while it is empty)."""
+    for _ in range(tries):
+        try:
+            note = path.read_text(errors="replace").strip()
+        except OSError:
+            return ""
+        if note:
+            return note
+        time.sleep(0.05)
+    return ""
 
 
 def fsync_dir(path: Path) -> None:

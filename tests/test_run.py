@@ -144,3 +144,18 @@ def test_a_process_marks_its_clean_stop_for_the_launcher(tmp_path, monkeypatch):
     assert not marker.exists()
     monkeypatch.setenv("HARNESS_STOPPED_FILE", env["HARNESS_STOPPED_FILE"])
     assert Preempted().code == REQUEUE_EXIT and marker.exists()
+
+
+def test_a_stage_killed_by_the_stop_signal_before_its_handler_counts_as_preempted(tmp_path, monkeypatch):
+    """`harness run` passes SIGTERM on; a stage process still importing (no handler yet) dies of it, with nothing
+    done: a clean stop, not a failure. Without a stop request the same death is a failure."""
+    import signal
+
+    from harness.launch.local import StageFailed, StagePreempted, stage_error, stopped_marker
+
+    marker, flag = stopped_marker(tmp_path / "merge.log"), tmp_path / "stop"
+    monkeypatch.setenv("HARNESS_PREEMPT_FILE", str(flag))
+    assert type(stage_error("merge", -signal.SIGTERM, "see its log", marker)) is StageFailed
+    flag.touch()
+    assert type(stage_error("merge", -signal.SIGTERM, "see its log", marker)) is StagePreempted
+    assert type(stage_error("merge", -signal.SIGKILL, "see its log", marker)) is StageFailed

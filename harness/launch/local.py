@@ -5,18 +5,38 @@ to one GPU when there are GPUs; then the merge; then stage 3 as deepspeed.world_
 the deepspeed launcher (run.launcher; gloo on CPU, nccl on GPUs); then, with eval.enabled, the evaluation job on RUN_DIR/eval.yaml. Every stage resumes from its newest valid checkpoint, so re-running the same
 command after a crash continues where it stopped. Each process's output goes to run_dir/logs/, and the wall time of
 each part to run_dir/logs/timings.jsonl.
+
+Supervision (`supervised`). A run holds RUN_DIR/.run.lock (flock, with its pid, host and start time) for its whole
+life and shares it with the processes it starts, so a second `harness run` on the same directory is refused
+(RunDirInUse, exit 2) until the first and all its stage processes are gone; the kernel drops the lock with its
+last holder, so a lock file left by a killed run blocks nothing. Stage processes do not take the lock.
+Each stage process is started in its own session (the launcher alone decides what reaches it) with
+PR_SET_PDEATHSIG=SIGTERM (Linux): if `harness run` is killed, its children get the preemption request and stop
+with their work saved. Signals to `harness run` (alone or with its process group):
+  - SIGTERM or SIGUSR1, the first one: a preemption request. The run touches $HARNESS_PREEMPT_FILE (RUN_DIR's own
+    .preempt-request when none is set), which every training loop polls once per optimizer step, and sends SIGTERM
+    to its single-process children (the merge and the evaluation, which do not poll, stop at once; a stage still
+    loading stops at once). A multi-process stage 3 gets the file only: torchrun would forward a SIGTERM and kill
+    its workers after its 30-s shutdown timeout, the file has no limit. The run starts nothing new, waits for its
+    children to stop and exits with REQUEUE_EXIT (85), saying that re-running resumes.
+  - SIGINT, or any signal after the first: interrupted. Every child gets SIGTERM, STOP_GRACE_S to stop, then SIGKILL
+    with every process below it (torchrun's workers); one more signal kills them at once. Exit 130.
+Any other way out (a failing stage, an error in the launcher) stops the children the same way: none is left running.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import signal
+import socket
 import subprocess
 import sys
 import time
 from contextlib import contextmanager
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Iterator, Optional
 
 from harness.config import JobConfig
 from harness.stages.common import PER_LAYER_STAGES, default_count, group_name, job_layer_groups, run_dir
@@ -30,6 +50,20 @@ class StagePreempted(StageFailed):
     """A stage process checkpointed and exited on a preemption request ($HARNESS_PREEMPT_FILE, Slurm's USR1)."""
 
 
+class RunDirInUse(RuntimeError):
+    """Another `harness run` holds the run directory's lock; the message names its pid and host."""
+
+
+class RunInterrupted(KeyboardInterrupt):
+    """`harness run` got SIGINT, or a second stop signal: its children were stopped without waiting for them."""
+
+
+RUN_LOCK = ".run.lock"
+PREEMPT_FILE = ".preempt-request"  # RUN_DIR's own $HARNESS_PREEMPT_FILE, when the environment sets none
+STOP_GRACE_S = 30  # after SIGTERM, how long an interrupted run waits for a child before SIGKILL
+PR_SET_PDEATHSIG = 1
+
+
 def stage_error(what: str, code: int, where: str, stopped: Path) -> StageFailed:
     """The error for a stage process that exited with `code`. Preempted: the requeue code, or a failure while a
     preemption is requested after the process marked its stop as clean (`stopped`, its $HARNESS_STOPPED_FILE:
@@ -38,8 +72,11 @@ def stage_error(what: str, code: int, where: str, stopped: Path) -> StageFailed:
     from harness import preempt
 
     if code == preempt.REQUEUE_EXIT or (code != 0 and preempt.requested() and stopped.exists()):
-        return StagePreempted(f"{what} stopped on a preemption request after writing a checkpoint; run the same "
-                              "command again to resume")
+        return StagePreempted(f"{what} stopped on a preemption request with its work saved (a checkpoint); run the "
+                              "same command again to resume")
+    if code in (-signal.SIGTERM, -signal.SIGUSR1) and preempt.requested():  # the signal came before its handler
+        return StagePreempted(f"{what} stopped on a preemption request while it was starting, before it had done "
+                              "any work; run the same command again to resume")
     if preempt.requested():
         return StageFailed(f"{what} failed (exit {code}) while stopping on a preemption request, before it had "
                            f"written its checkpoint; a rerun resumes from its newest complete checkpoint; {where}")
@@ -67,9 +104,18 @@ def job_args(job_path: Optional[str], overrides: list[str]) -> list[str]:
 
 
 def run_pipeline(job: JobConfig, job_path: str, overrides: list[str]) -> Path:
-    """Run stages 1-3 (skipping complete ones) and return the final student's directory."""
+    """Run stages 1-3 (skipping complete ones) under the run lock and return the final student's directory."""
     out = run_dir(job)
     (out / "logs").mkdir(parents=True, exist_ok=True)
+    with supervised(out):
+        return _run_stages(job, job_path, overrides)
+
+
+def _run_stages(job: JobConfig, job_path: str, overrides: list[str]) -> Path:
+    from harness.stage_settings import PIPELINE, check_settings
+
+    out = run_dir(job)
+    check_settings(job, PIPELINE)  # under the run lock: what RUN_DIR holds must be this job's work
     groups = job_layer_groups(job, default_count(job.run.layer_groups, 2))  # none holds a kept attention layer
     for stage in PER_LAYER_STAGES:
         with timed(job, stage, groups=len(groups), parallel=default_count(job.run.parallel_groups, 2),
@@ -152,8 +198,10 @@ def run_groups(job: JobConfig, stage: str, groups: list[list[int]], job_path: st
     slots = default_count(job.run.parallel_groups, 2)
     running: list[tuple[subprocess.Popen, list[int], Path, Optional[str]]] = []
     while todo or running:
+        if not running:
+            check_not_stopped(stage)
         free_gpus = [g for g in gpus if g not in {r[3] for r in running}]
-        while todo and len(running) < slots and (not gpus or free_gpus):
+        while todo and len(running) < slots and (not gpus or free_gpus) and not stop_requested():
             layers = todo.pop(0)
             gpu = free_gpus.pop(0) if gpus else None
             log = run_dir(job) / "logs" / f"{stage}-{group_name(layers)}.log"
@@ -177,8 +225,9 @@ def run_groups(job: JobConfig, stage: str, groups: list[list[int]], job_path: st
 
 def run_merge(job: JobConfig, job_path: str, overrides: list[str]) -> None:
     """The merge as its own process, unless its result is already there (a resumed run starts no process)."""
-    from harness.stages.merge import MERGE_JSON, merged_dir
+    from harness.stages.merge import MERGE_JSON, merged_dir, remove_leftovers
 
+    remove_leftovers(job)  # temporary folders of a killed merge (this run holds the run lock: no merge of its own)
     if (merged_dir(job) / MERGE_JSON).is_file():
         print("[harness] merge: already complete", flush=True)
         return
@@ -197,9 +246,10 @@ def run_distill(job: JobConfig, job_path: str, overrides: list[str]) -> None:
     env = with_stopped_marker(dict(os.environ), marker)
     if not _gpus():
         env["DS_ACCELERATOR"] = "cpu"
-    result = subprocess.run(cmd, env=env)
-    if result.returncode != 0:
-        raise stage_error("distill", result.returncode, f"its output is above, metrics in {run_dir(job) / 'distill'}",
+    check_not_stopped("distill")
+    proc = start_child(cmd, env, polls_only=world > 1)  # the file, not a signal, for torchrun (module docstring)
+    if proc.wait() != 0:
+        raise stage_error("distill", proc.returncode, f"its output is above, metrics in {run_dir(job) / 'distill'}",
                           marker)
 
 
@@ -247,13 +297,14 @@ def _spawn(cmd: list[str], log: Path, gpu: Optional[str]) -> subprocess.Popen:
     env = with_stopped_marker(dict(os.environ), stopped_marker(log))
     if gpu is not None:
         env["CUDA_VISIBLE_DEVICES"] = gpu
-    handle = open(log, "a")
-    handle.write(f"$ {' '.join(cmd)}\n")
-    handle.flush()
-    return subprocess.Popen(cmd, stdout=handle, stderr=subprocess.STDOUT, env=env)
+    with open(log, "a") as handle:
+        handle.write(f"$ {' '.join(cmd)}\n")
+        handle.flush()
+        return start_child(cmd, env, stdout=handle)
 
 
 def _run_logged(cmd: list[str], log: Path, what: str) -> None:
+    check_not_stopped(what)
     proc = _spawn(cmd, log, None)
     if proc.wait() != 0:
         raise stage_error(what, proc.returncode, f"see {log}:\n{_tail(log)}", stopped_marker(log))
@@ -265,3 +316,229 @@ def _tail(log: Path, lines: int = 15) -> str:
         return "\n".join(log.read_text(errors="replace").splitlines()[-lines:])
     except OSError:
         return "(no log)"
+
+
+# ---- supervision: the run lock, the children, the signals (module docstring) ----
+
+@dataclass
+class _Child:
+    proc: subprocess.Popen
+    polls_only: bool  # asked to stop through $HARNESS_PREEMPT_FILE only (torchrun, the deepspeed launcher)
+
+
+@dataclass
+class _Supervisor:
+    lock_fd: int
+    children: list[_Child] = field(default_factory=list)
+    stop: Optional[str] = None  # the signal that asked this run to stop for requeue
+    stopping: bool = False  # the children are being stopped: a further signal kills them at once
+    hurry: bool = False
+
+
+_SUPERVISOR: Optional[_Supervisor] = None
+_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
+
+
+@contextmanager
+def supervised(out: Path) -> Iterator[_Supervisor]:
+    """The block runs under the run lock, with this module's signal handlers and $HARNESS_PREEMPT_FILE set; on
+    the way out no child is left running. A stop request turns the block's end into StagePreempted."""
+    global _SUPERVISOR
+    sup = _Supervisor(take_run_lock(out))
+    preempt_env = os.environ.get("HARNESS_PREEMPT_FILE")
+    if preempt_env is None:  # our own file: one left by an earlier stopped run must not stop this one
+        (out / PREEMPT_FILE).unlink(missing_ok=True)
+        os.environ["HARNESS_PREEMPT_FILE"] = str((out / PREEMPT_FILE).resolve())
+    previous = {sig: signal.signal(sig, _on_signal) for sig in _SIGNALS}
+    _SUPERVISOR = sup
+    try:
+        yield sup
+    except StagePreempted as err:
+        if sup.stop:
+            raise StagePreempted(f"harness run stopped on a preemption request ({sup.stop}) and exits for requeue: "
+                                 f"{err}") from None
+        raise
+    finally:
+        stop_children(sup)
+        _SUPERVISOR = None
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        if preempt_env is None:
+            os.environ.pop("HARNESS_PREEMPT_FILE", None)
+            (out / PREEMPT_FILE).unlink(missing_ok=True)
+        os.close(sup.lock_fd)
+
+
+def take_run_lock(out: Path) -> int:
+    """Hold RUN_DIR/.run.lock (its descriptor), or raise RunDirInUse naming the holder."""
+    from harness.files import LockHeld, hold_lock
+
+    note = {"pid": os.getpid(), "host": socket.gethostname(), "since": time.strftime("%Y-%m-%d %H:%M:%S %Z")}
+    try:
+        return hold_lock(out / RUN_LOCK, json.dumps(note))
+    except LockHeld as held:
+        raise RunDirInUse(in_use_message(out, held.note)) from None
+
+
+def in_use_message(out: Path, note: str) -> str:
+    """Why a second run on `out` is refused, from the holder's note (JSON: pid, host, since)."""
+    try:
+        holder = json.loads(note)
+        pid, host, since = int(holder["pid"]), str(holder["host"]), str(holder["since"])
+    except (ValueError, KeyError, TypeError):
+        return (f"{out} is in use by another harness run (its lock file {out / RUN_LOCK} does not say which); wait "
+                "for it to end, or stop it with SIGTERM (it checkpoints and exits for requeue).")
+    gone = host == socket.gethostname() and not Path(f"/proc/{pid}").exists() and sys.platform.startswith("linux")
+    who = f"harness run (pid {pid} on host {host} since {since})"
+    if gone:
+        return (f"{out} is in use by the stage processes of {who}, which has exited: they hold the run's lock while "
+                "they stop with their work saved. Wait a little and run again; two runs on one directory would do "
+                "all the work twice and overwrite each other's files.")
+    return (f"{out} is in use by {who}; wait for it or stop it (`kill -TERM {pid}` on {host} checkpoints its stages "
+            "and exits for requeue; running the same command then resumes). Two runs on one directory would do all "
+            "the work twice and overwrite each other's files.")
+
+
+def stop_requested() -> bool:
+    """Whether this `harness run` was asked to stop (its own signal handler)."""
+    return bool(_SUPERVISOR and _SUPERVISOR.stop)
+
+
+def check_not_stopped(what: str) -> None:
+    """Raise StagePreempted instead of starting `what` after a stop request."""
+    if stop_requested():
+        raise StagePreempted(f"{what} was not started; every stage process that had started stopped with its work "
+                             "saved; run the same command again to resume")
+
+
+def start_child(cmd: list[str], env: dict[str, str], *, stdout=None, polls_only: bool = False) -> subprocess.Popen:
+    """Start a stage process (module docstring: own session, death signal, the run lock shared) and register it, with
+    the stop signals blocked meanwhile so that no child can escape registration."""
+    sup = _SUPERVISOR
+    if sup is None:  # not under `harness run` (a test, a notebook)
+        return subprocess.Popen(cmd, stdout=stdout, stderr=subprocess.STDOUT if stdout else None, env=env)
+    old_mask = signal.pthread_sigmask(signal.SIG_BLOCK, _SIGNALS)
+    try:
+        proc = subprocess.Popen(cmd, stdout=stdout, stderr=subprocess.STDOUT if stdout else None, env=env,
+                                start_new_session=True, pass_fds=(sup.lock_fd,), preexec_fn=_child_setup(old_mask))
+        sup.children.append(_Child(proc, polls_only))
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, old_mask)
+    if sup.stop and not polls_only:  # the request came while it started
+        _signal_group(proc.pid, signal.SIGTERM)
+    return proc
+
+
+def _child_setup(mask) -> Callable[[], None]:
+    """What a child runs between fork and exec: the launcher's signal mask undone, and (Linux) SIGTERM when the
+    launcher dies (the function is looked up here, in the parent)."""
+    parent = os.getpid()
+    prctl = None
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
+
+    def setup() -> None:
+        signal.pthread_sigmask(signal.SIG_SETMASK, mask)
+        if prctl is not None:
+            prctl(PR_SET_PDEATHSIG, int(signal.SIGTERM), 0, 0, 0)
+            if os.getppid() != parent:  # the launcher died before the death signal was set
+                os.kill(os.getpid(), signal.SIGTERM)
+
+    return setup
+
+
+def _on_signal(signum, frame) -> None:  # noqa: ARG001
+    """The launcher's handler (module docstring): a first SIGTERM / SIGUSR1 asks for a stop for requeue; SIGINT or
+    a later signal interrupts; a signal while the children are being stopped kills them at once."""
+    from harness import preempt
+
+    sup, name = _SUPERVISOR, signal.Signals(signum).name
+    if sup is None:
+        return
+    if sup.stopping:
+        sup.hurry = True
+        return
+    if signum == signal.SIGINT or sup.stop:
+        raise RunInterrupted(name)
+    sup.stop = name
+    preempt.request()
+    try:
+        Path(os.environ["HARNESS_PREEMPT_FILE"]).touch()
+    except (KeyError, OSError):
+        pass  # the children still get SIGTERM; torchrun's workers do not: see the message
+    preempt.say(f"[harness] {name}: preemption requested; asking every stage process to checkpoint and stop, then "
+                "exiting for requeue (a second signal or Ctrl-C stops them without waiting)")
+    for child in sup.children:
+        if not child.polls_only and child.proc.poll() is None:
+            _signal_group(child.proc.pid, signal.SIGTERM)
+
+
+def stop_children(sup: _Supervisor) -> None:
+    """Stop every child still running: SIGTERM to each one's process group (a preemption request), STOP_GRACE_S (or
+    until another signal), then SIGKILL to each and to every process below it."""
+    from harness import preempt
+
+    running = [c.proc for c in sup.children if c.proc.poll() is None]
+    if not running:
+        return
+    sup.stopping = True
+    preempt.say(f"[harness] stopping {len(running)} stage process(es): SIGTERM, then SIGKILL after {STOP_GRACE_S} s "
+                "(signal again to kill them now)")
+    tree = {pid: start for proc in running for pid, start in process_tree(proc.pid).items()}
+    for proc in running:
+        _signal_group(proc.pid, signal.SIGTERM)
+    deadline = time.monotonic() + STOP_GRACE_S
+    while time.monotonic() < deadline and not sup.hurry and any(p.poll() is None for p in running):
+        time.sleep(0.1)
+    for proc in running:
+        tree.update(process_tree(proc.pid) if proc.poll() is None else {})
+    for pid, start in tree.items():
+        if process_start(pid) == start:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except OSError:
+                pass
+    for proc in running:
+        proc.wait()
+
+
+def _signal_group(pid: int, sig: int) -> None:
+    """`sig` to the process group a child leads (its session: itself and what it started there)."""
+    try:
+        os.killpg(pid, sig)
+    except OSError:  # gone already
+        pass
+
+
+def _proc_stat(pid: int) -> Optional[list[str]]:
+    """The fields of /proc/PID/stat after the command name (state, ppid, ...), or None."""
+    try:
+        text = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return text[text.rindex(")") + 2:].split()
+
+
+def process_start(pid: int) -> Optional[int]:
+    """A live process's start time (clock ticks since boot: tells a pid from its reuse), or None (Linux /proc)."""
+    fields = _proc_stat(pid)
+    return int(fields[19]) if fields and fields[0] != "Z" else None
+
+
+def process_tree(root: int) -> dict[int, int]:
+    """{pid: start time} of `root` and every live process below it (Linux /proc; {} elsewhere)."""
+    below: dict[int, list[int]] = {}
+    starts = {}
+    for entry in Path("/proc").glob("[0-9]*") if Path("/proc").is_dir() else ():
+        fields = _proc_stat(int(entry.name))
+        if fields and fields[0] != "Z":
+            below.setdefault(int(fields[1]), []).append(int(entry.name))
+            starts[int(entry.name)] = int(fields[19])
+    tree, frontier = {}, [root] if root in starts else []
+    while frontier:
+        pid = frontier.pop()
+        tree[pid] = starts[pid]
+        frontier += [child for child in below.get(pid, []) if child not in tree]
+    return tree

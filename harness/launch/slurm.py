@@ -46,7 +46,7 @@ TEMPLATES = Path(__file__).resolve().parents[2] / "slurm"
 REQUEUE_WRAPPER = """export HARNESS_PREEMPT_FILE={preempt_dir}/preempt-"$SLURM_JOB_ID"
 export HARNESS_STOPPED_FILE={preempt_dir}/stopped-"$SLURM_JOB_ID"
 rm -f "$HARNESS_PREEMPT_FILE" "$HARNESS_STOPPED_FILE"
-trap 'touch "$HARNESS_PREEMPT_FILE"' USR1
+trap 'touch "$HARNESS_PREEMPT_FILE"' USR1 TERM  # Slurm's warning signal, and the TERM of a time limit or preemption
 {command} &
 child=$!
 while kill -0 "$child" 2>/dev/null; do wait "$child" || true; done
