@@ -209,12 +209,19 @@ def build_parser() -> argparse.ArgumentParser:
 
     export = sub.add_parser(
         "export", help="Write a consolidated Hugging Face student from a stage-3 checkpoint.",
-        description="Consolidate a stage-3 checkpoint (a run_dir/distill/checkpoints/step-* directory, written by "
-        "any number of ranks) into a Hugging Face student directory.",
+        description="Consolidate a stage-3 or SFT checkpoint (a RUN_DIR/distill/checkpoints/step-* directory, "
+        "written by any number of ranks) into a Hugging Face student folder, with EXPORT.json saying where it came "
+        "from. OUT must not exist, be empty, or be an earlier export (which is replaced); anything else is refused "
+        "unless --force, and a run directory or a checkpoint is never replaced.",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="example:\n  harness export runs/quickstart/distill/checkpoints/step-00000050 out/student-step50",
     )
     export.add_argument("checkpoint", help="A stage-3 checkpoint directory (step-*).")
-    export.add_argument("out", help="Output directory for the student.")
+    export.add_argument("out", help="Output folder for the student (new, empty, or an earlier export).")
     export.add_argument("--merged", help="The run's merged student (for the config); default: RUN_DIR/merged.")
+    export.add_argument("--force", action="store_true",
+                        help="Replace OUT even when it is a non-empty folder that is not an earlier export (never a "
+                        "run directory or a checkpoint).")
     export.set_defaults(handler=cmd_export)
 
     transfer = sub.add_parser(
@@ -319,8 +326,10 @@ def _add_job_args(p: argparse.ArgumentParser) -> None:
 
 def cmd_info(args: argparse.Namespace) -> int:
     from harness.config import load_job, plan_stages, to_yaml
+    from harness.preflight import preflight
 
     job = load_job(args.job, args.overrides)
+    preflight(job, writes_output=False)  # the pipeline's stages against the teacher's config; info writes nothing
     print(to_yaml(job).rstrip())
     if args.explain:
         print("\n# fields")
@@ -375,10 +384,12 @@ def cmd_data_prepare(args: argparse.Namespace) -> int:
 
 def cmd_run(args: argparse.Namespace) -> int:
     from harness.config import load_job
-    from harness.launch.local import StageFailed, StagePreempted, run_pipeline
+    from harness.launch.local import RunDirInUse, RunInterrupted, StageFailed, StagePreempted, run_pipeline
     from harness.preempt import REQUEUE_EXIT
+    from harness.preflight import preflight
 
     job = load_job(args.job, args.overrides)
+    preflight(job, writes_output=True)
     try:
         student = run_pipeline(job, args.job, args.overrides)
     except StagePreempted as err:
@@ -387,16 +398,27 @@ def cmd_run(args: argparse.Namespace) -> int:
     except StageFailed as err:
         print(f"error: {err}", file=sys.stderr)
         return 1
+    except RunDirInUse as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    except RunInterrupted as err:
+        print(f"[harness] interrupted ({err}): every stage process was stopped; run the same command again to resume "
+              "from their newest checkpoints", file=sys.stderr)
+        return 130
     print(f"[harness] done: student in {student}, evaluation spec in {student.parent / 'eval.yaml'}")
     return 0
 
 
 def cmd_stage_align(args: argparse.Namespace) -> int:
     from harness.config import load_job
+    from harness.preflight import preflight
+    from harness.stage_settings import check_settings, stages_up_to
     from harness.stages.align import align_group
     from harness.stages.common import num_student_layers, parse_layers
 
     job = load_job(args.job, args.overrides)
+    preflight(job, writes_output=True, stages=(args.stage,))
+    check_settings(job, stages_up_to(args.stage))
     layers = parse_layers(args.layers, num_student_layers(job))
     print(align_group(job, args.stage, layers))
     return 0
@@ -404,19 +426,29 @@ def cmd_stage_align(args: argparse.Namespace) -> int:
 
 def cmd_stage_merge(args: argparse.Namespace) -> int:
     from harness.config import load_job
+    from harness.preflight import preflight
+    from harness.stage_settings import check_settings, stages_up_to
     from harness.stages.merge import merge_student
 
-    print(merge_student(load_job(args.job, args.overrides)))
+    job = load_job(args.job, args.overrides)
+    preflight(job, writes_output=True, stages=())
+    check_settings(job, stages_up_to("merge"))
+    print(merge_student(job))
     return 0
 
 
 def cmd_stage_distill(args: argparse.Namespace) -> int:
     from harness.config import load_job
     from harness.engine import teardown_distributed
+    from harness.preflight import preflight
+    from harness.stage_settings import check_settings, stages_up_to
     from harness.stages.distill import distill
 
     try:
-        print(distill(load_job(args.job, args.overrides)))
+        job = load_job(args.job, args.overrides)
+        preflight(job, writes_output=True, stages=("distill",))
+        check_settings(job, stages_up_to("distill"))  # every rank checks; rank 0 records
+        print(distill(job))
     finally:
         teardown_distributed()
     return 0
@@ -425,10 +457,15 @@ def cmd_stage_distill(args: argparse.Namespace) -> int:
 def cmd_stage_sft(args: argparse.Namespace) -> int:
     from harness.config import load_job
     from harness.engine import teardown_distributed
+    from harness.preflight import preflight
+    from harness.stage_settings import check_settings
     from harness.stages.sft import sft
 
     try:
-        print(sft(load_job(args.job, args.overrides)))
+        job = load_job(args.job, args.overrides)
+        preflight(job, writes_output=True, stages=("sft",))
+        check_settings(job, ["sft"])
+        print(sft(job))
     finally:
         teardown_distributed()
     return 0
@@ -440,7 +477,9 @@ def cmd_submit(args: argparse.Namespace) -> int:
 
     from pathlib import Path
 
-    from harness.launch.slurm import clear_blocked, saved_job_path
+    from harness.launch.slurm import clear_blocked, find_sbatch, saved_job_path
+    from harness.preflight import preflight
+    from harness.stage_settings import PIPELINE, check_settings
 
     if args.resume:
         saved = saved_job_path(Path(args.resume))
@@ -450,22 +489,26 @@ def cmd_submit(args: argparse.Namespace) -> int:
     elif not args.job:
         raise ConfigError("harness submit needs a job file, or --resume RUN_DIR.")
     job = load_job(args.job, args.overrides)
+    preflight(job, writes_output=not args.dry_run)
+    if not args.rank_layers:  # the stages will reuse what RUN_DIR holds: it must be this job's (each records it)
+        check_settings(job, PIPELINE, write=False)
     if args.rank_layers:
         return _submit_ranking(job, args)
-    if args.resume and not args.dry_run:
-        cancelled = clear_blocked(Path(args.resume))
-        if cancelled:
-            print(f"# cancelled {len(cancelled)} pending job(s) of the earlier submission: {' '.join(cancelled)}")
     opts = SlurmOptions(partition=args.partition, account=args.account, time=args.time, nodes=args.nodes,
                         gpus_per_node=args.gpus_per_node, cpus_per_task=args.cpus_per_task, mem=args.mem,
                         layers_per_task=args.layers_per_task, extra=args.sbatch_option, launcher=args.launcher,
                         node_launch=args.node_launch)
-    planned = plan_jobs(job, args.job, args.overrides, opts)
+    planned = plan_jobs(job, args.job, args.overrides, opts)  # checks every option before anything is cancelled
     if args.dry_run:
         for p in planned:
             print(f"# ---- {p.stage}.sbatch\n{p.script}")
         print("# dependency graph\n" + dependency_graph(planned))
         return 0
+    find_sbatch()  # no Slurm here: say so before cancelling or writing anything
+    if args.resume:
+        cancelled = clear_blocked(Path(args.resume))
+        if cancelled:
+            print(f"# cancelled {len(cancelled)} pending job(s) of the earlier submission: {' '.join(cancelled)}")
     ids = submit(job, planned)
     print("# submitted\n" + "\n".join(f"  {stage}: {jid}" for stage, jid in ids.items()))
     return 0
@@ -509,7 +552,7 @@ def cmd_status(args: argparse.Namespace) -> int:
 def cmd_export(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from harness.export import export_checkpoint
+    from harness.export import check_destination, export_checkpoint
 
     ckpt = Path(args.checkpoint)
     merged = Path(args.merged) if args.merged else ckpt.parents[2] / "merged"
@@ -518,7 +561,8 @@ def cmd_export(args: argparse.Namespace) -> int:
                           "run_dir/distill/checkpoints/step-* directory.")
     if not (merged / "config.json").is_file():
         raise ConfigError(f"No merged student at '{merged}' to take the config from; pass --merged.")
-    print(export_checkpoint(ckpt, Path(args.out), merged))
+    check_destination(Path(args.out), force=args.force, keep=(ckpt, merged))  # before the weights load
+    print(export_checkpoint(ckpt, Path(args.out), merged, force=args.force))
     return 0
 
 

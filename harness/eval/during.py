@@ -24,6 +24,7 @@ import sys
 from pathlib import Path
 from typing import Optional
 
+from harness import preempt
 from harness.eval import history
 from harness.eval.spec import EvalSpec, load_eval_spec
 
@@ -65,7 +66,7 @@ def snapshot_and_mark(run_dir: Path, tokens: int, step: int, checkpoint: Path, *
 
     dest = snapshot_dir(run_dir, tokens)
     if not (dest / "config.json").is_file():
-        export_checkpoint(checkpoint, dest, merged=Path(run_dir) / "merged")
+        export_checkpoint(checkpoint, dest, merged=Path(run_dir) / "merged", force=True)
     return history.mark_for_evaluation(run_dir, tokens, step, dest, params=params)
 
 
@@ -99,6 +100,7 @@ def evaluate_pending(run_dir: Path, *, wait: bool = False, progress: bool = True
     after releasing its lock, so a mark written meanwhile is not orphaned.
     """
     run_dir = Path(run_dir)
+    preempt.install_handler()  # SIGTERM / SIGUSR1: exit REQUEUE_EXIT at once; the mark in flight stays pending
     done: list[int] = []
     while history.pending_marks(run_dir):
         lock_path = history.eval_dir(run_dir) / LOCK_FILE

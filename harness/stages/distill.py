@@ -250,7 +250,7 @@ def export_student(job: JobConfig, ckpts: CheckpointManager, rank: int) -> Path:
     info = ckpts.latest_valid()
     dest = run_dir(job) / "student"
     if rank == 0:
-        export_checkpoint(info.path, dest, merged=run_dir(job) / "merged")
+        export_checkpoint(info.path, dest, merged=run_dir(job) / "merged", force=True)
         write_eval_spec(job, dest)
     torch.distributed.barrier()
     return dest

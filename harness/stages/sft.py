@@ -191,7 +191,7 @@ def export_sft_student(job: JobConfig, ckpts: CheckpointManager, source: Path, t
     student was tuned with) and write the evaluation spec RUN_DIR/eval-sft.yaml."""
     dest = run_dir(job) / "student-sft"
     if rank == 0:
-        export_checkpoint(ckpts.latest_valid(collective=False).path, dest, merged=source)
+        export_checkpoint(ckpts.latest_valid(collective=False).path, dest, merged=source, force=True)
         tokenizer.chat_template = template
         tokenizer.save_pretrained(dest)
         write_sft_eval_spec(job, dest)
