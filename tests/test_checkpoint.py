@@ -1,4 +1,5 @@
-"""Checkpoints: atomic save, verified load with fallback, pruning, completion marker, RNG, 2 ranks, ZeRO-3."""
+"""Checkpoints: atomic save, verified load with fallback (size, sha256, a load that fails), pruning, completion marker,
+RNG, 2 ranks, ZeRO-3."""
 
 from __future__ import annotations
 
@@ -23,10 +24,12 @@ from harness.checkpoint import (
     CheckpointManager,
     CheckpointWarning,
     capture_rng,
+    hash_shares,
     load_rng,
     restore_rng,
     rng_path,
     save_rng,
+    verify_checkpoint,
 )
 
 
@@ -139,6 +142,138 @@ def test_same_size_corruption_needs_sha256(tmp_path: Path) -> None:
         assert mgr.latest_valid(verify="sha256").step == 1
 
 
+def _flip_middle(path: Path, n: int = 8) -> None:
+    """Corrupt a file without changing its size: invert `n` bytes in its middle."""
+    data = bytearray(path.read_bytes())
+    mid = len(data) // 2
+    data[mid:mid + n] = bytes(b ^ 0xFF for b in data[mid:mid + n])
+    path.write_bytes(bytes(data))
+
+
+def _break_and_rehash(checkpoint: Path, rel: str) -> None:
+    """A file broken so that it cannot load, with its manifest entry rewritten to match: what sha256 cannot see
+    (a writer that wrote garbage, hashed as written)."""
+    from harness.checkpoint import file_digest
+
+    path = checkpoint / rel
+    path.write_bytes(path.read_bytes()[:-30] + b"\0" * 30)  # the zip's central directory is at the end
+    manifest = json.loads((checkpoint / MANIFEST).read_text())
+    manifest["files"][rel] = file_digest(path)
+    (checkpoint / MANIFEST).write_text(json.dumps(manifest))
+
+
+def _load_model(loaded: list):
+    def load(info) -> None:
+        loaded.append((info.step, float(torch.load(info.path / "model.pt")["w"][0])))
+
+    return load
+
+
+def test_resume_skips_a_same_size_corruption_and_loads_the_previous(tmp_path: Path) -> None:
+    mgr = CheckpointManager(tmp_path, keep_last=3)
+    _save(mgr, 1)
+    _save(mgr, 2)
+    _flip_middle(tmp_path / "step-00000002" / "model.pt")
+
+    loaded: list = []
+    with pytest.warns(CheckpointWarning, match=r"skipping checkpoint \S*step-00000002: model\.pt does not match its "
+                                                r"sha256"):
+        info = mgr.resume(_load_model(loaded))
+    assert info.step == 1 and loaded == [(1, 1.0)]  # step 2 was never handed to the loader
+    assert (tmp_path / "step-00000002").is_dir()  # left in place: the next save of step 2 replaces it
+
+
+def test_resume_moves_aside_a_checkpoint_that_verifies_but_fails_to_load(tmp_path: Path) -> None:
+    mgr = CheckpointManager(tmp_path, keep_last=3)
+    _save(mgr, 1)
+    _save(mgr, 2)
+    _break_and_rehash(tmp_path / "step-00000002", "model.pt")
+    assert verify_checkpoint(tmp_path / "step-00000002", "sha256") is None  # sha256 cannot see it
+
+    loaded: list = []
+    with pytest.warns(CheckpointWarning, match=r"step-00000002 passed its checks but failed to load \(RuntimeError: "
+                                                r".*\); it moved aside to \S*bad-step-00000002-"):
+        info = mgr.resume(_load_model(loaded))
+    assert info.step == 1 and loaded == [(1, 1.0)]
+    bad = [p for p in tmp_path.iterdir() if p.name.startswith("bad-step-00000002-")]
+    assert len(bad) == 1 and (bad[0] / "model.pt").is_file() and (bad[0] / MANIFEST).is_file()
+    assert [s for s, _ in mgr.step_dirs()] == [1]
+    _save(mgr, 2)  # the run goes on from step 1: its next save of step 2 does not collide
+    assert mgr.latest_valid(verify="sha256").step == 2 and bad[0].is_dir()
+
+
+def test_resume_starts_afresh_only_loudly_and_never_after_a_failed_load(tmp_path: Path) -> None:
+    """Nothing verifies: a warning that the stage starts afresh. Nothing loads after a load failed: CheckpointError,
+    since the failed load may have changed the model; the checkpoints stay, aside."""
+    mgr = CheckpointManager(tmp_path / "a", keep_last=3)
+    _save(mgr, 1)
+    _flip_middle(mgr.root / "step-00000001" / "model.pt")
+    with pytest.warns(CheckpointWarning, match="skipping .*step-00000001: model.pt does not match"), \
+            pytest.warns(CheckpointWarning, match="STARTS AFRESH from step 0"):
+        assert mgr.resume(_load_model([])) is None
+
+    mgr = CheckpointManager(tmp_path / "b", keep_last=3)
+    _save(mgr, 1)
+    _break_and_rehash(mgr.root / "step-00000001", "model.pt")
+    with pytest.warns(CheckpointWarning, match="failed to load"):
+        with pytest.raises(CheckpointError, match=r"No checkpoint under .* could be loaded: checkpoint "
+                                                  r"\S*step-00000001 passed its checks .* run the stage again to "
+                                                  r"start it afresh"):
+            mgr.resume(_load_model([]))
+    assert [p.name.startswith("bad-step-00000001-") for p in mgr.root.iterdir() if p.name.startswith("bad-")] == [True]
+
+
+def test_resume_raises_a_configuration_error_without_moving_anything(tmp_path: Path) -> None:
+    """An error of a `fatal` type (the run is configured unlike the checkpoint) or an out-of-memory is no reason to
+    give up a checkpoint: it is raised, and the checkpoint stays."""
+    mgr = CheckpointManager(tmp_path, keep_last=3)
+    _save(mgr, 1)
+
+    class Misconfigured(ValueError):
+        pass
+
+    def refuse(info) -> None:
+        raise Misconfigured(f"{info.path} was written under another mixer")
+
+    with pytest.raises(Misconfigured, match="another mixer"):
+        mgr.resume(refuse, fatal=(Misconfigured,))
+
+    def out_of_memory(info) -> None:
+        raise torch.OutOfMemoryError("CUDA out of memory")
+
+    with pytest.raises(torch.OutOfMemoryError):
+        mgr.resume(out_of_memory)
+    assert [s for s, _ in mgr.step_dirs()] == [1] and not [p for p in tmp_path.iterdir() if p.name.startswith("bad-")]
+
+
+def test_sha256_in_threads_finds_a_corrupt_file_among_many(tmp_path: Path) -> None:
+    def many(d: Path) -> None:
+        for i in range(12):
+            (d / f"shard-{i:02d}.bin").write_bytes(bytes([i]) * (50_000 + 1000 * i))
+
+    mgr = CheckpointManager(tmp_path, keep_last=3, hash_threads=4)
+    mgr.save(1, 1, many)
+    mgr.save(2, 2, many)
+    _flip_middle(tmp_path / "step-00000002" / "shard-07.bin")
+    assert verify_checkpoint(tmp_path / "step-00000002", "sha256", threads=4) == (
+        "shard-07.bin does not match its sha256 in the manifest (same size, different bytes: the file is corrupt)")
+    assert verify_checkpoint(tmp_path / "step-00000001", "sha256", threads=4) is None
+    with pytest.warns(CheckpointWarning, match="shard-07.bin"):
+        assert mgr.latest_valid(verify="sha256").step == 1
+
+
+def test_hash_shares_balance_bytes_and_hash_every_file_once() -> None:
+    files = {"optim-0.pt": {"size": 900, "sha256": "x"}, "optim-1.pt": {"size": 900, "sha256": "x"},
+             "model.pt": {"size": 300, "sha256": "x"}, "rng-0.pt": {"size": 10, "sha256": "x"},
+             "rng-1.pt": {"size": 10, "sha256": "x"}, "unhashed.bin": {"size": 5000}}
+    shares = hash_shares(files, 2)
+    assert sorted(f for share in shares for f in share) == sorted(f for f in files if f != "unhashed.bin")
+    sizes = [sum(files[f]["size"] for f in share) for share in shares]
+    assert sizes == [1200, 920]
+    assert hash_shares(files, 1) == [["optim-0.pt", "optim-1.pt", "model.pt", "rng-0.pt", "rng-1.pt"]]
+    assert hash_shares(files, 8)[7] == []  # more ranks than files: some hash nothing
+
+
 def test_missing_manifest_is_skipped(tmp_path: Path) -> None:
     mgr = CheckpointManager(tmp_path, keep_last=3)
     _save(mgr, 1)
@@ -248,6 +383,58 @@ def test_two_ranks_gloo_share_one_checkpoint(tmp_path: Path) -> None:
     assert [s for s, _ in CheckpointManager(root).step_dirs()] == [3]  # the failed step 4 left nothing
     assert not [p for p in root.iterdir() if p.name.startswith(".tmp-")]
     assert CheckpointManager(root).complete_meta() == {"ranks": 2}
+
+
+def _two_rank_resume_worker(rank: int, root: str, init_file: str) -> None:
+    """Both ranks verify (each hashing a share), fall back and fail together; what each got goes to a file."""
+    dist.init_process_group(
+        "gloo", init_method=f"file://{init_file}", rank=rank, world_size=2, timeout=timedelta(seconds=60)
+    )
+    got: dict = {}
+    try:
+        mgr = CheckpointManager(root, keep_last=4)
+        for step in (1, 2, 3):  # like ZeRO-3: each rank its own shard
+            mgr.save(step, step, lambda d, step=step: torch.save({"w": torch.full((64,), float(step))},
+                                                                 d / f"shard-rank{rank}.pt"))
+        if rank == 0:  # a same-size corruption of step 3 in the file rank 1 wrote
+            _flip_middle(Path(root, "step-00000003", "shard-rank1.pt"))
+        dist.barrier()
+        got["sha256"] = mgr.latest_valid(verify="sha256").step
+
+        def load(info) -> None:  # step 2 fails to load on rank 1 only
+            if rank == 1 and info.step == 2:
+                raise RuntimeError("rank 1's shard of step 2 does not unpickle")
+            torch.load(info.path / f"shard-rank{rank}.pt")
+
+        got["resume"] = mgr.resume(load).step
+
+        class Misconfigured(ValueError):
+            pass
+
+        def refuse_on_rank0(info) -> None:
+            if rank == 0:
+                raise Misconfigured("written under another mixer")
+
+        try:
+            mgr.resume(refuse_on_rank0, fatal=(Misconfigured,))
+        except Exception as e:  # raised on both ranks, no hang
+            got["fatal"] = f"{type(e).__name__}: {e}"
+    finally:
+        Path(root, f"got-rank{rank}.json").write_text(json.dumps(got))
+        dist.destroy_process_group()
+
+
+def test_two_ranks_gloo_agree_on_which_checkpoint_to_resume(tmp_path: Path) -> None:
+    root = tmp_path / "ck"
+    mp.spawn(_two_rank_resume_worker, args=(str(root), str(tmp_path / "pg_init")), nprocs=2, join=True)
+    got = [json.loads((root / f"got-rank{r}.json").read_text()) for r in (0, 1)]
+    assert [g["sha256"] for g in got] == [2, 2]  # step 3: rank 1 hashes the corrupt shard, rank 0 is told
+    assert [g["resume"] for g in got] == [1, 1]  # step 2 failed on rank 1: both ranks moved on
+    assert got[0]["fatal"] == "Misconfigured: written under another mixer"
+    assert got[1]["fatal"].startswith("CheckpointError: loading checkpoint ")
+    assert "stopped on another rank: rank 0: Misconfigured: written under another mixer" in got[1]["fatal"]
+    assert len([p for p in root.iterdir() if p.name.startswith("bad-step-00000002-")]) == 1
+    assert [s for s, _ in CheckpointManager(root).step_dirs()] == [1, 3]
 
 
 # ----------------------------------------------------------------------------------------- DeepSpeed ZeRO-3

@@ -47,6 +47,7 @@ from torch import nn
 from harness.checkpoint import CheckpointInfo, CheckpointManager, capture_rng, file_digest, restore_rng
 from harness.config import ConfigError, JobConfig
 from harness import preempt
+from harness.data.errors import DataError
 from harness.engine import decays
 from harness.files import atomic_file
 from harness.losses import alignment_loss
@@ -362,10 +363,15 @@ def _setup(job: JobConfig, stage: str, layers: list[int], gdir: Path, device: to
 
 
 def _restore(run: _Run) -> Optional[CheckpointInfo]:
-    """Load the newest valid checkpoint (weights, optimizer, schedule, data position, RNG), if any."""
-    latest = run.ckpts.latest_valid(collective=False)
-    if latest is None:
-        return None
+    """Load the newest checkpoint whose files match their sha256 and that loads (weights, optimizer, schedule, data
+    position, RNG), if any. A corrupt one is skipped, one that fails to load is moved aside to bad-step-*, each
+    with a CheckpointWarning, for the previous one (`CheckpointManager.resume`); one written by another run raises
+    ConfigError."""
+    return run.ckpts.resume(lambda found: _load(run, found), collective=False, fatal=(ConfigError, DataError))
+
+
+def _load(run: _Run, latest: CheckpointInfo) -> None:
+    """Load one checkpoint into the group's modules, optimizer, schedule, loader and the RNG."""
     _check_identity(latest.meta, run.identity, run.gdir)
     state = torch.load(latest.path / STATE, map_location="cpu", weights_only=True)
     try:
@@ -379,7 +385,6 @@ def _restore(run: _Run) -> Optional[CheckpointInfo]:
     run.loader.load_state_dict(state["data"])
     restore_rng(state["rng"])
     run.step, run.losses = latest.step, {int(k): v for k, v in latest.meta.get("losses", {}).items()}
-    return latest
 
 
 def _save(run: _Run) -> None:

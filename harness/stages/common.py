@@ -30,8 +30,9 @@ from typing import Any, Optional
 
 import torch
 
-from harness.checkpoint import CheckpointManager, load_rng, save_rng
+from harness.checkpoint import CheckpointInfo, CheckpointManager, restore_rng, rng_path, save_rng
 from harness.config import PER_LAYER as PER_LAYER_STAGES, ConfigError, JobConfig, auto_layer_count, auto_layer_measure
+from harness.data.errors import DataError
 from harness.engine import PlainEngine, all_reduce_host
 from harness.export import TAG
 
@@ -250,15 +251,32 @@ def step_means(sums: torch.Tensor, step_tokens: int) -> list[float]:
 
 
 def resume_checkpoint(ckpts: CheckpointManager, s_engine, loader) -> tuple[int, int]:
-    """Load the newest valid checkpoint (engine, loader position, RNG) if any; returns (step, tokens)."""
-    info = ckpts.latest_valid()
-    if info is None:
-        return 0, 0
+    """Load the newest checkpoint whose files match their sha256 and that loads on every rank (engine, loader
+    position, RNG), if any; returns (step, tokens), (0, 0) to start afresh.
+
+    A corrupt checkpoint is skipped, and one that fails to load is moved aside to bad-step-*, each with a
+    CheckpointWarning, for the previous one (`CheckpointManager.resume`); a checkpoint written under another
+    configuration (engine, world size, data) raises ConfigError / DataError instead."""
+    info = ckpts.resume(lambda found: load_checkpoint(found, s_engine, loader), fatal=(ConfigError, DataError))
+    return (info.step, info.tokens) if info is not None else (0, 0)
+
+
+def load_checkpoint(info: CheckpointInfo, s_engine, loader) -> None:
+    """Load one checkpoint into the engine, the loader and this rank's RNG. The configuration checks and the small
+    files (data.json, the RNG state) come first, so that most failures happen before the engine changes."""
     check_engine_matches(info.path, s_engine)
-    s_engine.load_checkpoint(str(info.path), tag=TAG)
+    world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
+    zero = getattr(s_engine, "zero_optimization", None)  # DeepSpeed's engine: the ZeRO stage (0: none)
+    if zero is not None and zero() and info.world_size != world:
+        raise ConfigError(f"checkpoint {info.path} was written by {info.world_size} process(es) and this run has "
+                          f"{world}: DeepSpeed cannot split ZeRO optimizer states anew. Resume with deepspeed."
+                          f"world_size={info.world_size}, or start the stage afresh in another run directory.")
     loader.load_state_dict(json.loads((info.path / "data.json").read_text()))
-    load_rng(info.path)
-    return info.step, info.tokens
+    rng = torch.load(rng_path(info.path), weights_only=True)
+    loaded = s_engine.load_checkpoint(str(info.path), tag=TAG)
+    if isinstance(loaded, tuple) and loaded[0] is None:  # DeepSpeed's "nothing there": a warning, no error
+        raise RuntimeError(f"DeepSpeed found no checkpoint to load in {info.path / TAG}")
+    restore_rng(rng)
 
 
 def check_engine_matches(checkpoint: Path, s_engine) -> None:
