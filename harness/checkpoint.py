@@ -54,6 +54,7 @@ TMP_PREFIX = ".tmp-"
 BAD_PREFIX = "bad-"  # a checkpoint that verified but failed to load, moved aside by `resume`
 _STEP_RE = re.compile(r"^step-(\d{8,})$")
 _CHUNK = 8 << 20
+FULL_BELOW = 64 << 20  # bytes free under which a failed write is reported as a full disk
 _AHEAD = 4  # chunks the kernel is asked to read ahead of the one being hashed
 
 Verify = Literal["size", "sha256"]
@@ -225,7 +226,10 @@ def disk_space(path: Path) -> str:
         usage = shutil.disk_usage(path if path.exists() else path.parent)
     except OSError as e:
         return f"free space unknown: {e}"
-    return f"{usage.free / 2**30:.1f} GiB free of {usage.total / 2**30:.1f} GiB on the file system of {path}"
+    text = f"{usage.free / 2**30:.1f} GiB free of {usage.total / 2**30:.1f} GiB on the file system of {path}"
+    if usage.free < FULL_BELOW:
+        text += ": the disk is full; make room (or raise the quota) and run the same command again to resume"
+    return text
 
 
 def _list_files(directory: Path) -> list[str]:

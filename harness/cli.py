@@ -51,12 +51,16 @@ def main(argv: Optional[list[str]] = None) -> int:
         return 2
     except Exception as err:  # user-facing errors of the data and teacher layers: the same contract
         from harness.assets import AssetError
+        from harness.checkpoint import CheckpointError
         from harness.data.errors import DataError
         from harness.teacher import TeacherLoadError
 
         if isinstance(err, (DataError, TeacherLoadError, AssetError)):
             print(f"error: {err}", file=sys.stderr)
             return 2
+        if isinstance(err, CheckpointError):  # a failed save (a full disk): the message says it all, no traceback
+            print(f"error: {err}", file=sys.stderr)
+            return 1
         raise
 
 

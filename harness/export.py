@@ -16,6 +16,7 @@ import json
 import os
 import secrets
 import shutil
+import socket
 import tempfile
 import time
 from pathlib import Path
@@ -53,7 +54,8 @@ def export_checkpoint(checkpoint: Path, dest: Path, merged: Path, *, force: bool
         raise RuntimeError(f"checkpoint {checkpoint} does not fit the student: missing {missing[:5]}, "
                            f"unexpected {unexpected[:5]}")
     dest.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.tmp-", dir=dest.parent))
+    remove_leftovers(dest)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.tmp-{_owner()}-", dir=dest.parent))
     try:
         student.save_pretrained(tmp)
         for name in merged.iterdir():  # the tokenizer files saved with the merged student
@@ -105,7 +107,7 @@ def swap_in(new: Path, dest: Path) -> None:
     the new one is in place, so that a crash leaves the old export or the new, never neither."""
     old = None
     if dest.exists():
-        old = dest.with_name(f".{dest.name}.replaced-{secrets.token_hex(4)}")
+        old = dest.with_name(f".{dest.name}.replaced-{_owner()}-{secrets.token_hex(4)}")
         os.rename(dest, old)
     try:
         os.rename(new, dest)
@@ -115,3 +117,32 @@ def swap_in(new: Path, dest: Path) -> None:
         raise
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
+
+
+def _owner() -> str:
+    """HOST-PID of this process, in the names of an export's temporary folders."""
+    return f"{socket.gethostname()}-{os.getpid()}"
+
+
+def remove_leftovers(dest: Path) -> list[Path]:
+    """Remove the temporary folders (`.NAME.tmp-HOST-PID-*`, `.NAME.replaced-HOST-PID-*`) that exports of `dest`
+    killed on this host left behind: those whose process is gone. Returns what was removed."""
+    host = socket.gethostname()
+    removed = []
+    for kind in ("tmp", "replaced"):
+        for path in dest.parent.glob(f".{dest.name}.{kind}-{host}-*"):
+            pid = path.name[len(f".{dest.name}.{kind}-{host}-"):].split("-", 1)[0]
+            if pid.isdigit() and not _alive(int(pid)):
+                shutil.rmtree(path, ignore_errors=True)
+                removed.append(path)
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True

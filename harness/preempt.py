@@ -96,6 +96,11 @@ def _requested_now() -> bool:
     return _signalled or bool(path and Path(path).exists())
 
 
+def pending() -> bool:
+    """Whether a request has arrived, without counting as a poll (`requested` does)."""
+    return _requested_now()
+
+
 def requested() -> bool:
     """Whether this process should checkpoint and stop (local view; see `agreed`). The first call marks the point
     from which a signal waits for the next poll instead of ending the process at once."""

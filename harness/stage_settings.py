@@ -21,6 +21,7 @@ import json
 import os
 import sys
 import time
+from dataclasses import is_dataclass
 from pathlib import Path
 from typing import Any, Iterable, Optional
 
@@ -48,17 +49,22 @@ REUSABLE_WORK = {
 
 
 def job_settings(job: JobConfig) -> dict[str, Any]:
-    """Every field of the resolved job as a flat {dotted key: value} (lists as lists, enums as their names)."""
+    """Every field of the resolved job as a flat {dotted key: value}: sections flattened, a free-form mapping
+    (student.options) kept whole as one value so that an option added or removed is a difference too, lists as
+    lists, enums as their names; the free parts of a mapping (FREE_KEYS, e.g. student.options.backend) left out."""
     from omegaconf import OmegaConf
 
     tree = OmegaConf.to_container(OmegaConf.structured(job), resolve=True, enum_to_str=True)
-    return dict(_flatten(tree))
+    return dict(_flatten(job, tree))
 
 
-def _flatten(tree: dict, prefix: str = "") -> Iterable[tuple[str, Any]]:
+def _flatten(node: Any, tree: dict, prefix: str = "") -> Iterable[tuple[str, Any]]:
     for key, value in tree.items():
-        if isinstance(value, dict) and value:
-            yield from _flatten(value, f"{prefix}{key}.")
+        child = getattr(node, key, None)
+        if is_dataclass(child):
+            yield from _flatten(child, value, f"{prefix}{key}.")
+        elif isinstance(value, dict):
+            yield f"{prefix}{key}", {k: v for k, v in value.items() if not is_free(f"{prefix}{key}.{k}")}
         else:
             yield f"{prefix}{key}", value
 
@@ -97,11 +103,28 @@ def has_reusable_work(run: Path, stage: str) -> bool:
     return any(next(Path(run).glob(pattern), None) is not None for pattern in REUSABLE_WORK[stage])
 
 
+UNSET = "(unset)"  # an option one side of a comparison does not give
+
+
 def differences(recorded: dict[str, Any], now: dict[str, Any]) -> dict[str, tuple[Any, Any]]:
-    """{key: (recorded, now)} for the keys both hold with different values. A key only one side holds is a field
+    """{key: (recorded, now)} for the keys both hold with different values; two mappings (student.options) are
+    compared per option, an option only one gives being UNSET on the other side. A key only one side holds is a field
     that a newer or older harness added or removed, not a change of the job."""
-    return {k: (recorded[k], now[k]) for k in sorted(recorded.keys() & now.keys())
-            if json.dumps(recorded[k], sort_keys=True) != json.dumps(now[k], sort_keys=True)}
+    changed: dict[str, tuple[Any, Any]] = {}
+    for key in sorted(recorded.keys() & now.keys()):
+        old, new = recorded[key], now[key]
+        if isinstance(old, dict) and isinstance(new, dict):
+            for sub in sorted(old.keys() | new.keys()):
+                a, b = old.get(sub, UNSET), new.get(sub, UNSET)
+                if _same(a, b) is False:
+                    changed[f"{key}.{sub}"] = (a, b)
+        elif not _same(old, new):
+            changed[key] = (old, new)
+    return changed
+
+
+def _same(a: Any, b: Any) -> bool:
+    return json.dumps(a, sort_keys=True) == json.dumps(b, sort_keys=True)
 
 
 def check_settings(job: JobConfig, stages: Iterable[str], *, write: bool = True) -> None:
@@ -176,7 +199,7 @@ def _changes(changed: dict[str, tuple[Any, Any]]) -> str:
 
 
 def _show(value: Any) -> str:
-    return json.dumps(value) if not isinstance(value, str) else value
+    return value if isinstance(value, str) else json.dumps(value)
 
 
 def _now() -> str:

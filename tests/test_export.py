@@ -75,3 +75,22 @@ def test_swap_in_replaces_the_old_export_only_once_the_new_one_is_in_place(tmp_p
     with pytest.raises(OSError):
         swap_in(again, dest)
     assert (dest / "new").read_text() == "new"
+
+
+def test_leftovers_of_a_killed_export_are_removed_but_not_a_live_ones(tmp_path):
+    import os
+    import socket
+    import subprocess
+
+    from harness.export import remove_leftovers
+
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    host = socket.gethostname()
+    gone = tmp_path / f".student.tmp-{host}-{dead.pid}-abcd"
+    live = tmp_path / f".student.tmp-{host}-{os.getpid()}-abcd"
+    other_host = tmp_path / f".student.replaced-elsewhere-{dead.pid}-abcd"
+    for p in (gone, live, other_host):
+        p.mkdir()
+    assert remove_leftovers(tmp_path / "student") == [gone]
+    assert live.is_dir() and other_host.is_dir() and not gone.exists()

@@ -159,3 +159,20 @@ def test_a_stage_killed_by_the_stop_signal_before_its_handler_counts_as_preempte
     flag.touch()
     assert type(stage_error("merge", -signal.SIGTERM, "see its log", marker)) is StagePreempted
     assert type(stage_error("merge", -signal.SIGKILL, "see its log", marker)) is StageFailed
+
+
+def test_a_rerun_with_other_eval_settings_rewrites_the_spec_so_the_evaluation_runs_again(tmp_path):
+    """A finished run's eval.yaml is written at the end of stage 3; a rerun of the finished run with another `eval:`
+    section must not find the old report newer than the old spec and call the evaluation done."""
+    from harness.eval.spec import write_eval_spec
+    from harness.launch.local import refresh_eval_spec
+
+    out = tmp_path / "run"
+    job = tiny_job(tmp_path, out, "eval.limit=4")
+    (out / "student").mkdir(parents=True)
+    spec = write_eval_spec(job, out / "student")
+    os.utime(spec, (1, 1))
+    refresh_eval_spec(job)
+    assert spec.stat().st_mtime == 1  # the same settings: left as it was
+    refresh_eval_spec(tiny_job(tmp_path, out, "eval.limit=8"))
+    assert spec.stat().st_mtime > 1 and "limit: 8" in spec.read_text()

@@ -41,8 +41,10 @@ def test_a_changed_setting_of_a_stage_with_work_is_refused_naming_key_and_values
     for stage in PIPELINE:
         finish(run, stage)
     with pytest.raises(ConfigError) as err:
-        check_settings(job_at(run, "stages.distill.lr=1e-2", "student.mixer=kda"), PIPELINE)
+        check_settings(job_at(run, "stages.distill.lr=1e-2", "student.mixer=kda", "student.options.rope=true"),
+                       PIPELINE)
     text = str(err.value)
+    assert "student.options.rope ((unset) recorded, true now)" in text
     assert "stages.distill.lr (0.0001 recorded, 0.01 now)" in text
     assert "student.mixer (gated_deltanet recorded, kda now)" in text
     assert "align_mixer differs" in text and "distill differs" in text
@@ -91,6 +93,9 @@ def test_each_stage_depends_only_on_its_own_and_the_shared_keys():
     assert "instructions.seq_len" in stage_settings(load_job(None, ["stages.distill.data=instructions"]), "distill")
     assert "data.seq_len" not in stage_settings(job, "sft") and "stages.sft.lr" in stage_settings(job, "sft")
     assert all(is_free(k) for k in ("run.keep_last", "eval.niah.lengths", "output_dir", "student.options.backend"))
+    options = stage_settings(load_job(None, ["student.options.rope=true", "student.options.backend=reference"]),
+                             "align_mixer")["student.options"]
+    assert options == {"rope": True}  # one value: an added option differs; the backend may change
     assert not any(is_free(k) for k in ("stages.distill.lr", "student.options.rope", "data.seq_len", "seed"))
 
 

@@ -115,6 +115,7 @@ import torch
 from tqdm.auto import tqdm
 
 from harness.config_choices import NeedleKind, NiahPrompt
+from harness.failpoints import failpoint
 from harness.files import atomic_write_text
 
 KINDS = NeedleKind.values()  # one definition with the job config's eval.niah.kinds
@@ -1008,6 +1009,7 @@ def run_niah(model: Any, tokenizer: Any, grid: NiahGrid, out_dir: str | os.PathL
         for batch in length_batches([k[1] for k in todo], generation_batch_size):
             for key, record in evaluate_samples(model, tokenizer, grid, [todo[i] for i in batch], records, device):
                 _append(out / CELLS_FILE, record)
+                failpoint("niah.sample_saved")  # tests/test_faults.py stops the evaluation here
                 records[key] = record
                 bar.update()
                 bar.set_postfix(length=key[1], **_tally(records, keys))

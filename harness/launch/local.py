@@ -162,12 +162,30 @@ def run_eval(job: JobConfig) -> None:
     """The evaluation job on the final student (logs/eval.log); skipped when its report is newer than the spec."""
     out = run_dir(job)
     spec, report = out / "eval.yaml", out / "eval" / "report.md"
+    refresh_eval_spec(job)
     if report.is_file() and report.stat().st_mtime >= spec.stat().st_mtime:
         print(f"[harness] eval: already complete, report in {report}", flush=True)
         return
     print(f"[harness] eval: {spec} (progress in {out / 'logs' / 'eval.log'})", flush=True)
     _run_logged(cli_command("eval", "job", str(spec)), out / "logs" / "eval.log", "eval")
     print(report.read_text(), flush=True)
+
+
+def refresh_eval_spec(job: JobConfig) -> None:
+    """Rewrite RUN_DIR/eval.yaml (and job.yaml) when the job's `eval:` section no longer gives the spec on disk: a
+    rerun of a finished run with other evaluation settings then evaluates again (reusing the results that still
+    apply) instead of reporting the old evaluation as done."""
+    from omegaconf import OmegaConf
+
+    from harness.eval.spec import spec_from_job, write_eval_spec
+
+    out = run_dir(job)
+    spec = out / "eval.yaml"
+    wanted = OmegaConf.to_yaml(OmegaConf.structured(spec_from_job(job, out / "student", out / "job.yaml")))
+    if spec.is_file() and spec.read_text() != wanted:
+        print("[harness] eval: the job's eval settings differ from RUN_DIR/eval.yaml; rewriting it, so the "
+              "evaluation runs again (finished results that still apply are reused)", flush=True)
+        write_eval_spec(job, out / "student")
 
 
 def loss_summary(job: JobConfig) -> str:

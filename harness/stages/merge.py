@@ -28,6 +28,7 @@ import torch
 from harness import preempt
 from harness.checkpoint import CheckpointManager, file_digest
 from harness.config import ConfigError, JobConfig
+from harness.failpoints import failpoint
 from harness.files import LockHeld, atomic_dir, file_lock, hold_lock
 from harness.mixers import resolved_options
 from harness.stages.align import check_made_under, find_group_weights, missing_error, read_layer_tensors
@@ -137,3 +138,4 @@ def _save_atomically(student: HarnessForCausalLM, tokenizer, record: dict, dest:
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
         (tmp / MERGE_JSON).write_text(json.dumps(record, indent=1))
+        failpoint("merge.saved")  # the folder is written, not yet renamed (tests/test_faults.py)
