@@ -92,7 +92,17 @@ def test_the_watch_puts_the_signal_handlers_back(tmp_path, monkeypatch):
     import signal
 
     monkeypatch.delenv("HARNESS_PREEMPT_FILE", raising=False)
-    before = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGUSR1)}
-    with exit_when_requested(poll_seconds=0.05):
-        assert all(signal.getsignal(sig) is not handler for sig, handler in before.items())
-    assert {sig: signal.getsignal(sig) for sig in before} == before
+    originals = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGUSR1)}
+
+    def mine(signum, frame):  # noqa: ARG001  (not preempt's: an earlier in-process stage may have left that one)
+        pass
+
+    try:
+        for sig in originals:
+            signal.signal(sig, mine)
+        with exit_when_requested(poll_seconds=0.05):
+            assert all(signal.getsignal(sig) is not mine for sig in originals)
+        assert all(signal.getsignal(sig) is mine for sig in originals)
+    finally:
+        for sig, handler in originals.items():
+            signal.signal(sig, handler)
