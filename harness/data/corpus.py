@@ -90,6 +90,9 @@ def prepare_corpus(data: Any, tokenizer: Any, *, seed: int = 0, max_positions: i
     stream_tokens: for data.streaming, how many tokens to read (prepare_job_corpus derives it from
     the budget). seed: the streaming shuffle buffer's seed. cache_dir: overrides data.cache_dir.
     """
+    if getattr(data, "mix", None):
+        raise DataError("data.mix is set: a mix is prepared for a job's budget (its generators are sized to it); use "
+                        "prepare_job_corpus(job, tokenizer).")
     check_seq_len(data.seq_len, max_positions)
     root = cache_root(cache_dir if cache_dir is not None else data.cache_dir)
     spec = parse_source(data.source, "data.source")
@@ -103,51 +106,19 @@ def prepare_corpus(data: Any, tokenizer: Any, *, seed: int = 0, max_positions: i
     store = build_store(spec, data, tokenizer, eos, root=root, seed=seed, target_tokens=target)
     train, validation = split_store(store, data.seq_len, held_out, spec)
     if val_spec is not None and n_val:
-        vstore = build_store(val_spec, data, tokenizer, eos, root=root, seed=seed,
-                             target_tokens=(n_val + 1) * data.seq_len)
-        if vstore.n_tokens < n_val * data.seq_len:
-            raise DataError(f"data.validation_source {val_spec.describe()} holds {vstore.n_tokens:,} tokens, fewer "
-                            f"than data.validation_tokens={data.validation_tokens:,} needs ({n_val} sequences of "
-                            f"{data.seq_len}).")
-        validation = PackedSplit(vstore, 0, n_val, data.seq_len, "validation")
+        validation = validation_split(val_spec, data, tokenizer, eos, root=root, seed=seed, n_val=n_val)
     return Corpus(data.source, data.seq_len, store, train, validation)
 
 
-def prepare_job_corpus(job: Any, tokenizer: Any, *, max_positions: int | None = None,
-                       cache_dir: str | os.PathLike[str] | None = None, check: bool = True) -> Corpus:
-    """prepare_corpus for a whole job: streams read what the budget needs; the budget is checked.
-
-    Raises DataError when the stages need a repeat and data.allow_repeat is off (unless check=False).
-    """
-    from harness.config import plan_stages, reads_instructions
-
-    needed = sum(p.steps * p.tokens_per_step for p in plan_stages(job) if not reads_instructions(job, p.stage))
-    corpus = prepare_corpus(job.data, tokenizer, seed=int(job.seed), max_positions=max_positions,
-                            stream_tokens=needed, cache_dir=cache_dir)
-    if check:
-        corpus.budget(job).check()
-    return corpus
-
-
-def prepare_summary(job: Any, tokenizer: Any, *, max_positions: int | None = None,
-                    cache_dir: str | os.PathLike[str] | None = None) -> str:
-    """What `harness data prepare JOB` prints: prepares the job's corpus, describes it and its budget.
-
-    Raises DataError carrying the same text when the budget needs a repeat that is not allowed.
-    """
-    corpus = prepare_job_corpus(job, tokenizer, max_positions=max_positions, cache_dir=cache_dir, check=False)
-    report = corpus.budget(job)
-    text = f"{corpus.describe()}\n{report.format()}"
-    if "embedded:mixed" in (job.data.source, job.data.validation_source):
-        from harness.data.mixed import mixed_summary
-
-        root = cache_root(cache_dir if cache_dir is not None else job.data.cache_dir)
-        text = f"{mixed_summary(root)}\n{text}"
-    try:
-        report.check()
-    except DataError as err:
-        raise DataError(f"{text}\n\n{err}") from None
-    return text
+def validation_split(val_spec: SourceSpec, data: Any, tokenizer: Any, eos: tuple[str, int], *, root: Path, seed: int,
+                     n_val: int) -> PackedSplit:
+    """The first `n_val` sequences of data.validation_source (`val_spec`); DataError when it holds fewer tokens."""
+    vstore = build_store(val_spec, data, tokenizer, eos, root=root, seed=seed, target_tokens=(n_val + 1) * data.seq_len)
+    if vstore.n_tokens < n_val * data.seq_len:
+        raise DataError(f"data.validation_source {val_spec.describe()} holds {vstore.n_tokens:,} tokens, fewer "
+                        f"than data.validation_tokens={data.validation_tokens:,} needs ({n_val} sequences of "
+                        f"{data.seq_len}).")
+    return PackedSplit(vstore, 0, n_val, data.seq_len, "validation")
 
 
 def check_seq_len(seq_len: int, max_positions: int | None) -> None:

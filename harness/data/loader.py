@@ -10,7 +10,8 @@ The whole state is `consumed` (plus identity checks): `state_dict()` after step 
 same on every rank. `load_state_dict` resumes at the next position, so no sample is seen twice or
 skipped; the geometry may even change between runs (positions are global).
 Batches are built on the calling thread from a memory map (no worker processes, no prefetch), so a
-state saved after a step counts exactly the batches that step used.
+state saved after a step counts exactly the batches that step used. The loader asks its stream for the
+batch at given positions (`stream.batch`), so a data.mix stream (harness.data.mix) resumes the same way.
 """
 
 from __future__ import annotations
@@ -49,12 +50,21 @@ class StageStream:
         return self._order
 
     @property
+    def seq_len(self) -> int:
+        return self.split.seq_len
+
+    @property
     def num_tokens(self) -> int:
         return self.length * self.split.seq_len
 
     def indices(self, positions: np.ndarray) -> np.ndarray:
         """Training-split indices (int64) at absolute stream `positions` (int64)."""
         return self.order.indices(positions)
+
+    def batch(self, positions: np.ndarray) -> dict[str, torch.Tensor]:
+        """The sequences at absolute stream `positions` as a batch (harness.data.packing.PackedSplit.batch).
+        A data.mix stream (harness.data.mix.MixedStageStream) has the same interface."""
+        return self.split.batch(self.indices(positions))
 
     def loader(self, rank: int, world: int, micro_batch_size: int, grad_accum: int = 1) -> "PackedLoader":
         return PackedLoader(self, rank, world, micro_batch_size, grad_accum)
@@ -92,7 +102,7 @@ class PackedLoader:
             raise StopIteration
         b = self.micro_batch_size
         positions = self.stream.start + self.consumed + self.rank * b + np.arange(b, dtype=np.int64)
-        batch = self.stream.split.batch(self.stream.indices(positions))
+        batch = self.stream.batch(positions)
         batch["stream_position"] = torch.from_numpy(positions)
         self.consumed += self.per_micro_step
         return batch
@@ -106,12 +116,12 @@ class PackedLoader:
     @property
     def tokens_consumed(self) -> int:
         """Tokens handed out on all ranks together since the stage began (exact: no padding)."""
-        return self.consumed * self.stream.split.seq_len
+        return self.consumed * self.stream.seq_len
 
     @property
     def tokens_total(self) -> int:
         """Tokens the stage reads in its whole steps, all ranks."""
-        return self.limit * self.stream.split.seq_len
+        return self.limit * self.stream.seq_len
 
     @property
     def step(self) -> int:
@@ -123,7 +133,7 @@ class PackedLoader:
         """The loader's position and the identity of what it reads; the same on every rank."""
         s = self.stream
         return {"version": STATE_VERSION, "stage": s.stage, "corpus": s.corpus_fingerprint, "seed": s.seed,
-                "seq_len": s.split.seq_len, "start": s.start, "length": s.length,
+                "seq_len": s.seq_len, "start": s.start, "length": s.length,
                 "consumed_sequences": self.consumed, "tokens_consumed": self.tokens_consumed,
                 "world": self.world, "micro_batch_size": self.micro_batch_size, "grad_accum": self.grad_accum}
 
@@ -131,7 +141,7 @@ class PackedLoader:
         """Resume after the position in `state`; raise DataError if it was saved for other data."""
         s = self.stream
         expected = {"version": STATE_VERSION, "stage": s.stage, "corpus": s.corpus_fingerprint, "seed": s.seed,
-                    "seq_len": s.split.seq_len, "start": s.start, "length": s.length}
+                    "seq_len": s.seq_len, "start": s.start, "length": s.length}
         wrong = {k: (state.get(k), v) for k, v in expected.items() if state.get(k) != v}
         if wrong:
             detail = "; ".join(f"{k}: saved {a!r}, now {b!r}" for k, (a, b) in wrong.items())

@@ -96,6 +96,10 @@ def parse_source(source: str, key: str = "data.source") -> SourceSpec:
             raise DataError(f"{key}='{source}': unknown embedded subset '{subset}'. Subsets: "
                             f"{', '.join('embedded:' + s for s in EMBEDDED_SUBSETS)}.")
         return SourceSpec("embedded", subset)
+    if source.startswith("generator:"):
+        raise DataError(f"{key}='{source}': a generator is a source of data.mix only, where it is mixed with natural "
+                        f"text, e.g. data.mix=[{{source: embedded, weight: 0.9}}, {{source: '{source}', weight: 0.1}}] "
+                        "(docs/DATA.md, 'Data mixtures').")
     if source.startswith("hub:"):
         return SourceSpec("hub", source[4:])
     expanded = os.path.expanduser(source)
