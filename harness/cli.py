@@ -354,6 +354,10 @@ def cmd_info(args: argparse.Namespace) -> int:
     print(f"  {'stage':<14}{'tokens':>16}{'tokens/step':>14}{'steps':>10}{'warmup':>8}")
     for p in plan_stages(job):
         print(f"  {p.stage:<14}{p.tokens:>16,}{p.tokens_per_step:>14,}{p.steps:>10,}{p.warmup_steps:>8,}")
+    if job.data.mix:
+        from harness.data.mix import plan_summary
+
+        print("\n" + plan_summary(job))
     return 0
 
 

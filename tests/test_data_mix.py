@@ -442,3 +442,12 @@ def test_generator_registry_and_docs_agree():
         assert f"generator:{name}" in readme
         for opt in cls.Options.__dataclass_fields__:
             assert f"`{opt}`" in readme, (name, opt)
+
+
+def test_harness_info_prints_the_mix_plan(capsys):
+    from harness.cli import main
+
+    assert main(["info", "jobs/quickstart.yaml", "data.mix=[{source: embedded, weight: 0.9}, "
+                 "{source: 'generator:kv_recall', weight: 0.1}]"]) == 0
+    out = capsys.readouterr().out
+    assert "# data mix plan" in out and "generator:kv_recall" in out and "10.00%" in out
