@@ -9,7 +9,7 @@ from typing import Any
 
 from harness.config import ConfigError
 
-EVAL_SUBCOMMANDS = ("job", "niah", "bench", "ppl", "marks")
+EVAL_SUBCOMMANDS = ("job", "niah", "bench", "ppl", "marks", "state", "copy")
 
 EVAL_DESCRIPTION = """\
 Evaluate students and teachers. The evaluation job runs everything a spec asks:
@@ -23,6 +23,8 @@ or one evaluation on any model (a student folder, or a teacher: HF folder, .gguf
   harness eval niah runs/quickstart/student --lengths 256,1024 --samples 2 --out /tmp/niah
   harness eval bench runs/quickstart/student --tasks piqa,arc_easy --limit 50 --out /tmp/bench
   harness eval ppl smollm2-135m-instruct-gguf --text notes.txt --seq-len 1024
+  harness eval copy smollm2-135m-instruct-gguf --lengths 64,256 --induction --out /tmp/copy
+  harness eval state runs/quickstart/student --length 2048 --distances 32,128,512,1024 --out /tmp/state
 
 Every evaluation resumes: re-run the same command after an interruption and finished parts are kept.
 """
@@ -106,6 +108,67 @@ def add_parsers(sub: Any) -> None:
     ppl.add_argument("--seq-len", type=int, default=2048, help="Window length for --text.")
     ppl.add_argument("--max-tokens", type=int, default=None, help="Score at most this many tokens.")
     ppl.set_defaults(handler=cmd_eval_ppl)
+
+    state = ev_sub.add_parser("state", help="State saturation: a student's recurrent state along the context, and "
+                              "retrieval against needle-question distance.",
+                              description="Per mixer layer, the Frobenius norm and effective rank of the recurrent "
+                              "state after p tokens of held-out prose (students), and NIAH retrieval (exact match and "
+                              "likelihood, 95% intervals) against the distance between needle and question (students "
+                              "and teachers); writes state.json, state_retrieval.jsonl (resumable), state.md and "
+                              "state_curves.png (harness/eval/state.py defines the measures).",
+                              epilog="examples:\n  harness eval state runs/quickstart/student --length 2048 "
+                              "--distances 32,128,512,1024,1536 --out /tmp/state\n  harness eval state "
+                              "smollm2-135m-instruct-gguf --length 2048 --out /tmp/state-teacher   # retrieval only",
+                              formatter_class=argparse.RawDescriptionHelpFormatter)
+    _model_args(state)
+    state.add_argument("--length", type=int, default=2048, help="Tokens per state sequence and per retrieval prompt.")
+    state.add_argument("--positions", default="", help="Token counts after which the state is read (default: powers "
+                       "of two up to --length, and --length).")
+    state.add_argument("--every", type=int, default=0, help="Also read the state every N tokens (0: off).")
+    state.add_argument("--sequences", type=int, default=4, help="Prose windows the state measures are averaged over.")
+    state.add_argument("--text", default="essays", help="essays, wikipedia, or a .txt/.jsonl file.")
+    state.add_argument("--distances", default="32,128,512,1024,1536",
+                       help="Prose tokens between the needle's end and the question.")
+    state.add_argument("--kinds", default="passkey,kv", help="Needle kinds: passkey, uuid, kv.")
+    state.add_argument("--samples", type=int, default=10, help="Retrieval prompts per (kind, distance).")
+    state.add_argument("--prompt", default="plain", choices=("plain", "chat", "auto"),
+                       help="Question framing, as for niah.")
+    state.add_argument("--distractors", type=int, default=9, help="Values the likelihood score ranks each needle's "
+                       "value against (chance: 1 / (1 + distractors)).")
+    state.add_argument("--max-new-tokens", type=int, default=24, help="Generation budget per retrieval sample.")
+    state.add_argument("--generation-batch-size", type=int, default=1, help=GENERATION_BATCH_HELP)
+    state.add_argument("--no-retrieval", dest="retrieval", action="store_false", help="Only the state curve.")
+    state.add_argument("--overwrite", action="store_true", help="Start the retrieval records over.")
+    state.set_defaults(handler=cmd_eval_state)
+
+    cp = ev_sub.add_parser("copy", help="In-context copying: copy accuracy on repeated random tokens, induction "
+                           "per layer.",
+                           description="Random token sequences shown twice (with --gap random tokens between the "
+                           "copies): teacher-forced greedy accuracy on the second copy (copy_acc; copy_acc_after_first "
+                           "without its first token), per length with 95% bootstrap intervals over sequences, and "
+                           "with --induction each layer's induction score (attention mass, or share of a mixer's "
+                           "absolute mixing weight, on the token after the previous occurrence of the query's "
+                           "token). Writes copy.json and copy_sequences.jsonl (resumable); harness/eval/copy.py "
+                           "defines the measures.",
+                           epilog="examples:\n  harness eval copy smollm2-135m-instruct-gguf --lengths 64 --induction "
+                           "--out /tmp/copy-teacher\n  harness eval copy runs/quickstart/student --lengths "
+                           "64,256,1024,2048 --gap 16 --out /tmp/copy-student",
+                           formatter_class=argparse.RawDescriptionHelpFormatter)
+    _model_args(cp)
+    cp.add_argument("--lengths", default="64,256,1024,2048", help="Sequence lengths in tokens (each shown twice).")
+    cp.add_argument("--gap", type=int, default=0, help="Random filler tokens between the two copies.")
+    cp.add_argument("--sequences", type=int, default=8, help="Random sequences per length.")
+    cp.add_argument("--token-range", default="1000:20000", metavar="LOW:HIGH",
+                    help="Token ids drawn from [LOW, HIGH), HIGH clipped to the vocabulary (default 1000:20000: no "
+                    "special or byte tokens).")
+    cp.add_argument("--seed", type=int, default=0, help="Seeds the sequences.")
+    cp.add_argument("--induction", action="store_true", help="Also each layer's induction score (lengths up to "
+                    "--induction-max-length).")
+    cp.add_argument("--induction-max-length", type=int, default=512, help="Longest length scored for induction "
+                    "(mixing matrices are T x T per head).")
+    cp.add_argument("--batch-size", type=int, default=4, help="Prompts per forward pass.")
+    cp.add_argument("--overwrite", action="store_true", help="Start over instead of resuming.")
+    cp.set_defaults(handler=cmd_eval_copy)
 
     marks = ev_sub.add_parser("marks", help="Evaluate the snapshots stage 3 marked (eval.every_tokens).",
                               description="Evaluate every pending snapshot of a run (RUN_DIR/eval/pending) with "
@@ -298,6 +361,51 @@ def cmd_eval_ppl(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_eval_state(args: argparse.Namespace) -> int:
+    from harness.eval.state import StateConfig, evaluate_state, markdown
+
+    check_model_arg(args.model)
+    try:
+        cfg = StateConfig(text=args.text, length=args.length, positions=_list(args.positions, int, "positions"),
+                          every=args.every, sequences=args.sequences, retrieval=args.retrieval,
+                          distances=_list(args.distances, int, "distances"), kinds=_list(args.kinds, str, "kinds"),
+                          samples=args.samples, prompt=args.prompt, distractors=args.distractors,
+                          max_new_tokens=args.max_new_tokens, generation_batch_size=args.generation_batch_size)
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
+    model, tokenizer, device = load_any(args)
+    out = _out(args, "state")
+    result = evaluate_state(model, tokenizer, cfg, out, device=device, label=_label(args), overwrite=args.overwrite)
+    print(markdown(result))
+    print(f"[harness] state and retrieval curves in {out}")
+    return 0
+
+
+def cmd_eval_copy(args: argparse.Namespace) -> int:
+    from harness.eval.copy import CopyConfig, CopyError, evaluate_copy, markdown
+
+    check_model_arg(args.model)
+    low, colon, high = args.token_range.partition(":")
+    if not (colon and low.strip().isdigit() and high.strip().isdigit()):
+        raise ConfigError(f"Bad --token-range '{args.token_range}': give LOW:HIGH, two token ids with LOW < HIGH, "
+                          "e.g. --token-range 1000:20000.")
+    try:
+        cfg = CopyConfig(lengths=_list(args.lengths, int, "lengths"), gap=args.gap, sequences=args.sequences,
+                         token_low=int(low), token_high=int(high), seed=args.seed, induction=args.induction,
+                         induction_max_length=args.induction_max_length, batch_size=args.batch_size)
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
+    model, tokenizer, device = load_any(args)
+    out = _out(args, "copy")
+    try:
+        result = evaluate_copy(model, tokenizer, cfg, out, device=device, label=_label(args), overwrite=args.overwrite)
+    except CopyError as err:
+        raise ConfigError(str(err)) from None
+    print(markdown(result))
+    print(f"[harness] copy results in {out / 'copy.json'}")
+    return 0
+
+
 def cmd_eval_marks(args: argparse.Namespace) -> int:
     from harness.eval.during import evaluate_pending
 
@@ -313,6 +421,7 @@ def cmd_report(args: argparse.Namespace) -> int:
     from harness.eval.history import load_histories
     from harness.eval.report import (attach_training, compare, comparison_markdown, find_report, markdown,
                                      with_heldout_window)
+    from harness.eval.tasks import tasks
 
     reports, paths, with_history = [], [], []
     for path in args.runs:
@@ -332,8 +441,8 @@ def cmd_report(args: argparse.Namespace) -> int:
     if len(reports) > 1:
         written = compare(reports, out, paired)
         print(comparison_markdown(reports, paired))
-        plots = ["recovery.png", "niah_by_length.png"] + (["loss_curves.png"] if any(r.get("training") for r in reports)
-                                                          else [])
+        plots = (["recovery.png"] + [name for task in tasks() for name in task.plots]
+                 + (["loss_curves.png"] if any(r.get("training") for r in reports) else []))
         print(f"[harness] comparison: {written} (plots: {', '.join(plots)})")
     if with_history:
         print(_history_views(load_histories(with_history), out, args.plateau_threshold))
