@@ -11,7 +11,9 @@
     scale_report(points, out_dir)           -> out_dir/scaling.json and out_dir/scaling.png
 
 A history is the list of entries of harness.eval.history.read_history; each entry carries the report of
-harness.eval.report.build_report. Metrics are read from it as in METRICS. Recovery comes in two kinds:
+harness.eval.report.build_report. Metrics are read from it as in METRICS: the recovery table's averages here, and
+each registered evaluation task's scalars (harness.eval.tasks: EvalTask.curves, e.g. niah_overall, perplexity),
+asked of the registry when read. Recovery comes in two kinds:
 "average_recovery_norm", the chance-normalised average (harness.eval.recovery; the figure to fit), and
 "average_recovery", the raw ratio student / teacher, still read from every report (reports written before the
 normalised one existed have only this).
@@ -24,40 +26,50 @@ import math
 from pathlib import Path
 from typing import Any, Callable, Mapping, Optional, Sequence
 
+from harness.eval.tasks import Curve, tasks
+
 PER = 1e9  # plateau thresholds are gains per billion tokens
 
-def _niah_likelihood(report: dict, side: str) -> Optional[float]:
-    """The overall NIAH likelihood score of a report's side; None for reports made before it."""
-    niah = (report.get("niah") or {}).get(side) or {}
-    return (niah.get("likelihood") or {}).get("overall")
-
-
-METRICS: dict[str, tuple[Callable[[dict], Any], str, bool]] = {
-    # name: (value from a report, axis label, higher is better)
-    "average_recovery_norm": (lambda r: (r.get("average") or {}).get("recovery_norm"),
-                              "average chance-normalised recovery (1.0 = teacher)", True),
-    "average_recovery": (lambda r: (r.get("average") or {}).get("recovery"),
-                         "average teacher recovery (1.0 = teacher)", True),
-    "average_score": (lambda r: (r.get("average") or {}).get("student"), "average benchmark score", True),
-    "niah_overall": (lambda r: ((r.get("niah") or {}).get("student") or {}).get("overall"),
-                     "NIAH accuracy (overall)", True),
-    "niah_recovery": (lambda r: (r.get("niah") or {}).get("recovery"), "NIAH recovery (1.0 = teacher)", True),
-    "niah_likelihood": (lambda r: _niah_likelihood(r, "student"), "NIAH likelihood: true value first (overall)", True),
-    "perplexity": (lambda r: (r.get("perplexity") or {}).get("student"), "held-out perplexity", False),
-    "perplexity_ratio": (lambda r: (r.get("perplexity") or {}).get("ratio"),
-                         "perplexity ratio (student / teacher)", False),
-}
-TEACHER: dict[str, Callable[[dict], Any]] = {  # the teacher's value of a metric, drawn as a reference line
-    "average_recovery_norm": lambda r: 1.0,
-    "average_recovery": lambda r: 1.0,
-    "average_score": lambda r: (r.get("average") or {}).get("teacher"),
-    "niah_overall": lambda r: ((r.get("niah") or {}).get("teacher") or {}).get("overall"),
-    "niah_recovery": lambda r: 1.0,
-    "niah_likelihood": lambda r: _niah_likelihood(r, "teacher"),
-    "perplexity": lambda r: (r.get("perplexity") or {}).get("teacher"),
-    "perplexity_ratio": lambda r: 1.0,
+RECOVERY_CURVES: dict[str, Curve] = {  # the recovery table's averages; the tasks add their own (EvalTask.curves)
+    "average_recovery_norm": Curve(lambda r: (r.get("average") or {}).get("recovery_norm"),
+                                   "average chance-normalised recovery (1.0 = teacher)", True, lambda r: 1.0),
+    "average_recovery": Curve(lambda r: (r.get("average") or {}).get("recovery"),
+                              "average teacher recovery (1.0 = teacher)", True, lambda r: 1.0),
+    "average_score": Curve(lambda r: (r.get("average") or {}).get("student"), "average benchmark score", True,
+                           lambda r: (r.get("average") or {}).get("teacher")),
 }
 POWER_LAW = "1 - r = a * N^(-alpha)"
+
+
+def all_curves() -> dict[str, Curve]:
+    """Every metric a history may be drawn in: the recovery averages, then each registered task's."""
+    return {**RECOVERY_CURVES, **{name: c for task in tasks() for name, c in task.curves().items()}}
+
+
+def default_metrics() -> tuple[str, ...]:
+    """What `curves_report` draws by default: the recovery averages and each task's default curves."""
+    return (*RECOVERY_CURVES, *(name for task in tasks() for name in task.default_curves()))
+
+
+class _CurveView(Mapping):
+    """A read-only {metric: pick(curve)} over `all_curves()`, asked of the registry at every read."""
+
+    def __init__(self, pick: Callable[[Curve], Any]) -> None:
+        self._pick = pick
+
+    def __getitem__(self, metric: str) -> Any:
+        return self._pick(all_curves()[metric])
+
+    def __iter__(self):
+        return iter(all_curves())
+
+    def __len__(self) -> int:
+        return len(all_curves())
+
+
+METRICS: Mapping[str, tuple[Callable[[dict], Any], str, bool]] = _CurveView(
+    lambda c: (c.value, c.label, c.higher_is_better))  # name: (value from a report, axis label, higher is better)
+TEACHER: Mapping[str, Callable[[dict], Any]] = _CurveView(lambda c: c.teacher)  # the teacher's value: a reference
 
 
 def _metric(metric: str) -> tuple[Callable[[dict], Any], str, bool]:
@@ -282,7 +294,7 @@ def plot_against_tokens(histories: Mapping[str, Sequence[dict]], metric: str, pa
                 ax.plot([at / scale], [vs[ts.index(at)]], marker="*", markersize=12, color=line.get_color(),
                         linestyle="none", label=f"plateau {at / scale:.3g}{unit}")
     _teacher_lines(ax, histories, metric)
-    if metric == "perplexity":
+    if all_curves()[metric].log_scale:
         from matplotlib.ticker import FuncFormatter
 
         ax.set_yscale("log")
@@ -355,13 +367,12 @@ def plot_against_scale(points: Mapping[str, Sequence[tuple[float, float]]], path
 
 def curves_report(histories: Mapping[str, Sequence[dict]], out_dir: str | Path,
                   threshold: Optional[float | Mapping[str, float]] = None, *, smooth: bool = False,
-                  metrics: Sequence[str] = ("average_recovery_norm", "average_recovery", "average_score",
-                                            "niah_overall", "perplexity"),
-                  ) -> dict:
+                  metrics: Optional[Sequence[str]] = None) -> dict:
     """out_dir/curves.json and out_dir/curve_<metric>.png for every metric some run has; returns the json's dict.
 
-    `threshold` is the plateau threshold, a gain per 1e9 tokens in each metric's units: one number for all
-    metrics, a {metric: threshold} mapping, or None (no plateaus). curves.json:
+    `metrics`: None draws `default_metrics()`. `threshold` is the plateau threshold, a gain per 1e9 tokens in
+    each metric's units: one number for all metrics, a {metric: threshold} mapping, or None (no plateaus).
+    curves.json:
 
         {"threshold_per_billion": {metric: thr|null}, "smooth": bool, "plateau_definition": str,
          "runs": {run: {"mixer": str|null, "metrics": {metric: {"tokens": [...], "values": [...],
@@ -370,6 +381,7 @@ def curves_report(histories: Mapping[str, Sequence[dict]], out_dir: str | Path,
     """
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
+    metrics = default_metrics() if metrics is None else tuple(metrics)
     thresholds = {m: _threshold_for(threshold, m) for m in metrics}
     runs: dict[str, dict] = {}
     for name, history in histories.items():

@@ -8,8 +8,9 @@ Stage 3 (rank 0), when its token count crosses a multiple N of eval.every_tokens
        (same partition and account, one GPU if stage 3 has GPUs) when stage 3 runs under Slurm, else as a
        background process on the CPU, or on GPU $HARNESS_EVAL_GPU when set (training holds the others).
 The evaluator (`evaluate_pending`) takes a lock, evaluates every pending mark with the small grid of
-RUN_DIR/eval-during.yaml (results in RUN_DIR/eval/during/tokens-N/), appends the report to
-RUN_DIR/eval/history.jsonl, clears the mark and (unless eval.during.keep_snapshots) deletes the snapshot.
+RUN_DIR/eval-during.yaml (each task's own, harness.eval.tasks: EvalTask.for_during; results in
+RUN_DIR/eval/during/tokens-N/), appends the report to RUN_DIR/eval/history.jsonl, clears the mark and (unless
+eval.during.keep_snapshots) deletes the snapshot.
 A crash anywhere leaves the mark, so the next evaluator picks it up; a resumed stage 3 does not mark a count
 twice (`history.handled_tokens`). `harness report` draws the history against tokens (harness.eval.curves).
 """
@@ -37,22 +38,21 @@ def snapshot_dir(run_dir: Path, tokens: int) -> Path:
 
 
 def write_during_spec(job, run_dir: Path) -> Path:
-    """RUN_DIR/eval-during.yaml: the job's eval.during grid (its checkpoint is filled in per snapshot)."""
+    """RUN_DIR/eval-during.yaml: the job's evaluation spec set to each task's small grid of eval.during
+    (EvalTask.for_during: fewer benchmarks and examples, NIAH lengths and samples, perplexity tokens; no chat samples,
+    nor by default any other task); its checkpoint is filled in per snapshot."""
     from omegaconf import OmegaConf
 
-    from harness.config import NiahConfig
     from harness.eval.spec import spec_from_job
+    from harness.eval.tasks import tasks
 
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     job_yaml = run_dir / "job.yaml"
     job_yaml.write_text(OmegaConf.to_yaml(OmegaConf.structured(job)))
-    during = job.eval.during
     spec = spec_from_job(job, run_dir / "merged", job_yaml)
-    spec.tasks, spec.limit, spec.perplexity_tokens = list(during.tasks), during.limit, during.perplexity_tokens
-    spec.chat_samples = False
-    spec.niah = NiahConfig(**{**OmegaConf.to_container(OmegaConf.structured(job.eval.niah)),
-                              "lengths": list(during.niah_lengths), "samples": during.niah_samples})
+    for task in tasks():
+        task.for_during(spec, job.eval.during)
     spec.output_dir = str((history.eval_dir(run_dir) / "during").resolve())
     spec.teacher_cache = str((history.eval_dir(run_dir) / "during" / "teacher").resolve())
     path = run_dir / DURING_SPEC

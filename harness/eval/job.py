@@ -1,17 +1,19 @@
 """The evaluation job: `harness eval RUN_DIR/eval.yaml` runs what the spec asks on the student and its teacher.
 
-For each model (the student, then the teacher unless the spec has none) it runs, in this order and each only if
-asked: perplexity on the run's held-out text, the NIAH grid, the lm-eval tasks. Results land in
+For each model (the student, then the teacher unless the spec has none) it runs every registered evaluation task
+(harness.eval.tasks) that the spec asks for and that runs on that side, cheap ones first: by default the
+held-out perplexity, the NIAH grid, the chat samples, the lm-eval tasks. Results land in
 
-    OUTPUT_DIR/student/      perplexity.json, niah.json (+ .csv, heatmap, niah_cells.jsonl), bench.json
+    OUTPUT_DIR/student/      perplexity.json, niah.json (+ .csv, heatmap, niah_cells.jsonl), bench.json, ...
     TEACHER_DIR/             the same for the teacher (TEACHER_DIR: see `teacher_results_dir`)
-    OUTPUT_DIR/report.md     teacher recovery, NIAH by length, perplexity (harness.eval.report)
+    OUTPUT_DIR/report.md     teacher recovery, NIAH by length, perplexity, ... (harness.eval.report)
     OUTPUT_DIR/report.json
 
-Everything resumes: NIAH samples and benchmark tasks already on disk are kept, perplexity is recomputed only if
-its settings changed; so a killed or preempted evaluation re-run with the same command finishes the rest.
-The teacher's results depend only on the teacher and the settings, so runs sharing a teacher can share them
-through `teacher_cache` (the study does): the first run computes them, the others reuse them.
+Everything resumes: each task keeps what it finished (NIAH samples and benchmark tasks already on disk are kept,
+perplexity is recomputed only if its settings changed); so a killed or preempted evaluation re-run with the same
+command finishes the rest. The teacher's results depend only on the teacher and the settings, so runs sharing a
+teacher can share them through `teacher_cache` (the study does): the first run computes them, the others reuse
+them. A task whose teacher results may not be shared (EvalTask.teacher_shared) keeps them in OUTPUT_DIR/teacher.
 """
 
 from __future__ import annotations
@@ -20,14 +22,14 @@ import hashlib
 import json
 from contextlib import nullcontext
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 import torch
 
+from harness.eval.formatting import PERPLEXITY_FILE  # noqa: F401  (scripts/study_seed.py reads it from here)
 from harness.eval.spec import EvalSpec
-from harness.files import atomic_write_text, file_lock
-
-PERPLEXITY_FILE = "perplexity.json"
+from harness.eval.tasks import EvalTask, tasks, tasks_in_run_order
+from harness.files import file_lock
 
 
 def resolve(spec: EvalSpec) -> tuple[torch.device, torch.dtype]:
@@ -58,21 +60,14 @@ def teacher_results_dir(spec: EvalSpec) -> Path:
 
 
 def teacher_cache_key(spec: EvalSpec) -> dict:
-    """What names a teacher's cached results (teacher_results_dir hashes it); only "perplexity" depends on the data."""
-    return {
-        "teacher": spec.teacher, "num_layers": spec.teacher_num_layers, "dtype": spec.dtype, "limit": spec.limit,
-        "haystack": spec.niah.haystack, "prompt": spec.niah.prompt, "perplexity": _perplexity_settings(spec),
-    }
-
-
-def _perplexity_settings(spec: EvalSpec) -> Optional[dict]:
-    """What the held-out perplexity depends on: the job's data section and the token count (None: skipped)."""
-    if spec.job is None or spec.perplexity_tokens == 0:
-        return None
-    from omegaconf import OmegaConf
-
-    data = OmegaConf.to_container(OmegaConf.load(spec.job).get("data", {}), resolve=False)
-    return {"data": data, "tokens": spec.perplexity_tokens}
+    """What names a teacher's cached results (teacher_results_dir hashes it): the teacher, its layers and dtype, and
+    what each task's teacher results depend on beyond its own files' checks (EvalTask.cache_key: the benchmark
+    limit, the NIAH prose and prompt mode, the perplexity's text; only "perplexity" depends on the data)."""
+    key = {"teacher": spec.teacher, "num_layers": spec.teacher_num_layers, "dtype": spec.dtype}
+    for task in tasks():
+        if task.runs_on("teacher") and task.teacher_shared:
+            key.update(task.cache_key(spec))
+    return key
 
 
 def load_student(spec: EvalSpec, device: torch.device, dtype: torch.dtype) -> tuple[Any, Any]:
@@ -96,63 +91,17 @@ def load_teacher_for(spec: EvalSpec, device: torch.device, dtype: torch.dtype) -
 
 
 def evaluate_model(model: Any, tokenizer: Any, spec: EvalSpec, out: Path, *, label: str, device: torch.device,
-                   progress: bool = True) -> dict:
-    """Perplexity, NIAH and benchmarks for one model into `out`; returns {part: result} for what ran."""
+                   progress: bool = True, side: str = "student",
+                   only: Optional[Sequence[EvalTask]] = None) -> dict:
+    """Every task the spec asks for that runs on `side` (or those of `only`), into `out`; {task: its result}."""
     out.mkdir(parents=True, exist_ok=True)
+    chosen = only if only is not None else [t for t in tasks_in_run_order() if t.runs_on(side)]
     results: dict[str, Any] = {}
-    with torch.inference_mode():
-        if _perplexity_settings(spec) is not None:
-            results["perplexity"] = held_out_perplexity(model, tokenizer, spec, out, device=device, progress=progress)
-    if spec.niah.lengths:
-        from harness.eval.niah import NiahGrid, run_niah
-
-        grid = NiahGrid(lengths=list(spec.niah.lengths), depths=list(spec.niah.depths), kinds=list(spec.niah.kinds),
-                        samples=spec.niah.samples, haystack=spec.niah.haystack, prompt=spec.niah.prompt,
-                        distractors=spec.niah.distractors)
-        results["niah"] = run_niah(model, tokenizer, grid, out, label=label, device=device, progress=progress,
-                                   generation_batch_size=spec.generation_batch_size)
-    if spec.chat_samples:
-        results["chat_samples"] = chat_samples(model, tokenizer, out, label=label, device=device,
-                                               generation_batch_size=spec.generation_batch_size)
-    if spec.tasks:
-        from harness.eval.lm_eval_tasks import run_benchmarks
-
-        results["bench"] = run_benchmarks(model, tokenizer, list(spec.tasks), out, label=label, limit=spec.limit,
-                                          batch_size=spec.batch_size, device=str(device), progress=progress,
-                                          generate_batch_size=spec.generation_batch_size)
+    for task in chosen:
+        if task.wanted(spec):
+            results[task.name] = task.run(model, tokenizer, task.settings_of(spec), out, label=label, device=device,
+                                          progress=progress, spec=spec)
     return results
-
-
-def chat_samples(model: Any, tokenizer: Any, out: Path, *, label: str, device: torch.device,
-                 generation_batch_size: int = 1) -> dict:
-    """The fixed chat prompts' greedy answers, reused from out/chat_samples.json when made the same way."""
-    from harness.eval.chat_samples import generate_chat_samples, load_chat_samples
-
-    saved = load_chat_samples(out)
-    if saved is not None and saved.get("label") == label:
-        return saved
-    return generate_chat_samples(model, tokenizer, None, out, label=label, device=str(device),
-                                 generation_batch_size=generation_batch_size)
-
-
-def held_out_perplexity(model: Any, tokenizer: Any, spec: EvalSpec, out: Path, *, device: torch.device,
-                        progress: bool = True) -> dict:
-    """Perplexity on the run's held-out slice, reused from out/perplexity.json when its settings match."""
-    from harness.config import load_job
-    from harness.eval.perplexity import perplexity_of_job_heldout
-
-    path = out / PERPLEXITY_FILE
-    settings = _perplexity_settings(spec)
-    if path.is_file():
-        saved = json.loads(path.read_text())
-        if saved.get("settings") == settings:
-            return saved
-    job = load_job(spec.job)
-    result = perplexity_of_job_heldout(model, job, max_tokens=spec.perplexity_tokens, tokenizer=tokenizer,
-                                       device=str(device), progress=progress)
-    result = {**result, "settings": settings}
-    atomic_write_text(path, json.dumps(result, indent=1, default=str))
-    return result
 
 
 def run_eval_spec(spec: EvalSpec, *, progress: bool = True) -> dict:
@@ -170,10 +119,15 @@ def run_eval_spec(spec: EvalSpec, *, progress: bool = True) -> dict:
         teacher_dir = teacher_results_dir(spec)
         # a shared cache is filled by one evaluation at a time (the others then reuse what it wrote)
         lock = file_lock(teacher_dir.with_name(teacher_dir.name + ".lock")) if spec.teacher_cache else nullcontext()
+        on_teacher = [t for t in tasks_in_run_order() if t.runs_on("teacher")]
+        own = [t for t in on_teacher if not t.teacher_shared and t.wanted(spec)] if spec.teacher_cache else []
         with lock:
             teacher, teacher_tokenizer = load_teacher_for(spec, device, dtype)
             evaluate_model(teacher, teacher_tokenizer, spec, teacher_dir, label="teacher", device=device,
-                           progress=progress)
+                           progress=progress, side="teacher", only=[t for t in on_teacher if t not in own])
+            if own:  # results that may not be shared: the run's own OUTPUT_DIR/teacher
+                evaluate_model(teacher, teacher_tokenizer, spec, out / "teacher", label="teacher", device=device,
+                               progress=progress, side="teacher", only=own)
             del teacher
     report = build_report(out / "student", teacher_dir, label=spec.label, mixer=spec.mixer,
                           tasks=list(spec.tasks), lengths=list(spec.niah.lengths))

@@ -7,21 +7,25 @@ replicate differences (harness.eval.recovery.paired_bootstrap: seeded by the met
 task's replicates use the same indices as its per-run intervals in the report). That interval is narrower
 than one from resampling the runs independently whenever the runs are correlated.
 
-Metrics, B - A:
+Metrics, B - A: first those of the recovery table (harness.eval.report), over its rows from every task,
   average normalised recovery  over the tasks both reports average (teacher clearly above chance); the tasks
                                are resampled independently (different examples) and their draws averaged
   average raw recovery         student / teacher, over the tasks both have
   per task                     the score, and the normalised recovery of the averaged tasks
+then each registered task's own rows (harness.eval.tasks: EvalTask.paired_rows, in the registry's order), e.g.
   NIAH                         exact match and the likelihood score (top1), overall and by length, over the
                                prompts matched by (kind, length, depth, index)
-  held-out                     perplexity (perplexity.json) and stage 3's validation CE and KL: aggregates only
-                               (no per-document values are stored), so a plain difference without an interval
+  held-out perplexity          perplexity.json: an aggregate only (no per-document values are stored), so a plain
+                               difference without an interval
+and last stage 3's validation CE and KL, aggregates too.
 
 A pair is refused (PairError) unless both runs were scored on the same examples: the same tasks, limit and
-documents, and the same NIAH grid, seed, haystack, prompt mode and tokenizer.
+documents of the recovery table, and what each task checks (EvalTask.example_differences: for NIAH the same
+grid, seed, haystack, prompt mode and tokenizer).
 
     parse_pairs("A:B,C:D") / baseline_pairs(name, runs)   -> [(A, B), ...] as given
-    load_run(path, report)                               -> RunResults (result folders via report.eval_dirs)
+    load_run(path, report)                               -> RunResults (result folders via report.eval_dirs;
+                                                            each task's data: EvalTask.pairing)
     resolve_pairs(specs, runs)                           -> [(run A, run B)], unknown names refused
     difference(a, b, stream=...)                         -> one metric's B - A with its paired interval
     paired_report(a, b)                                  -> {"a", "b", "rows", ...}; PairError if examples differ
@@ -30,23 +34,20 @@ documents, and the same NIAH grid, seed, haystack, prompt mode and tokenizer.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
 import numpy as np
 
-from harness.eval.lm_eval_tasks import read_examples
-from harness.eval.recovery import (BOOTSTRAP_SAMPLES, BOOTSTRAP_SEED, LEVEL, normalised_draws, normalised_recovery,
-                                   paired_bootstrap, percentile_interval)
-from harness.eval.report import eval_dirs, heldout_window, paired_columns, report_file
-
-NIAH_SETTINGS = ("niah_format", "haystack", "prompt", "seed", "max_new_tokens", "tokenizer")  # the cells' header
-NO_INTERVAL = "aggregate only: no per-document values are stored"
-
-NiahKey = tuple[str, int, float, int]
+from harness.eval.formatting import NO_INTERVAL, heldout_comparison  # noqa: F401  (NO_INTERVAL: its old home)
+from harness.eval.recovery import (BOOTSTRAP_SAMPLES, BOOTSTRAP_SEED, LEVEL, difference, normalised_draws,
+                                   normalised_recovery, paired_bootstrap)
+from harness.eval.recovery import paired_row as _row
+from harness.eval.report import eval_dirs, paired_columns, report_file
+from harness.eval.tasks import tasks
+from harness.eval.tasks.niah import NIAH_SETTINGS, NiahPrompts, read_niah_prompts  # noqa: F401  (their old home)
 
 
 class PairError(ValueError):
@@ -54,59 +55,33 @@ class PairError(ValueError):
 
 
 @dataclass(frozen=True)
-class NiahPrompts:
-    """One model's NIAH prompts: the settings they depend on and the record of every prompt of the grid."""
-
-    settings: dict  # niah_cells.jsonl's header, NIAH_SETTINGS only
-    grid: dict  # niah.json's grid
-    records: dict[NiahKey, dict]
-
-
-@dataclass(frozen=True)
 class RunResults:
     """What the paired differences read of one run: its report and, from its result folders, the student's and
-    the teacher's per-example benchmark results and the student's NIAH prompts."""
+    the teacher's per-example results of the recovery table's rows, and each task's own data (EvalTask.pairing:
+    the student's NIAH prompts, ...)."""
 
     label: str
     names: tuple[str, ...]  # what a pair may call the run: its label, its directory's name
     report: dict
     student_dir: Path
     teacher_dir: Optional[Path]
-    examples: dict[str, dict]  # {task: bench_examples.json entry} of the student
+    examples: dict[str, dict]  # {row: per-example results} of the student (EvalTask.recovery_examples)
     teacher_examples: dict[str, dict]
-    niah: Optional[NiahPrompts]
+    data: dict[str, Any]  # {task name: EvalTask.pairing of the student's results}
 
 
 # --------------------------------------------------------------------------------------------- reading
 
 
-def _read(path: Optional[Path]) -> Optional[dict]:
-    return json.loads(path.read_text()) if path is not None and path.is_file() else None
-
-
-def _examples(folder: Optional[Path]) -> dict[str, dict]:
-    return read_examples(folder, _read(folder / "bench.json")) if folder is not None else {}
-
-
-def _niah_key(record: dict) -> NiahKey:
-    return record["kind"], int(record["length"]), float(record["depth"]), int(record["index"])
-
-
-def read_niah_prompts(folder: Path) -> Optional[NiahPrompts]:
-    """The grid's prompts from folder/niah_cells.jsonl and folder/niah.json; None without both, or when a prompt
-    of the grid has no record with both scores."""
-    summary, cells = _read(folder / "niah.json"), folder / "niah_cells.jsonl"
-    if summary is None or not cells.is_file():
-        return None
-    lines = [json.loads(line) for line in cells.read_text(encoding="utf-8").splitlines() if line.strip()]
-    header = lines[0].get("header", {}) if lines else {}
-    records = {_niah_key(r): r for r in lines[1:]}
-    grid = summary["grid"]
-    keys = [(kind, int(length), float(depth), i) for length in grid["lengths"] for depth in grid["depths"]
-            for kind in grid["kinds"] for i in range(grid["samples"])]
-    if any(k not in records or "top1" not in records[k] for k in keys):
-        return None
-    return NiahPrompts({k: header.get(k) for k in NIAH_SETTINGS}, grid, {k: records[k] for k in keys})
+def _examples(folder: Optional[Path], teacher_of: Optional[Path] = None) -> dict[str, dict]:
+    """The per-example results of the recovery table's rows in a result folder, from every task; with
+    `teacher_of` (the student's folder), `folder` is the teacher folder and each task reads its own
+    (EvalTask.teacher_folder)."""
+    found: dict[str, dict] = {}
+    for task in tasks():
+        where = folder if teacher_of is None else task.teacher_folder(teacher_of, folder)
+        found.update(task.recovery_examples(where))
+    return found
 
 
 def run_names(path: str | Path, report: dict) -> tuple[str, ...]:
@@ -119,8 +94,9 @@ def run_names(path: str | Path, report: dict) -> tuple[str, ...]:
 def load_run(path: str | Path, report: dict) -> RunResults:
     """One run's results for pairing, read from its result folders where they lie now (report.eval_dirs)."""
     student, teacher = eval_dirs(path, report)
+    data = {task.name: task.pairing(student, report) for task in tasks()}
     return RunResults(report["label"], run_names(path, report), report, student, teacher, _examples(student),
-                      _examples(teacher), read_niah_prompts(student))
+                      _examples(teacher, student) if teacher is not None else {}, data)
 
 
 # --------------------------------------------------------------------------------------------- pairs
@@ -178,7 +154,7 @@ def example_differences(a: RunResults, b: RunResults) -> list[str]:
         found.append(f"benchmark limit ({a.report.get('limit')} against {b.report.get('limit')})")
     for task in (t for t in tasks_a if t in tasks_b):
         found += _task_difference(task, a, b)
-    return found + _niah_differences(a, b)
+    return found + [what for task in tasks() for what in task.example_differences(a, b)]
 
 
 def scored_tasks(run: RunResults) -> list[str]:
@@ -196,44 +172,7 @@ def _task_difference(task: str, a: RunResults, b: RunResults) -> list[str]:
     return [] if docs(ex_a) == docs(ex_b) else [f"{task}'s documents (different doc ids)"]
 
 
-def _niah_differences(a: RunResults, b: RunResults) -> list[str]:
-    if (a.niah is None) != (b.niah is None):
-        has, lacks = (a, b) if a.niah is not None else (b, a)
-        return [f"NIAH prompts ({has.label} has them, {lacks.label} has none complete)"]
-    if a.niah is None or b.niah is None:
-        return []
-    found = [f"NIAH {k} ({a.niah.grid.get(k)} against {b.niah.grid.get(k)})"
-             for k in sorted(set(a.niah.grid) | set(b.niah.grid)) if a.niah.grid.get(k) != b.niah.grid.get(k)]
-    found += [f"NIAH {k} ({a.niah.settings[k]} against {b.niah.settings[k]})"
-              for k in NIAH_SETTINGS if a.niah.settings[k] != b.niah.settings[k]]
-    if not found:
-        other = [k for k in a.niah.records if a.niah.records[k]["value"] != b.niah.records[k]["value"]]
-        found += [f"NIAH needles ({len(other)} prompts hide different values)"] if other else []
-    return found
-
-
 # --------------------------------------------------------------------------------------------- statistics
-
-
-def _row(a: Optional[float], b: Optional[float], draws: Optional[np.ndarray], n: Optional[int],
-         note: Optional[str] = None) -> dict:
-    """One metric's A, B, B - A, interval (from `draws`, the replicate differences) and whether it excludes 0."""
-    diff = None if a is None or b is None else b - a
-    ci = None if draws is None else percentile_interval(draws)
-    excludes = None if ci is None else bool(ci[0] > 0 or ci[1] < 0)
-    return {"a": a, "b": b, "diff": diff, "ci": ci, "excludes_zero": excludes, "n": n,
-            "note": note if ci is None else None}
-
-
-def difference(a: Sequence[float], b: Sequence[float], *, stream: str, samples: int = BOOTSTRAP_SAMPLES,
-               seed: int = BOOTSTRAP_SEED) -> dict:
-    """B - A of two runs' per-example scores over the same examples in the same order: both means, their
-    difference, and its paired bootstrap interval (one index set per replicate, applied to both)."""
-    if len(a) != len(b) or not len(a):
-        raise ValueError(f"a paired difference needs scores of the same examples, got {len(a)} and {len(b)}.")
-    columns = np.array([a, b], dtype=float)
-    means = paired_bootstrap(columns, samples=samples, seed=seed, stream=stream)
-    return _row(float(columns[0].mean()), float(columns[1].mean()), means[1] - means[0], columns.shape[1])
 
 
 @dataclass(frozen=True)
@@ -335,37 +274,14 @@ def _average_row(metric: str, tasks: list[str], kind: str, key: str, a: RunResul
             **_row(mean(a), mean(b), None, len(tasks), "a task has no paired per-example results")}
 
 
-def niah_rows(a: RunResults, b: RunResults, samples: int = BOOTSTRAP_SAMPLES, seed: int = BOOTSTRAP_SEED) -> list[dict]:
-    """NIAH exact match and likelihood score (top1), overall and by length, over the prompts both were given."""
-    if a.niah is None or b.niah is None:
-        return []
-    keys = list(a.niah.records)
-    rows = []
-    for label, field in (("exact match", "correct"), ("likelihood", "top1")):
-        score = lambda run, ks: [float(run.niah.records[k][field]) for k in ks]  # noqa: E731
-        groups = [("overall", keys)] + [(f"{n} tokens", [k for k in keys if k[1] == n])
-                                        for n in a.niah.grid["lengths"]]
-        for name, ks in groups:
-            row = difference(score(a, ks), score(b, ks), stream=f"niah {field} {name}", samples=samples, seed=seed)
-            rows.append({"metric": f"NIAH {label}, {name}", "unit": "fraction", **row})
-    return rows
-
-
-def heldout_rows(a: RunResults, b: RunResults) -> list[dict]:
-    """Held-out perplexity and stage 3's validation CE and KL: plain differences, no interval; no difference at
+def training_rows(a: RunResults, b: RunResults) -> list[dict]:
+    """Stage 3's validation CE and KL (on the held-out split): plain differences, no interval; no difference at
     all when the two runs' held-out windows differ in length (a token's loss depends on its context)."""
-    ppl = lambda run: (run.report.get("perplexity") or {}).get("student")  # noqa: E731
     distill = lambda run: ((run.report.get("training") or {}).get("final") or {}).get("distill") or {}  # noqa: E731
-    windows = heldout_window(a.report, a.student_dir), heldout_window(b.report, b.student_dir)
-    apart = None not in windows and windows[0] != windows[1]
-    note = f"not comparable: held out in windows of {windows[0]} and {windows[1]} tokens" if apart else NO_INTERVAL
-    values = []
-    if ppl(a) is not None or ppl(b) is not None:
-        values.append(("held-out perplexity", ppl(a), ppl(b), (a.report.get("perplexity") or {}).get("tokens")))
-    for key, name in (("val_ce", "stage 3 validation CE"), ("val_kl", "stage 3 validation KL")):
-        if distill(a).get(key) is not None or distill(b).get(key) is not None:
-            values.append((name, distill(a).get(key), distill(b).get(key), None))
-    rows = [{"metric": name, "unit": "value", **_row(x, y, None, n, note)} for name, x, y, n in values]
+    apart, note = heldout_comparison(a.report, a.student_dir, b.report, b.student_dir)
+    rows = [{"metric": name, "unit": "value", **_row(distill(a).get(key), distill(b).get(key), None, None, note)}
+            for key, name in (("val_ce", "stage 3 validation CE"), ("val_kl", "stage 3 validation KL"))
+            if distill(a).get(key) is not None or distill(b).get(key) is not None]
     return [{**row, "diff": None} if apart else row for row in rows]
 
 
@@ -380,7 +296,9 @@ def paired_report(a: RunResults, b: RunResults, samples: int = BOOTSTRAP_SAMPLES
                      "b": {"student": str(b.student_dir), "teacher": _str(b.teacher_dir)}},
             "shared_teacher": _same(a.teacher_dir, b.teacher_dir),
             "bootstrap": {"samples": samples, "seed": seed, "level": LEVEL, "paired": True},
-            "rows": benchmark_rows(a, b, samples, seed) + niah_rows(a, b, samples, seed) + heldout_rows(a, b)}
+            "rows": benchmark_rows(a, b, samples, seed)
+                    + [row for task in tasks() for row in task.paired_rows(a, b, samples, seed)]
+                    + training_rows(a, b)}
 
 
 def _str(path: Optional[Path]) -> Optional[str]:

@@ -23,6 +23,8 @@ but left out of the normalised average: its recovery divides by a gain that may 
     teacher_at_chance(t, chance, ci, se)    -> (at chance?, basis: bootstrap / stderr / score)
     task_recovery(...)                      -> one task's statistics and its normalised draws
     average_recovery(rows, draws)           -> the normalised average over the tasks above chance, its interval
+    difference(a, b, stream=...)            -> run B - run A over the same examples, with its paired interval
+    paired_row(a, b, draws, n, note)        -> one metric's row of the paired differences (harness.eval.paired)
 """
 
 from __future__ import annotations
@@ -160,3 +162,24 @@ def average_recovery(rows: Mapping[str, dict], draws: Mapping[str, Optional[np.n
     if all(draws.get(n) is not None for n in included):
         result["recovery_norm_ci"] = percentile_interval(np.mean([draws[n] for n in included], axis=0))
     return result
+
+
+def paired_row(a: Optional[float], b: Optional[float], draws: Optional[np.ndarray], n: Optional[int],
+               note: Optional[str] = None) -> dict:
+    """One metric's A, B, B - A, interval (from `draws`, the replicate differences) and whether it excludes 0."""
+    diff = None if a is None or b is None else b - a
+    ci = None if draws is None else percentile_interval(draws)
+    excludes = None if ci is None else bool(ci[0] > 0 or ci[1] < 0)
+    return {"a": a, "b": b, "diff": diff, "ci": ci, "excludes_zero": excludes, "n": n,
+            "note": note if ci is None else None}
+
+
+def difference(a: Sequence[float], b: Sequence[float], *, stream: str, samples: int = BOOTSTRAP_SAMPLES,
+               seed: int = BOOTSTRAP_SEED) -> dict:
+    """B - A of two runs' per-example scores over the same examples in the same order: both means, their
+    difference, and its paired bootstrap interval (one index set per replicate, applied to both)."""
+    if len(a) != len(b) or not len(a):
+        raise ValueError(f"a paired difference needs scores of the same examples, got {len(a)} and {len(b)}.")
+    columns = np.array([a, b], dtype=float)
+    means = paired_bootstrap(columns, samples=samples, seed=seed, stream=stream)
+    return paired_row(float(columns[0].mean()), float(columns[1].mean()), means[1] - means[0], columns.shape[1])

@@ -9,14 +9,15 @@ harness.eval.lm_eval_tasks):
                  recovery_norm, from the per-example results (bench_examples.json); None for result folders
                  without them (older ones), and the report says so.
 The average raw recovery is the mean over the tasks both models have; the average normalised recovery leaves
-out (and names) the tasks whose teacher's interval reaches chance. NIAH is compared by length (accuracy over
-kinds, depths and samples) and overall, with both of its scores: exact match of the greedy answer, and the
-likelihood score (the true value ranked first among it and its distractors, teacher-forced; chance 1 /
-candidates, shown beside it; niah.json files written before it have none, and their rows show only exact match).
-Both sides of a report should use one prompt mode (the evaluation job passes the same one); the report says
-which, and warns if not. Perplexity is compared as the ratio student / teacher (1.0 = as good as the teacher).
+out (and names) the tasks whose teacher's interval reaches chance. The rows of this recovery table come from the
+registered evaluation tasks (harness.eval.tasks: EvalTask.recovery_scores / recovery_examples): every lm-eval
+benchmark, and the scores a task marks as recovery scores. Everything else in a report is each task's own part,
+asked of the registry in its order: its keys of report.json (report_fields), its section of report.md
+(markdown), its columns, notes, sections and plots of a comparison: NIAH by length with both of its scores
+(harness.eval.tasks.niah), perplexity as the ratio student / teacher (harness.eval.tasks.perplexity), the chat
+samples at the end.
 
-    build_report(student_dir, teacher_dir, ...)  -> report dict  (one run; reads bench/niah/perplexity.json)
+    build_report(student_dir, teacher_dir, ...)  -> report dict  (one run; each task reads its result files)
     write_report(report, out)                    -> out/report.json, out/report.md, out/recovery.png,
                                                     out/niah_by_length.png
     compare(reports, out, paired)                -> out/comparison.{json,md}, recovery.png, niah_by_length.png,
@@ -31,7 +32,6 @@ which, and warns if not. Perplexity is compared as the ratio student / teacher (
 from __future__ import annotations
 
 import json
-import math
 import os
 from collections.abc import Sequence
 from pathlib import Path
@@ -39,19 +39,22 @@ from typing import Optional
 
 import numpy as np
 
-from harness.eval.lm_eval_tasks import known_chance, read_examples
+from harness.eval.formatting import figure as _figure
+from harness.eval.formatting import fmt as _fmt
+from harness.eval.formatting import fmt_ci as _fmt_ci
+from harness.eval.formatting import heldout_window
+from harness.eval.formatting import run_name as _name
+from harness.eval.formatting import teachers as _teachers
+from harness.eval.lm_eval_tasks import known_chance
 from harness.eval.recovery import BOOTSTRAP_SAMPLES, BOOTSTRAP_SEED, LEVEL, average_recovery, task_recovery
+from harness.eval.tasks import tasks as registered_tasks
+from harness.eval.tasks.niah import (LIKELIHOOD_KEYS, niah_side, niah_summary,  # noqa: F401  (their old home)
+                                     plot_niah_by_length)
+from harness.eval.tasks.niah import plot_niah_panel as _plot_niah_panel  # noqa: F401
+from harness.eval.tasks.perplexity import perplexity_summary  # noqa: F401
 
 REPORT_FILE = "report.json"
 BOOTSTRAP = {"samples": BOOTSTRAP_SAMPLES, "seed": BOOTSTRAP_SEED, "level": LEVEL, "paired": True}
-
-
-def _read(path: Optional[Path]) -> Optional[dict]:
-    return json.loads(path.read_text()) if path is not None and path.is_file() else None
-
-
-def _scores(bench: Optional[dict]) -> dict[str, dict]:
-    return {} if bench is None else {name: entry for name, entry in bench.get("tasks", {}).items()}
 
 
 def _mean(values: list[float]) -> Optional[float]:
@@ -71,10 +74,17 @@ def paired_columns(student: Optional[dict], teacher: Optional[dict]) -> tuple[Op
         return None, "the student and the teacher were scored on different examples"
     leaves = sorted(t)
     columns = [[x for leaf in leaves for x in side[leaf]["score"]] for side in (s, t)]
-    chance = [1.0 / n if n > 0 else 0.0 for leaf in leaves for n in t[leaf]["choices"]]
+    chance = [x for leaf in leaves for x in _example_chance(t[leaf])]
     if not chance:
         return None, "no examples"
     return np.array([*columns, chance], dtype=float), None
+
+
+def _example_chance(leaf: dict) -> list[float]:
+    """Per example of a leaf task, the score of guessing: its "chance" where stored, else 1 / choices (0 for 0)."""
+    if "chance" in leaf:
+        return [float(x) for x in leaf["chance"]]
+    return [1.0 / n if n > 0 else 0.0 for n in leaf["choices"]]
 
 
 def _scores_of(examples: Optional[dict]) -> Optional[list[float]]:
@@ -131,81 +141,27 @@ def average_row(rows: dict[str, dict], draws: Optional[dict[str, Optional[np.nda
             **average_recovery(rows, draws or {})}
 
 
-LIKELIHOOD_KEYS = ("overall", "by_length", "by_depth", "mean_rank", "mean_rank_by_length", "chance", "chance_rank",
-                   "candidates")
-
-
-def niah_side(result: Optional[dict]) -> Optional[dict]:
-    """What a report keeps of one niah.json: exact match overall and by length, the prompt mode, and the likelihood
-    score's LIKELIHOOD_KEYS (None for a niah.json written before the likelihood score)."""
-    if result is None:
-        return None
-    likelihood = result.get("likelihood")
-    return {"overall": result["overall"], "by_length": result["by_length"], "prompt_mode": result.get("prompt_mode"),
-            "likelihood": None if likelihood is None else {k: likelihood.get(k) for k in LIKELIHOOD_KEYS}}
-
-
-def niah_summary(student: Optional[dict], teacher: Optional[dict]) -> Optional[dict]:
-    """Both sides' NIAH (`niah_side`) and the exact-match recovery, student / teacher overall."""
-    if student is None and teacher is None:
-        return None
-    s, t = niah_side(student), niah_side(teacher)
-    recovery = s["overall"] / t["overall"] if s and t and t["overall"] else None
-    return {"student": s, "teacher": t, "recovery": recovery}
-
-
-def perplexity_summary(student: Optional[dict], teacher: Optional[dict]) -> Optional[dict]:
-    if student is None and teacher is None:
-        return None
-    s, t = (student or {}).get("ppl"), (teacher or {}).get("ppl")
-    either = student or teacher
-    return {"student": s, "teacher": t, "ratio": s / t if s and t else None,
-            "tokens": either.get("tokens"), "source": either.get("source"), "seq_len": either.get("seq_len")}
-
-
-def heldout_window(report: dict, student_dir: Optional[Path] = None) -> Optional[int]:
-    """The length in tokens of the windows that a run's held-out perplexity (and stage 3's validation CE and KL,
-    on the same split) were computed over: the job's data.seq_len. Recorded in the report (reports written
-    before 2026-12-04 lack it), else read from the student's perplexity.json; None where neither says."""
-    recorded = (report.get("perplexity") or {}).get("seq_len")
-    if recorded is None and student_dir is not None and (Path(student_dir) / "perplexity.json").is_file():
-        recorded = json.loads((Path(student_dir) / "perplexity.json").read_text()).get("seq_len")
-    return recorded
-
-
 def build_report(student_dir: Path, teacher_dir: Optional[Path], *, label: str, mixer: Optional[str] = None,
                  tasks: Optional[list[str]] = None, lengths: Optional[list[int]] = None) -> dict:
-    """The recovery report of one student from the result files in student_dir and teacher_dir."""
+    """The recovery report of one student from the result files in student_dir and teacher_dir: the recovery
+    table over every task's recovery rows (in the order `tasks`, then the rest sorted), then each registered
+    task's own keys (EvalTask.report_fields)."""
     student_dir = Path(student_dir)
     teacher_dir = Path(teacher_dir) if teacher_dir is not None else None
-    get = lambda d, name: _read(d / name) if d is not None else None  # noqa: E731
-    bench_s, bench_t = get(student_dir, "bench.json"), get(teacher_dir, "bench.json")
-    examples = read_examples(student_dir, bench_s), read_examples(teacher_dir, bench_t)
-    rows, draws = task_rows(_scores(bench_s), _scores(bench_t), list(tasks or []), examples)
-    return {
-        "label": label, "mixer": mixer,
-        "student_dir": str(student_dir), "teacher_dir": str(teacher_dir) if teacher_dir else None,
-        "limit": (bench_s or bench_t or {}).get("limit"),
-        "tasks": rows, "average": average_row(rows, draws), "bootstrap": BOOTSTRAP,
-        "niah": niah_summary(get(student_dir, "niah.json"), get(teacher_dir, "niah.json")),
-        "perplexity": perplexity_summary(get(student_dir, "perplexity.json"), get(teacher_dir, "perplexity.json")),
-        "chat_samples": {"student": get(student_dir, "chat_samples.json"),
-                         "teacher": get(teacher_dir, "chat_samples.json")},
-    }
-
-
-def _fmt(value: Optional[float], pct: bool = False) -> str:
-    if value is None or (isinstance(value, float) and math.isnan(value)):
-        return "-"
-    return f"{100 * value:.1f}%" if pct else f"{value:.4g}"
-
-
-def _fmt_ci(value: Optional[float], interval: Optional[list[float]], pct: bool = False) -> str:
-    """A value and its interval: '0.512 [0.48, 0.54]', '85.2% [70.1, 99.3]'; the value alone without one."""
-    if value is None or not interval:
-        return _fmt(value, pct)
-    scale, digits = (100, ".1f") if pct else (1, ".3f")
-    return f"{_fmt(value, pct)} [{scale * interval[0]:{digits}}, {scale * interval[1]:{digits}}]"
+    report = {"label": label, "mixer": mixer,
+              "student_dir": str(student_dir), "teacher_dir": str(teacher_dir) if teacher_dir else None,
+              "limit": None, "tasks": {}, "average": {}, "bootstrap": BOOTSTRAP}  # limit: the benchmarks' (their task)
+    scores: tuple[dict, dict] = ({}, {})
+    examples: tuple[dict, dict] = ({}, {})
+    for task in registered_tasks():
+        own_teacher = task.teacher_folder(student_dir, teacher_dir)
+        report.update(task.report_fields(student_dir, own_teacher))
+        for i, folder in enumerate((student_dir, own_teacher)):
+            scores[i].update(task.recovery_scores(folder))
+            examples[i].update(task.recovery_examples(folder))
+    rows, draws = task_rows(scores[0], scores[1], list(tasks or []), examples)
+    report["tasks"], report["average"] = rows, average_row(rows, draws)
+    return report
 
 
 def _benchmark_table(report: dict) -> list[str]:
@@ -263,42 +219,29 @@ def _at_chance(name: str, row: dict) -> str:
 
 
 def markdown(report: dict) -> str:
-    """One run's report as Markdown: tasks, average, NIAH by length, perplexity."""
+    """One run's report as Markdown: the recovery table, each task's section (NIAH by length, perplexity, ...),
+    the training losses, then the tasks' samples to read (chat samples)."""
     title = report["label"] + (f" ({report['mixer']})" if report.get("mixer") else "")
     lines = [f"# Evaluation: {title}", ""]
     if report["tasks"]:
         lines += _benchmark_table(report) + recovery_notes(report)
-    niah = report.get("niah")
-    if niah:
-        sides = [(side, niah[side]) for side in ("student", "teacher") if niah[side]]
-        lines += _niah_length_table("Needle in a haystack (exact match)", sides)
-        lines += [f"NIAH recovery (overall accuracy, student / teacher): {_fmt(niah['recovery'], pct=True)}", ""]
-        lines += _niah_likelihood_table("Needle in a haystack (likelihood)", sides) + _prompt_note(sides)
-    ppl = report.get("perplexity")
-    if ppl:
-        lines += ["## Perplexity (held-out text)", "",
-                  f"student {_fmt(ppl['student'])}, teacher {_fmt(ppl['teacher'])}, ratio {_fmt(ppl['ratio'])} "
-                  f"over {ppl['tokens']} tokens of {ppl['source']}", ""]
+    lines += [line for task in registered_tasks() if task.section == "scores" for line in task.markdown(report)]
     lines += _training_table([report])
-    chat = report.get("chat_samples") or {}
-    if chat.get("student"):
-        from harness.eval.chat_samples import markdown_section
-
-        lines += [markdown_section(chat["student"], chat.get("teacher")), ""]
+    lines += [line for task in registered_tasks() if task.section == "samples" for line in task.markdown(report)]
     return "\n".join(lines)
 
 
 def write_report(report: dict, out: Path) -> None:
-    """out/report.json, out/report.md, out/recovery.png when there are benchmark results, and
-    out/niah_by_length.png when there are NIAH results."""
+    """out/report.json, out/report.md, out/recovery.png when there are benchmark results, and the tasks' plots
+    (out/niah_by_length.png when there are NIAH results)."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     (out / REPORT_FILE).write_text(json.dumps(report, indent=1))
     (out / "report.md").write_text(markdown(report))
     if report["tasks"]:
         plot_recovery([report], out / "recovery.png")
-    if report.get("niah"):
-        plot_niah_by_length([report], out / "niah_by_length.png")
+    for task in registered_tasks():
+        task.plot([report], out)
 
 
 def report_file(path: str | Path) -> Path:
@@ -343,38 +286,31 @@ def eval_dirs(path: str | Path, report: Optional[dict] = None) -> tuple[Path, Op
     return student, None if teacher is None else rebase(teacher, recorded_eval, file.parent)
 
 
-def _name(report: dict) -> str:
-    return report["label"] + (f" [{report['mixer']}]" if report.get("mixer") else "")
-
-
 def comparison_markdown(reports: list[dict], paired: Optional[list[dict]] = None) -> str:
-    """Several runs: normalised (and raw) recovery per task with NIAH overall and the perplexity ratio; then the
-    raw scores, NIAH by length, (for runs read from their run directories) the final loss of each stage, and the
-    paired differences of chosen pairs (harness.eval.paired.paired_report) when given."""
+    """Several runs: normalised (and raw) recovery per task with each task's columns (NIAH overall, the
+    perplexity ratio); then the raw scores, each task's sections (NIAH by length), (for runs read from their run
+    directories) the final loss of each stage, and the paired differences of chosen pairs
+    (harness.eval.paired.paired_report) when given."""
     tasks = list(dict.fromkeys(t for r in reports for t in r["tasks"]))
-    head = ["run"] + tasks + ["average normalised", "average raw", "NIAH student", "NIAH teacher",
-                              "NIAH lik. student", "NIAH lik. teacher", "ppl ratio"]
+    columns = [column for task in registered_tasks() for column in task.comparison_columns()]
+    head = ["run"] + tasks + ["average normalised", "average raw"] + [header for header, _ in columns]
     lines = ["# Teacher recovery, by run", "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in reports:
-        niah, average = r.get("niah") or {}, r["average"]
+        average = r["average"]
         cells = [_recovery_cell(r["tasks"].get(t)) for t in tasks]
         cells += [_fmt_ci(average.get("recovery_norm"), average.get("recovery_norm_ci"), pct=True),
-                  _fmt(average["recovery"], pct=True),
-                  _fmt((niah.get("student") or {}).get("overall"), pct=True),
-                  _fmt((niah.get("teacher") or {}).get("overall"), pct=True),
-                  _fmt(_likelihood(niah.get("student")).get("overall"), pct=True),
-                  _fmt(_likelihood(niah.get("teacher")).get("overall"), pct=True),
-                  _fmt((r.get("perplexity") or {}).get("ratio"))]
+                  _fmt(average["recovery"], pct=True)]
+        cells += [cell(r) for _, cell in columns]
         lines.append(f"| {_name(r)} | " + " | ".join(cells) + " |")
+    legend = "; ".join(text for task in registered_tasks() if (text := task.comparison_legend()))
     lines += ["", "Per task: chance-normalised recovery (student - chance) / (teacher - chance) with its 95% paired "
               "bootstrap interval, the raw ratio student / teacher in parentheses; * = the teacher's interval "
               "reaches chance, so the task is left out of the normalised average (the raw average keeps every "
-              "task both have).",
-              "NIAH: exact-match accuracy over all lengths, depths, kinds; NIAH lik.: the likelihood score, the "
-              "true value ranked first among its candidates (chance: see its table); ppl ratio: student / teacher "
-              "perplexity.", ""]
+              "task both have)."] + ([legend + "."] if legend else []) + [""]
     lines += _left_out(reports) + _window_note(reports)
-    lines += _scores_table(reports, tasks) + _niah_table(reports) + _training_table(reports, plotted=True)
+    lines += _scores_table(reports, tasks)
+    lines += [line for task in registered_tasks() for line in task.comparison_sections(reports)]
+    lines += _training_table(reports, plotted=True)
     lines += paired_markdown(paired or [])
     return "\n".join(lines)
 
@@ -461,89 +397,24 @@ def _left_out(reports: list[dict]) -> list[str]:
     return lines + [""] if lines else []
 
 
-def _teachers(reports: list[dict]) -> list[tuple[str, dict]]:
-    """(row name, report) for each distinct teacher result folder (its rows are the same in every report that
-    shares it): "teacher", or where there are several, named by their held-out window or their folder."""
-    distinct = list({r.get("teacher_dir"): r for r in reports if r.get("teacher_dir")}.values())
-    if len(distinct) < 2:
-        return [("teacher", r) for r in distinct]
-    windows = [(r.get("perplexity") or {}).get("seq_len") for r in distinct]
-    if None in windows or len(set(windows)) < len(windows):
-        tags = [str(Path(r["teacher_dir"]).relative_to(Path(r["teacher_dir"]).parent.parent)) for r in distinct]
-    else:
-        tags = [f"{w}-token windows" for w in windows]
-    return [(f"teacher ({tag})", r) for tag, r in zip(tags, distinct)]
-
-
 def _scores_table(reports: list[dict], tasks: list[str]) -> list[str]:
+    """The raw scores of every student and teacher: the recovery table's tasks, their average, and the tasks'
+    score columns (perplexity)."""
     if not tasks:
         return []
     metrics = [next((r["tasks"][t]["metric"] for r in reports if t in r["tasks"]), "") for t in tasks]
-    lines = ["## Scores", "", "| model | " + " | ".join(f"{t} ({m})" for t, m in zip(tasks, metrics)) +
-             " | average | perplexity |", "|" + "---|" * (len(tasks) + 3)]
+    extra = [column for task in registered_tasks() for column in task.score_columns()]
+    head = ["model"] + [f"{t} ({m})" for t, m in zip(tasks, metrics)] + ["average"] + [h for h, _ in extra]
+    lines = ["## Scores", "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     rows = [(_name(r), r, "student") for r in reports] + [(name, r, "teacher") for name, r in _teachers(reports)]
     for name, r, side in rows:
         cells = [_fmt(r["tasks"].get(t, {}).get(side)) for t in tasks]
-        cells += [_fmt(r["average"][side]), _fmt((r.get("perplexity") or {}).get(side))]
+        cells += [_fmt(r["average"][side])] + [cell(r, side) for _, cell in extra]
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
     limit = next((r.get("limit") for r in reports if r.get("limit")), None)
+    notes = "".join(f"; {note}" for task in registered_tasks() if (note := task.score_note()))
     return lines + ["", f"Benchmarks: lm-eval, {'the first ' + str(limit) + ' examples' if limit else 'all examples'}"
-                        " of each task; perplexity on the held-out text.", ""]
-
-
-def _niah_table(reports: list[dict]) -> list[str]:
-    sides = [(_name(r), (r.get("niah") or {}).get("student")) for r in reports]
-    sides += [(name, (r.get("niah") or {}).get("teacher")) for name, r in _teachers(reports)]
-    sides = [(name, result) for name, result in sides if result]
-    if not sides:
-        return []
-    return (_niah_length_table("Needle in a haystack by length (exact match)", sides)
-            + _niah_likelihood_table("Needle in a haystack by length (likelihood)", sides) + _prompt_note(sides))
-
-
-def _likelihood(side: Optional[dict]) -> dict:
-    """The likelihood block of a report's NIAH side; {} when there is none (an older niah.json)."""
-    return (side or {}).get("likelihood") or {}
-
-
-def _niah_likelihood_table(title: str, sides: list[tuple[str, dict]]) -> list[str]:
-    """A Markdown section: one row per NIAH result that has the likelihood score, one column per prompt length,
-    then overall, chance and the mean rank; [] when none has it."""
-    rows = [(name, _likelihood(result)) for name, result in sides if _likelihood(result)]
-    if not rows:
-        return []
-    lengths = sorted({int(k) for _, lik in rows for k in lik["by_length"]})
-    head = " | ".join(str(n) for n in lengths)
-    lines = [f"## {title}", "", f"| model | {head} | overall | chance | mean rank |", "|" + "---|" * (len(lengths) + 4)]
-    for name, lik in rows:
-        cells = [_fmt(lik["by_length"].get(str(n)), pct=True) for n in lengths]
-        cells += [_fmt(lik["overall"], pct=True), _fmt(lik.get("chance"), pct=True), _fmt(lik.get("mean_rank"))]
-        lines.append(f"| {name} | " + " | ".join(cells) + " |")
-    candidates = ", ".join(map(str, sorted({lik.get("candidates") for _, lik in rows if lik.get("candidates")})))
-    return lines + ["", f"Likelihood: per sample, the needle's value and its distractors ({candidates} candidates; "
-                        "other values of its kind, the same for every model) are scored as the answer by their summed "
-                        "token log-probability, teacher-forced; accuracy = the true value ranked first (ties shared), "
-                        "chance = 1 / candidates; mean rank 1 = best, chance (candidates + 1) / 2.", ""]
-
-
-def _prompt_note(sides: list[tuple[str, dict]]) -> list[str]:
-    """One line naming the NIAH prompt mode, or a warning when the results compared used different ones."""
-    modes = {name: result.get("prompt_mode") for name, result in sides if result.get("prompt_mode")}
-    if len(set(modes.values())) > 1:
-        detail = ", ".join(f"{name}: {mode}" for name, mode in modes.items())
-        return [f"**Warning:** these NIAH results used different prompt modes ({detail}): not comparable.", ""]
-    return [f"NIAH prompts: {next(iter(modes.values()))}.", ""] if modes else []
-
-
-def _niah_length_table(title: str, sides: list[tuple[str, dict]]) -> list[str]:
-    """A Markdown section: one row per (name, NIAH result), one column per prompt length, then overall."""
-    lengths = sorted({int(k) for _, result in sides for k in result["by_length"]})
-    lines = [f"## {title}", "", "| model | " + " | ".join(str(n) for n in lengths) + " | overall |",
-             "|" + "---|" * (len(lengths) + 2)]
-    for name, result in sides:
-        cells = [_fmt(result["by_length"].get(str(n)), pct=True) for n in lengths]
-        lines.append(f"| {name} | " + " | ".join(cells) + f" | {_fmt(result['overall'], pct=True)} |")
-    return lines + [""]
+                        f" of each task{notes}.", ""]
 
 
 def _training_table(reports: list[dict], plotted: bool = False) -> list[str]:
@@ -600,31 +471,22 @@ def attach_training(report: dict, path: str | Path) -> dict:
 
 
 def compare(reports: list[dict], out: Path, paired: Optional[list[dict]] = None) -> Path:
-    """out/comparison.{json,md}, out/recovery.png, out/niah_by_length.png and (with training losses)
-    out/loss_curves.png for several runs; with `paired` (harness.eval.paired.paired_report of chosen pairs),
-    their differences under comparison.json's "paired" and in comparison.md."""
+    """out/comparison.{json,md}, out/recovery.png, the tasks' plots (out/niah_by_length.png) and (with training
+    losses) out/loss_curves.png for several runs; with `paired` (harness.eval.paired.paired_report of chosen
+    pairs), their differences under comparison.json's "paired" and in comparison.md."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "comparison.json").write_text(json.dumps({"runs": reports, **({"paired": paired} if paired else {})},
                                                     indent=1))
     (out / "comparison.md").write_text(comparison_markdown(reports, paired))
     plot_recovery(reports, out / "recovery.png")
-    if any(r.get("niah") for r in reports):
-        plot_niah_by_length(reports, out / "niah_by_length.png")
+    for task in registered_tasks():
+        task.plot(reports, out)
     if any(r.get("training") for r in reports):
         from harness.eval.training import plot_loss_curves
 
         plot_loss_curves({_name(r): r.get("training") for r in reports}, out / "loss_curves.png")
     return out / "comparison.md"
-
-
-def _figure(width: float = 7.0, height: float = 4.0):
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
-
-    fig = Figure(figsize=(width, height))
-    FigureCanvasAgg(fig)
-    return fig
 
 
 def _xerr(value: float, interval: Optional[list[float]]) -> Optional[list[list[float]]]:
@@ -661,40 +523,3 @@ def plot_recovery(reports: list[dict], path: Path) -> None:
                  "95% intervals", fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=120, bbox_inches="tight")
-
-
-def plot_niah_by_length(reports: list[dict], path: Path) -> None:
-    """Lines: NIAH accuracy against prompt length per run, the teacher dashed (once per distinct teacher); exact
-    match, and beside it the likelihood score with its chance level dotted when any result has it."""
-    likelihood = any(_likelihood((r.get("niah") or {}).get(side)) for r in reports for side in ("student", "teacher"))
-    fig = _figure(width=14.0 if likelihood else 9.5)
-    axes = fig.subplots(1, 2) if likelihood else [fig.add_subplot()]
-    _plot_niah_panel(axes[0], reports, lambda side: side, "NIAH exact match (%)")
-    if likelihood:
-        _plot_niah_panel(axes[1], reports, _likelihood, "NIAH likelihood: true value first (%)")
-        for chance in {lik.get("chance") for r in reports for side in ("student", "teacher")
-                       if (lik := _likelihood((r.get("niah") or {}).get(side))) and lik.get("chance")}:
-            axes[1].axhline(100 * chance, color="gray", linestyle=":", linewidth=1)
-    axes[-1].legend(fontsize=7, loc="center left", bbox_to_anchor=(1.01, 0.5))  # outside: lines at 0% hide nothing
-    fig.tight_layout()
-    fig.savefig(path, dpi=120, bbox_inches="tight")
-
-
-def _plot_niah_panel(ax, reports: list[dict], pick, ylabel: str) -> None:
-    """One panel of plot_niah_by_length: `pick(side)` gives the {"by_length"} block drawn from a report's side."""
-    from harness.eval.training import run_line_style
-
-    lines = [(_name(r), pick(r["niah"]["student"]), run_line_style(i)) for i, r in enumerate(reports)
-             if (r.get("niah") or {}).get("student")]
-    teacher_styles = [{"color": "black", "linestyle": "--"}, {"color": "dimgray", "linestyle": "-."}]
-    lines += [(name, pick(r["niah"]["teacher"]), teacher_styles[i % 2])
-              for i, (name, r) in enumerate(_teachers(reports)) if (r.get("niah") or {}).get("teacher")]
-    for name, result, style in lines:
-        if not result:
-            continue
-        xs = sorted(int(k) for k in result["by_length"])
-        ax.plot(xs, [100 * result["by_length"][str(x)] for x in xs], marker="o", label=name, **style)
-    ax.set_xscale("log", base=2)
-    ax.set_xlabel("prompt length (tokens)")
-    ax.set_ylabel(ylabel)
-    ax.set_ylim(-5, 105)

@@ -4,19 +4,28 @@ Stage 3 writes it from the job's `eval:` section (`write_eval_spec`), next to th
 (`RUN_DIR/job.yaml`, which the held-out perplexity reads). It is a typed OmegaConf structure like the job
 config, so a hand-written or edited spec is validated the same way (`load_eval_spec`), and it may be
 overridden on the command line (`harness eval RUN/eval.yaml limit=20 niah.lengths=[256,512]`).
+
+Each registered evaluation task (harness.eval.tasks) reads its settings from the spec: the built-in ones from the
+fields below (tasks/limit/batch_size, niah, perplexity_tokens, chat_samples), every other one from its own section
+`<name>:`, which `spec_class()` adds to EvalSpec (null there: the task does not run). A key that is neither a field
+nor a registered task is refused, naming both.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
+import yaml
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from harness.config import ConfigError, EvalConfig, JobConfig, NiahConfig, bad_choice, choice_of_field, described
+from harness.config import (ConfigError, EvalConfig, JobConfig, NiahConfig, bad_choice, check_fields, choice_of_field,
+                            described)
 from harness.config_choices import Device, Dtype
+from harness.eval.tasks import describe_tasks, tasks
 
 
 @dataclass
@@ -50,11 +59,31 @@ class EvalSpec:
     chat_samples: bool = described(True, "Greedy answers to a few fixed chat prompts (harness.eval.chat_samples).")
 
 
+_SPEC_CLASSES: dict[tuple, type] = {}
+
+
+def spec_class() -> type:
+    """EvalSpec with a section `<name>:` per registered task that declares a settings dataclass (EvalTask.
+    spec_fields); EvalSpec itself while there is none (the built-in tasks read EvalSpec's own fields)."""
+    own = {f.name for f in fields(EvalSpec)}
+    extra = [f for task in tasks() for f in task.spec_fields() if f[0] not in own]
+    key = tuple((name, hint) for name, hint, _ in extra)
+    if not extra:
+        return EvalSpec
+    if key not in _SPEC_CLASSES:
+        cls = dataclasses.make_dataclass("EvalSpec", extra, bases=(EvalSpec,))
+        cls.__module__, cls.__doc__ = __name__, EvalSpec.__doc__
+        _SPEC_CLASSES[key] = cls
+    return _SPEC_CLASSES[key]
+
+
 def spec_from_job(job: JobConfig, student_dir: Path, job_yaml: Optional[Path] = None) -> EvalSpec:
     """The spec for a finished run's student: the job's `eval:` section plus where things are."""
     ev: EvalConfig = job.eval
     out = Path(job.output_dir).resolve() / "eval"
-    return EvalSpec(
+    cls = spec_class()
+    sections = {task.name: task.settings_from_job(ev) for task in tasks() if _field(cls, task.name)}
+    return cls(
         label=job.name,
         checkpoint=str(Path(student_dir).resolve()),
         teacher=job.teacher.source if ev.teacher else None,
@@ -70,7 +99,15 @@ def spec_from_job(job: JobConfig, student_dir: Path, job_yaml: Optional[Path] = 
         perplexity_tokens=ev.perplexity_tokens,
         chat_samples=ev.chat_samples,
         teacher_cache=str(Path(ev.teacher_cache).resolve()) if ev.teacher_cache else None,
+        **sections,
     )
+
+
+def _field(cls: type, name: str) -> Optional[dataclasses.Field]:
+    """The field `name` that spec_class() adds to EvalSpec for a task (None for EvalSpec's own fields)."""
+    if any(f.name == name for f in fields(EvalSpec)):
+        return None
+    return next((f for f in fields(cls) if f.name == name), None)
 
 
 def write_eval_spec(job: JobConfig, student_dir: Path) -> Path:
@@ -89,21 +126,37 @@ def load_eval_spec(path: str | Path, overrides: Optional[list[str]] = None) -> E
     if not path.is_file():
         raise ConfigError(f"Evaluation spec '{path}' does not exist (stage 3 writes RUN_DIR/eval.yaml).")
     try:
-        merged = OmegaConf.merge(OmegaConf.structured(EvalSpec), OmegaConf.load(path),
+        merged = OmegaConf.merge(OmegaConf.structured(spec_class()), OmegaConf.load(path),
                                  OmegaConf.from_dotlist(list(overrides or [])))
         spec: EvalSpec = OmegaConf.to_object(merged)
     except OmegaConfBaseException as err:
         raise ConfigError(_explain_omegaconf(err, path)) from None
+    except yaml.YAMLError as err:  # an override's value that is no YAML (`key={a:1}` wants `key={a: 1}`)
+        raise ConfigError(f"An override of {path} is no valid YAML ({' '.join(str(err).split())}): "
+                          f"{' '.join(overrides or [])}.") from None
+    except ConfigError:
+        raise
+    except ValueError as err:  # a task's settings dataclass that checks itself (__post_init__)
+        raise ConfigError(f"Bad evaluation spec {path}: {err}") from None
     _validate(spec, path)
     return spec
 
 
 def _explain_omegaconf(err: OmegaConfBaseException, path: Path) -> str:
     key = getattr(err, "full_key", None) or ""
-    choice = choice_of_field(EvalSpec, key)
+    if "not in" in str(getattr(err, "msg", err)) and "." not in key:
+        return unknown_key(key, path)
+    choice = choice_of_field(spec_class(), key)
     if choice is None:
         return f"Bad evaluation spec {path}: {err}".replace("\n", " ")
     return bad_choice(_job_key(key), getattr(err, "value", "?"), choice, f" in {path}")
+
+
+def unknown_key(key: str, path: Any) -> str:
+    """The one-paragraph error for a top-level key of a spec that is neither a setting nor a registered task."""
+    settings = ", ".join(f.name for f in fields(EvalSpec))
+    return (f"'{key}' in {path} is neither a setting of an evaluation spec nor a registered evaluation task. The "
+            f"tasks (and the spec keys that hold their settings): {describe_tasks()}. The settings: {settings}.")
 
 
 def _job_key(key: str) -> str:
@@ -119,6 +172,10 @@ def _validate(spec: EvalSpec, path: Path) -> None:
     check_eval(EvalConfig(tasks=spec.tasks, limit=spec.limit, batch_size=spec.batch_size,
                            generation_batch_size=spec.generation_batch_size, niah=spec.niah,
                            perplexity_tokens=spec.perplexity_tokens))
+    for task in tasks():
+        settings = getattr(spec, task.name, None) if _field(type(spec), task.name) else None
+        if settings is not None:
+            check_fields(settings, f"{task.name}.")
     if not Path(spec.checkpoint).is_dir():
         raise ConfigError(f"checkpoint '{spec.checkpoint}' in {path} is not a folder (a student in HF format).")
     if spec.job is not None and not Path(spec.job).is_file():

@@ -1,0 +1,28 @@
+"""Evaluation tasks behind one interface (harness.eval.tasks.base): each task one module, found through the
+registry by the evaluation job (harness.eval.job), the spec (harness.eval.spec), the report and comparisons
+(harness.eval.report), the paired differences (harness.eval.paired), the curves (harness.eval.curves) and the
+evaluations along stage 3 (harness.eval.during).
+
+    base.py          EvalTask (the hooks), ScoredTask (the hooks derived from `summarise`), Score, TaskResults,
+                     Curve, and the registry: register_task, unregister_task, tasks, get_task
+    benchmarks.py    lm-eval benchmarks (harness.eval.lm_eval_tasks): the rows of the recovery table
+    niah.py          needle in a haystack (harness.eval.niah): exact match and likelihood by length
+    perplexity.py    held-out perplexity (harness.eval.perplexity)
+    chat_samples.py  greedy answers to fixed chat prompts (harness.eval.chat_samples)
+
+Importing the package registers those four, in that order (the order of the reports; the job runs them cheap
+first: perplexity, NIAH, chat samples, benchmarks).
+"""
+
+from harness.eval.tasks.base import (Curve, EvalTask, Score, ScoredTask, TaskResults, describe_tasks, get_task,
+                                     register_task, task_names, tasks, tasks_in_run_order, unregister_task)
+from harness.eval.tasks.benchmarks import BenchmarksTask
+from harness.eval.tasks.chat_samples import ChatSamplesTask
+from harness.eval.tasks.niah import NiahTask
+from harness.eval.tasks.perplexity import PerplexityTask
+
+for _task in (BenchmarksTask(), NiahTask(), PerplexityTask(), ChatSamplesTask()):
+    register_task(_task, replace=True)
+
+__all__ = ["Curve", "EvalTask", "Score", "ScoredTask", "TaskResults", "describe_tasks", "get_task", "register_task",
+           "task_names", "tasks", "tasks_in_run_order", "unregister_task"]

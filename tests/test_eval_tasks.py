@@ -1,0 +1,187 @@
+"""Evaluation tasks behind one interface (harness.eval.tasks).
+
+A toy task defined in this module, registered through the public registry function and nowhere else, with a
+tiny settings dataclass and per-example scores: it reaches the evaluation spec (eval.yaml) and the job's results,
+report.json and report.md (its own section, and its recovery score as a row of the recovery table), and the
+paired differences of `harness report --baseline`. Two tiny students (different seeds) of the tiny pipeline
+teacher, no other task: a few seconds on a CPU.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional
+
+import pytest
+import torch
+
+from harness.cli import main as harness_main
+from harness.config import POSITIVE, ConfigError, described
+from harness.eval import curves, tasks
+from harness.eval.spec import load_eval_spec, write_eval_spec
+from harness.eval.tasks import Score, ScoredTask, TaskResults
+from harness.student import build_student
+from tests.pipeline import tiny_job
+
+TOY_FILE = "toy_examples.jsonl"
+
+
+@dataclass
+class ToySettings:
+    examples: int = described(6, "Examples scored per model.", rule=POSITIVE)
+    offset: int = described(3, "The first token id of the examples' prompts.")
+
+
+class ToyTask(ScoredTask):
+    """Per example i, the model's greedy next token after two fixed tokens: "even" (1 when the token id is even,
+    chance 1/2: a recovery score) and "token" (the token id itself: a plain value, paired on its own)."""
+
+    name = "toy"
+    title = "Toy parity"
+    settings = ToySettings
+    curve_scores = {"even": True}
+
+    def run(self, model: Any, tokenizer: Any, settings: ToySettings, out_dir: Path, *, label: str, device: Any,
+            progress: bool, spec: Any) -> None:
+        path = Path(out_dir) / TOY_FILE
+        done = {json.loads(line)["id"] for line in path.read_text().splitlines()} if path.is_file() else set()
+        with torch.no_grad(), open(path, "a") as out:
+            for i in range(settings.examples):
+                if f"ex{i}" in done:  # resumable: what is saved is kept
+                    continue
+                ids = torch.tensor([[settings.offset + i, settings.offset + 2 * i + 1]], device=device)
+                token = int(model(input_ids=ids).logits[0, -1].argmax())
+                out.write(json.dumps({"id": f"ex{i}", "token": token, "offset": settings.offset}) + "\n")
+
+    def summarise(self, folder: Path) -> Optional[TaskResults]:
+        path = Path(folder) / TOY_FILE
+        if not path.is_file():
+            return None
+        records = [json.loads(line) for line in path.read_text().splitlines()]
+        even = {r["id"]: float(r["token"] % 2 == 0) for r in records}
+        token = {r["id"]: float(r["token"]) for r in records}
+        return TaskResults([Score("even", sum(even.values()) / len(even), len(even), chance=0.5, recovery=True),
+                            Score("token", sum(token.values()) / len(token), len(token), unit="value")],
+                           {"even": even, "token": token}, {"offset": records[0]["offset"]})
+
+
+@pytest.fixture
+def toy():
+    task = tasks.register_task(ToyTask())
+    yield task
+    tasks.unregister_task("toy")
+
+
+def _run(root: Path, name: str, seed: int) -> Path:
+    """A run directory with a tiny student (mixer weights drawn with `seed`) and its eval.yaml: the toy task only."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    out = root / name
+    job = tiny_job(root, out, "eval.enabled=true", "eval.tasks=[]", "eval.niah.lengths=[]", "eval.perplexity_tokens=0",
+                   f"name={name}")
+    teacher = AutoModelForCausalLM.from_pretrained(job.teacher.source)
+    torch.manual_seed(seed)
+    build_student(teacher, "gated_deltanet", chunk_size=16).save_pretrained(out / "student")
+    AutoTokenizer.from_pretrained(job.teacher.source).save_pretrained(out / "student")
+    write_eval_spec(job, out / "student")
+    return out
+
+
+def test_the_registry_lists_the_built_in_tasks():
+    assert tasks.task_names()[:4] == ("benchmarks", "niah", "perplexity", "chat_samples")
+    assert [t.name for t in tasks.tasks_in_run_order()][:4] == ["perplexity", "niah", "chat_samples", "benchmarks"]
+    with pytest.raises(ConfigError, match="Unknown evaluation task 'nope'. The registered tasks: benchmarks "
+                                          r"\(tasks, limit, batch_size\), niah \(niah\)"):
+        tasks.get_task("nope")
+    with pytest.raises(ValueError, match="registered already"):
+        tasks.register_task(tasks.get_task("niah").__class__())
+
+
+def test_a_toy_task_runs_is_reported_and_paired(toy, tmp_path, capsys):
+    a, b = _run(tmp_path, "run-a", 0), _run(tmp_path, "run-b", 1)
+    assert "toy:\n  examples: 6\n  offset: 3\n" in (a / "eval.yaml").read_text()  # its section of the spec
+    for run in (a, b):
+        assert harness_main(["eval", str(run / "eval.yaml")]) == 0
+    out = a / "eval"
+    assert sorted(p.name for p in (out / "student").iterdir()) == [TOY_FILE]  # no other task ran
+    assert len((out / "teacher" / TOY_FILE).read_text().splitlines()) == 6
+    report = json.loads((out / "report.json").read_text())
+    even = report["toy"]["student"]["scores"]["even"]
+    assert even["n"] == 6 and even["chance"] == 0.5 and report["toy"]["teacher"]["settings"] == {"offset": 3}
+    row = report["tasks"]["toy/even"]  # a recovery score: a row of the recovery table, with its paired interval
+    assert row["student"] == even["value"] and row["chance"] == 0.5 and row["intervals"] is None
+    assert report["niah"] is None and report["perplexity"] is None and report["limit"] is None
+    md = (out / "report.md").read_text()
+    assert "## Toy parity" in md and "| token | 6 | - |" in md and "| toy/even | even | 6 | 0.5 |" in md
+
+    assert harness_main(["report", str(a), str(b), "--out", str(tmp_path / "cmp"), "--baseline", "run-a"]) == 0
+    text = (tmp_path / "cmp" / "comparison.md").read_text()
+    assert "### run-b (B) - run-a (A)" in text and "| toy/even (even) | 6 |" in text
+    assert "| Toy parity: token | 6 |" in text and "## Toy parity\n\n| model | even | token |" in text
+    paired = json.loads((tmp_path / "cmp" / "comparison.json").read_text())["paired"][0]
+    token = next(r for r in paired["rows"] if r["metric"] == "Toy parity: token")
+    b_report = json.loads((b / "eval" / "report.json").read_text())
+    assert token["diff"] == pytest.approx(b_report["toy"]["student"]["scores"]["token"]["value"]
+                                          - report["toy"]["student"]["scores"]["token"]["value"])
+    assert token["ci"] is not None and token["n"] == 6
+    assert curves.METRICS["toy_even"][0](report) == even["value"]  # curves may draw it along stage 3
+
+
+def test_toy_settings_are_checked_and_a_null_section_skips_the_task(toy, tmp_path):
+    run = _run(tmp_path, "run-a", 0)
+    spec = load_eval_spec(run / "eval.yaml", ["toy.examples=2"])
+    assert spec.toy.examples == 2 and tasks.get_task("toy").wanted(spec)
+    assert not tasks.get_task("toy").wanted(load_eval_spec(run / "eval.yaml", ["toy=null"]))
+    with pytest.raises(ConfigError, match="toy.examples=0 must be a positive number"):
+        load_eval_spec(run / "eval.yaml", ["toy.examples=0"])
+
+
+def test_an_unknown_task_in_a_spec_is_one_paragraph_naming_the_tasks(toy, tmp_path):
+    run = _run(tmp_path, "run-a", 0)
+    bad = tmp_path / "bad.yaml"
+    bad.write_text((run / "eval.yaml").read_text().replace("toy:", "toyy:"))
+    for path, overrides in ((bad, []), (run / "eval.yaml", ["toyy.examples=2"])):
+        with pytest.raises(ConfigError) as err:
+            load_eval_spec(path, overrides)
+        message = str(err.value)
+        assert "\n" not in message and "'toyy'" in message and "toy (toy)" in message, message
+        assert "niah (niah), perplexity (perplexity_tokens, job)" in message
+    tasks.unregister_task("toy")  # without the task its section is unknown too
+    with pytest.raises(ConfigError, match="'toy' in .* is neither a setting of an evaluation spec nor a registered"):
+        load_eval_spec(run / "eval.yaml")
+
+
+class OwnTeacherToy(ToyTask):
+    """The toy task, its teacher results kept in the run's own OUTPUT_DIR/teacher (teacher_shared = False)."""
+
+    name = "own"
+    teacher_shared = False
+
+
+class StudentToy(ToyTask):
+    """The toy task on the student only."""
+
+    name = "alone"
+    sides = ("student",)
+
+
+def test_sides_and_unshared_teacher_results_go_where_they_belong(toy, tmp_path):
+    from harness.eval.job import run_eval_spec, teacher_results_dir
+
+    tasks.register_task(OwnTeacherToy())
+    tasks.register_task(StudentToy())
+    try:
+        run = _run(tmp_path, "run-a", 0)
+        spec = load_eval_spec(run / "eval.yaml", [f"teacher_cache={tmp_path / 'cache'}", "toy.examples=2",
+                                                  "own.examples=3", "alone.examples=4"])
+        report = run_eval_spec(spec, progress=False)
+    finally:
+        tasks.unregister_task("own")
+        tasks.unregister_task("alone")
+    shared, own = teacher_results_dir(spec), run / "eval" / "teacher"
+    assert sorted(p.name for p in shared.iterdir()) == [TOY_FILE] and sorted(p.name for p in own.iterdir()) == [TOY_FILE]
+    assert len((shared / TOY_FILE).read_text().splitlines()) == 2 and len((own / TOY_FILE).read_text().splitlines()) == 3
+    assert report["own"]["teacher"]["scores"]["even"]["n"] == 3 and report["toy"]["teacher"]["scores"]["even"]["n"] == 2
+    assert report["alone"]["teacher"] is None and report["alone"]["student"]["scores"]["even"]["n"] == 4
