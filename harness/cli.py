@@ -193,7 +193,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="Submit the layer ranking instead of the pipeline (`harness transfer --rank-layers`): a "
                         "job array, one task per layer group (run.layer_groups or --layers-per-task), then a merge "
                         "job after it into RUN_DIR/ranking/layer_ranking.json; ids in RUN_DIR/slurm/rank-jobs.json.")
-    submit.add_argument("--rank-by", choices=("stage1", "kl"),
+    submit.add_argument("--rank-by", choices=("stage1", "kl", "copy"),
                         help="With --rank-layers: the measure (see `harness transfer --help`; default: the one the "
                         "job's student.attention_layers 'auto:K:MEASURE' names, else stage1).")
     submit.add_argument("--rank-sequences", type=int, help="With --rank-layers: held-out sequences per task "
@@ -244,6 +244,7 @@ def build_parser() -> argparse.ArgumentParser:
         "\nranking the layers (which ones a hybrid student keeps as softmax attention):\n"
         "  harness transfer --rank-layers JOB                  # each layer's stage-1 loss, costliest first\n"
         "  harness transfer --rank-layers JOB --rank-by kl     # end-to-end KL with only that layer replaced\n"
+        "  harness transfer --rank-layers JOB --rank-by copy   # copy accuracy lost with only that layer replaced\n"
         "                                                      # (the default when JOB keeps 'auto:K:kl' layers)\n"
         "  harness transfer --rank-layers JOB --layers 0-9     # one part; merged once every layer has one\n"
         "  harness transfer --rank-layers JOB --merge          # merge the parts written so far\n"
@@ -258,10 +259,11 @@ def build_parser() -> argparse.ArgumentParser:
     transfer.add_argument("--rank-layers", action="store_true",
                           help="Rank the layers by what linearizing each one alone costs (see --rank-by), instead "
                           "of the fidelity report; --mixer and --variant do not apply (the job's mixer is ranked).")
-    transfer.add_argument("--rank-by", choices=("stage1", "kl"),
+    transfer.add_argument("--rank-by", choices=("stage1", "kl", "copy"),
                           help="With --rank-layers: 'stage1', the layer's stage-1 loss (its mixer's output against "
                           "the teacher's attention output); 'kl', KL(teacher || model) per token of the teacher with "
-                          "only that layer's attention replaced by its mixer (a whole forward per layer). Default: "
+                          "only that layer's attention replaced by its mixer (a whole forward per layer); 'copy', the "
+                          "copy accuracy (harness eval copy) the teacher loses with only that layer replaced. Default: "
                           "the measure the job's student.attention_layers 'auto:K:MEASURE' names, else stage1.")
     transfer.add_argument("--merge", action="store_true",
                           help="With --rank-layers: only merge the parts already written into layer_ranking.json "

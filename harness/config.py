@@ -94,7 +94,7 @@ class TeacherConfig:
     )
 
 
-RANK_MEASURES = ("stage1", "kl")  # the layer ranking's measures (`harness transfer --rank-layers --rank-by`)
+RANK_MEASURES = ("stage1", "kl", "copy")  # the layer ranking's measures (`harness transfer --rank-layers --rank-by`)
 
 
 @dataclass

@@ -8,6 +8,10 @@ for that layer, and measures what replacing that one layer costs on held-out seq
           teacher's attention output on the teacher's own input to that layer), as stage 1 computes it
   kl      KL(teacher || model) per token, the model being the teacher with ONLY that layer's attention replaced
           by the mixer (everything else the teacher's): what the replacement costs end to end
+  copy    the in-context copying that replacing ONLY that layer costs: the teacher's copy accuracy minus the
+          model's, on random token sequences shown twice (harness.eval.copy: teacher-forced greedy accuracy on the
+          second copy after its first token; copies of seq_len // 2 tokens, at least 8 sequences). The layers
+          holding the teacher's induction heads should cost most; a hybrid that keeps them keeps copying
 
 The costliest layers are the ones a hybrid student keeps as softmax attention (`costliest_layers`).
 
@@ -108,6 +112,35 @@ def kl_per_token(teacher_log_p: torch.Tensor, log_q: torch.Tensor) -> float:
     return float(per_token.double().mean())
 
 
+class CopyProbe:
+    """Copy accuracy of a model on one fixed set of copy prompts (harness.eval.copy's sequences and score)."""
+
+    def __init__(self, ids: torch.Tensor, rows: torch.Tensor, length: int):
+        self.ids, self.rows, self.length = ids, rows, length
+
+    @classmethod
+    def for_model(cls, model: nn.Module, tokenizer: Any, sequences: int, seq_len: int,
+                  device: torch.device) -> "CopyProbe":
+        """Prompts of copies of seq_len // 2 tokens (at least 8 sequences), drawn as `harness eval copy` draws them."""
+        from harness.eval.copy import (CopyConfig, draw_sequences, prompts, token_range, tokenizer_prefix,
+                                       vocabulary_size)
+
+        length = max(seq_len // 2, 2)
+        cfg = CopyConfig(lengths=[length], sequences=max(sequences, 8))
+        rng = token_range(cfg, vocabulary_size(model, tokenizer), list(tokenizer.all_special_ids))
+        rows = draw_sequences(cfg, length, rng)
+        return cls(prompts(rows, tokenizer_prefix(tokenizer), length).to(device), rows[:, :length], length)
+
+    @torch.no_grad()
+    def accuracy(self, model: nn.Module) -> float:
+        """The fraction of the second copies' tokens after their first that the model predicts (argmax)."""
+        from harness.eval.copy import copy_record, forward_logits
+
+        logits = forward_logits(model, self.ids, self.length + 1)
+        hits = [copy_record(logits[i], self.rows[i])["hits"][1:] for i in range(self.rows.shape[0])]
+        return sum(h.count("1") for h in hits) / sum(len(h) for h in hits)
+
+
 # ------------------------------------------------------------------------------------------ measuring
 
 
@@ -166,6 +199,9 @@ def rank_layers(job: JobConfig, *, measure: str = "stage1", layers: Optional[Seq
     loss = job.stages.align_mixer.loss
     if measure == "stage1":
         acts = capture_activations(model, ids, layers=chosen, kinds=("attn_input", "attn_output"))
+    elif measure == "copy":
+        probe = CopyProbe.for_model(model, teacher.tokenizer, sequences, seq_len, device)
+        teacher_copy = probe.accuracy(model)
     else:
         teacher_log_p = log_probs(model, ids)
     costs = {}
@@ -178,12 +214,15 @@ def rank_layers(job: JobConfig, *, measure: str = "stage1", layers: Optional[Seq
                     cost = float(layer_loss(mixer, "align_mixer", acts, layer, rope(ids), loss))
             else:
                 with replaced_attention(model, layer, MixerAsAttention(mixer, rope, stage_autocast(job, device))):
-                    cost = kl_per_token(teacher_log_p, log_probs(model, ids))
+                    cost = (teacher_copy - probe.accuracy(model) if measure == "copy"
+                            else kl_per_token(teacher_log_p, log_probs(model, ids)))
         costs[str(layer)] = {"cost": cost, "weights": weights}
     return {"job": job.name, "teacher": teacher_identity(job.teacher.source), "teacher_layers": n_layers,
             "mixer": job.student.mixer, "options": dict(job.student.options), "measure": measure,
             "loss": loss if measure == "stage1" else None,
-            "data": {"origin": origin, "sequences": int(ids.shape[0]), "seq_len": int(ids.shape[1])},
+            "data": ({"origin": "random token ids (harness.eval.copy)", "sequences": probe.rows.shape[0],
+                      "seq_len": probe.ids.shape[1], "teacher_copy_acc": teacher_copy} if measure == "copy" else
+                     {"origin": origin, "sequences": int(ids.shape[0]), "seq_len": int(ids.shape[1])}),
             "seed": job.seed, "layers": costs}
 
 
@@ -246,8 +285,10 @@ def merge_ranking(job: JobConfig, measure: str = "stage1", *, require_all: bool 
 def markdown(ranking: dict[str, Any]) -> str:
     """The ranking as Markdown: costliest layer first."""
     d = ranking["data"]
-    what = (f"stage-1 loss ({ranking['loss']}) of the layer's mixer" if ranking["measure"] == "stage1"
-            else "KL(teacher || model) per token, only this layer's attention replaced by its mixer")
+    what = {"stage1": f"stage-1 loss ({ranking['loss']}) of the layer's mixer",
+            "kl": "KL(teacher || model) per token, only this layer's attention replaced by its mixer",
+            "copy": f"copy accuracy lost (the teacher's {d.get('teacher_copy_acc', float('nan')):.1%} minus the "
+                    "model's, only this layer's attention replaced by its mixer)"}[ranking["measure"]]
     by_layer = {r["layer"]: r for r in ranking["layers"]}
     lines = [f"# Layer ranking: {ranking['job']}", "",
              f"Teacher `{ranking['teacher']}` ({ranking['teacher_layers']} layers), mixer {ranking['mixer']}; "

@@ -366,3 +366,55 @@ def test_the_slurm_plan_is_an_array_per_layer_group_then_a_merge_and_its_scripts
     slurm = Path(job.output_dir) / "slurm"
     assert json.loads((slurm / "rank-jobs.json").read_text())["jobs"] == {"rank": "200", "rank_merge": "201"}
     assert not (slurm / "jobs.json").exists() and not (slurm / "job.yaml").exists()  # the pipeline's record is apart
+
+
+def test_the_copy_cost_is_the_teachers_copy_accuracy_minus_the_one_layer_replaced_models(root):
+    """--rank-by copy: the cost of layer l is the teacher's copy accuracy minus that of the teacher with only layer l
+    replaced, both on the prompts `harness eval copy` draws (recomputed here with harness.eval.copy's own scoring)."""
+    from harness.eval.copy import (CopyConfig, copy_record, draw_sequences, forward_logits, prompts, token_range,
+                                   tokenizer_prefix, vocabulary_size)
+    from harness.ranking import start_mixers
+    from harness.stages.align import first_batch, stage_autocast
+    from harness.stages.common import load_job_teacher
+    from harness.student import rope_for, student_config
+    from harness.data import prepare_job_corpus
+
+    job = job_in(root, "copy-rank")
+    part = rank_layers(job, measure="copy", layers=[1], sequences=2, seq_len=32, progress=False)
+    assert part["measure"] == "copy" and part["data"]["seq_len"] == 32 and part["data"]["sequences"] == 8
+
+    teacher = load_job_teacher(job, torch.device("cpu"))
+    model, tok = teacher.model, teacher.tokenizer
+    cfg = CopyConfig(lengths=[16], sequences=8)
+    rng = token_range(cfg, vocabulary_size(model, tok), list(tok.all_special_ids))
+    rows = draw_sequences(cfg, 16, rng)
+    ids = prompts(rows, tokenizer_prefix(tok), 16)
+
+    def accuracy() -> float:
+        logits = forward_logits(model, ids, 17)
+        hits = "".join(copy_record(logits[i], rows[i, :16])["hits"][1:] for i in range(8))
+        return hits.count("1") / len(hits)
+
+    config = student_config(model.config, job.student.mixer, dict(job.student.options))
+    corpus = prepare_job_corpus(job, tok, max_positions=model.config.max_position_embeddings)
+    mixer, _ = start_mixers(job, model, config, [1], first_batch(job, corpus), torch.device("cpu"))[1]
+    mixer.eval()
+    with torch.no_grad():
+        before = accuracy()
+        with replaced_attention(model, 1, MixerAsAttention(mixer, rope_for(config, torch.device("cpu")),
+                                                           stage_autocast(job, torch.device("cpu")))):
+            after = accuracy()
+    assert part["data"]["teacher_copy_acc"] == pytest.approx(before)
+    assert part["layers"]["1"]["cost"] == pytest.approx(before - after)
+
+
+def test_the_copy_probe_of_the_ranking_scores_a_copier_fully_and_a_contextless_model_near_zero():
+    """CopyProbe (the ranking's copy measure) reads the accuracy as `harness eval copy` does: 100% for a model that
+    copies by construction, ~0 for one that ignores the context (the tiny pipeline teacher copies nothing, so the
+    ranking test above cannot tell these apart)."""
+    from harness.ranking import CopyProbe
+    from tests.test_copy import Contextless, Oracle, Tokenizer
+
+    probe = CopyProbe.for_model(Oracle(), Tokenizer(), sequences=2, seq_len=64, device=torch.device("cpu"))
+    assert probe.rows.shape == (8, 32) and probe.accuracy(Oracle()) == 1.0
+    assert probe.accuracy(Contextless()) < 0.05
