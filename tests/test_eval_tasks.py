@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 import pytest
+from omegaconf import OmegaConf
 import torch
 
 from harness.cli import main as harness_main
@@ -85,13 +86,17 @@ def _run(root: Path, name: str, seed: int) -> Path:
     torch.manual_seed(seed)
     build_student(teacher, "gated_deltanet", chunk_size=16).save_pretrained(out / "student")
     AutoTokenizer.from_pretrained(job.teacher.source).save_pretrained(out / "student")
-    write_eval_spec(job, out / "student")
+    spec = write_eval_spec(job, out / "student")
+    settings = OmegaConf.load(spec)
+    settings.copy = None  # the copy probe runs by default: only the toy task here
+    spec.write_text(OmegaConf.to_yaml(settings))
     return out
 
 
 def test_the_registry_lists_the_built_in_tasks():
-    assert tasks.task_names()[:4] == ("benchmarks", "niah", "perplexity", "chat_samples")
-    assert [t.name for t in tasks.tasks_in_run_order()][:4] == ["perplexity", "niah", "chat_samples", "benchmarks"]
+    assert tasks.task_names()[:6] == ("benchmarks", "niah", "perplexity", "chat_samples", "copy", "state")
+    assert [t.name for t in tasks.tasks_in_run_order()][:6] == ["perplexity", "niah", "copy", "chat_samples", "state",
+                                                                "benchmarks"]
     with pytest.raises(ConfigError, match="Unknown evaluation task 'nope'. The registered tasks: benchmarks "
                                           r"\(tasks, limit, batch_size\), niah \(niah\)"):
         tasks.get_task("nope")
@@ -185,3 +190,29 @@ def test_sides_and_unshared_teacher_results_go_where_they_belong(toy, tmp_path):
     assert len((shared / TOY_FILE).read_text().splitlines()) == 2 and len((own / TOY_FILE).read_text().splitlines()) == 3
     assert report["own"]["teacher"]["scores"]["even"]["n"] == 3 and report["toy"]["teacher"]["scores"]["even"]["n"] == 2
     assert report["alone"]["teacher"] is None and report["alone"]["student"]["scores"]["even"]["n"] == 4
+
+
+def test_the_copy_and_state_probes_run_in_the_evaluation_job_and_are_reported_and_paired(tmp_path):
+    """issue 50: the copy probe (on by default) and the state probe (when the spec asks) run in the evaluation job for
+    student and teacher, with their sections in report.md, their scores in report.json, paired rows in a comparison
+    and curves along stage 3."""
+    probes = ["copy={lengths: [16, 32], sequences: 3, induction: true}",
+              "state={length: 256, sequences: 1, positions: [16, 256], samples: 2, distances: [32], kinds: [passkey]}"]
+    runs = [_run(tmp_path, name, seed) for name, seed in (("run-a", 0), ("run-b", 1))]
+    for run in runs:
+        assert harness_main(["eval", str(run / "eval.yaml"), *probes]) == 0
+    out = runs[0] / "eval"
+    assert {"copy.json", "copy_sequences.jsonl", "state.json", "state_retrieval.jsonl"} <= {
+        p.name for p in (out / "student").iterdir()}
+    assert (out / "teacher" / "copy.json").is_file() and (out / "teacher" / "state_retrieval.jsonl").is_file()
+    report = json.loads((out / "report.json").read_text())
+    copy_scores = report["copy"]["student"]["scores"]
+    assert copy_scores["after first"]["n"] == 6 and set(copy_scores) == {"after first", "after first, 16 tokens",
+                                                                          "after first, 32 tokens"}
+    assert report["state"]["teacher"]["scores"]["likelihood, 32 tokens apart"]["n"] == 2
+    md = (out / "report.md").read_text()
+    assert "## In-context copy" in md and "## State along the context" in md
+    assert harness_main(["report", *map(str, runs), "--out", str(tmp_path / "cmp"), "--baseline", "run-a"]) == 0
+    text = (tmp_path / "cmp" / "comparison.md").read_text()
+    assert "In-context copy (random tokens shown twice): after first | 6 |" in text
+    assert curves.METRICS["copy_after_first"][0](report) == copy_scores["after first"]["value"]

@@ -9,19 +9,23 @@ evaluations along stage 3 (harness.eval.during).
     niah.py          needle in a haystack (harness.eval.niah): exact match and likelihood by length
     perplexity.py    held-out perplexity (harness.eval.perplexity)
     chat_samples.py  greedy answers to fixed chat prompts (harness.eval.chat_samples)
+    copy_probe.py    copy accuracy on random tokens shown twice, induction per layer (harness.eval.copy)
+    state_probe.py   recurrent state along the context, retrieval against distance (harness.eval.state)
 
-Importing the package registers those four, in that order (the order of the reports; the job runs them cheap
-first: perplexity, NIAH, chat samples, benchmarks).
+Importing the package registers those six, in that order (the order of the reports; the job runs them cheap
+first: perplexity, NIAH, copy, chat samples, state, benchmarks).
 """
 
 from harness.eval.tasks.base import (Curve, EvalTask, Score, ScoredTask, TaskResults, describe_tasks, get_task,
                                      register_task, task_names, tasks, tasks_in_run_order, unregister_task)
 from harness.eval.tasks.benchmarks import BenchmarksTask
 from harness.eval.tasks.chat_samples import ChatSamplesTask
+from harness.eval.tasks.copy_probe import CopyTask
 from harness.eval.tasks.niah import NiahTask
 from harness.eval.tasks.perplexity import PerplexityTask
+from harness.eval.tasks.state_probe import StateTask
 
-for _task in (BenchmarksTask(), NiahTask(), PerplexityTask(), ChatSamplesTask()):
+for _task in (BenchmarksTask(), NiahTask(), PerplexityTask(), ChatSamplesTask(), CopyTask(), StateTask()):
     register_task(_task, replace=True)
 
 __all__ = ["Curve", "EvalTask", "Score", "ScoredTask", "TaskResults", "describe_tasks", "get_task", "register_task",
