@@ -103,6 +103,8 @@ def perplexity_settings(spec: Any) -> Optional[dict]:
     from omegaconf import OmegaConf
 
     data = OmegaConf.to_container(OmegaConf.load(spec.job).get("data", {}), resolve=False)
+    if not data.get("mix", True):
+        del data["mix"]  # no mixture: the key of the runs made before data.mix existed, whose caches stay valid
     return {"data": data, "tokens": spec.perplexity_tokens}
 
 
