@@ -79,7 +79,8 @@ class TeacherPlacement(Choice):
 
 
 class StudentEngine(Choice):
-    """deepspeed.student_engine: stage 3's student engine (harness.engine.student_engine)."""
+    """deepspeed.student_engine: the student engine of stage 3 and SFT (harness.engine.student_engine): DeepSpeed, or
+    'plain' (harness.plain_engine: torch's fused AdamW on fp32 masters, DistributedDataParallel)."""
 
     deepspeed = "deepspeed"
     plain = "plain"

@@ -11,7 +11,7 @@ the teacher's attention scores (4 L s h per token forward, non-causal count as i
 recurrences are not counted, so MFU understates the work done. A hybrid student's kept softmax-attention layers
 (student.attention_layers) count as the teacher's do: their parameters (K/V at the KV heads), not a mixer's.
 SFT counts 6 N_student (`dense_flops_per_token`).
-`setup_mfu` gives a stage's logger (harness.observe.Throughput) these figures.
+`harness.observe.setup_mfu` gives a stage's logger these figures (this module does not import harness.observe).
 
 The peak (`resolve_peak`): $HARNESS_PEAK_FLOPS (FLOP/s per device) when set, else the NVIDIA datasheet's dense
 (no 2:4 sparsity) bf16 tensor-core figure for the GPU that `torch.cuda.get_device_name` names
@@ -30,12 +30,9 @@ import os
 import re
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Optional
+from typing import Optional
 
 import torch
-
-if TYPE_CHECKING:
-    from harness.observe import RunLogger
 
 PEAK_ENV = "HARNESS_PEAK_FLOPS"
 
@@ -200,16 +197,3 @@ def mfu(tokens_per_s: float, flops_per_tok: float, peak_flops_per_device: Option
     if not peak_flops_per_device:
         return None
     return tokens_per_s * flops_per_tok / (peak_flops_per_device * world)
-
-
-def setup_mfu(logger: RunLogger, device: torch.device, world: int, flops_per_token: float, stage: str) -> None:
-    """MFU in a stage's logs over all `world` ranks' tokens: `mfu` against the datasheet dense bf16 peak
-    (`resolve_peak`; $HARNESS_PEAK_FLOPS overrides) and `mfu_measured_peak` against the matmul peak
-    measured on this GPU model. A GPU without a datasheet figure gets a log line naming it, and no `mfu`."""
-    tp = logger.throughput
-    tp.flops_per_token = flops_per_token
-    peak, measured = resolve_peak(device), measured_peak(device)
-    tp.peak_flops = peak.flops * world if peak.flops else None
-    tp.measured_peak_flops = measured * world if measured else None
-    if peak.flops is None and device.type == "cuda":
-        logger.write(f"{stage}: {peak.source}")

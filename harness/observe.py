@@ -1,4 +1,5 @@
-"""What a long run shows and records: metrics.jsonl, TensorBoard, a progress bar, throughput, MFU.
+"""What a long run shows and records: metrics.jsonl, TensorBoard, a progress bar, throughput, MFU (`setup_mfu`
+gives a stage's logger the FLOP figures of harness.flops).
 
 `RunLogger` writes on rank 0 only; on other ranks every call is a no-op, so the training loop calls it
 unconditionally. Files under `out_dir`:
@@ -29,7 +30,7 @@ import torch
 from tqdm import tqdm
 
 from harness.files import atomic_write_text
-from harness.flops import dense_flops_per_token, mfu  # noqa: F401 - dense_flops_per_token: tests import it here
+from harness.flops import measured_peak, mfu, resolve_peak
 
 METRICS = "metrics.jsonl"
 
@@ -153,6 +154,19 @@ class Throughput:
             if value is not None:
                 out[key] = value
         return out
+
+
+def setup_mfu(logger: "RunLogger", device: torch.device, world: int, flops_per_token: float, stage: str) -> None:
+    """MFU in a stage's logs over all `world` ranks' tokens: `mfu` against the datasheet dense bf16 peak
+    (harness.flops.resolve_peak; $HARNESS_PEAK_FLOPS overrides) and `mfu_measured_peak` against the matmul peak
+    measured on this GPU model. A GPU without a datasheet figure gets a log line naming it, and no `mfu`."""
+    tp = logger.throughput
+    tp.flops_per_token = flops_per_token
+    peak, measured = resolve_peak(device), measured_peak(device)
+    tp.peak_flops = peak.flops * world if peak.flops else None
+    tp.measured_peak_flops = measured * world if measured else None
+    if peak.flops is None and device.type == "cuda":
+        logger.write(f"{stage}: {peak.source}")
 
 
 # ----------------------------------------------------------------------------------------- logger

@@ -1,10 +1,13 @@
-"""Shared fixtures: a tiny random Llama saved as an HF folder, and the real SmolLM2-135M GGUF teacher."""
+"""Shared fixtures: a tiny random Llama saved as an HF folder, the real SmolLM2-135M GGUF teacher, and a one-process
+process group for the stages a test module runs in pytest's own process."""
 
 from __future__ import annotations
 
+import socket
 from pathlib import Path
 
 import pytest
+import torch
 
 from tests.tiny import tiny_llama
 
@@ -37,3 +40,20 @@ def smollm2_teacher(smollm2_gguf: Path, smollm2_cache: Path):
     from harness.teacher import load_teacher
 
     return load_teacher(str(smollm2_gguf), cache_dir=smollm2_cache)
+
+
+@pytest.fixture(scope="module")
+def one_process_group():
+    """A one-process gloo group inside pytest (as `python -m harness.cli` makes), shared by a test module's in-process
+    runs (DeepSpeed keeps its groups for the process) and torn down, environment restored, after them."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    patch = pytest.MonkeyPatch()
+    for key, value in dict(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+                           DS_ACCELERATOR="cpu").items():
+        patch.setenv(key, value)
+    yield
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+    patch.undo()

@@ -144,6 +144,26 @@ def test_no_module_of_harness_mixers_imports_another_inside_a_function():
     assert {m: d for m, d in inside.items() if d} == {}
 
 
+def test_flops_and_observe_do_not_import_each_other_not_even_for_annotations():
+    """harness.flops computes FLOP figures; harness.observe (setup_mfu) hands them to a stage's logger. Only observe
+    imports flops: every import statement of flops counts here, those under TYPE_CHECKING and in functions too."""
+    tree = ast.parse((ROOT / "harness" / "flops.py").read_text())
+    imported = [alias.name for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names]
+    imported += [f"{node.module}.{alias.name}" if node.module else f"(relative).{alias.name}"
+                 for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) for alias in node.names]
+    assert [name for name in imported if "observe" in name or name.startswith("(relative)")] == []
+    assert "harness.flops" in import_graph()["harness.observe"]
+
+
+LOOP_MODULES = ("harness/engine.py", "harness/plain_engine.py", "harness/train/*.py", "harness/stages/*.py")
+
+
+def test_the_engines_the_loop_and_the_stages_stay_under_800_lines():
+    lengths = {str(path.relative_to(ROOT)): len(path.read_text().splitlines())
+               for pattern in LOOP_MODULES for path in ROOT.glob(pattern)}
+    assert len(lengths) >= 8 and {path: n for path, n in lengths.items() if n > 800} == {}
+
+
 def _write(root: Path, files: dict[str, str]) -> None:
     for rel, text in files.items():
         path = root / rel

@@ -16,7 +16,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from harness.losses import (ALIGNMENT_LOSSES, TOKEN_LOSSES, ChunkedLoss, CrossEntropy, ForwardKL, ReverseKL,
-                            alignment_l2, alignment_mse, distill_loss, head_matmuls, token_losses)
+                            alignment_l2, alignment_mse, distill_loss, head_matmuls, lm_loss, token_losses)
 from harness.losses.kl_ce import ce_kl_sums_torch
 
 
@@ -261,10 +261,51 @@ def test_term_by_term_equals_the_fused_pass():
     terms = [ForwardKL(1.3, 2.0), CrossEntropy(0.7), ReverseKL(0.0, 2.0)]
     assert not ChunkedLoss(terms).fused
     each = ChunkedLoss(terms, chunk_tokens=4)(hs, ws, labels, ht, wt)
-    for got, want in zip(each[:3], fused[:3]):
+    assert list(each.terms) == ["kl", "ce", "reverse_kl"] and list(fused.terms) == ["kl", "ce"]
+    for got, want in [(each.total, fused.total), (each.ce, fused.ce), (each.kl, fused.kl)]:
         torch.testing.assert_close(got.detach(), want.detach(), rtol=1e-5, atol=1e-6)
     for got, want in zip(_grads(each.total, hs, ws), _grads(fused.total, hs, ws)):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_losses_are_a_mapping_of_every_measured_term():
+    """LossTerms: `total` with the gradient, each term's detached per-token mean by name (the trained terms in their
+    order, then ce and kl for the logs; kl only with a teacher), `stacked` in the order of `names`."""
+    hs, ht, ws, wt, labels = make_inputs(seed=9)
+    out = ChunkedLoss([ReverseKL(0.5, 2.0), ForwardKL(0.5)])(hs, ws, labels, ht, wt)
+    assert out.names() == ("loss", "reverse_kl", "kl", "ce") and out.total.requires_grad
+    assert not any(v.requires_grad for v in out.terms.values()) and out.reverse_kl is out.terms["reverse_kl"]
+    torch.testing.assert_close(out.stacked(), torch.stack([out.total.detach(), *out.terms.values()]))
+    torch.testing.assert_close(out.total.detach(), 0.5 * out.reverse_kl + 0.5 * out.kl)
+    sft = lm_loss(hs, ws, labels)
+    assert list(sft.terms) == ["ce"] and torch.equal(sft.total.detach(), sft.ce)  # no teacher: no kl
+    with pytest.raises(AttributeError, match="no loss term 'jsd'"):
+        sft.jsd
+
+
+def test_a_registered_term_is_computed_and_reported_by_name():
+    """register_token_loss adds a kind of term: ChunkedLoss runs it term by term and reports it under its name."""
+    from harness.losses import register_token_loss
+    from harness.losses.chunked import TOKEN_LOSSES as registry
+
+    class HalfCE(CrossEntropy):
+        name = "half_ce"
+
+        def chunk(self, s, t, y, need_grad):
+            total, grad = super().chunk(s, t, y, need_grad)
+            return total / 2, None if grad is None else grad / 2
+
+    assert register_token_loss(HalfCE) is HalfCE
+    try:
+        hs, ht, ws, wt, labels = make_inputs(seed=10)
+        out = ChunkedLoss(token_losses([SimpleNamespace(name="half_ce", weight=1.0, temperature=1.0)]))(
+            hs, ws, labels, ht, wt)
+        assert list(out.terms) == ["half_ce", "ce", "kl"]
+        torch.testing.assert_close(out.half_ce, out.ce / 2)
+        with pytest.raises(ValueError, match="'half_ce' is registered already"):
+            register_token_loss(type("Other", (HalfCE,), {}))
+    finally:
+        registry.pop("half_ce")
 
 
 def test_terms_are_checked():

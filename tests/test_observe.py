@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from harness.flops import dense_flops_per_token
 from harness.observe import (
     METRICS,
     NonFiniteLoss,
@@ -17,7 +18,6 @@ from harness.observe import (
     Throughput,
     TooManySkippedSteps,
     check_finite,
-    dense_flops_per_token,
     mfu,
     peak_memory_bytes,
 )

@@ -8,7 +8,6 @@ import json
 import os
 import random
 import re
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -345,23 +344,6 @@ def test_sft_zero3_two_processes_with_accumulation_match_plain_pytorch(setting, 
     assert "val_ppl" in (out / "sft" / "metrics.jsonl").read_text().splitlines()[-1]
 
 
-@pytest.fixture(scope="module")
-def one_process_group():
-    """A one-process gloo group inside pytest (as `python -m harness.cli` makes), shared by this module's in-process
-    runs (DeepSpeed keeps its groups for the process) and torn down, environment restored, after them."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    patch = pytest.MonkeyPatch()
-    for key, value in dict(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-                           DS_ACCELERATOR="cpu").items():
-        patch.setenv(key, value)
-    yield
-    if torch.distributed.is_initialized():
-        torch.distributed.destroy_process_group()
-    patch.undo()
-
-
 def test_sft_interrupted_and_resumed_equals_uninterrupted(setting, tmp_path, one_process_group):
     from harness.stages.sft import sft
 
@@ -472,12 +454,13 @@ def test_post_training_jobs_distil_exactly_as_the_runs_they_tune():
 
 def test_a_run_of_skipped_steps_stops_sft(setting, tmp_path, one_process_group, monkeypatch):
     """SFT stops after run.max_skipped_steps_in_a_row skipped optimizer steps (stage 3's twin, with real
-    non-finite gradients on the plain engine: tests/test_distill.py). SFT runs on DeepSpeed, which in fp32 on a CPU
-    does not skip, so here the engine's skip count is made to rise with every optimizer step."""
+    non-finite gradients on the plain engine: tests/test_distill.py). SFT runs on DeepSpeed here, which in fp32 on a
+    CPU does not skip, so the engine's skip count, as the loop's hooks read it, rises with every optimizer step."""
     from harness.observe import TooManySkippedSteps
     from harness.stages import sft as sft_stage
+    from harness.train import hooks
 
-    monkeypatch.setattr(sft_stage, "skipped_steps", lambda engine: engine.global_steps)
+    monkeypatch.setattr(hooks, "skipped_steps", lambda engine: engine.global_steps)
     job = load_job(write_job(setting, tmp_path, tmp_path / "skips", "run.max_skipped_steps_in_a_row=2"))
     with pytest.raises(TooManySkippedSteps, match="2 optimizer steps in a row.*up to step 2"):
         sft_stage.sft(job)

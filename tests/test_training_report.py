@@ -112,3 +112,32 @@ def test_loss_curve_panels_name_the_loss_each_run_logged(tmp_path):
     assert panel_loss({"a": mse, "b": l2}, "align_hidden") == ("MSE; (l2): L2 norm", {"b"})
     assert panel_loss({"a": mse, "b": l2}, "align_mixer") == ("MSE", set())
     assert panel_loss({"old": {}}, "align_mixer") == ("MSE", set())  # a summary from before the field: mse
+
+
+def test_every_logged_loss_term_is_in_the_summary_and_the_table(tmp_path):
+    """Lines naming their terms (`loss_terms`, as harness.train's logging writes them) give each term its curve,
+    final value, validation and table columns; a run without such lines has ce and kl alone."""
+    run = fake_run(tmp_path)
+    rows = [{"step": s, "tokens": 1000 * s, "loss": 7.0, "kl": 1.0, "reverse_kl": 0.1 * s, "ce": 5.0,
+             "loss_terms": ["kl", "reverse_kl", "ce"]} for s in range(1, 11)]
+    write_rows(run / "distill" / "metrics.jsonl",
+               rows + [{"step": 10, "tokens": 10000, "val_ce": 4.0, "val_kl": 0.5, "val_reverse_kl": 0.25,
+                        "val_ppl": 54.6}])
+    summary = training_summary(run)
+    assert summary["curves"]["distill"]["reverse_kl"] == pytest.approx([0.1 * s for s in range(1, 11)])
+    d = summary["final"]["distill"]
+    assert d["terms"] == ["ce", "kl", "reverse_kl"] and d["reverse_kl"] == pytest.approx(0.95)  # steps 9, 10
+    assert (d["val_reverse_kl"], d["ce"], d["val_ce"]) == (0.25, 5.0, 4.0)
+    other = fake_run(tmp_path, 2.0)
+    assert training_summary(other)["final"]["distill"]["terms"] == ["ce", "kl"]
+    tasks = {"piqa": {"metric": "acc", "student": 0.5, "teacher": 0.8, "recovery": 0.625, "n": 10}}
+    average = {"tasks": 1, "student": 0.5, "teacher": 0.8, "recovery": 0.625}
+    table = comparison_markdown([{"label": name, "mixer": "gla", "teacher_dir": "/t", "limit": 10, "tasks": tasks,
+                                  "average": average, "training": training_summary(r)}
+                                 for name, r in (("a", run), ("b", other))])
+    training = table[table.index("## Training losses"):].splitlines()
+    assert training[2] == ("| run | stage 1 loss | stage 2 loss | stage 3 loss | stage 3 CE | stage 3 KL | "
+                           "stage 3 reverse_kl | val CE | val KL | val reverse_kl | val ppl |")
+    row = next(line for line in training if line.startswith("| a [gla]"))
+    assert row.endswith("| 7 | 5 | 1 | 0.95 | 4 | 0.5 | 0.25 | 54.6 |")
+    assert next(line for line in training if line.startswith("| b [gla]")).endswith("| - | 7 | 3 | - | 33.1 |")

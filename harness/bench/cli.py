@@ -30,8 +30,9 @@ DESCRIPTION = """\
 Benchmark the stage-3 distillation step, the mixer kernels and decoding; print Markdown tables and write
 JSON (+ the same tables next to it as .md).
 
-  step     the stage-3 step exactly as `harness stage distill` runs it (DistillModel + TeacherBody under
-           DeepSpeed ZeRO-3 from ds_configs/, bf16 on GPUs), with random-weight SmolLM2 teachers of the chosen
+  step     the stage-3 step exactly as `harness stage distill` runs it (its loop's train_step on DistillModel +
+           TeacherBody under DeepSpeed ZeRO-3 from ds_configs/ or --engine plain, bf16 on GPUs), with random-weight
+           SmolLM2 teachers of the chosen
            shape. Reports tokens/s, MFU = tokens/s x (6 N_student + 2 N_teacher) / (peak x world) with the
            GPU's datasheet dense bf16 peak (and beside it against the measured matmul peak), peak GPU
            memory, and where a step's time goes: teacher_forward, gather_teacher_head, student_forward, loss
@@ -102,7 +103,7 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
     step.add_argument("--engine", choices=("zero3", "plain"), default="zero3",
                       help="zero3: DeepSpeed engines as in stage 3 (default; the ZeRO stage is --student-ds-config's); "
                       "plain: stage 3's deepspeed.student_engine=plain (torch's fused AdamW on fp32 master copies of "
-                      "the bf16 weights; data parallel under torchrun) with a replicated teacher.")
+                      "the bf16 weights; torch DDP under torchrun) with a replicated teacher.")
     step.add_argument("--student-ds-config", default=None, help="DeepSpeed config of the student (default "
                       "ds_configs/zero3.json; ds_configs/zero3_offload.json for CPU offload).")
     step.add_argument("--teacher-ds-config", default=None, help="Default ds_configs/zero3_teacher.json.")
@@ -126,7 +127,8 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
                       help="Run the replicated teacher eagerly (stages.distill.compile_teacher=false); by default "
                       "its decoder layers are compiled on a GPU.")
     step.add_argument("--profile-steps", type=int, default=2,
-                      help="Extra steps under torch.profiler to measure communication (0: skip). Default 2.")
+                      help="Extra optimizer steps under torch.profiler to measure communication (0: skip). "
+                      "Default 2.")
     dec = p.add_argument_group("decode")
     dec.add_argument("--contexts", default="1024,8192,32768", help="Context lengths. Default 1024,8192,32768.")
     dec.add_argument("--decode-batches", default="1,8,32",

@@ -1,14 +1,17 @@
-"""The stage-3 bench (`bench_step`): the stage-3 distillation step as `harness.stages.distill` runs it: the student
-(`harness.student.build_student`) wrapped in `DistillModel`, the teacher in `TeacherBody`, both DeepSpeed
-ZeRO-3 engines built by `harness.engine` from `ds_configs/zero3.json` / `zero3_teacher.json` (bf16 on a GPU,
-fp32 over gloo on a CPU), one micro-step = teacher forward, student forward + chunked CE/KL loss under a
-gather of the teacher head, `engine.backward`, `engine.step`, and the per-step `.item()` of the losses.
+"""The stage-3 bench (`bench_step`): the stage-3 distillation step as `harness.stages.distill` runs it, through the
+same code: the student (`harness.student.build_student`) wrapped in `DistillModel`, the teacher in `TeacherBody`,
+both engines built by `harness.engine` (DeepSpeed ZeRO-3 from `ds_configs/zero3.json` / `zero3_teacher.json` by
+default; bf16 on a GPU, fp32 over gloo on a CPU), and each optimizer step is `harness.train.Trainer.train_step`
+with stage 3's forward (`harness.stages.distill.DistillForward`): per micro-step the teacher forward, the student
+forward + chunked CE/KL loss under a gather of the teacher head, `engine.backward`, `engine.step`; per optimizer
+step the reduction of the loss terms and their one read to the host.
 Teachers are the SmolLM2 shapes (135M / 360M / 1.7B, or `tiny`) with random weights: a step's time does not
 depend on the values, but whether it trained does, so every step's loss and the engine's skipped optimizer steps
 are recorded (`losses_each`, `skipped_steps`) and a row with a non-finite loss or a skipped step is marked
 (`health`) and meets no target. `--teacher SOURCE` takes a real one. ``zero3=False`` (``--engine plain``) runs
-the same step on stage 3's `PlainEngine` (deepspeed.student_engine=plain: torch's fused AdamW on fp32 master copies of
-the bf16 weights on CUDA; data parallel under torchrun, averaging the gradients at each step).
+the same step on stage 3's plain engine (deepspeed.student_engine=plain, `harness.plain_engine.PlainEngine`: torch's
+fused AdamW on fp32 master copies of the bf16 weights on CUDA; under torchrun torch's DDP, gradients reduced in
+fp32).
 
 Reported: tokens/s (input tokens, `micro_batch x seq_len x world` per micro-step, over the measured steps'
 wall time), MFU = tokens/s x (6 N_student + 2 N_teacher) / (peak x world) by the usual definition: the peak is
@@ -27,7 +30,8 @@ process's peak RSS), and the breakdown of a step in ms and %:
   backward             `engine.backward`: the student body's backward, including ZeRO-3 re-gathers and the
                        gradient reduce-scatter (DeepSpeed overlaps it with compute: not separable here)
   optimizer            `engine.step`: gradient clipping (global norm), AdamW, parameter update
-  other                engine epilogues, releasing the teacher head, the losses' `.item()` (a sync)
+  other                engine epilogues, releasing the teacher head, the step's reduction of the loss terms and
+                       their read to the host (a sync)
 
 The phases are stamps taken at fixed points of the step (CUDA events on the compute stream on a GPU,
 `time.perf_counter` on a CPU, where execution is synchronous), chained so that they add up to the step.
@@ -40,9 +44,11 @@ same time (what communication adds to the step at most). Both are already inside
 
 from __future__ import annotations
 
+import itertools
 import math
 import os
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
@@ -107,24 +113,20 @@ def _build_engines(model: nn.Module, teacher: nn.Module, cfg: Any, world: int, b
     return _StepParts(s_engine, t_engine, model, t_body.teacher.lm_head.weight), placement
 
 
-def _micro_step(parts: _StepParts, ids: torch.Tensor, clock: PhaseClock) -> list[float]:
-    """One micro-step of stage 3 (the body of the loop in harness.stages.distill.distill), with stamps. The engine
-    accumulates, clips and steps at the boundary, as in stage 3."""
-    from harness.engine import gathered
+def _trainer(parts: _StepParts, grad_accum: int, world: int, clock: PhaseClock):
+    """Stage 3's loop (`harness.train.Trainer`) on stage 3's forward, with the bench's clock: its `train_step` is the
+    step this bench times."""
+    from harness.stages.distill import DistillForward
+    from harness.train import Trainer
 
-    with torch.no_grad():
-        t_hidden = parts.t_engine(ids)
-    clock.mark("teacher_forward")
-    with gathered([parts.teacher_head]):  # body pre-hook: gather_teacher_head; loss hooks: student_forward, loss
-        losses = parts.s_engine(ids, t_hidden, parts.teacher_head, None)
-    clock.mark("other")
-    parts.s_engine.backward(losses.total)
-    clock.mark("backward")
-    parts.s_engine.step()
-    clock.mark("optimizer")
-    values = [losses.total.item(), losses.ce.item(), losses.kl.item()]  # stage 3 logs these: a sync per step
-    clock.mark("other")
-    return values
+    forward = DistillForward(parts.s_engine, parts.t_engine, parts.teacher_head, clock)
+    return Trainer(parts.s_engine, forward, grad_accum=grad_accum, world=world, clock=clock)
+
+
+def _batches(batches: list[torch.Tensor]):
+    """The bench's micro-batches, round and round: what a text loader gives stage 3 (input ids only)."""
+    for k in itertools.count():
+        yield {"input_ids": batches[k % len(batches)]}
 
 
 def bench_step(shape: str = "135M", mixer: str = "gated_deltanet", *, micro_batch: int = 8, seq_len: int = 2048,
@@ -151,12 +153,12 @@ def bench_step(shape: str = "135M", mixer: str = "gated_deltanet", *, micro_batc
     if zero3 or "RANK" in os.environ:  # under torchrun the plain engine runs data parallel
         from harness.engine import setup_distributed
 
-        rank, world = setup_distributed(device)
+        rank, world = setup_distributed(device)  # without torchrun: a group of one process
     if device.type == "cuda":
         torch.cuda.set_device(device)
     cfg = DistillConfig(micro_batch_size=micro_batch, grad_accum=grad_accum, schedule="constant",
                         warmup_fraction=0.0, compile_teacher=compile_teacher)
-    micro_steps = (warmup + steps) * grad_accum + max(profile_steps, 0)
+    optimizer_steps = warmup + steps + max(profile_steps, 0)
     shape_name = "custom" if teacher_source else canonical_shape(shape)
 
     teacher, student = build_pair(shape, mixer, options=options, source=teacher_source, layers=layers,
@@ -179,7 +181,7 @@ def bench_step(shape: str = "135M", mixer: str = "gated_deltanet", *, micro_batc
     model = DistillModel(student, token_losses(cfg.loss_terms()))
     bf16 = dtype == torch.bfloat16
     parts, row["teacher_placement"] = _build_engines(
-        model, teacher, cfg, world, bf16, micro_steps, student_ds_config, teacher_ds_config,
+        model, teacher, cfg, world, bf16, optimizer_steps, student_ds_config, teacher_ds_config,
         teacher_placement if zero3 else "replicated", "deepspeed" if zero3 else "plain", device)
     dev = parts.s_engine.device
     row["teacher_compiled"] = compiles_teacher(cfg, row["teacher_placement"], dev)
@@ -193,25 +195,21 @@ def bench_step(shape: str = "135M", mixer: str = "gated_deltanet", *, micro_batc
     clock = PhaseClock(dev)
     handles = _instrument(model, clock)
     g = torch.Generator(device="cpu").manual_seed(seed + 1000 + rank)
-    batches = [torch.randint(0, vocab, (micro_batch, seq_len), generator=g).to(dev) for _ in range(4)]
+    batches = _batches([torch.randint(0, vocab, (micro_batch, seq_len), generator=g).to(dev) for _ in range(4)])
+    trainer = _trainer(parts, grad_accum, world, clock)
 
     if dev.type == "cuda":
         row["mem_after_build_gib"] = torch.cuda.memory_allocated(dev) / GIB
         torch.cuda.reset_peak_memory_stats(dev)
-    k = 0
-
-    totals: list[float] = []  # each optimizer step's last total loss, warm-up included
+    totals: list[float] = []  # each optimizer step's loss (its per-token mean), warm-up included
     norms: list[Optional[float]] = []  # each optimizer step's gradient norm (before clipping), as stage 3 logs it
 
-    def run(n_steps: int) -> list[float]:
-        nonlocal k
-        last: list[float] = []
+    def run(n_steps: int) -> dict[str, float]:
+        last: dict[str, float] = {}
         for _ in range(n_steps):
-            for _ in range(grad_accum):
-                last = _micro_step(parts, batches[k % len(batches)], clock)
-                k += 1
+            last = trainer.train_step(batches)
             clock.step_done()
-            totals.append(last[0])
+            totals.append(last["loss"])
             norm = parts.s_engine.get_global_grad_norm()
             norms.append(None if norm is None else float(norm))
         return last
@@ -226,7 +224,7 @@ def bench_step(shape: str = "135M", mixer: str = "gated_deltanet", *, micro_batc
         wall = time.perf_counter() - t0
         clock.stop()
         per_step = clock.steps()
-        row["losses_last"] = dict(zip(("total", "ce", "kl"), losses))
+        row["losses_last"] = {"total": losses.pop("loss"), **losses}  # the last step's total and every term
         row.update(training_health(totals, getattr(parts.s_engine, "skipped_steps", None)))
         row["grad_norms_each"] = norms  # a norm that grows step by step before a NaN is divergence, not a kernel
         if dev.type == "cuda":
@@ -245,7 +243,7 @@ def bench_step(shape: str = "135M", mixer: str = "gated_deltanet", *, micro_batc
             row["peak_mem_kind"] += ", max over ranks"
         row["peak_mem_gib"] = row["peak_mem_bytes"] / GIB
         if profile_steps > 0:  # the plain engine too: its top operators
-            row["comm"] = _profile_comm(parts, batches, dev, profile_steps)
+            row["comm"] = _profile_comm(trainer, batches, dev, profile_steps)
             row["top_ops"] = row["comm"].pop("top_ops", None)
         elif not zero3 and world == 1:
             row["comm"] = {"comm_ms": 0.0, "method": "plain engine: one process, no communication"}
@@ -311,12 +309,12 @@ def training_health(totals: list[float], skipped: Optional[int]) -> dict[str, An
     return out
 
 
-def _profile_comm(parts: _StepParts, batches: list[torch.Tensor], dev: torch.device, n: int) -> dict[str, Any]:
-    clock = PhaseClock(dev)  # disabled: no stamps
+def _profile_comm(trainer: Any, batches: Iterator[dict], dev: torch.device, n: int) -> dict[str, Any]:
+    """The profiler pass over `n` optimizer steps (the clock is stopped by then: no stamps)."""
     try:
         synchronize(dev)
         t0 = time.perf_counter()
-        prof = profiled(lambda i: _micro_step(parts, batches[i % len(batches)], clock), dev, n)
+        prof = profiled(lambda i: trainer.train_step(batches), dev, n)
         out = comm_from_events(prof.events(), dev.type == "cuda", n)
         out["profiled_step_ms"] = (time.perf_counter() - t0) * 1e3 / n
         out["profiled_steps"] = n

@@ -422,19 +422,24 @@ def _training_table(reports: list[dict], plotted: bool = False) -> list[str]:
     if not runs:
         return []
     fraction = runs[0][0]["training"].get("final_fraction")
-    lines = ["## Training losses", "",
-             "| run | stage 1 loss | stage 2 loss | stage 3 loss | stage 3 CE | stage 3 KL | val CE | val KL | val ppl |",
-             "|" + "---|" * 9]
+    # stage 3's other loss terms (stages.distill.losses, terms registered in code), each run's where it logged them
+    others = list(dict.fromkeys(t for _, final in runs for t in (final.get("distill") or {}).get("terms", ())
+                                if t not in ("ce", "kl")))
+    head = ["run", "stage 1 loss", "stage 2 loss", "stage 3 loss", "stage 3 CE", "stage 3 KL",
+            *(f"stage 3 {t}" for t in others), "val CE", "val KL", *(f"val {t}" for t in others), "val ppl"]
+    lines = ["## Training losses", "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r, final in runs:
         d = final.get("distill") or {}
         kinds = r["training"].get("alignment_loss") or {}
         align = [_fmt(final.get(stage)) + ("" if kinds.get(stage, "mse") == "mse" else f" ({kinds[stage]})")
                  for stage in ("align_mixer", "align_hidden")]
-        cells = [d.get("loss"), d.get("ce"), d.get("kl"), d.get("val_ce"), d.get("val_kl"), d.get("val_ppl")]
+        cells = [d.get("loss"), d.get("ce"), d.get("kl"), *(d.get(t) for t in others), d.get("val_ce"),
+                 d.get("val_kl"), *(d.get(f"val_{t}") for t in others), d.get("val_ppl")]
         lines.append(f"| {_name(r)} | " + " | ".join(align + [_fmt(c) for c in cells]) + " |")
     return lines + ["", f"Stages 1-2: mean per-layer MSE, or the per-token L2 norm where marked (l2); stage 3: loss = "
-                        f"the weighted terms (CE + KL by default). Training values are means "
-                        f"over the logged steps of the stage's last {fraction:.0%}; validation on the held-out split at the end of stage 3."
+                        "the weighted terms (CE + KL by default; every term a run logged has a column). "
+                        f"Training values are means over the logged steps of the stage's last {fraction:.0%}; "
+                        "validation on the held-out split at the end of stage 3."
                         + (" Curves: loss_curves.png." if plotted else ""), ""]
 
 

@@ -5,10 +5,11 @@
 
 Stages 1 and 2 log, per layer group, the MSE of every layer (`loss/layer_NN`); their curve is the mean over all
 the student's layers at each step (the groups step in lockstep over the same batches). Stage 3 logs the total
-training loss (ce_weight x CE + kl_weight x KL), its CE and KL per step, and the validation CE / KL / perplexity
-at its end (and every `validate_every` steps). "Final" training values are means over the logged steps in the last
-FINAL_FRACTION of the stage (at least the last logged step), which says more than one noisy step; validation values
-are the last validation.
+training loss (the weighted sum of its terms: ce_weight x CE + kl_weight x KL by default) and every loss term by
+name per step (`loss_terms` in a line names them; lines without it are read as CE and KL), the validation of each
+term (val_<term>) and the perplexity at its end (and every `validate_every` steps); the summary carries every term.
+"Final" training values are means over the logged steps in the last FINAL_FRACTION of the stage (at least the last
+logged step), which says more than one noisy step; validation values are the last validation.
 """
 
 from __future__ import annotations
@@ -42,18 +43,29 @@ def align_curve(run_dir: Path, stage: str) -> Optional[dict]:
             "loss": [sum(by_step[s].values()) / n_layers for s in steps], "layers": n_layers}
 
 
+DEFAULT_TERMS = ("ce", "kl")  # the terms stage 3 logs by default, and all that lines without `loss_terms` hold
+
+
 def distill_curves(run_dir: Path) -> Optional[dict]:
-    """Stage 3's training loss / CE / KL per step and its validations."""
+    """Stage 3's training loss and each loss term per step, and its validations: {"steps", "tokens", "terms" (the
+    logged terms' names, ce and kl first), "loss", <term>..., "val_tokens", "val_<term>"..., "val_ppl"}."""
     rows = read_metrics(run_dir / "distill" / "metrics.jsonl")
     train = {r["step"]: r for r in rows if "loss" in r}  # a resumed run logs its steps again: keep the last
     val = [r for r in rows if "val_ce" in r]
     if not train:
         return None
     steps = sorted(train)
-    return {"steps": steps, "tokens": [train[s]["tokens"] for s in steps],
-            **{key: [train[s].get(key) for s in steps] for key in ("loss", "ce", "kl")},
+    terms = logged_terms([train[s] for s in steps])
+    return {"steps": steps, "tokens": [train[s]["tokens"] for s in steps], "terms": terms,
+            **{key: [train[s].get(key) for s in steps] for key in ("loss", *terms)},
             "val_tokens": [r["tokens"] for r in val],
-            **{key: [r[key] for r in val] for key in ("val_ce", "val_kl", "val_ppl")}}
+            **{key: [r.get(key) for r in val] for key in (*(f"val_{t}" for t in terms), "val_ppl")}}
+
+
+def logged_terms(train: list[dict]) -> list[str]:
+    """The loss terms of stage 3's training lines: ce and kl, then the others in the order the lines name them."""
+    named = [t for r in train for t in r.get("loss_terms") or () if isinstance(t, str)]
+    return [*DEFAULT_TERMS, *dict.fromkeys(t for t in named if t not in DEFAULT_TERMS)]
 
 
 def _tail_mean(steps: list[int], values: list) -> Optional[float]:
@@ -75,8 +87,10 @@ def training_summary(run_dir: str | Path) -> Optional[dict]:
                    for stage in ALIGN_STAGES if stage in curves}
     if "distill" in curves:
         d = curves["distill"]
-        final["distill"] = {key: _tail_mean(d["steps"], d[key]) for key in ("loss", "ce", "kl")}
-        final["distill"].update({key: (d[key][-1] if d[key] else None) for key in ("val_ce", "val_kl", "val_ppl")})
+        final["distill"] = {key: _tail_mean(d["steps"], d[key]) for key in ("loss", *d["terms"])}
+        final["distill"].update({key: (d[key][-1] if d[key] else None)
+                                 for key in (*(f"val_{t}" for t in d["terms"]), "val_ppl")})
+        final["distill"]["terms"] = d["terms"]
         final["distill"]["tokens"] = d["tokens"][-1]
     return {"run_dir": str(run_dir), "final_fraction": FINAL_FRACTION, "final": final, "curves": curves,
             "alignment_loss": alignment_losses(run_dir)}

@@ -27,6 +27,16 @@ TOKEN_LOSSES: dict[str, type[TokenLoss]] = {cls.name: cls for cls in (ForwardKL,
 FUSED = frozenset({"ce", "kl"})  # the terms kl_ce.ce_kl_sums computes in one pass
 
 
+def register_token_loss(cls: type[TokenLoss]) -> type[TokenLoss]:
+    """Add a kind of term to TOKEN_LOSSES under its `name` (usable as a class decorator). `ChunkedLoss` computes it
+    term by term, and the training loop logs it under that name (metrics.jsonl, TensorBoard, `val_<name>`). A job
+    config names a term only once its name is also in `harness.config_choices.DistillLoss`."""
+    if TOKEN_LOSSES.get(cls.name, cls) is not cls:
+        raise ValueError(f"a token loss named '{cls.name}' is registered already ({TOKEN_LOSSES[cls.name].__name__})")
+    TOKEN_LOSSES[cls.name] = cls
+    return cls
+
+
 def token_losses(specs: Iterable[Any]) -> list[TokenLoss]:
     """The terms of config entries that have a name, a weight and a temperature (stages.distill.losses)."""
     terms = []
@@ -42,15 +52,30 @@ def kl_and_ce(ce_weight: float, kl_weight: float, temperature: float) -> list[To
     return [ForwardKL(kl_weight, temperature), CrossEntropy(ce_weight)]
 
 
-class DistillLosses(NamedTuple):
-    """Stage-3 loss: `total` carries the gradient; `ce` and `kl` are detached fp32 scalars for logging;
-    `tokens` is the number of predicted tokens both are averaged over (for token-weighted averaging
-    across ranks or micro-batches)."""
+class LossTerms(NamedTuple):
+    """What a next-token loss returns. `total` (the weighted sum of the trained terms) carries the gradient; `terms`
+    maps each measured term's name to its per-token mean (detached fp32 scalars: every trained term, and ce and kl
+    for the logs where they are not trained, kl only with a teacher); `tokens` is the number of predicted tokens
+    they average over (for token-weighted averaging across ranks or micro-batches). `losses.ce` reads
+    `losses.terms["ce"]`. A NamedTuple, so that torch's pytree (DDP's and FSDP's output hooks) finds `total`."""
 
     total: Tensor
-    ce: Tensor
-    kl: Tensor
+    terms: dict[str, Tensor]
     tokens: int
+
+    def __getattr__(self, name: str) -> Tensor:
+        try:
+            return self.terms[name]
+        except KeyError:
+            raise AttributeError(f"no loss term '{name}' (measured: {', '.join(self.terms)})") from None
+
+    def names(self) -> tuple[str, ...]:
+        """'loss' (the total), then the terms' names: the order of `stacked`."""
+        return ("loss", *self.terms)
+
+    def stacked(self) -> Tensor:
+        """[total, *terms] as one detached fp32 vector on their device (one tensor to reduce and read at once)."""
+        return torch.stack([self.total.detach(), *self.terms.values()])
 
 
 class ChunkedLoss:
@@ -69,8 +94,8 @@ class ChunkedLoss:
     hidden and head_weight (when they require grad), never to the teacher; n = 0 gives zeros. The gradient is
     computed during the forward call whenever one is needed, so evaluate under torch.no_grad() to skip that work.
 
-    Returns DistillLosses; its `ce` and `kl` are measured whatever the terms, for the logs: `kl` is the `kl` term's
-    value (without a `kl` term, KL at temperature 1; without a teacher, 0).
+    Returns LossTerms: the terms' per-token means by name (`measured_names`: the configured terms, then ce and kl
+    where they are not among them, measured for the logs, kl at temperature 1; kl only with a teacher).
     """
 
     def __init__(self, terms: Sequence[TokenLoss], chunk_tokens: int = 512):
@@ -88,10 +113,15 @@ class ChunkedLoss:
         # term by term: the terms, then any of ce and kl the logs need beside them, at weight 0
         self.measured = self.terms + tuple(cls(0.0) for cls in (CrossEntropy, ForwardKL) if cls.name not in names)
 
+    def measured_names(self, teacher: bool) -> tuple[str, ...]:
+        """The names of the terms a call reports, in order: the configured terms, then ce and kl where they are not
+        among them; those that read the teacher only with one."""
+        return tuple(term.name for term in self.measured if teacher or not term.needs_teacher)
+
     def __call__(
         self, hidden: Tensor, head_weight: Tensor, labels: Tensor, teacher_hidden: Optional[Tensor] = None,
         teacher_head_weight: Optional[Tensor] = None, loss_mask: Optional[Tensor] = None,
-    ) -> DistillLosses:
+    ) -> LossTerms:
         _check_shapes(hidden, head_weight, labels, loss_mask, teacher_hidden, teacher_head_weight)
         readers = [term.name for term in self.terms if term.needs_teacher]
         if teacher_hidden is None and readers:
@@ -110,15 +140,16 @@ class ChunkedLoss:
         y = targets[keep]
         need_dx = torch.is_grad_enabled() and xs.requires_grad
         need_dw = torch.is_grad_enabled() and head_weight.requires_grad
-        total, ce, kl = _ChunkedTerms.apply(xs, head_weight, xt, wt, y, self, need_dx, need_dw)
-        return DistillLosses(total, ce, kl, int(y.numel()))
+        names = self.measured_names(teacher_hidden is not None)
+        total, values = _ChunkedTerms.apply(xs, head_weight, xt, wt, y, self, names, need_dx, need_dw)
+        return LossTerms(total, dict(zip(names, values.unbind(0))), int(y.numel()))
 
     def rows(
-        self, xs: Tensor, ws: Tensor, xt: Optional[Tensor], wt: Optional[Tensor], y: Tensor, need_dx: bool,
-        need_dw: bool,
-    ) -> tuple[Tensor, Tensor, Tensor, Optional[Tensor], Optional[Tensor]]:
-        """Over the selected rows, a chunk at a time: (total, ce, kl, d total/d xs [n, Cs], d total/d ws [V, Cs]),
-        gradients in fp32."""
+        self, xs: Tensor, ws: Tensor, xt: Optional[Tensor], wt: Optional[Tensor], y: Tensor, names: Sequence[str],
+        need_dx: bool, need_dw: bool,
+    ) -> tuple[Tensor, Tensor, Optional[Tensor], Optional[Tensor]]:
+        """Over the selected rows, a chunk at a time: (total, the per-token means of the terms `names` as one fp32
+        vector, d total/d xs [n, Cs], d total/d ws [V, Cs]), gradients in fp32."""
         n = xs.shape[0]
         denom = max(n, 1)
         sums = {name: xs.new_zeros((), dtype=torch.float32) for name in ("ce", "kl", *(t.name for t in self.terms))}
@@ -138,7 +169,7 @@ class ChunkedLoss:
                 add_weight_grad(dw, g, xs[lo:hi])
         means = {name: value / denom for name, value in sums.items()}
         total = sum(term.weight * means[term.name] for term in self.terms)
-        return total, means["ce"], means["kl"], dx, dw
+        return total, torch.stack([means[name] for name in names]), dx, dw
 
     def _grad_dtype(self, xs: Tensor, ws: Tensor) -> torch.dtype:
         """bf16 hidden states and head on CUDA, fused pass: the logits' gradient is rounded once to bf16, so that
@@ -167,28 +198,28 @@ class ChunkedLoss:
 
 
 class _ChunkedTerms(torch.autograd.Function):
-    """Rows already selected: xs [n, Cs], xt [n, Ct] (None: no teacher), y [n]. Returns (total, ce, kl) fp32
-    scalars."""
+    """Rows already selected: xs [n, Cs], xt [n, Ct] (None: no teacher), y [n]. Returns (total, the means of the
+    terms `names` as one fp32 vector, not differentiable)."""
 
     @staticmethod
-    def forward(ctx, xs, ws, xt, wt, y, loss: ChunkedLoss, need_dx, need_dw):
+    def forward(ctx, xs, ws, xt, wt, y, loss: ChunkedLoss, names, need_dx, need_dw):
         # Autocast would run the fp32 logit matmuls in bf16.
         with torch.autocast(device_type=xs.device.type, enabled=False), loss_matmuls(xs):
-            total, ce, kl, dx, dw = loss.rows(xs, ws, xt, wt, y, need_dx, need_dw)
+            total, values, dx, dw = loss.rows(xs, ws, xt, wt, y, names, need_dx, need_dw)
         ctx.grads = (dx, dw)
         ctx.dtypes = (xs.dtype, ws.dtype)
-        ctx.mark_non_differentiable(ce, kl)
-        return total, ce, kl
+        ctx.mark_non_differentiable(values)
+        return total, values
 
     @staticmethod
-    def backward(ctx, g_total, _g_ce, _g_kl):
+    def backward(ctx, g_total, _g_values):
         dx, dw = ctx.grads
         ctx.grads = None
         # Computed for d(total) = 1 and kept in fp32 so that a scaled g_total (1/grad_accum) is exact.
         g = g_total.float()
         dx = None if dx is None else dx.mul_(g).to(ctx.dtypes[0])
         dw = None if dw is None else dw.mul_(g).to(ctx.dtypes[1])
-        return dx, dw, None, None, None, None, None, None
+        return dx, dw, None, None, None, None, None, None, None
 
 
 def distill_loss(
@@ -203,12 +234,12 @@ def distill_loss(
     temperature: float,
     chunk_tokens: int = 512,
     loss_mask: Optional[Tensor] = None,
-) -> DistillLosses:
+) -> LossTerms:
     """Stage-3 loss from final hidden states: next-token CE plus tau^2-scaled KL(teacher || student), a
     `ChunkedLoss` of the terms `kl_and_ce(ce_weight, kl_weight, temperature)` (the arguments as in `ChunkedLoss`).
 
-    ce = mean CE at temperature 1; kl = tau^2 * mean sum_v p_t (log p_t - log p_s), softmaxes at tau;
-    total = ce_weight * ce + kl_weight * kl.
+    terms["ce"] = mean CE at temperature 1; terms["kl"] = tau^2 * mean sum_v p_t (log p_t - log p_s), softmaxes at
+    tau; total = ce_weight * ce + kl_weight * kl.
 
     Logits, softmaxes and the logits' gradient are fp32 and exist for chunk_tokens rows at a time. Peak
     extra memory is about 5 * chunk_tokens * V * 4 bytes (chunk buffers) + V * Cs * 4 (fp32 weight-gradient
@@ -233,13 +264,13 @@ def lm_loss(
     *,
     chunk_tokens: int = 512,
     loss_mask: Optional[Tensor] = None,
-) -> DistillLosses:
+) -> LossTerms:
     """Next-token CE alone (SFT), a `ChunkedLoss` of one `ce` term: no teacher, no whole-batch fp32 logits.
 
     hidden: [B, T, C] final (post-norm) hidden states; lm_head_weight: [V, C]; labels: [B, T] with -100 where
     no loss is wanted (for SFT: everything but the assistant tokens, and padding); loss_mask as in
-    `ChunkedLoss`. Returns DistillLosses with total = ce = the mean CE over the n counted tokens, kl = 0 and
-    tokens = n.
+    `ChunkedLoss`. Returns LossTerms with total = terms["ce"] = the mean CE over the n counted tokens (the only
+    term: no teacher, no kl) and tokens = n.
     """
     return ChunkedLoss([CrossEntropy(1.0)], chunk_tokens)(hidden, lm_head_weight, labels, loss_mask=loss_mask)
 

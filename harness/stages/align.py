@@ -48,7 +48,7 @@ from harness.checkpoint import CheckpointInfo, CheckpointManager, capture_rng, f
 from harness.config import ConfigError, JobConfig
 from harness import preempt
 from harness.data.errors import DataError
-from harness.engine import decays
+from harness.plain_engine import decays
 from harness.files import atomic_file
 from harness.losses import alignment_loss
 from harness.mixers import Mixer, MixerShape, mixer_class, mixer_options, resolved_options, saved_options

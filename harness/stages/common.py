@@ -33,7 +33,7 @@ import torch
 from harness.checkpoint import CheckpointInfo, CheckpointManager, restore_rng, rng_path, save_rng
 from harness.config import PER_LAYER as PER_LAYER_STAGES, ConfigError, JobConfig, auto_layer_count, auto_layer_measure
 from harness.data.errors import DataError
-from harness.engine import PlainEngine, all_reduce_host
+from harness.engine import PlainEngine
 from harness.export import TAG
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -243,11 +243,6 @@ def token_scale(tokens: int, step_tokens: int, world: int, grad_accum: int) -> f
 
 def scaled(loss: torch.Tensor, scale: float) -> torch.Tensor:
     return loss if scale == 1.0 else loss * scale  # 1.0 (text: equal micro-batches) keeps the graph unchanged
-
-
-def step_means(sums: torch.Tensor, step_tokens: int) -> list[float]:
-    """Token-weighted sums of this rank's micro-batches (value x tokens) -> the step's per-token means."""
-    return (all_reduce_host(sums) / max(step_tokens, 1)).tolist()
 
 
 def resume_checkpoint(ckpts: CheckpointManager, s_engine, loader) -> tuple[int, int]:

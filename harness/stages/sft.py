@@ -8,15 +8,16 @@ so the result does not depend on how the step is split over processes. A batch r
 right-padded to the longest of its micro-batch: the student's causal recurrences carry no state from one
 conversation into another, and padding, which comes after the real tokens, changes none of their outputs.
 
-The student (stages.sft.student, default RUN_DIR/student: what stage 3 wrote) trains under DeepSpeed ZeRO-3
-like stage 3 (harness.engine: the job's deepspeed.student_config, torch AdamW, bf16 on GPUs, fp32 over gloo on
-CPUs, deepspeed.world_size processes under torchrun/deepspeed/srun), with no teacher. Budget: stages.sft.tokens
+The student (stages.sft.student, default RUN_DIR/student: what stage 3 wrote) trains on stage 3's engine and loop
+(harness.engine: deepspeed.student_engine, DeepSpeed ZeRO per deepspeed.student_config or harness.plain_engine;
+torch AdamW, bf16 on GPUs, fp32 over gloo on CPUs, deepspeed.world_size processes under torchrun/deepspeed/srun;
+harness.train's `Trainer`), with no teacher. Budget: stages.sft.tokens
 conversation tokens (template included, padding not), the most whole steps that fit; null: one pass over the
 training conversations. Resumable exactly like stage 3 (model, optimizer, scheduler, loader position, RNG in
 atomic checkpoints every run.checkpoint_every_tokens; a preemption request checkpoints and exits for requeue).
 
 Writes (RUN_DIR = output_dir):
-    sft/            checkpoints/, metrics.jsonl (loss, lr, grad_norm, tokens/s; val_ce, val_ppl at the end), tb/,
+    sft/            checkpoints/, metrics.jsonl (loss, ce, lr, grad_norm, tokens/s; val_ce, val_ppl at the end), tb/,
                     checkpoints/COMPLETE.json
     student-sft/    the fine-tuned student in Hugging Face format, with the tokenizer and the chat template used
     job-sft.yaml    the resolved job
@@ -35,13 +36,12 @@ from torch import nn
 from harness import preempt
 from harness.checkpoint import CheckpointManager
 from harness.config import ConfigError, JobConfig, to_yaml
-from harness.engine import all_reduce_host
 from harness.export import export_checkpoint
-from harness.flops import dense_flops_per_token, setup_mfu
-from harness.losses import DistillLosses, lm_loss
-from harness.observe import RunLogger, SkippedStepWatch, check_finite
-from harness.stages.common import (StageData, chat_data, grad_norm, resolve_device, resume_checkpoint, run_dir,
-                                   save_checkpoint, scaled, skipped_steps, step_means, token_scale)
+from harness.flops import dense_flops_per_token
+from harness.losses import LossTerms, lm_loss
+from harness.observe import RunLogger, setup_mfu
+from harness.stages.common import chat_data, resolve_device, resume_checkpoint, run_dir
+from harness.train import Checkpointer, Trainer, TrainState, held_out_validation, stage_hooks
 
 STAGE = "sft"
 
@@ -54,7 +54,7 @@ class SftHead(nn.Module):
         super().__init__()
         self.weight = weight
 
-    def forward(self, hidden: torch.Tensor, labels: torch.Tensor) -> DistillLosses:
+    def forward(self, hidden: torch.Tensor, labels: torch.Tensor) -> LossTerms:
         return lm_loss(hidden, self.weight, labels)
 
 
@@ -66,7 +66,7 @@ class SftModel(nn.Module):
         self.student = student
         self.loss_head = SftHead(student.lm_head.weight)
 
-    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> DistillLosses:
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> LossTerms:
         return self.loss_head(self.student.model(input_ids), labels)
 
 
@@ -84,11 +84,22 @@ def source_student(job: JobConfig) -> Path:
     return path
 
 
+class SftForward:
+    """SFT's micro-step forward, batch -> LossTerms: the student engine's body and CE head on the assistant tokens."""
+
+    def __init__(self, s_engine: Any) -> None:
+        self.s_engine = s_engine
+
+    def __call__(self, batch: dict) -> LossTerms:
+        ids = batch["input_ids"].to(self.s_engine.device)
+        return self.s_engine(ids, batch["labels"].to(ids.device))
+
+
 def sft(job: JobConfig, *, stop_after_steps: Optional[int] = None) -> Path:
     """Run (or resume, or skip if complete) SFT in this process; returns RUN_DIR/student-sft."""
     from harness import engine
     from harness.schedule import build_scheduler
-    from harness.student import HarnessForCausalLM
+    from harness.student import HarnessForCausalLM, count_parameters
     from harness.teacher import load_tokenizer
 
     ckpts = CheckpointManager(sft_dir(job) / "checkpoints", keep_last=job.run.keep_last)
@@ -106,83 +117,28 @@ def sft(job: JobConfig, *, stop_after_steps: Optional[int] = None) -> Path:
     tokenizer = load_tokenizer(job.teacher.source)
     student = HarnessForCausalLM.from_pretrained(source, dtype=torch.float32)
     data = chat_data(job, STAGE, cfg, cfg.tokens, tokenizer, student.config.max_position_embeddings, rank, world)
-    model = SftModel(student)
-    s_engine = engine.student_engine(model, engine.student_ds_config(job, cfg, world, device.type == "cuda"),
-                                     lambda opt: build_scheduler(opt, cfg, data.steps))
-    step, tokens = resume_checkpoint(ckpts, s_engine, data.loader)
+    ds_config = engine.student_ds_config(job, cfg, world, device.type == "cuda")
+    s_engine = engine.student_engine(SftModel(student), ds_config, lambda opt: build_scheduler(opt, cfg, data.steps),
+                                     job.deepspeed.student_engine, device)
+    forward = SftForward(s_engine)
+    state = TrainState(*resume_checkpoint(ckpts, s_engine, data.loader))
     logger = RunLogger(sft_dir(job), STAGE, rank=rank, total_tokens=data.tokens,
-                       start_step=step if step else None, start_tokens=tokens)
-    from harness.student import count_parameters
-
+                       start_step=state.step if state.step else None, start_tokens=state.tokens)
     setup_mfu(logger, device, world, dense_flops_per_token(count_parameters(student)), STAGE)  # no teacher
+    validate = held_out_validation(s_engine, forward, data, cfg.micro_batch_size, rank, world)
+    hooks = stage_hooks(STAGE, job.run, engine=s_engine, logger=logger,
+                        checkpointer=Checkpointer(ckpts, s_engine, data.loader), tokens=state.tokens,
+                        validate=validate, stop_after=stop_after_steps)  # validated at the end only
+    trainer = Trainer(s_engine, forward, grad_accum=cfg.grad_accum, world=world, hooks=hooks)
     try:
-        step, tokens = _train(job, data, s_engine, ckpts, logger, step, tokens, world, stop_after_steps)
-        if stop_after_steps is not None and step < data.steps:
-            return sft_dir(job)  # tests: a crash after this step
-        save_checkpoint(ckpts, s_engine, data.loader, step, tokens)
-        logger.log(step, tokens, **_validate(data, cfg.micro_batch_size, s_engine, rank, world))
+        state = trainer.train(data.loader, state, data.steps)
     finally:
         logger.close()
+    if state.stopped:
+        return sft_dir(job)  # tests: a crash after this step
     student_dir = export_sft_student(job, ckpts, source, tokenizer, data.loader.data.template, rank)
-    ckpts.mark_complete({"step": step, "tokens": tokens})
+    ckpts.mark_complete({"step": state.step, "tokens": state.tokens})
     return student_dir
-
-
-def _train(job: JobConfig, data: StageData, s_engine: Any, ckpts: CheckpointManager, logger: RunLogger, step: int,
-           tokens: int, world: int, stop_after_steps: Optional[int]) -> tuple[int, int]:
-    """The optimizer steps left; checkpoints every run.checkpoint_every_tokens, honours preemption requests."""
-    cfg, loader = job.stages.sft, data.loader
-    every = job.run.checkpoint_every_tokens
-    next_ckpt = (tokens // every + 1) * every if every else None
-    sums = torch.zeros(1, dtype=torch.float64)  # CE x tokens over this step's micro-batches
-    skips = SkippedStepWatch(job.run.max_skipped_steps_in_a_row, skipped_steps(s_engine))
-    for batch in loader:
-        ids = batch["input_ids"].to(s_engine.device)
-        losses = s_engine(ids, batch["labels"].to(ids.device))
-        boundary = s_engine.is_gradient_accumulation_boundary()  # before step(), which advances the micro-step
-        s_engine.backward(scaled(losses.total, token_scale(losses.tokens, batch["step_targets"], world,
-                                                           cfg.grad_accum)))
-        s_engine.step()
-        sums += losses.ce.item() * losses.tokens
-        if not boundary:
-            continue
-        step, tokens = step + 1, loader.tokens_consumed
-        loss = step_means(sums, batch["step_targets"])[0]
-        sums.zero_()
-        check_finite(loss, step, tokens)
-        skips.check(skipped_steps(s_engine), step, tokens)
-        if step % job.run.log_every_steps == 0 or step == data.steps:
-            logger.log(step, tokens, loss=loss, lr=s_engine.get_lr()[0], grad_norm=grad_norm(s_engine),
-                       skipped_steps=skipped_steps(s_engine))
-        saved = False
-        if next_ckpt is not None and tokens >= next_ckpt and step < data.steps:
-            save_checkpoint(ckpts, s_engine, loader, step, tokens)
-            next_ckpt, saved = next_ckpt + every, True
-        if step < data.steps and preempt.agreed():
-            if not saved:
-                save_checkpoint(ckpts, s_engine, loader, step, tokens)
-            logger.write(f"sft: preempted at step {step}; checkpoint written, exiting to be requeued")
-            raise preempt.Preempted()
-        if stop_after_steps is not None and step >= stop_after_steps:
-            break
-    return step, tokens
-
-
-@torch.no_grad()
-def _validate(data: StageData, batch_size: int, s_engine: Any, rank: int, world: int) -> dict[str, float]:
-    """CE and perplexity on the assistant tokens of the held-out conversations (per-token means, all ranks)."""
-    if data.validation is None:
-        return {}
-    s_engine.eval()
-    sums = torch.zeros(2, dtype=torch.float64)
-    for batch in data.validation(batch_size, rank, world):  # every rank runs every batch: ZeRO-3 collectives
-        ids = batch["input_ids"].to(s_engine.device)
-        losses = s_engine(ids, batch["labels"].to(ids.device))
-        sums += torch.tensor([losses.ce.item() * losses.tokens, losses.tokens], dtype=torch.float64)
-    sums = all_reduce_host(sums)
-    s_engine.train()
-    ce = (sums[0] / sums[1].clamp(min=1)).item()
-    return {"val_ce": ce, "val_ppl": float(torch.tensor(ce).exp())}
 
 
 def export_sft_student(job: JobConfig, ckpts: CheckpointManager, source: Path, tokenizer: Any, template: str,
