@@ -644,7 +644,7 @@ def test_tiny_student_generates_and_scores_with_its_recurrent_state(tiny_tok, tm
 
 
 def test_real_smollm2_teacher_on_a_small_grid(smollm2_teacher, tmp_path):
-    grid = NiahGrid(lengths=[256, 512], depths=[0.0, 0.5, 1.0], kinds=["passkey", "kv"], samples=1)
+    grid = NiahGrid(lengths=[256, 512], depths=[0.0, 1.0], kinds=["passkey", "kv"], samples=1)
     result = run_niah(smollm2_teacher.model, smollm2_teacher.tokenizer, grid, tmp_path, label="smollm2-135m",
                       progress=False)
     lik = result["likelihood"]
@@ -655,7 +655,7 @@ def test_real_smollm2_teacher_on_a_small_grid(smollm2_teacher, tmp_path):
           f"{lik['chance']:.2f}), mean rank {lik['mean_rank']:.2f}, by length {lik['by_length']}; exact matches "
           f"ranked first: {sum(r['top1'] == 1.0 for r in matched)}/{len(matched)}")
     assert result["prompt_mode"] == "plain" and result["max_position_embeddings"] == 8192
-    assert len(result["cells"]) == 12 and 0.0 <= result["overall"] <= 1.0
+    assert len(result["cells"]) == 8 and 0.0 <= result["overall"] <= 1.0
     assert all(r["output"].strip() for r in records)  # the teacher answered something each time
     # it reads the needle: far above the chance a model that ignores the context gets
     assert lik["overall"] >= max(result["overall"], 3 * lik["chance"])
