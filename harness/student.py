@@ -208,15 +208,17 @@ def block_norm(config: Any) -> type[nn.Module]:
     return GemmaBlockNorm if getattr(config, "norm_style", None) == "gemma" else BlockRMSNorm
 
 
-def add_block_norms(block: nn.Module, config: Any) -> None:
-    """A block's norms, under the teacher's names: input_layernorm and post_attention_layernorm, and with
-    `sandwich_norms` (Gemma 2/3) pre_feedforward_layernorm and post_feedforward_layernorm."""
+def add_block_norms(block: nn.Module, config: Any, names: Sequence[str]) -> None:
+    """Norms of a block's class (`block_norm`) under `names`, the teacher's; with `sandwich_norms` (Gemma 2/3),
+    post_attention_layernorm is followed by pre_feedforward_layernorm and post_feedforward_layernorm. Registered in
+    that order, after what the block registered before (the order of its parameters, which its optimizer states and
+    checkpoints follow)."""
     norm = block_norm(config)
-    names = ["input_layernorm", "post_attention_layernorm"]
-    if getattr(config, "sandwich_norms", None):
-        names += ["pre_feedforward_layernorm", "post_feedforward_layernorm"]
     for name in names:
         setattr(block, name, norm(config.hidden_size, eps=config.rms_norm_eps))
+        if name == "post_attention_layernorm" and getattr(config, "sandwich_norms", None):
+            for extra in ("pre_feedforward_layernorm", "post_feedforward_layernorm"):
+                setattr(block, extra, norm(config.hidden_size, eps=config.rms_norm_eps))
 
 
 def residual_and_mlp(block: nn.Module, hidden: torch.Tensor, mixed: torch.Tensor, fused: bool) -> torch.Tensor:
@@ -255,9 +257,10 @@ class StudentBlock(nn.Module):
     def __init__(self, config: HarnessConfig, layer_idx: int):
         super().__init__()
         options = saved_options(config.mixer, config.mixer_options)
-        add_block_norms(self, config)
+        add_block_norms(self, config, ["input_layernorm"])
         self.mixer: Mixer = mixer_class(config.mixer)(MixerShape.from_config(config), options, layer_idx)
         attach_teacher_rope(self.mixer, config)
+        add_block_norms(self, config, ["post_attention_layernorm"])
         self.mlp = BlockMLP(config)
 
     def forward(self, hidden, position_embeddings=None, state=None, use_cache=False, mask=None):
@@ -278,8 +281,9 @@ class AttentionBlock(nn.Module):
 
     def __init__(self, config: HarnessConfig, layer_idx: int):
         super().__init__()
-        add_block_norms(self, config)
+        add_block_norms(self, config, ["input_layernorm"])
         self.self_attn = SoftmaxAttention(MixerShape.from_config(config), layer_idx, config.attention_window(layer_idx))
+        add_block_norms(self, config, ["post_attention_layernorm"])
         self.mlp = BlockMLP(config)
 
     def forward(self, hidden, position_embeddings=None, state=None, use_cache=False, mask=None):
