@@ -1,9 +1,12 @@
 """The teacher's softmax attention, as a hybrid student keeps it in its `student.attention_layers`.
 
 `SoftmaxAttention` holds the teacher attention's q/k/v/o projections in the teacher's layout (K and V at the
-teacher's num_kv_heads, biases, Qwen3's per-head q/k RMSNorm before RoPE) under the teacher's names, so that
-`load_state_dict(teacher_layer.self_attn.state_dict())` copies it bit for bit. It computes causal grouped-query
-attention with torch's scaled_dot_product_attention (scale head_dim**-0.5, as the teacher's), and decodes with
+teacher's num_kv_heads, biases, Qwen3's and Gemma 3's per-head q/k RMSNorm before RoPE) under the teacher's names, so
+that `load_state_dict(teacher_layer.self_attn.state_dict())` copies it bit for bit. It computes causal grouped-query
+attention as the teacher does: with torch's scaled_dot_product_attention at the teacher's scale (head_dim**-0.5, or
+Gemma's query_pre_attn_scalar**-0.5), or, where the teacher soft-caps its scores (Gemma 2's attn_logit_softcapping),
+as transformers' eager attention does (scores, cap * tanh(scores / cap), softmax in float32); RoPE as the teacher's
+layer has it (Gemma 3's local base on its sliding-window layers, none on SmolLM3's layers without). It decodes with
 a growing `KVState` (keys and values of every token seen, `[B, kv_heads, T, D]`; under the teacher's sliding window,
 Mistral's, only the last `window - 1`), or, where the decoder allocates the room up front, a `FixedKVState` written
 in place (fixed shapes: a step that a CUDA graph can capture).
@@ -22,8 +25,9 @@ from typing import Callable, Optional
 import torch
 import torch.nn.functional as F
 from torch import nn
-from transformers.models.llama.modeling_llama import LlamaRMSNorm, apply_rotary_pos_emb
+from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
+from harness.layouts import layer_rope, norm_class, softcap
 from harness.mixers import MixerShape
 
 
@@ -101,26 +105,32 @@ class SoftmaxAttention(nn.Module):
     def __init__(self, shape: MixerShape, layer_idx: int = 0, window: Optional[int] = None):
         super().__init__()
         self.shape, self.layer_idx, self.window = shape, layer_idx, window
+        # read by harness.transfer.AttentionProbe, under the names transformers' attention modules give them
+        self.scaling, self.attn_logit_softcapping = shape.attention_scale, shape.softcap
         d = shape.head_dim
         self.q_proj = nn.Linear(shape.hidden_size, shape.num_heads * d, bias=shape.qkv_bias)
         self.k_proj = nn.Linear(shape.hidden_size, shape.num_kv_heads * d, bias=shape.qkv_bias)
         self.v_proj = nn.Linear(shape.hidden_size, shape.num_kv_heads * d, bias=shape.qkv_bias)
         self.o_proj = nn.Linear(shape.num_heads * d, shape.hidden_size, bias=shape.o_bias)
-        if shape.qk_norm:  # Qwen3: RMSNorm over each head of q and k, before RoPE
-            self.q_norm = LlamaRMSNorm(d, eps=shape.norm_eps)
-            self.k_norm = LlamaRMSNorm(d, eps=shape.norm_eps)
+        if shape.qk_norm:  # Qwen3, Gemma 3: RMSNorm over each head of q and k, before RoPE
+            norm = norm_class(shape.norm_style)
+            self.q_norm = norm(d, eps=shape.norm_eps)
+            self.k_norm = norm(d, eps=shape.norm_eps)
 
-    def forward(self, x: torch.Tensor, *, position_embeddings: tuple[torch.Tensor, torch.Tensor],
+    def forward(self, x: torch.Tensor, *, position_embeddings: Optional[tuple[torch.Tensor, torch.Tensor]],
                 state: Optional[KVState] = None, use_cache: bool = False,
                 key_mask: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, Optional[KVState]]:
         """key_mask: None (no padding) or `[B, seen + T]` over the cached and the new tokens, 0 at padding.
-        position_embeddings: the teacher's (cos, sin) `[B, T, D]` at the new tokens' positions."""
+        position_embeddings: the teacher's (cos, sin) `[B, T, D]` at the new tokens' positions, or a
+        `harness.layouts.LayerRope` holding this layer's; None for a teacher layer without RoPE."""
         b, t, _ = x.shape
         q, k, v = (self._heads(p(x)) for p in (self.q_proj, self.k_proj, self.v_proj))
         if self.shape.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-        q, k = apply_rotary_pos_emb(q, k, *position_embeddings)
+        rope = layer_rope(position_embeddings, self.layer_idx)
+        if rope is not None:
+            q, k = apply_rotary_pos_emb(q, k, *rope)
         if isinstance(state, FixedKVState):
             return self._fixed_step(q, k, v, state), state
         if state is not None:
@@ -128,9 +138,7 @@ class SoftmaxAttention(nn.Module):
         if key_mask is not None:  # a windowed cache holds only the last columns: the mask's columns end with them
             key_mask = key_mask[:, -k.shape[2]:]
         mask = causal_mask(t, k.shape[2], key_mask, x.device, self.window)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None and t > 1,
-                                             scale=self.shape.head_dim ** -0.5,
-                                             enable_gqa=self.shape.num_kv_heads != self.shape.num_heads)
+        out = self._attend(q, k, v, mask, causal=mask is None and t > 1)
         y = self.o_proj(out.transpose(1, 2).reshape(b, t, -1))
         return y, (self._cached(k, v) if use_cache else None)
 
@@ -145,10 +153,26 @@ class SoftmaxAttention(nn.Module):
         state.v.index_copy_(2, column, v)
         state.valid.index_fill_(1, column, True)
         state.length.add_(1)
-        out = F.scaled_dot_product_attention(q, state.k, state.v, attn_mask=state.valid[:, None, None, :],
-                                             scale=self.shape.head_dim ** -0.5,
-                                             enable_gqa=self.shape.num_kv_heads != self.shape.num_heads)
+        out = self._attend(q, state.k, state.v, state.valid[:, None, None, :], causal=False)
         return self.o_proj(out.transpose(1, 2).reshape(q.shape[0], 1, -1))
+
+    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor],
+                causal: bool) -> torch.Tensor:
+        """Softmax attention `[B, H, T, D]` of q `[B, H, T, D]` over k, v `[B, kv_heads, S, D]` under the bool mask
+        (True: attend; None: all keys, or causal when `causal`), at the teacher's scale. Without soft-capping, torch's
+        sdpa; with it, transformers' eager attention (scores scaled, capped, masked, softmax in float32, cast back)."""
+        grouped = self.shape.num_kv_heads != self.shape.num_heads
+        if self.shape.softcap is None:
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal,
+                                                  scale=self.shape.attention_scale, enable_gqa=grouped)
+        if grouped:
+            k, v = (t.repeat_interleave(self.shape.n_rep, dim=1) for t in (k, v))
+        scores = softcap(torch.matmul(q, k.transpose(2, 3)) * self.shape.attention_scale, self.shape.softcap)
+        if causal:
+            mask = torch.ones(q.shape[2], k.shape[2], dtype=torch.bool, device=q.device).tril(k.shape[2] - q.shape[2])
+        if mask is not None:
+            scores = scores.masked_fill(~mask, float("-inf"))
+        return torch.matmul(scores.softmax(-1, dtype=torch.float32).to(q.dtype), v)
 
     def _cached(self, k: torch.Tensor, v: torch.Tensor) -> KVState:
         """The KV state to keep: every column, or under a sliding window only the last `window - 1` (a later query

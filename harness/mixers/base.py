@@ -16,8 +16,8 @@ from typing import Any, ClassVar, Optional
 import torch
 import torch.nn.functional as F
 from torch import nn
-from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
+from harness.layouts import layer_rope, norm_class
 from harness.mixers.kernels import resolve_backend
 from harness.mixers.ops import apply_rope, expand_kv, l2norm, rotate_half_rope
 from harness.mixers.window import WindowCache, window_attention
@@ -25,8 +25,13 @@ from harness.mixers.window import WindowCache, window_attention
 
 @dataclass
 class MixerShape:
-    """The teacher attention's geometry, which the student mixer keeps, and the layout of its projections
-    (`harness.teacher.AttentionLayout`: biases, Qwen3's per-head q/k RMSNorm)."""
+    """The teacher attention's geometry, which the student mixer keeps, the layout of its projections
+    (`harness.teacher_families.AttentionLayout`: biases, Qwen3's and Gemma 3's per-head q/k RMSNorm), the kind of
+    that norm (`norm_style`: Gemma's scales by 1 + weight), and what its softmax computes beyond Llama's: the scale
+    query_pre_attn_scalar ** -0.5 (Gemma 2/3; None: head_dim ** -0.5) and the scores' tanh soft-capping (`softcap`,
+    Gemma 2's attn_logit_softcapping). The scale and the cap act where a softmax over the teacher's q and k is
+    computed (kept attention layers, a mixer's sliding window); a mixer's recurrence keeps its own scale,
+    head_dim ** -0.5, and has no softmax to cap."""
 
     hidden_size: int
     num_heads: int
@@ -36,6 +41,15 @@ class MixerShape:
     o_bias: bool = False
     qk_norm: bool = False
     norm_eps: float = 1e-6  # of the q/k norms
+    norm_style: Optional[str] = None  # of the q/k norms: None (Llama's RMSNorm) or "gemma"
+    query_pre_attn_scalar: Optional[float] = None
+    softcap: Optional[float] = None
+
+    @property
+    def attention_scale(self) -> float:
+        """The softmax attention's scale of q.k: query_pre_attn_scalar ** -0.5 where set, else head_dim ** -0.5."""
+        scalar = self.query_pre_attn_scalar
+        return (scalar if scalar is not None else self.head_dim) ** -0.5
 
     @property
     def n_rep(self) -> int:
@@ -44,13 +58,21 @@ class MixerShape:
     @classmethod
     def from_config(cls, config: Any) -> "MixerShape":
         """From a student's config, or a teacher's (and a student's saved before the layout fields existed, which
-        has only Llama's `attention_bias`): its layout as `harness.teacher.attention_layout` reads it."""
+        has only Llama's `attention_bias`): its layout as `harness.teacher_families.attention_layout` reads it, and
+        the rest as `student_layout` does."""
         heads = config.num_attention_heads
         layout = {name: getattr(config, name, None) for name in ("qkv_bias", "o_bias", "qk_norm")}
         if any(v is None for v in layout.values()):
-            from harness.teacher import attention_layout
+            from harness.teacher_families import attention_layout
 
             layout = asdict(attention_layout(config))
+        if hasattr(config, "mixer"):  # a student's config holds the rest (None in one saved before they existed)
+            softmax = {name: getattr(config, name, None) for name in
+                       ("norm_style", "query_pre_attn_scalar", "attn_logit_softcapping")}
+        else:
+            from harness.teacher_families import student_layout
+
+            softmax = student_layout(config)
         return cls(
             hidden_size=config.hidden_size,
             num_heads=heads,
@@ -58,6 +80,9 @@ class MixerShape:
             head_dim=getattr(config, "head_dim", None) or config.hidden_size // heads,
             **{name: bool(value) for name, value in layout.items()},
             norm_eps=float(getattr(config, "rms_norm_eps", 1e-6)),
+            norm_style=softmax["norm_style"],
+            query_pre_attn_scalar=softmax["query_pre_attn_scalar"],
+            softcap=softmax["attn_logit_softcapping"],
         )
 
 
@@ -148,17 +173,20 @@ class Mixer(nn.Module):
         self.k_proj = nn.Linear(shape.hidden_size, inner, bias=shape.qkv_bias)
         self.v_proj = nn.Linear(shape.hidden_size, inner, bias=shape.qkv_bias)
         self.o_proj = nn.Linear(inner, shape.hidden_size, bias=shape.o_bias)
-        if shape.qk_norm:  # Qwen3: RMSNorm over each head of q and k, before RoPE (and here before any conv);
-            # the teacher's own norm class, which rounds as the teacher does in bf16 (the weight multiplies after the cast)
-            self.q_norm = LlamaRMSNorm(shape.head_dim, eps=shape.norm_eps)
-            self.k_norm = LlamaRMSNorm(shape.head_dim, eps=shape.norm_eps)
+        if shape.qk_norm:  # Qwen3, Gemma 3: RMSNorm over each head of q and k, before RoPE (and here before any conv);
+            # the teacher's own norm class, which rounds as the teacher does in bf16 (Llama's: the weight multiplies
+            # after the cast; Gemma's: 1 + weight multiplies in float32, before it)
+            norm = norm_class(shape.norm_style)
+            self.q_norm = norm(shape.head_dim, eps=shape.norm_eps)
+            self.k_norm = norm(shape.head_dim, eps=shape.norm_eps)
         self.window_rotary: Optional[nn.Module] = None  # the teacher's RoPE for the window (attach_window_rotary)
         if options.window:
             self.window_gain = nn.Parameter(torch.zeros(shape.num_heads))
 
     def attach_window_rotary(self, rotary: Optional[nn.Module]) -> None:
-        """Give a mixer with a sliding window the teacher's rotary embedding (a transformers rotary module: (x,
-        position_ids) -> (cos, sin)), which its window applies to q and k; None for a teacher without RoPE."""
+        """Give a mixer with a sliding window the teacher's rotary embedding of its layer (a transformers rotary
+        module: (x, position_ids) -> (cos, sin)), which its window applies to q and k; None for a teacher layer
+        without RoPE."""
         self.window_rotary = rotary
 
     # ---------------------------------------------------------------- forward
@@ -172,7 +200,9 @@ class Mixer(nn.Module):
         mask: Optional[torch.Tensor] = None,
     ) -> tuple[torch.Tensor, Optional[MixerState]]:
         """x `[B, T, hidden]` -> (y `[B, T, hidden]`, new state if use_cache else None). mask: None, or bool
-        `[B, T]` False at padded tokens, which leave the state (recurrence and conv tail) untouched."""
+        `[B, T]` False at padded tokens, which leave the state (recurrence and conv tail) untouched.
+        position_embeddings: (cos, sin), or a `harness.layouts.LayerRope` whose entry for this layer is read (None
+        there: a teacher layer without RoPE, which a rope mixer then does not rotate either)."""
         heads, new_state = self.heads_output(x, position_embeddings=position_embeddings, state=state,
                                              use_cache=use_cache, mask=mask)
         return self.o_proj(heads), new_state
@@ -187,7 +217,9 @@ class Mixer(nn.Module):
         if self.options.rope:
             if position_embeddings is None:
                 raise ValueError(f"{self.name}: rope=True needs position_embeddings from the model")
-            q, k = apply_rope(q, k, *position_embeddings)
+            rope = layer_rope(position_embeddings, self.layer_idx)
+            if rope is not None:
+                q, k = apply_rope(q, k, *rope)
         prior = state.recurrent if state is not None else None
         o, recurrent = self._mix(x, q, k, v, prior, self.backend_for(x), mask=mask)
         heads = self._output(x, o).to(x.dtype)
@@ -198,8 +230,8 @@ class Mixer(nn.Module):
         return heads.flatten(2), (MixerState(recurrent, conv_state, window) if use_cache else None)
 
     def _window(self, projected, mask, prior: Optional[WindowCache], use_cache: bool):
-        """The sliding-window softmax attention `[B, T, H, D]` over the teacher's q, k (RoPE'd here), v, and its new
-        cache if use_cache."""
+        """The sliding-window softmax attention `[B, T, H, D]` over the teacher's q, k (RoPE'd here), v, with the
+        teacher's scale and soft-capping, and its new cache if use_cache."""
         q, k, v = (self._heads(t) for t in projected)
         rotate = None
         if self.window_rotary is not None:
@@ -209,8 +241,8 @@ class Mixer(nn.Module):
                 cos, sin = rotary(t, positions[None])
                 return rotate_half_rope(t, cos, sin)
 
-        return window_attention(q, k, v, self.options.window, scale=self.shape.head_dim ** -0.5, mask=mask,
-                                prior=prior, want_cache=use_cache, rotate=rotate)
+        return window_attention(q, k, v, self.options.window, scale=self.shape.attention_scale, mask=mask,
+                                prior=prior, want_cache=use_cache, rotate=rotate, softcap=self.shape.softcap)
 
     def project_qkv(self, x, state: Optional[MixerState], use_cache: bool, mask: Optional[torch.Tensor] = None,
                     projected: Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = None):

@@ -33,12 +33,13 @@ class WindowCache(NamedTuple):
 
 def window_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int, *, scale: float,
                      mask: Optional[torch.Tensor] = None, prior: Optional[WindowCache] = None,
-                     want_cache: bool = False, rotate: Optional[Rotate] = None,
+                     want_cache: bool = False, rotate: Optional[Rotate] = None, softcap: Optional[float] = None,
                      ) -> tuple[torch.Tensor, Optional[WindowCache]]:
     """q, k, v `[B, T, H, D]` (K/V heads already expanded, q and k before RoPE) -> (o `[B, T, H, D]` in q's dtype, the
     cache after the last token if `want_cache`). mask: bool `[B, T]`, False at padding. prior: the cache of the tokens
     before these, whose keys count as the earliest of the window. rotate: RoPE, applied here to the keys (cached and
-    new) at positions 0.. and to the queries at theirs; None for none. Softmax in float32."""
+    new) at positions 0.. and to the queries at theirs; None for none. softcap: the scores' tanh soft-capping,
+    cap * tanh(s / cap) (Gemma 2's attn_logit_softcapping), None for none. Softmax in float32."""
     if window < 1:
         raise ValueError(f"window={window} must be >= 1")
     batch, length, heads, dim = q.shape
@@ -51,10 +52,10 @@ def window_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: 
     if rotate is not None:
         positions = torch.arange(k.shape[1], device=q.device)
         q, k = rotate(q, positions[past:]), rotate(k, positions)
-    return _blockwise(q, k, v, valid, window, scale, past).to(q.dtype), cache
+    return _blockwise(q, k, v, valid, window, scale, past, softcap).to(q.dtype), cache
 
 
-def _blockwise(q, k, v, valid, window: int, scale: float, past: int) -> torch.Tensor:
+def _blockwise(q, k, v, valid, window: int, scale: float, past: int, softcap: Optional[float] = None) -> torch.Tensor:
     """Queries in blocks of C (= the window, or fewer when the sequence is shorter); each block reads, in one batched
     product, the C + W - 1 keys from W - 1 before its first query to its last: all the window of each of its
     queries. The keys are padded on the left to W - 1 before the first query (invalid slots), so that every block
@@ -76,6 +77,8 @@ def _blockwise(q, k, v, valid, window: int, scale: float, past: int) -> torch.Te
     seen = spans(valid)  # [B, blocks, span]
     queries = torch.nn.functional.pad(q.float(), (0, 0, 0, 0, 0, right)).unflatten(1, (blocks, size))
     scores = torch.einsum("bnqhd,bnshd->bnhqs", queries, keys) * scale
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
     a, s = torch.arange(size, device=q.device)[:, None], torch.arange(span, device=q.device)[None, :]
     allowed = ((s >= a) & (s < a + window))[None, None, None] & seen[:, :, None, None, :]
     scores = scores.masked_fill(~allowed, -math.inf)
