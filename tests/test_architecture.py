@@ -212,3 +212,12 @@ def test_harness_config_reexports_every_public_name_of_its_modules():
             if getattr(package, name, None) is not getattr(mod, name) or name not in package.__all__:
                 missing.append(f"{module}.{name}")
     assert missing == []
+
+
+MAX_LINES = 800  # the project's limit per module
+
+
+def test_no_module_of_harness_is_longer_than_the_limit():
+    long = {module: lines for module, path in module_files().items()
+            if (lines := len(path.read_text().splitlines())) > MAX_LINES}
+    assert long == {}, f"modules over {MAX_LINES} lines: {long}"

@@ -70,9 +70,10 @@ from tqdm.auto import tqdm
 
 from harness.config import DISTRACTORS, POSITIVE, ConfigError, Rule, check_fields, described, each
 from harness.config_choices import NeedleKind, NiahPrompt
-from harness.eval.niah import (NiahGrid, NiahSample, check_batch_size, generate_answers, haystack_tokens,
-                               is_complete, is_correct, likelihood_record, make_distractors, make_needle,
-                               prompt_frame, resolve_prompt_mode, run_header, snap_window)
+from harness.decoding import check_batch_size
+from harness.eval.niah import (NiahGrid, NiahSample, generate_answers, haystack_tokens, is_complete, is_correct,
+                               likelihood_record, make_distractors, make_needle, prompt_frame, resolve_prompt_mode,
+                               run_header, snap_window)
 from harness.eval.recovery import Z_95, paired_bootstrap, percentile_interval
 from harness.files import atomic_write_text
 
