@@ -120,8 +120,14 @@ def choice_of_field(root: type, dotted: str) -> Optional[type[Choice]]:
         hints = typing.get_type_hints(hint) if is_dataclass(hint) else {}
         if part not in hints:
             return None
-        hint = hints[part]
+        hint = unwrap_optional(hints[part])  # an Optional section (eval.state) holds the dataclass' fields
     return _choice_type(hint)
+
+
+def unwrap_optional(hint: Any) -> Any:
+    """X of Optional[X]; any other hint as it is."""
+    args = [a for a in typing.get_args(hint) if a is not type(None)]
+    return args[0] if typing.get_origin(hint) is typing.Union and len(args) == 1 else hint
 
 
 def _choice_type(hint: Any) -> Optional[type[Choice]]:

@@ -13,7 +13,8 @@ from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from harness.config.data import MixSourceConfig
-from harness.config.fields import ConfigError, without_index, bad_choice, choice_of_field
+from harness.config.evaluation import keys_under
+from harness.config.fields import ConfigError, bad_choice, choice_of_field, unwrap_optional, without_index
 from harness.config.job import JobConfig
 from harness.config.training import LossTermConfig
 from harness.config.validation import validate
@@ -29,7 +30,8 @@ def load_job(path: str | Path | None, overrides: list[str] = ()) -> JobConfig:
     layers.append(whole_numbers(_parse_overrides(overrides), JobConfig, " (on the command line)"))
     try:
         merged = OmegaConf.merge(*layers)
-        job = OmegaConf.to_object(merged)
+        with keys_under("eval."):  # eval.copy and eval.state check themselves as they are built
+            job = OmegaConf.to_object(merged)
     except OmegaConfBaseException as err:
         raise ConfigError(_explain_omegaconf(err, path)) from None
     except TypeError as err:  # OmegaConf's own, for a mapping merged onto a list (e.g. `key=auto:` reads as {auto: null})
@@ -76,8 +78,8 @@ def _whole_numbers_in(tree: dict, schema: type, prefix: str, where: str) -> None
     """`whole_numbers` on a plain dict, in place, against the fields of the dataclass `schema`."""
     hints = typing.get_type_hints(schema)
     for key, value in tree.items():
-        hint = _unwrap_optional(hints.get(key))
-        item = _unwrap_optional(typing.get_args(hint)[0]) if typing.get_origin(hint) is list else None
+        hint = unwrap_optional(hints.get(key))
+        item = unwrap_optional(typing.get_args(hint)[0]) if typing.get_origin(hint) is list else None
         if is_dataclass(hint) and isinstance(value, dict):
             _whole_numbers_in(value, hint, f"{prefix}{key}.", where)
         elif hint is int:
@@ -88,12 +90,6 @@ def _whole_numbers_in(tree: dict, schema: type, prefix: str, where: str) -> None
                     _whole_numbers_in(v, item, f"{prefix}{key}[{i}].", where)
                 elif item is int:
                     value[i] = _whole_number(f"{prefix}{key}[{i}]", v, where)
-
-
-def _unwrap_optional(hint: Any) -> Any:
-    """X of Optional[X]; any other hint as it is."""
-    args = [a for a in typing.get_args(hint) if a is not type(None)]
-    return args[0] if typing.get_origin(hint) is typing.Union and len(args) == 1 else hint
 
 
 def _whole_number(key: str, value: Any, where: str) -> Any:

@@ -110,14 +110,14 @@ from typing import Any, Callable, Iterator, Optional
 import torch
 from tqdm.auto import tqdm
 
-from harness.config_choices import NeedleKind, NiahPrompt
+from harness.config_choices import Haystack, NeedleKind, NiahPrompt
 from harness.decoding import candidate_logprobs, check_batch_size, greedy_ids_batch, length_batches, stop_token_ids
 from harness.eval.niah_summary import TIE_TOLERANCE, plot_heatmap, summarise, write_csv, write_json
 from harness.failpoints import failpoint
 
 KINDS = NeedleKind.values()  # one definition with the job config's eval.niah.kinds
 PROMPT_MODES = NiahPrompt.values()
-HAYSTACKS = ("essays", "wikipedia")
+HAYSTACKS = Haystack.values()
 DEPTH_SNAP = 0.03  # the needle may move this fraction of the prose from its exact depth, to start a sentence
 MIN_SNAP_TOKENS = 2  # ... or this many tokens, whichever is more (short prompts have few sentence ends)
 MIN_PROSE_TOKENS = 32  # below this a "depth" means little
