@@ -115,3 +115,11 @@ class NiahPrompt(Choice):
     auto = "auto"
     chat = "chat"
     plain = "plain"
+
+
+class Haystack(Choice):
+    """The embedded prose that eval.niah.haystack and eval.state.text may name (each may also be a file path instead):
+    the RULER data of harness.data.embedded."""
+
+    essays = "essays"
+    wikipedia = "wikipedia"

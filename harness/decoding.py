@@ -1,4 +1,6 @@
-"""Greedy decoding of a harness student, one recurrent step per token, with the step captured as a CUDA graph.
+"""Greedy decoding of a harness student, one recurrent step per token, with the step captured as a CUDA graph; and
+the greedy generation and candidate scoring of any causal LM that the evaluations (NIAH, the state probe, the chat
+samples) run on students and teachers alike.
 
 At batch 1 a student's decoding step is a few hundred small kernels whose launches, not their work, take the time
 (135M on an H200: ~68 ms per token eagerly, the GPU idle most of it). Every step has the same shapes - one token
@@ -8,6 +10,11 @@ in, fixed-size states - so it can be recorded once as a CUDA graph and replayed:
     greedy_decode_batch(model, prompts, max_new_tokens, stop_ids=..., done=..., graphs=True) -> one list per prompt
     GraphedStep(model, cache)                              the captured step: __call__(token) -> logits [B, V]
     graphable(model)                                       whether a model's step can be captured
+
+    greedy_ids_batch(model, tokenizer, prompts, max_new_tokens, stop, text_done) -> new ids per prompt (any model)
+    greedy_ids(model, tokenizer, ids, max_new_tokens, stop, text_done)           -> new ids of one prompt [1, T]
+    candidate_logprobs(model, prompt_ids, candidates)      teacher-forced log p of each candidate continuation
+    stop_token_ids, length_batches, check_batch_size       stop ids, batches by length, a batch size's check
 
 HARNESS_DECODE_GRAPHS=0 in the environment turns the graphs off wherever `graphs` is not given (NIAH, chat samples).
 
@@ -32,10 +39,18 @@ captures): each step writes its key and value in place and reads its rotary posi
 has fixed shapes and is captured like a pure student's. In a batch the rows' KV columns are left-padded to the
 longest prompt and `valid` hides the padding. Kept layers under a sliding window (Mistral's) keep growing states
 and decode eagerly (`graph_blocker` says why).
+
+Any causal LM (`greedy_ids_batch`): a harness student decodes through `greedy_decode_batch`; any other model (a
+transformers teacher) through `generate()` with its KV cache, the prompts left-padded with an attention mask. Each
+row is cut where it would end alone: at a stop id, after `max_new_tokens`, or once `text_done(its new text)` holds.
+On CPU float32 a batch gives the tokens of batch 1 (tests/test_eval_batching.py); on a GPU in bfloat16 a batched
+matmul may round differently from a batch-1 one, so a near-tie between two tokens can rarely go the other way.
 """
 
 from __future__ import annotations
 
+import inspect
+import numbers
 import os
 import warnings
 from typing import Any, Callable, Optional, Sequence
@@ -246,3 +261,153 @@ def _prompt_mask(rows: list[torch.Tensor]) -> torch.Tensor:
     width = max(r.numel() for r in rows)
     lengths = torch.tensor([r.numel() for r in rows], device=rows[0].device)
     return (torch.arange(width, device=rows[0].device)[None] >= width - lengths[:, None]).long()
+
+
+# ------------------------------------------------------------------------------------------ generation (any causal LM)
+
+
+def check_batch_size(value: Any, name: str = "generation_batch_size") -> int:
+    """A positive integer batch size, else a ValueError naming it."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+        raise ValueError(f"{name}={value!r} must be a positive integer (1: one prompt at a time)")
+    return int(value)
+
+
+def stop_token_ids(model: Any, tokenizer: Any, extra: Any = ()) -> list[int]:
+    """Token ids that end a greedy answer, without repeats: the tokenizer's and the generation config's EOS, plus
+    `extra` (e.g. a chat template's end-of-turn ids)."""
+    found: list[int] = []
+    for value in (getattr(tokenizer, "eos_token_id", None),
+                  getattr(getattr(model, "generation_config", None), "eos_token_id", None), extra):
+        for tid in value if isinstance(value, (list, tuple)) else [value]:
+            if tid is not None and int(tid) not in found:
+                found.append(int(tid))
+    return found
+
+
+def greedy_config(max_new_tokens: int, stop: list[int], tokenizer: Any):
+    """A transformers GenerationConfig for greedy decoding that ends at `stop` (padding: the tokenizer's pad id,
+    else the first stop id)."""
+    from transformers import GenerationConfig
+
+    pad = getattr(tokenizer, "pad_token_id", None)
+    return GenerationConfig(max_new_tokens=max_new_tokens, do_sample=False, num_beams=1, eos_token_id=stop or None,
+                            pad_token_id=pad if pad is not None else (stop or [0])[0])
+
+
+class NewTextStop:
+    """A transformers stopping criterion, per row: a row is done once `done(its new text)` holds, the new text being
+    what was generated after the (left-padded) prompts' `prompt_length` columns, decoded without special tokens."""
+
+    def __init__(self, tokenizer: Any, prompt_length: int, done: Callable[[str], bool]) -> None:
+        self.tokenizer, self.prompt_length, self.done = tokenizer, prompt_length, done
+
+    def __call__(self, input_ids: torch.Tensor, scores: Any = None, **kwargs: Any) -> torch.Tensor:
+        texts = [self.tokenizer.decode(row, skip_special_tokens=True)
+                 for row in input_ids[:, self.prompt_length:].tolist()]
+        return torch.tensor([bool(self.done(t)) for t in texts], dtype=torch.bool, device=input_ids.device)
+
+
+def length_batches(lengths: list[int], size: int) -> list[list[int]]:
+    """Indices 0..n-1 in batches of at most `size`, by length (stable: equal lengths keep their order), so that a
+    batch pads little; size 1 keeps the order given."""
+    order = sorted(range(len(lengths)), key=lambda i: lengths[i]) if size > 1 else list(range(len(lengths)))
+    return [order[i:i + size] for i in range(0, len(order), size)]
+
+
+@torch.no_grad()
+def greedy_ids(model: Any, tokenizer: Any, ids: torch.Tensor, max_new_tokens: int, stop: list[int],
+               text_done: Optional[Callable[[str], bool]] = None) -> list[int]:
+    """The new token ids of a greedy continuation of one unpadded prompt `ids` `[1, T]` (`greedy_ids_batch` of
+    that one prompt, on ids' device)."""
+    return greedy_ids_batch(model, tokenizer, [ids[0].tolist()], max_new_tokens, stop, text_done, ids.device)[0]
+
+
+@torch.no_grad()
+def greedy_ids_batch(model: Any, tokenizer: Any, prompts: list[list[int]], max_new_tokens: int, stop: list[int],
+                     text_done: Optional[Callable[[str], bool]] = None,
+                     device: str | torch.device = "cpu") -> list[list[int]]:
+    """The new token ids of greedy continuations of `prompts` (token id lists), decoded together, each cut where
+    it would end alone (the stop token included): at a `stop` id, after `max_new_tokens`, or once
+    `text_done(new text)` holds, the new text decoded without special tokens. Harness students go through
+    `greedy_decode_batch` (each prompt prefilled alone, then batched recurrent steps, a CUDA graph on GPUs), other
+    models through `generate` with their KV cache, the prompts left-padded (one prompt: no padding)."""
+    if not prompts:
+        return []
+    if isinstance(model, HarnessForCausalLM):
+        done = None if text_done is None else (
+            lambda new: text_done(tokenizer.decode(new, skip_special_tokens=True)))
+        return greedy_decode_batch(model, prompts, max_new_tokens, stop_ids=stop, done=done)
+    return _generate_batch(model, tokenizer, prompts, max_new_tokens, stop, text_done, device)
+
+
+def _generate_batch(model: Any, tokenizer: Any, prompts: list[list[int]], max_new_tokens: int, stop: list[int],
+                    text_done: Optional[Callable[[str], bool]], device: str | torch.device) -> list[list[int]]:
+    """`generate` on the left-padded prompts; each row cut at its own end (after it, generate pads the row)."""
+    from transformers import StoppingCriteriaList
+
+    config = greedy_config(max_new_tokens, stop, tokenizer)
+    width = max(len(p) for p in prompts)
+    ids = torch.tensor([[config.pad_token_id] * (width - len(p)) + list(p) for p in prompts], device=device)
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)
+    criteria = StoppingCriteriaList([NewTextStop(tokenizer, width, text_done)] if text_done else [])
+    out = model.generate(input_ids=ids, attention_mask=mask, generation_config=config, stopping_criteria=criteria)
+    return [_cut_at_end(row, stop, tokenizer, text_done) for row in out[:, width:].tolist()]
+
+
+def _cut_at_end(new: list[int], stop: list[int], tokenizer: Any,
+                text_done: Optional[Callable[[str], bool]]) -> list[int]:
+    """`new` up to where a lone generation of it ends: its first stop id, or the first token after which
+    `text_done` holds (included), else all of it."""
+    for n, token in enumerate(new, 1):
+        if token in stop or (text_done is not None and text_done(tokenizer.decode(new[:n], skip_special_tokens=True))):
+            return new[:n]
+    return new
+
+
+# ----------------------------------------------------------------------------------- candidate scoring (any causal LM)
+
+
+@torch.no_grad()
+def candidate_logprobs(model: Any, prompt_ids: list[int], candidates: list[list[int]],
+                       device: str | torch.device = "cpu") -> list[float]:
+    """log p(candidate | prompt) of each candidate token list, teacher-forced: the sum of its tokens' log-probs.
+
+    One forward over the prompt keeps its cache (a teacher's KV cache, a student's RecurrentCache), which is
+    repeated once per candidate (`batch_repeat_interleave`); then one batched forward feeds every candidate but
+    its last token. Shorter candidates are right-padded, which changes none of their positions (causal models).
+    `model` is called as `model(input_ids=, cache=, use_cache=True, logits_to_keep=)` (`past_key_values=` where
+    its forward has no `cache`) and returns `.logits` and its cache (`.cache`, else `.past_key_values`), as
+    transformers causal LMs and HarnessForCausalLM do.
+    """
+    if not candidates or not all(candidates):
+        raise ValueError("candidate_logprobs needs non-empty candidates")
+    out = model(input_ids=torch.tensor([prompt_ids], device=device), use_cache=True, logits_to_keep=1)
+    first = out.logits[0, -1].float().log_softmax(-1)
+    scores = first[torch.tensor([c[0] for c in candidates], device=first.device)]
+    longest = max(len(c) for c in candidates)
+    if longest == 1:
+        return scores.tolist()
+    cache = _output_cache(out)
+    cache.batch_repeat_interleave(len(candidates))
+    ids = torch.tensor([c + c[-1:] * (longest - len(c)) for c in candidates], device=device)
+    logits = model(input_ids=ids[:, :-1], use_cache=True, **{_cache_keyword(model): cache}).logits.float()
+    token_lp = logits.log_softmax(-1).gather(-1, ids[:, 1:, None].to(logits.device))[..., 0]
+    lengths = torch.tensor([len(c) for c in candidates], device=token_lp.device)
+    real = torch.arange(longest - 1, device=token_lp.device)[None] < (lengths - 1)[:, None]
+    return (scores.to(token_lp.device) + torch.where(real, token_lp, 0.0).sum(1)).tolist()
+
+
+def _output_cache(out: Any) -> Any:
+    """The cache a forward with use_cache=True returned: `cache` (transformers >= 5.2x) or `past_key_values`."""
+    for name in ("cache", "past_key_values"):
+        value = getattr(out, name, None)
+        if value is not None:
+            return value
+    raise TypeError("the model returned no cache for use_cache=True; candidate_logprobs needs one")
+
+
+def _cache_keyword(model: Any) -> str:
+    """The keyword the model's forward takes its cache by: "cache" (transformers >= 5.2x), else "past_key_values"."""
+    forward = getattr(model, "forward", model)
+    return "cache" if "cache" in inspect.signature(forward).parameters else "past_key_values"

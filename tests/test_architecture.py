@@ -201,3 +201,43 @@ def test_the_walk_finds_longer_cycles_and_relative_imports(tmp_path, chain):
         files[f"harness/pkg/m{i}.py"] = f"from .m{(i + 1) % chain} import x\nx = 1\n"
     _write(tmp_path, files)
     assert import_cycles(import_graph(tmp_path)) == [[f"harness.pkg.m{i}" for i in range(chain)]]
+
+
+def _top_level_names(path: Path) -> list[str]:
+    """The public names a module defines at its top level (classes, functions, assigned constants), not those it
+    imports."""
+    names = []
+    for node in ast.parse(path.read_text(), str(path)).body:
+        if isinstance(node, (ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+            names.append(node.name)
+        elif isinstance(node, (ast.Assign, ast.AnnAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            names += [t.id for t in targets if isinstance(t, ast.Name)]
+    return [n for n in names if not n.startswith("_")]
+
+
+def test_harness_config_reexports_every_public_name_of_its_modules():
+    """Callers import from `harness.config` alone: every public name that a module of the package defines is a name
+    of the package (the same object) and listed in its __all__."""
+    import importlib
+
+    import harness.config as package
+
+    modules = {m: p for m, p in module_files().items() if m.startswith("harness.config.")}
+    assert {"harness.config.fields", "harness.config.evaluation", "harness.config.loading"} <= set(modules)
+    missing = []
+    for module, path in modules.items():
+        mod = importlib.import_module(module)
+        for name in _top_level_names(path):
+            if getattr(package, name, None) is not getattr(mod, name) or name not in package.__all__:
+                missing.append(f"{module}.{name}")
+    assert missing == []
+
+
+MAX_LINES = 800  # the project's limit per module
+
+
+def test_no_module_of_harness_is_longer_than_the_limit():
+    long = {module: lines for module, path in module_files().items()
+            if (lines := len(path.read_text().splitlines())) > MAX_LINES}
+    assert long == {}, f"modules over {MAX_LINES} lines: {long}"

@@ -142,7 +142,7 @@ def test_graphs_need_a_cuda_student(teacher, monkeypatch):
 
 
 def test_niah_and_chat_samples_decode_students_through_the_loop(teacher, monkeypatch):
-    from harness.eval.niah import greedy_ids
+    from harness.decoding import greedy_ids
 
     calls = []
     real = decoding.greedy_decode_batch

@@ -12,7 +12,8 @@ import torch
 
 import harness
 from harness.eval.chat_samples import generate_chat_samples, generate_response, prompt_ids, stop_ids
-from harness.eval.niah import NiahGrid, build_sample, greedy_ids, greedy_ids_batch, run_niah
+from harness.decoding import greedy_ids, greedy_ids_batch
+from harness.eval.niah import NiahGrid, build_sample, run_niah
 from tests.pipeline import tiny_tokenizer
 from tests.tiny import tiny_llama
 

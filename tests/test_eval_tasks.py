@@ -10,6 +10,7 @@ teacher, no other task: a few seconds on a CPU.
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
@@ -19,7 +20,7 @@ from omegaconf import OmegaConf
 import torch
 
 from harness.cli import main as harness_main
-from harness.config import POSITIVE, ConfigError, described
+from harness.config import POSITIVE, ConfigError, CopyConfig, StateConfig, described, load_job
 from harness.eval import curves, tasks
 from harness.eval.spec import load_eval_spec, write_eval_spec
 from harness.eval.tasks import Score, ScoredTask, TaskResults
@@ -81,15 +82,12 @@ def _run(root: Path, name: str, seed: int) -> Path:
 
     out = root / name
     job = tiny_job(root, out, "eval.enabled=true", "eval.tasks=[]", "eval.niah.lengths=[]", "eval.perplexity_tokens=0",
-                   f"name={name}")
+                   "eval.copy=null", f"name={name}")  # the copy probe runs by default: only the toy task here
     teacher = AutoModelForCausalLM.from_pretrained(job.teacher.source)
     torch.manual_seed(seed)
     build_student(teacher, "gated_deltanet", chunk_size=16).save_pretrained(out / "student")
     AutoTokenizer.from_pretrained(job.teacher.source).save_pretrained(out / "student")
-    spec = write_eval_spec(job, out / "student")
-    settings = OmegaConf.load(spec)
-    settings.copy = None  # the copy probe runs by default: only the toy task here
-    spec.write_text(OmegaConf.to_yaml(settings))
+    write_eval_spec(job, out / "student")
     return out
 
 
@@ -216,3 +214,82 @@ def test_the_copy_and_state_probes_run_in_the_evaluation_job_and_are_reported_an
     text = (tmp_path / "cmp" / "comparison.md").read_text()
     assert "In-context copy (random tokens shown twice): after first | 6 |" in text
     assert curves.METRICS["copy_after_first"][0](report) == copy_scores["after first"]["value"]
+
+
+# ---------------------------------------------------------------------------------------------- eval.copy, eval.state
+
+
+COPY_TODAY = {"lengths": [64, 256, 1024, 2048], "gap": 0, "sequences": 8, "token_low": 1000, "token_high": 20000,
+              "seed": 0, "induction": True, "induction_max_length": 512, "batch_size": 4, "position_buckets": 8}
+
+
+def _spec_file(root: Path, *overrides: str) -> tuple[Path, Any]:
+    """RUN/eval.yaml written from a tiny job with `overrides`, its student folder made (an eval spec names one)."""
+    out = root / "run"
+    job = tiny_job(root, out, *overrides)
+    (out / "student").mkdir(parents=True, exist_ok=True)
+    return write_eval_spec(job, out / "student"), job
+
+
+def test_a_job_without_eval_copy_or_eval_state_writes_the_copy_probe_with_induction_and_no_state_probe(tmp_path):
+    path, job = _spec_file(tmp_path)
+    written = OmegaConf.to_container(OmegaConf.load(path))
+    assert written["copy"] == COPY_TODAY and written["state"] is None
+    spec = load_eval_spec(path)
+    assert tasks.get_task("copy").wanted(spec) and not tasks.get_task("state").wanted(spec)
+    resolved = (path.parent / "job.yaml").read_text()
+    assert "  copy:\n    lengths:\n    - 64\n" in resolved and "  state: null\n" in resolved
+
+
+def test_eval_copy_and_eval_state_of_a_job_reach_eval_yaml_and_the_tasks_settings(tmp_path):
+    path, job = _spec_file(tmp_path, "eval.copy.lengths=[64]",
+                           "eval.state={length: 512, samples: 3, distances: [32, 128], kinds: [kv]}")
+    written = OmegaConf.to_container(OmegaConf.load(path))
+    assert written["copy"] == {**COPY_TODAY, "lengths": [64]}
+    assert written["state"]["length"] == 512 and written["state"]["samples"] == 3
+    assert written["state"]["distances"] == [32, 128] and written["state"]["kinds"] == ["kv"]
+    spec = load_eval_spec(path)
+    copy, state = tasks.get_task("copy").settings_of(spec), tasks.get_task("state").settings_of(spec)
+    assert copy.lengths == [64] and copy.induction is True
+    assert (state.length, state.samples, state.distances, state.kinds) == (512, 3, [32, 128], ["kv"])
+    assert state.text == "essays" and state.every == 0  # the keys the job leaves out: the probe's defaults
+    assert load_job(None, ["eval.state={}"]).eval.state == StateConfig()
+
+
+def test_eval_copy_null_turns_the_copy_probe_off(tmp_path):
+    path, _ = _spec_file(tmp_path, "eval.copy=null")
+    assert OmegaConf.load(path)["copy"] is None
+    assert not tasks.get_task("copy").wanted(load_eval_spec(path))
+
+
+@pytest.mark.parametrize("override, message", [
+    ("eval.copy.lengths=[1]", r"Bad value 1 in eval\.copy\.lengths: each must be at least 2\."),
+    ("eval.copy.lengths=[64,64]", r"eval\.copy\.lengths=\[64, 64\] must name at least one length, each once\."),
+    ("eval.copy.token_low=30000", r"eval\.copy\.token_low=30000 must be below eval\.copy\.token_high=20000"),
+    ("eval.state={length: 512, positions: [600]}",
+     r"eval\.state\.positions \[600\] lie beyond eval\.state\.length=512"),
+    ("eval.state={kinds: [needle]}", r"Bad value 'needle' for eval\.state\.kinds\. Allowed: passkey, uuid, kv\."),
+    ("eval.state.text=/nowhere/prose.txt", r"eval\.state\.text='/nowhere/prose\.txt' is no NIAH haystack: use one of "),
+])
+def test_bad_copy_or_state_settings_of_a_job_are_refused_naming_the_key(override, message, capsys):
+    with pytest.raises(ConfigError, match=message):
+        load_job(None, [override])
+    assert harness_main(["info", str(Path(__file__).resolve().parents[1] / "jobs" / "quickstart.yaml"), override]) == 2
+    assert re.search(message, capsys.readouterr().err)
+    with pytest.raises(ConfigError, match=r"Bad value 1 in copy\.lengths"):  # outside a job: the spec's key
+        CopyConfig(lengths=[1])
+
+
+def test_the_evaluations_along_stage_3_shorten_the_jobs_probes_and_leave_the_teacher_cache_key(tmp_path):
+    from harness.eval.during import write_during_spec
+    from harness.eval.job import teacher_cache_key
+    from harness.eval.spec import spec_from_job
+
+    job = tiny_job(tmp_path, tmp_path / "run", "eval.copy.lengths=[64,128,512]", "eval.copy.induction=true",
+                   "eval.state={samples: 5}")
+    during = OmegaConf.load(write_during_spec(job, tmp_path / "run"))
+    assert list(during["copy"].lengths) == [64, 128] and during["copy"].induction is False and during.state.samples == 2
+    assert job.eval.copy.lengths == [64, 128, 512] and job.eval.state.samples == 5  # the job itself is untouched
+    plain = tiny_job(tmp_path, tmp_path / "run")
+    student = tmp_path / "run" / "student"
+    assert teacher_cache_key(spec_from_job(job, student)) == teacher_cache_key(spec_from_job(plain, student))

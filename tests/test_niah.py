@@ -16,9 +16,9 @@ import torch
 
 import harness
 from harness.data.embedded import embedded_subset_path
+from harness.decoding import candidate_logprobs
 from harness.eval import niah
-from harness.eval.niah import (KINDS, NiahGrid, build_sample, candidate_logprobs, is_correct, rank_of_true, run_niah,
-                               snap_window)
+from harness.eval.niah import KINDS, NiahGrid, build_sample, is_correct, rank_of_true, run_niah, snap_window
 from harness.student import RecurrentCache
 from tests.pipeline import tiny_tokenizer
 from tests.tiny import tiny_llama

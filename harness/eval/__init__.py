@@ -2,6 +2,7 @@
 
     spec.py          the evaluation job spec (RUN_DIR/eval.yaml) that stage 3 writes
     niah.py          needle in a haystack: exact-match retrieval at depth x length, heatmap
+    niah_summary.py  NIAH's niah.json, niah.csv and heatmaps from its sample records
     lm_eval_tasks.py benchmarks through lm-evaluation-harness (offline on local data: benchmark_data.py)
     perplexity.py    perplexity on the corpus' held-out slice or any text file
     tasks/           each evaluation a task behind one interface (EvalTask) and the registry the modules below ask

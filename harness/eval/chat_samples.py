@@ -7,7 +7,7 @@ Each prompt is one user turn. With a chat template ("auto" when the tokenizer ha
 by the template with the generation prompt (the assistant header), as SFT trains (harness.data.chat);
 without ("plain") it is `User: <prompt>\\nAssistant:` after the tokenizer's own prefix (BOS). Decoding is greedy,
 `generation_batch_size` prompts at a time (1 by default; by length), each answer ending where it would alone
-(harness.eval.niah.greedy_ids_batch: students prefill each prompt unpadded and step the batch through their
+(harness.decoding.greedy_ids_batch: students prefill each prompt unpadded and step the batch through their
 recurrent state, teachers `generate` on left-padded prompts with their KV cache). An answer stops at EOS, at
 the template's end-of-turn token (e.g. <|im_end|>, found by rendering a turn), after `max_new_tokens`, or in
 plain mode once the model starts a new `User:` turn. The response is the decoded new text without special
@@ -27,7 +27,8 @@ from typing import Any, Sequence
 
 import torch
 
-from harness.eval.niah import check_batch_size, greedy_ids_batch, length_batches, resolve_prompt_mode, stop_token_ids
+from harness.decoding import check_batch_size, greedy_ids_batch, length_batches, stop_token_ids
+from harness.eval.niah import resolve_prompt_mode
 from harness.files import atomic_write_text
 
 CHAT_SAMPLES_FILE = "chat_samples.json"

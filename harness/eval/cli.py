@@ -298,7 +298,8 @@ def cmd_eval_job(args: argparse.Namespace) -> int:
 
 
 def cmd_eval_niah(args: argparse.Namespace) -> int:
-    from harness.eval.niah import NiahGrid, check_batch_size, run_niah
+    from harness.decoding import check_batch_size
+    from harness.eval.niah import NiahGrid, run_niah
 
     try:
         check_batch_size(args.generation_batch_size, "--generation-batch-size")

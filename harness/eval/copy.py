@@ -98,77 +98,13 @@ import numpy as np
 import torch
 from torch import nn
 
-from harness.config import POSITIVE, Rule, at_least_zero, check_fields, described, each
+from harness.config import CopyConfig, CopyError
 from harness.eval.niah import position_limit
 from harness.eval.recovery import paired_bootstrap, percentile_interval
 from harness.files import atomic_write_text
 
 COPY_FORMAT = 1  # bump when sequences or scoring change, so that old records are not mixed in
 SEQUENCES_FILE, JSON_FILE = "copy_sequences.jsonl", "copy.json"
-
-
-class CopyError(ValueError):
-    """A copy-probe setting that does not fit the model or the saved results (the CLI shows it as one paragraph)."""
-
-
-@dataclass
-class CopyConfig:
-    """What the copy probe covers; the module docstring defines the sequences and the measures."""
-
-    lengths: list[int] = described(
-        help="Sequence lengths L in tokens; each prompt holds the sequence twice (plus the gap and the tokenizer's "
-        "prefix), so 2L + gap positions. At least 2 (copy_acc_after_first needs a second token).",
-        factory=lambda: [64, 256, 1024, 2048], rule=each(Rule(lambda n: n >= 2, "be at least 2")),
-    )
-    gap: int = described(
-        0, "Random filler tokens between the two copies, drawn like the sequence (distinct from its ids). With a "
-        "gap the first token of the second copy cannot be predicted by induction (see copy_acc_after_first).",
-        rule=at_least_zero("the second copy follows the first directly"),
-    )
-    sequences: int = described(8, "Random sequences per length; the intervals are bootstrapped over them.",
-                               rule=POSITIVE)
-    token_low: int = described(
-        1000, "Lowest token id drawn. Ids below 1000 of a BPE vocabulary are special tokens, the 256 byte tokens "
-        "and the first merges (word fragments); a vocabulary ending below this falls back to every non-special id.",
-        rule=at_least_zero("any id"),
-    )
-    token_high: int = described(
-        20000, "One past the highest id drawn, clipped to the vocabulary: common merges the model has seen often.",
-        rule=POSITIVE,
-    )
-    seed: int = described(0, "Seeds the sequences (torch's CPU generator): the same seed draws the same ids.")
-    induction: bool = described(
-        False, "Also compute each layer's induction score (attention mass, or share of a mixer's absolute mixing "
-        "weight, on the token after the previous occurrence of the query's token), for lengths up to "
-        "induction_max_length.",
-    )
-    induction_max_length: int = described(
-        512, "Induction scores only for lengths up to this: a layer's mixing matrices are (2L + gap)^2 per head and "
-        "sequence, and a mixer's come from running its recurrence on 2L + gap one-hot values.", rule=POSITIVE,
-    )
-    batch_size: int = described(
-        4, "Prompts per forward pass. Memory: the logits of the second copies, batch x (L + 1) x vocabulary.",
-        rule=POSITIVE,
-    )
-    position_buckets: int = described(
-        8, "Spans of the copy that by_position reports accuracy over (fewer when L is smaller).", rule=POSITIVE,
-    )
-
-    def __post_init__(self) -> None:
-        self.validate()
-
-    def validate(self) -> None:
-        """Normalise lists to plain ints and raise ConfigError (a ValueError) naming the first bad setting."""
-        bad = [n for n in self.lengths if isinstance(n, bool) or not isinstance(n, (int, np.integer))]
-        if bad:
-            raise CopyError(f"copy.lengths holds {bad[0]!r}; lengths are whole numbers of tokens, e.g. [64, 256].")
-        self.lengths = [int(n) for n in self.lengths]
-        check_fields(self, "copy.")
-        if not self.lengths or len(set(self.lengths)) != len(self.lengths):
-            raise CopyError(f"copy.lengths={self.lengths} must name at least one length, each once.")
-        if self.token_low >= self.token_high:
-            raise CopyError(f"copy.token_low={self.token_low} must be below copy.token_high={self.token_high} "
-                            "(ids are drawn from [token_low, token_high)).")
 
 
 # ---------------------------------------------------------------------------------------------- sequences

@@ -37,13 +37,10 @@ picks "chat" when the tokenizer has a template, else "plain". Student and teache
 the same mode (the evaluation job passes eval.niah.prompt to both).
 
 Decoding: greedy, `generation_batch_size` samples at a time (1 by default; eval.generation_batch_size), taken
-in order of length so that a batch holds one length: students (HarnessForCausalLM) through harness.decoding (each
-prompt prefilled alone, unpadded, then one recurrent step per token for the whole batch, captured as a CUDA graph
-on GPUs), teachers through `generate()` with their KV cache, the prompts left-padded with an attention mask. Each
-sample stops where it would alone: at an EOS token (the tokenizer's and the model's generation config's), at the
-end of the first non-empty line, or after `max_new_tokens`. On CPU float32 a batch gives the answers of batch 1
-(tests/test_eval_batching.py); on a GPU in bfloat16 a batched matmul may round differently from a batch-1 one, so a
-near-tie between two tokens can rarely go the other way.
+in order of length so that a batch holds one length (`harness.decoding.greedy_ids_batch`: students step their
+recurrent state, teachers `generate()` with their KV cache). Each sample stops where it would alone: at an EOS
+token (the tokenizer's and the model's generation config's), at the end of the first non-empty line, or after
+`max_new_tokens`.
 
 Exact match (`is_correct`): the new tokens are decoded (special tokens skipped); the answer is the first non-empty
 line of that text, stripped (`answer_line`; generation stops once that line is complete). The sample is
@@ -81,7 +78,8 @@ Outputs in `out_dir`:
                        change of label, haystack, prompt mode, seed, max_new_tokens or tokenizer is an error
                        (pass overwrite=True to start over). A record without the likelihood fields (written
                        before them) or with other distractors keeps its answer and gets only the likelihood.
-    niah.json          see `summarise` (label, grid, overall, by_length, by_kind, by_depth, likelihood, cells, ...)
+    niah.json          see `harness.eval.niah_summary.summarise` (label, grid, overall, by_length, by_kind,
+                       by_depth, likelihood, cells, ...)
     niah.csv           one row per (kind, length, depth) cell, both scores
     niah_heatmap.png   exact-match accuracy, depth (rows) x length (columns): one panel per kind, plus their mean
                        when there are several kinds
@@ -94,9 +92,7 @@ line) or .txt file works too.
 
 from __future__ import annotations
 
-import csv
 import hashlib
-import inspect
 import json
 import math
 import numbers
@@ -106,7 +102,7 @@ import re
 import uuid
 import warnings
 import weakref
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
 from typing import Any, Callable, Iterator, Optional
@@ -114,13 +110,14 @@ from typing import Any, Callable, Iterator, Optional
 import torch
 from tqdm.auto import tqdm
 
-from harness.config_choices import NeedleKind, NiahPrompt
+from harness.config_choices import Haystack, NeedleKind, NiahPrompt
+from harness.decoding import candidate_logprobs, check_batch_size, greedy_ids_batch, length_batches, stop_token_ids
+from harness.eval.niah_summary import TIE_TOLERANCE, plot_heatmap, summarise, write_csv, write_json
 from harness.failpoints import failpoint
-from harness.files import atomic_write_text
 
 KINDS = NeedleKind.values()  # one definition with the job config's eval.niah.kinds
 PROMPT_MODES = NiahPrompt.values()
-HAYSTACKS = ("essays", "wikipedia")
+HAYSTACKS = Haystack.values()
 DEPTH_SNAP = 0.03  # the needle may move this fraction of the prose from its exact depth, to start a sentence
 MIN_SNAP_TOKENS = 2  # ... or this many tokens, whichever is more (short prompts have few sentence ends)
 MIN_PROSE_TOKENS = 32  # below this a "depth" means little
@@ -130,7 +127,6 @@ LIKELIHOOD_HEATMAP_FILE = "niah_likelihood_heatmap.png"
 DEFAULT_DISTRACTORS = 9  # the likelihood score's chance level is 1 / (1 + distractors): 10%
 MAX_DISTRACTORS = 20  # the kv needle's word list leaves 38 other words for a key; stay well below
 MAX_DISTRACTOR_DRAWS = 2000  # values drawn per sample while looking for ones of the value's token count
-TIE_TOLERANCE = 1e-4  # candidates' log-probabilities (nats) this close count as tied (see rank_of_true)
 
 INSTRUCTION = ("There is an important piece of information hidden inside a lot of irrelevant text. "
                "Find it and memorise it. I will quiz you about it afterwards.\n\n")
@@ -214,13 +210,6 @@ def _is_positive_int(value: Any) -> bool:
 def _positive_int(name: str, value: Any) -> int:
     if not _is_positive_int(value):
         raise ValueError(f"NiahGrid.{name} must hold positive integers, got {value!r}")
-    return int(value)
-
-
-def check_batch_size(value: Any, name: str = "generation_batch_size") -> int:
-    """A positive integer batch size, else a ValueError naming it. Shared with chat_samples."""
-    if not _is_positive_int(value):
-        raise ValueError(f"{name}={value!r} must be a positive integer (1: one prompt at a time)")
     return int(value)
 
 
@@ -559,105 +548,9 @@ def build_sample(tokenizer: Any, grid: NiahGrid, kind: str, length: int, depth: 
 # ---------------------------------------------------------------------------------------------- generation
 
 
-def stop_token_ids(model: Any, tokenizer: Any, extra: Any = ()) -> list[int]:
-    """Token ids that end a greedy answer, without repeats: the tokenizer's and the generation config's EOS, plus
-    `extra` (e.g. a chat template's end-of-turn ids). Shared with harness.eval.chat_samples."""
-    found: list[int] = []
-    for value in (getattr(tokenizer, "eos_token_id", None),
-                  getattr(getattr(model, "generation_config", None), "eos_token_id", None), extra):
-        for tid in value if isinstance(value, (list, tuple)) else [value]:
-            if tid is not None and int(tid) not in found:
-                found.append(int(tid))
-    return found
-
-
-def greedy_config(max_new_tokens: int, stop: list[int], tokenizer: Any):
-    """A transformers GenerationConfig for greedy decoding that ends at `stop` (padding: the tokenizer's pad id,
-    else the first stop id)."""
-    from transformers import GenerationConfig
-
-    pad = getattr(tokenizer, "pad_token_id", None)
-    return GenerationConfig(max_new_tokens=max_new_tokens, do_sample=False, num_beams=1, eos_token_id=stop or None,
-                            pad_token_id=pad if pad is not None else (stop or [0])[0])
-
-
-class NewTextStop:
-    """A transformers stopping criterion, per row: a row is done once `done(its new text)` holds, the new text being
-    what was generated after the (left-padded) prompts' `prompt_length` columns, decoded without special tokens."""
-
-    def __init__(self, tokenizer: Any, prompt_length: int, done: Callable[[str], bool]) -> None:
-        self.tokenizer, self.prompt_length, self.done = tokenizer, prompt_length, done
-
-    def __call__(self, input_ids: torch.Tensor, scores: Any = None, **kwargs: Any) -> torch.Tensor:
-        texts = [self.tokenizer.decode(row, skip_special_tokens=True)
-                 for row in input_ids[:, self.prompt_length:].tolist()]
-        return torch.tensor([bool(self.done(t)) for t in texts], dtype=torch.bool, device=input_ids.device)
-
-
 def _answer_line_done(text: str) -> bool:
     """The answer line is complete: a non-empty line followed by a newline (only it is scored)."""
     return "\n" in text.lstrip()
-
-
-def length_batches(lengths: list[int], size: int) -> list[list[int]]:
-    """Indices 0..n-1 in batches of at most `size`, by length (stable: equal lengths keep their order), so that a
-    batch pads little; size 1 keeps the order given. Shared with chat_samples."""
-    order = sorted(range(len(lengths)), key=lambda i: lengths[i]) if size > 1 else list(range(len(lengths)))
-    return [order[i:i + size] for i in range(0, len(order), size)]
-
-
-@torch.no_grad()
-def greedy_ids(model: Any, tokenizer: Any, ids: torch.Tensor, max_new_tokens: int, stop: list[int],
-               text_done: Optional[Callable[[str], bool]] = None) -> list[int]:
-    """The new token ids of a greedy continuation of one unpadded prompt `ids` `[1, T]` (`greedy_ids_batch` of
-    that one prompt, on ids' device)."""
-    return greedy_ids_batch(model, tokenizer, [ids[0].tolist()], max_new_tokens, stop, text_done, ids.device)[0]
-
-
-@torch.no_grad()
-def greedy_ids_batch(model: Any, tokenizer: Any, prompts: list[list[int]], max_new_tokens: int, stop: list[int],
-                     text_done: Optional[Callable[[str], bool]] = None,
-                     device: str | torch.device = "cpu") -> list[list[int]]:
-    """The new token ids of greedy continuations of `prompts` (token id lists), decoded together, each cut where
-    it would end alone (the stop token included): at a `stop` id, after `max_new_tokens`, or once
-    `text_done(new text)` holds, the new text decoded without special tokens. Harness students go through
-    harness.decoding (each prompt prefilled alone, then batched recurrent steps, a CUDA graph on GPUs), other
-    models through `generate` with their KV cache, the prompts left-padded (one prompt: no padding). Shared with
-    chat_samples."""
-    from harness.decoding import greedy_decode_batch
-    from harness.student import HarnessForCausalLM
-
-    if not prompts:
-        return []
-    if isinstance(model, HarnessForCausalLM):
-        done = None if text_done is None else (
-            lambda new: text_done(tokenizer.decode(new, skip_special_tokens=True)))
-        return greedy_decode_batch(model, prompts, max_new_tokens, stop_ids=stop, done=done)
-    return _generate_batch(model, tokenizer, prompts, max_new_tokens, stop, text_done, device)
-
-
-def _generate_batch(model: Any, tokenizer: Any, prompts: list[list[int]], max_new_tokens: int, stop: list[int],
-                    text_done: Optional[Callable[[str], bool]], device: str | torch.device) -> list[list[int]]:
-    """`generate` on the left-padded prompts; each row cut at its own end (after it, generate pads the row)."""
-    from transformers import StoppingCriteriaList
-
-    config = greedy_config(max_new_tokens, stop, tokenizer)
-    width = max(len(p) for p in prompts)
-    ids = torch.tensor([[config.pad_token_id] * (width - len(p)) + list(p) for p in prompts], device=device)
-    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)
-    criteria = StoppingCriteriaList([NewTextStop(tokenizer, width, text_done)] if text_done else [])
-    out = model.generate(input_ids=ids, attention_mask=mask, generation_config=config, stopping_criteria=criteria)
-    return [_cut_at_end(row, stop, tokenizer, text_done) for row in out[:, width:].tolist()]
-
-
-def _cut_at_end(new: list[int], stop: list[int], tokenizer: Any,
-                text_done: Optional[Callable[[str], bool]]) -> list[int]:
-    """`new` up to where a lone generation of it ends: its first stop id, or the first token after which
-    `text_done` holds (included), else all of it."""
-    for n, token in enumerate(new, 1):
-        if token in stop or (text_done is not None and text_done(tokenizer.decode(new[:n], skip_special_tokens=True))):
-            return new[:n]
-    return new
 
 
 @torch.no_grad()
@@ -679,51 +572,6 @@ def generate_answers(model: Any, tokenizer: Any, prompts: list[list[int]], max_n
 
 
 # ---------------------------------------------------------------------------------------------- likelihood
-
-
-@torch.no_grad()
-def candidate_logprobs(model: Any, prompt_ids: list[int], candidates: list[list[int]],
-                       device: str | torch.device = "cpu") -> list[float]:
-    """log p(candidate | prompt) of each candidate token list, teacher-forced: the sum of its tokens' log-probs.
-
-    One forward over the prompt keeps its cache (a teacher's KV cache, a student's RecurrentCache), which is
-    repeated once per candidate (`batch_repeat_interleave`); then one batched forward feeds every candidate but
-    its last token. Shorter candidates are right-padded, which changes none of their positions (causal models).
-    `model` is called as `model(input_ids=, cache=, use_cache=True, logits_to_keep=)` (`past_key_values=` where
-    its forward has no `cache`) and returns `.logits` and its cache (`.cache`, else `.past_key_values`), as
-    transformers causal LMs and HarnessForCausalLM do.
-    """
-    if not candidates or not all(candidates):
-        raise ValueError("candidate_logprobs needs non-empty candidates")
-    out = model(input_ids=torch.tensor([prompt_ids], device=device), use_cache=True, logits_to_keep=1)
-    first = out.logits[0, -1].float().log_softmax(-1)
-    scores = first[torch.tensor([c[0] for c in candidates], device=first.device)]
-    longest = max(len(c) for c in candidates)
-    if longest == 1:
-        return scores.tolist()
-    cache = _output_cache(out)
-    cache.batch_repeat_interleave(len(candidates))
-    ids = torch.tensor([c + c[-1:] * (longest - len(c)) for c in candidates], device=device)
-    logits = model(input_ids=ids[:, :-1], use_cache=True, **{_cache_keyword(model): cache}).logits.float()
-    token_lp = logits.log_softmax(-1).gather(-1, ids[:, 1:, None].to(logits.device))[..., 0]
-    lengths = torch.tensor([len(c) for c in candidates], device=token_lp.device)
-    real = torch.arange(longest - 1, device=token_lp.device)[None] < (lengths - 1)[:, None]
-    return (scores.to(token_lp.device) + torch.where(real, token_lp, 0.0).sum(1)).tolist()
-
-
-def _output_cache(out: Any) -> Any:
-    """The cache a forward with use_cache=True returned: `cache` (transformers >= 5.2x) or `past_key_values`."""
-    for name in ("cache", "past_key_values"):
-        value = getattr(out, name, None)
-        if value is not None:
-            return value
-    raise TypeError("the model returned no cache for use_cache=True; the NIAH likelihood score needs one")
-
-
-def _cache_keyword(model: Any) -> str:
-    """The keyword the model's forward takes its cache by: "cache" (transformers >= 5.2x), else "past_key_values"."""
-    forward = getattr(model, "forward", model)
-    return "cache" if "cache" in inspect.signature(forward).parameters else "past_key_values"
 
 
 def rank_of_true(scores: list[float]) -> tuple[float, float]:
@@ -834,145 +682,6 @@ def is_complete(record: Optional[dict], distractors: tuple[str, ...]) -> bool:
     return record is not None and "top1" in record and record.get("distractors") == list(distractors)
 
 
-# ---------------------------------------------------------------------------------------------- summary
-
-
-def _mean(values: list[float]) -> float:
-    return sum(values) / len(values) if values else math.nan
-
-
-LIKELIHOOD_RULE = (
-    "teacher-forced: the needle's value and its distractors (other values of its kind, drawn from the sample's "
-    "seed, of the value's token count where the kind has enough) are each scored as the continuation ' VALUE' of "
-    "the prompt by the sum of their tokens' log-probabilities (not length-normalised; same_token_count is the "
-    "share of samples whose candidates all have one token count); top1 = 1 when the true value scores highest, "
-    f"1/(1 + tied) when it ties (within {TIE_TOLERANCE} nats) at the top, else 0; accuracy = mean top1, chance = "
-    "1/candidates; rank: 1 = best, ties at their mean rank, chance (candidates + 1)/2")
-
-
-def _cell(rows: list[dict], kind: str, length: int, depth: float, max_positions: int | None) -> dict:
-    """One (kind, length, depth) cell of niah.json from its samples' records."""
-    correct = sum(bool(r["correct"]) for r in rows)
-    return {"kind": kind, "length": length, "depth": depth, "samples": len(rows), "correct": correct,
-            "accuracy": correct / len(rows), "likelihood_accuracy": _mean([r["top1"] for r in rows]),
-            "mean_rank": _mean([r["rank"] for r in rows]),
-            "beyond_max_positions": max_positions is not None and length > max_positions}
-
-
-def _by(cells: list[dict], metric: str, field_name: str, values: list) -> dict[str, float]:
-    """The mean of `metric` over the cells with each value of `field_name`, keyed by str(value)."""
-    return {str(v): _mean([c[metric] for c in cells if c[field_name] == v]) for v in values}
-
-
-def likelihood_summary(cells: list[dict], rows: list[dict], grid: NiahGrid) -> dict:
-    """niah.json's "likelihood" block: accuracy (mean top1) and mean rank overall and by length, kind and depth,
-    with the chance levels and the rule (LIKELIHOOD_RULE)."""
-    k = 1 + grid.distractors
-    dims = (("length", grid.lengths), ("kind", grid.kinds), ("depth", grid.depths))
-    summary = {"candidates": k, "distractors": grid.distractors, "chance": 1 / k, "chance_rank": (k + 1) / 2,
-               "scoring": LIKELIHOOD_RULE, "overall": _mean([c["likelihood_accuracy"] for c in cells]),
-               "mean_rank": _mean([c["mean_rank"] for c in cells]),
-               "same_token_count": _mean([float(len(set(r["candidate_tokens"])) == 1) for r in rows])}
-    for name, values in dims:
-        summary[f"by_{name}"] = _by(cells, "likelihood_accuracy", name, values)
-    for name, values in dims:
-        summary[f"mean_rank_by_{name}"] = _by(cells, "mean_rank", name, values)
-    return summary
-
-
-def summarise(records: dict[tuple, dict], grid: NiahGrid, label: str, prompt_mode: str,
-              max_positions: int | None) -> dict:
-    """niah.json: both scores of `grid` from its sample records (all present, with the likelihood fields).
-
-    {"label", "grid" (NiahGrid as a dict), "prompt_mode", "max_position_embeddings" (None for students),
-     "scoring" (the exact-match rule, in words), "overall", "by_length" {"256": acc, ...}, "by_kind" {"passkey":
-     acc, ...}, "by_depth" {"0.5": acc, ...} (exact match), "likelihood" (`likelihood_summary`), "cells":
-     [{"kind", "length", "depth", "samples", "correct", "accuracy", "likelihood_accuracy", "mean_rank",
-     "beyond_max_positions"}, ...] ordered by kind, length, depth}; accuracies are in [0, 1]. Files written
-    before the likelihood score lack "likelihood" and the cells' likelihood fields.
-    """
-    cells, rows = [], []
-    for kind in grid.kinds:
-        for length in grid.lengths:
-            for depth in grid.depths:
-                cell_rows = [records[(kind, length, depth, i)] for i in range(grid.samples)]
-                cells.append(_cell(cell_rows, kind, length, depth, max_positions))
-                rows += cell_rows
-    return {"label": label, "grid": asdict(grid), "prompt_mode": prompt_mode,
-            "max_position_embeddings": max_positions,
-            "scoring": "correct iff the needle value occurs as a whole word (no letter or digit on either side), "
-                       "case-insensitively, in the first non-empty line of the greedy continuation",
-            "overall": _mean([c["accuracy"] for c in cells]),
-            "by_length": _by(cells, "accuracy", "length", grid.lengths),
-            "by_kind": _by(cells, "accuracy", "kind", grid.kinds),
-            "by_depth": _by(cells, "accuracy", "depth", grid.depths),
-            "likelihood": likelihood_summary(cells, rows, grid), "cells": cells}
-
-
-def write_csv(result: dict, path: Path) -> None:
-    """niah.csv: one row per cell."""
-    columns = ["kind", "length", "depth", "samples", "correct", "accuracy", "likelihood_accuracy", "mean_rank",
-               "beyond_max_positions"]
-    with open(path, "w", newline="", encoding="utf-8") as f:
-        writer = csv.DictWriter(f, fieldnames=columns)
-        writer.writeheader()
-        writer.writerows({c: cell[c] for c in columns} for cell in result["cells"])
-
-
-def plot_heatmap(result: dict, path: Path, metric: str = "accuracy") -> None:
-    """Heatmaps of a cell metric ("accuracy": exact match, or "likelihood_accuracy"), depth (rows, 0% on top) x
-    length (columns): one per kind, plus the mean over kinds."""
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
-
-    grid = result["grid"]
-    lengths, depths, kinds = grid["lengths"], grid["depths"], grid["kinds"]
-    acc = {(c["kind"], c["length"], c["depth"]): c[metric] for c in result["cells"]}
-    panels = [(k, [[acc[(k, n, d)] for n in lengths] for d in depths]) for k in kinds]
-    if len(kinds) > 1:
-        panels.append(("mean over kinds", [[_mean([acc[(k, n, d)] for k in kinds]) for n in lengths]
-                                           for d in depths]))
-    cols = 2 if len(panels) == 4 else len(panels)  # three kinds and their mean: 2 x 2
-    rows = math.ceil(len(panels) / cols)
-    fig = Figure(figsize=(1.5 + cols * (1.2 + 0.7 * len(lengths)), rows * (1.4 + 0.45 * len(depths))),
-                 layout="constrained")
-    FigureCanvasAgg(fig)
-    axes = list(fig.subplots(rows, cols, squeeze=False).flat)
-    image = None
-    for n, (ax, (title, matrix)) in enumerate(zip(axes, panels)):
-        image = ax.imshow(matrix, vmin=0.0, vmax=1.0, cmap="RdYlGn", aspect="auto")
-        ax.set_xticks(range(len(lengths)), [_short_length(x) for x in lengths])
-        ax.set_yticks(range(len(depths)), [f"{d:.0%}" for d in depths])
-        ax.set_title(title)
-        if n % cols == 0:
-            ax.set_ylabel("needle depth")
-        if n >= len(panels) - cols:
-            ax.set_xlabel("prompt length (tokens)")
-        for row, values in enumerate(matrix):
-            for col, value in enumerate(values):
-                ax.text(col, row, f"{value:.0%}", ha="center", va="center", fontsize=8)
-    fig.colorbar(image, ax=axes, label="accuracy", shrink=0.9)
-    fig.suptitle(_heatmap_title(result, metric), fontsize=9)
-    fig.savefig(path, dpi=120)
-
-
-def _heatmap_title(result: dict, metric: str) -> str:
-    samples = f"{result['grid']['samples']} samples per cell"
-    if metric == "accuracy":
-        return f"NIAH exact match: {result['label']}\n(overall {result['overall']:.1%}, {samples})"
-    lik = result["likelihood"]
-    return (f"NIAH likelihood: {result['label']}\n(true value first of {lik['candidates']}: "
-            f"{lik['overall']:.1%}, chance {lik['chance']:.0%}; {samples})")
-
-
-def _short_length(n: int) -> str:
-    return f"{n // 1024}k" if n >= 1024 and n % 1024 == 0 else str(n)
-
-
-def _write_json(result: dict, path: Path) -> None:
-    atomic_write_text(path, json.dumps(result, indent=2) + "\n")
-
-
 # ---------------------------------------------------------------------------------------------- run
 
 
@@ -1014,7 +723,7 @@ def run_niah(model: Any, tokenizer: Any, grid: NiahGrid, out_dir: str | os.PathL
                 bar.update()
                 bar.set_postfix(length=key[1], **_tally(records, keys))
     result = summarise(records, grid, label, header["prompt"], limit)
-    _write_json(result, out / JSON_FILE)
+    write_json(result, out / JSON_FILE)
     write_csv(result, out / CSV_FILE)
     plot_heatmap(result, out / HEATMAP_FILE)
     plot_heatmap(result, out / LIKELIHOOD_HEATMAP_FILE, metric="likelihood_accuracy")

@@ -60,7 +60,7 @@ import json
 import math
 import os
 import random
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any, Iterator, Optional
 
@@ -68,11 +68,11 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from harness.config import DISTRACTORS, POSITIVE, ConfigError, Rule, check_fields, described, each
-from harness.config_choices import NeedleKind, NiahPrompt
-from harness.eval.niah import (NiahGrid, NiahSample, check_batch_size, generate_answers, haystack_tokens,
-                               is_complete, is_correct, likelihood_record, make_distractors, make_needle,
-                               prompt_frame, resolve_prompt_mode, run_header, snap_window)
+from harness.config import ConfigError, StateConfig
+from harness.decoding import check_batch_size
+from harness.eval.niah import (NiahGrid, NiahSample, generate_answers, haystack_tokens, is_complete, is_correct,
+                               likelihood_record, make_distractors, make_needle, prompt_frame, resolve_prompt_mode,
+                               run_header, snap_window)
 from harness.eval.recovery import Z_95, paired_bootstrap, percentile_interval
 from harness.files import atomic_write_text
 
@@ -106,84 +106,14 @@ STATE_OF = {
 # ---------------------------------------------------------------------------------------------- settings
 
 
-@dataclass
-class StateConfig:
-    """What `evaluate_state` measures: the state curve (students) and the retrieval curve (every model)."""
-
-    text: str = described(
-        "essays", "The held-out prose read for the state curve and filling the retrieval prompts: 'essays', "
-        "'wikipedia' (the NIAH haystacks, embedded RULER data), or a .txt / .jsonl ({\"text\": ...} per line) path.")
-    length: int = described(
-        2048, "Tokens per sequence of the state curve, and the length of every retrieval prompt.", rule=POSITIVE)
-    positions: list[int] = described(
-        help="Token counts after which each layer's state is read (1..length). Empty: the powers of two up to "
-        "length, and length itself.", factory=list, rule=each(POSITIVE))
-    every: int = described(
-        0, "Also read the state every N tokens (N, 2N, ... up to length); 0: only `positions`.",
-        rule=Rule(lambda n: n >= 0, "be >= 0 (0: off)"))
-    sequences: int = described(
-        4, "Windows of `length` tokens of `text` (different starts) over which the state measures are averaged.",
-        rule=POSITIVE)
-    retrieval: bool = described(True, "Also measure retrieval against distance (the only part for a teacher).")
-    distances: list[int] = described(
-        help="Prose tokens between the needle's end and the question. Each must fit in `length` beside the "
-        "instruction, needle and question (~70 tokens for a passkey with SmolLM2's tokenizer).",
-        factory=lambda: [32, 128, 512, 1024, 1536], rule=each(POSITIVE))
-    kinds: list[NeedleKind] = described(
-        help="Needle kinds: 'passkey' (7 digits), 'kv' (a secret word for a key), 'uuid'.",
-        factory=lambda: [NeedleKind.passkey, NeedleKind.kv])
-    samples: int = described(
-        10, "Prompts per (kind, distance); sample i has the same needle and prose at every distance.", rule=POSITIVE)
-    prompt: NiahPrompt = described(
-        NiahPrompt.plain, "How the question is framed, as eval.niah.prompt: 'plain', 'chat' or 'auto'.")
-    distractors: int = described(
-        9, "Other values of the needle's kind the likelihood score ranks the true one against.", rule=DISTRACTORS)
-    max_new_tokens: int = described(24, "Greedy generation budget per retrieval sample.", rule=POSITIVE)
-    generation_batch_size: int = described(
-        1, "Retrieval prompts decoded together (as eval.generation_batch_size).", rule=POSITIVE)
-    seed: int = described(0, "Seeds the text windows, needles, distractors and prose starts.")
-
-    def __post_init__(self) -> None:
-        self.validate()
-
-    def validate(self) -> None:
-        """ConfigError naming the first bad setting; lists become plain lists of ints / strings."""
-        self.positions = [int(p) for p in self.positions]
-        self.distances = [int(d) for d in self.distances]
-        self.kinds = [NeedleKind(k) if k in NeedleKind.values() else k for k in self.kinds]
-        check_fields(self, "state.")
-        for name in ("positions", "distances", "kinds"):
-            values = getattr(self, name)
-            if len(set(values)) != len(values):
-                raise ConfigError(f"state.{name}={values} has duplicates; give each value once.")
-        beyond = [p for p in self.positions if p > self.length]
-        if beyond:
-            raise ConfigError(f"state.positions {beyond} lie beyond state.length={self.length}; the state is read "
-                              f"after 1..{self.length} tokens (raise length or drop them).")
-        if self.retrieval and not (self.distances and self.kinds):
-            raise ConfigError("state.retrieval needs at least one distance and one needle kind (or retrieval=false).")
-        self.grid()  # the NIAH checks of text and prompt
-
-    def read_positions(self) -> list[int]:
-        """The sorted positions at which the state is read (`positions`, or its default, and every `every`)."""
-        chosen = set(self.positions or default_positions(self.length))
-        if self.every:
-            chosen |= set(range(self.every, self.length + 1, self.every))
-        return sorted(chosen)
-
-    def grid(self) -> NiahGrid:
-        """The NIAH settings the retrieval prompts share (text, prompt mode, seed, budget, distractors)."""
-        try:
-            return NiahGrid(lengths=[self.length], depths=[0.0], kinds=[str(k) for k in self.kinds or ["passkey"]],
-                            samples=self.samples, haystack=self.text, prompt=str(self.prompt), seed=self.seed,
-                            max_new_tokens=self.max_new_tokens, distractors=self.distractors)
-        except ValueError as err:
-            raise ConfigError(f"state: {err}") from None
-
-
-def default_positions(length: int) -> list[int]:
-    """1, 2, 4, ... up to `length`, and `length` itself."""
-    return sorted({2 ** i for i in range(length.bit_length()) if 2 ** i <= length} | {length})
+def retrieval_grid(cfg: StateConfig) -> NiahGrid:
+    """The NIAH settings the retrieval prompts share (text, prompt mode, seed, budget, distractors)."""
+    try:
+        return NiahGrid(lengths=[cfg.length], depths=[0.0], kinds=[str(k) for k in cfg.kinds or ["passkey"]],
+                        samples=cfg.samples, haystack=cfg.text, prompt=str(cfg.prompt), seed=cfg.seed,
+                        max_new_tokens=cfg.max_new_tokens, distractors=cfg.distractors)
+    except ValueError as err:
+        raise ConfigError(f"state: {err}") from None
 
 
 # ---------------------------------------------------------------------------------------------- measures
@@ -364,7 +294,7 @@ def needle_end(prose: list[int], at: int, window: int, boundary: Any) -> int:
 def distance_sample(tokenizer: Any, cfg: StateConfig, kind: str, distance: int, index: int) -> NiahSample:
     """The retrieval prompt of sample `index` at `distance` (module docstring): `length` tokens, exactly `distance`
     prose tokens between the needle's end and the question's frame. ConfigError when the distance does not fit."""
-    grid = cfg.grid()
+    grid = retrieval_grid(cfg)
     mode = resolve_prompt_mode(tokenizer, grid.prompt)
     needle = make_needle(kind, _rng(cfg.seed, "needle", kind, index))
     head, tail = prompt_frame(tokenizer, needle, mode)
@@ -397,7 +327,7 @@ def retrieval_keys(cfg: StateConfig) -> list[tuple[str, int, int]]:
 
 def records_header(tokenizer: Any, cfg: StateConfig, label: str) -> dict:
     """The settings every retrieval record depends on (NIAH's run header, plus this format and the length)."""
-    return {**run_header(tokenizer, cfg.grid(), label), "state_format": FORMAT_VERSION, "length": cfg.length}
+    return {**run_header(tokenizer, retrieval_grid(cfg), label), "state_format": FORMAT_VERSION, "length": cfg.length}
 
 
 def load_records(path: Path, header: dict, overwrite: bool = False) -> dict[tuple, dict]:

@@ -1,10 +1,10 @@
 """The copy probe as an evaluation task (harness.eval.copy does the work): teacher-forced greedy copy accuracy on
 random token sequences shown twice, per length, and each layer's induction score, for student and teacher.
 
-Settings: the spec's section `copy:` (harness.eval.copy.CopyConfig; in the evaluation job by default with the
-induction scores on, for the lengths up to 512). Results: copy.json and copy_sequences.jsonl per model (resumable).
-Scores: copy accuracy after the first token of the copy, over all lengths and per length, each sequence an example
-(paired between runs that drew the same sequences); drawn along stage 3 as `copy`.
+Settings: the spec's section `copy:`, from the job's eval.copy (harness.config.CopyConfig; by default with the
+induction scores on, for the lengths up to 512; null: off). Results: copy.json and copy_sequences.jsonl per model
+(resumable). Scores: copy accuracy after the first token of the copy, over all lengths and per length, each sequence
+an example (paired between runs that drew the same sequences); drawn along stage 3 as `copy`.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ import json
 from pathlib import Path
 from typing import Any, Optional
 
+from harness.config import CopyConfig, default_copy_settings
 from harness.eval.tasks.base import Score, ScoredTask, TaskResults
 
 ALL = "after first"  # the score over every length's sequences
@@ -23,14 +24,10 @@ class CopyTask(ScoredTask):
     run_order = 25
     curve_scores = {ALL: True}
 
-    @property
-    def settings(self) -> type:  # imported late: harness.eval.copy imports the job config
-        from harness.eval.copy import CopyConfig
-
-        return CopyConfig
+    settings = CopyConfig
 
     def default_settings(self) -> Any:
-        return self.settings(induction=True)
+        return default_copy_settings()
 
     def for_during(self, spec: Any, during: Any) -> None:
         """Along stage 3: the shorter lengths, no induction scores (cheap next to training)."""

@@ -2,11 +2,11 @@
 recurrent state's norm and effective rank along the context, and, for student and teacher, retrieval (exact match
 and likelihood) against the distance between needle and question.
 
-Settings: the spec's section `state:` (harness.eval.state.StateConfig, the defaults of `harness eval state`): off
-unless the spec (e.g. `harness eval RUN/eval.yaml 'state={samples: 4}'`) or the job's eval section asks for it. Results: state.json,
-state_retrieval.jsonl (resumable), state.md and state_curves.png per model. Scores: likelihood and exact-match
-retrieval at each distance, each sample an example (paired between runs); the likelihood at the longest distance
-drawn along stage 3 as `state`.
+Settings: the spec's section `state:`, from the job's eval.state (harness.config.StateConfig, the defaults of
+`harness eval state`): off unless the job (eval.state) or the spec asks for it, e.g.
+`harness eval RUN/eval.yaml 'state={samples: 4}'`. Results: state.json, state_retrieval.jsonl (resumable), state.md
+and state_curves.png per model. Scores: likelihood and exact-match retrieval at each distance, each sample an example
+(paired between runs); the likelihood at the longest distance drawn along stage 3 as `state`.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ import json
 from pathlib import Path
 from typing import Any, Optional
 
+from harness.config import StateConfig
 from harness.eval.tasks.base import Score, ScoredTask, TaskResults
 
 
@@ -25,11 +26,7 @@ class StateTask(ScoredTask):
     teacher_shared = True
     curve_scores = {"likelihood, all distances": True}
 
-    @property
-    def settings(self) -> type:  # imported late: harness.eval.state imports the job config
-        from harness.eval.state import StateConfig
-
-        return StateConfig
+    settings = StateConfig
 
     def for_during(self, spec: Any, during: Any) -> None:
         """Along stage 3: two samples per distance."""
