@@ -53,7 +53,22 @@ def one_process_group():
     for key, value in dict(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
                            DS_ACCELERATOR="cpu").items():
         patch.setenv(key, value)
+    _forget_deepspeed_groups()
     yield
     if torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
+    _forget_deepspeed_groups()
     patch.undo()
+
+
+def _forget_deepspeed_groups() -> None:
+    """Drop the groups deepspeed.utils.groups caches for the process (its world clone, data-parallel groups...): they
+    belong to the process group a fixture destroyed, and DeepSpeed would hand them to the next module's group."""
+    from deepspeed.utils import groups
+
+    for name, value in vars(groups).items():
+        if name.startswith("_") and name.endswith("_GROUP"):
+            if isinstance(value, dict):
+                value.clear()
+            else:
+                setattr(groups, name, None)

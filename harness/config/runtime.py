@@ -28,12 +28,15 @@ class DeepSpeedConfig:
     )
     student_engine: StudentEngine = described(
         StudentEngine.deepspeed,
-        "Stage 3's student engine: 'deepspeed' (ZeRO as student_config says) or 'plain' (torch's fused "
-        "AdamW on fp32 master copies of bf16 weights, as DeepSpeed's bf16 mode keeps them, with student_config's "
-        "optimizer settings; skips DeepSpeed's per-tensor optimizer loop, ~70 ms of host time per step for the "
-        "135M student on an H200). With world_size > 1, 'plain' is plain data parallelism: each process holds the "
-        "whole student and its optimizer state (~16 bytes per parameter), so use it only where that fits a device; "
-        "ZeRO shards them. Its checkpoints are its own format; export and evaluation read both."
+        "The student engine of stage 3 and SFT: 'deepspeed' (ZeRO as student_config says) or 'plain' (no DeepSpeed: "
+        "torch's fused AdamW on fp32 master copies of bf16 weights, as DeepSpeed's bf16 mode keeps them, with "
+        "student_config's optimizer settings, clipping and skipped steps as DeepSpeed does them; skips DeepSpeed's "
+        "per-tensor optimizer loop, ~70 ms of host time per step for the 135M student on an H200). With world_size "
+        "> 1, 'plain' is torch's DistributedDataParallel, gradients reduced in fp32 into the masters while the "
+        "backward runs: each process holds the whole student and its optimizer state (~16 bytes per parameter), "
+        "so use it only where that fits a device; ZeRO shards them. Its checkpoints (ds/plain_engine.pt: they "
+        "resume on any number of processes, those of earlier harness versions too) are not DeepSpeed's: a run "
+        "keeps the engine it started with; export and evaluation read both."
     )
 
 
