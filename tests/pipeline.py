@@ -5,12 +5,18 @@ English-like jsonl corpus, and a job pointing at them."""
 from __future__ import annotations
 
 import json
+import os
 import random
+import subprocess
+import sys
 from pathlib import Path
+
+from omegaconf import OmegaConf
 
 from harness.config import JobConfig, load_job
 from tests.tiny import tiny_llama
 
+REPO = Path(__file__).resolve().parents[1]
 EOS = "<|endoftext|>"
 WORDS = ("the of and to in is was for on that with as by at from his it an were are which this be has had "
          "river city music history science garden window mountain language teacher market winter summer "
@@ -61,3 +67,64 @@ def tiny_job(root: Path, out: Path, *overrides: str, total: int = 40_960) -> Job
         "eval.chat_samples=false",  # ~55 s of greedy decoding per CPU eval job; tests/test_eval_job.py opts in
         *overrides,
     ])
+
+
+def job_file(root: Path, out: Path, *overrides: str, total: int) -> Path:
+    """tiny_job written beside its run directory as OUT.yaml (what `harness` commands take)."""
+    job = tiny_job(root / "setting", out, *overrides, total=total)
+    path = out.parent / f"{out.name}.yaml"
+    path.write_text(OmegaConf.to_yaml(OmegaConf.structured(job)))
+    return path
+
+
+def start(*args: str, log: Path, failpoints: str = "", pauses: Path | None = None) -> subprocess.Popen:
+    """`harness ARGS` as its own process, output to `log`; with failpoints (harness.failpoints) armed where given."""
+    env = {**os.environ, "PYTHONPATH": str(REPO), "DS_ACCELERATOR": "cpu"}
+    env.pop("HARNESS_PREEMPT_FILE", None)
+    if failpoints:
+        env.update(HARNESS_FAILPOINTS=failpoints, HARNESS_FAILPOINTS_DIR=str(pauses))
+    with open(log, "w") as handle:
+        return subprocess.Popen([sys.executable, "-m", "harness.cli", *args], cwd=REPO, env=env, stdout=handle,
+                                stderr=subprocess.STDOUT)
+
+
+def finish(proc: subprocess.Popen, log: Path, timeout: float = 600) -> tuple[int, str]:
+    """The process's exit code and its output."""
+    code = proc.wait(timeout=timeout)
+    return code, log.read_text(errors="replace")
+
+
+def run(*args: str, log: Path) -> str:
+    """`harness ARGS` to its end; its output, or a failed assertion showing the output's tail."""
+    code, output = finish(start(*args, log=log), log)
+    assert code == 0, output[-3000:]
+    return output
+
+
+def reference_run(root: Path, *overrides: str, total: int) -> tuple[Path, Path]:
+    """An uninterrupted run at ROOT/reference: stages 1-2 and the merge in this process (its SIGTERM and SIGUSR1
+    handlers kept as they were), stage 3 as a `harness` process. (run directory, job file)."""
+    import signal
+
+    from harness.stages.align import align_group
+    from harness.stages.merge import merge_student
+
+    out = root / "reference"
+    job_path = job_file(root, out, *overrides, total=total)
+    job = load_job(str(job_path), [])
+    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGUSR1)}
+    try:
+        for stage in ("align_mixer", "align_hidden"):
+            align_group(job, stage, list(range(job_layers(job))))
+        merge_student(job)
+    finally:
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
+    run("stage", "distill", str(job_path), log=root / "distill.log")
+    return out, job_path
+
+
+def job_layers(job: JobConfig) -> int:
+    """How many layers the job's (tiny) teacher has."""
+    config = json.loads((Path(job.teacher.source) / "config.json").read_text())
+    return int(config["num_hidden_layers"])

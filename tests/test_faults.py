@@ -35,9 +35,8 @@ from omegaconf import OmegaConf
 from safetensors.torch import load_file
 
 from harness.preempt import REQUEUE_EXIT
-from tests.pipeline import tiny_job
+from tests.pipeline import REPO, finish, job_file, reference_run, run, start
 
-REPO = Path(__file__).resolve().parents[1]
 # 64 tokens a step, a checkpoint every 2 steps: stage 1 and 2 take 12 steps each, stage 3 16
 SETTING = ["budget.split=[0.3,0.3,0.4]", "run.layer_groups=1", "data.validation_tokens=128",
            "run.checkpoint_every_tokens=128", "eval.enabled=true", "eval.tasks=[]", "eval.teacher=false",
@@ -49,34 +48,6 @@ LATER = {"align_mixer": ["align_mixer", "align_hidden", "merged", "distill", "st
          "align_hidden": ["align_hidden", "merged", "distill", "student", "eval", "eval.yaml"],
          "merge": ["merged", "distill", "student", "eval", "eval.yaml"],
          "eval": ["eval"]}
-
-
-def write_job(root: Path, out: Path, *extra: str) -> Path:
-    job = tiny_job(root / "setting", out, *SETTING, *extra, total=TOTAL)
-    path = out.parent / f"{out.name}.yaml"
-    path.write_text(OmegaConf.to_yaml(OmegaConf.structured(job)))
-    return path
-
-
-def start(*args: str, log: Path, failpoints: str = "", pauses: Path | None = None) -> subprocess.Popen:
-    env = {**os.environ, "PYTHONPATH": str(REPO), "DS_ACCELERATOR": "cpu"}
-    env.pop("HARNESS_PREEMPT_FILE", None)
-    if failpoints:
-        env.update(HARNESS_FAILPOINTS=failpoints, HARNESS_FAILPOINTS_DIR=str(pauses))
-    with open(log, "w") as handle:
-        return subprocess.Popen([sys.executable, "-m", "harness.cli", *args], cwd=REPO, env=env, stdout=handle,
-                                stderr=subprocess.STDOUT)
-
-
-def finish(proc: subprocess.Popen, log: Path, timeout: float = 600) -> tuple[int, str]:
-    code = proc.wait(timeout=timeout)
-    return code, log.read_text(errors="replace")
-
-
-def run(*args: str, log: Path) -> str:
-    code, output = finish(start(*args, log=log), log)
-    assert code == 0, output[-3000:]
-    return output
 
 
 def wait_for_pause(proc: subprocess.Popen, marker: Path, log: Path) -> None:
@@ -102,23 +73,8 @@ def tree_digest(root: Path, skip: tuple[str, ...] = ("logs", ".run.lock", ".pree
 def reference(tmp_path_factory) -> Path:
     """An uninterrupted run: stages 1-2 and the merge in this process (its signal handlers kept), stage 3 and the
     evaluation as `harness` processes."""
-    from harness.config import load_job
-    from harness.stages.align import align_group
-    from harness.stages.merge import merge_student
-
     root = tmp_path_factory.mktemp("faults")
-    out = root / "reference"
-    job_path = write_job(root, out)
-    job = load_job(str(job_path), [])
-    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGUSR1)}
-    try:
-        for stage in ("align_mixer", "align_hidden"):
-            align_group(job, stage, [0, 1, 2, 3])
-        merge_student(job)
-    finally:
-        for sig, handler in handlers.items():
-            signal.signal(sig, handler)
-    run("stage", "distill", str(job_path), log=root / "distill.log")
+    out, _ = reference_run(root, *SETTING, total=TOTAL)
     run("eval", "job", str(out / "eval.yaml"), log=root / "eval.log")
     return out
 
@@ -128,7 +84,7 @@ def continued(reference: Path, tmp_path: Path, fault_in: str) -> tuple[Path, Pat
     out = tmp_path / "run"
     shutil.copytree(reference, out, ignore=shutil.ignore_patterns("logs", *LATER[fault_in]), symlinks=True)
     (out / "logs").mkdir()
-    job = write_job(reference.parent, out)
+    job = job_file(reference.parent, out, *SETTING, total=TOTAL)
     if fault_in == "eval":  # the spec names the reference's folders: point it at the copy
         spec = OmegaConf.load(reference / "eval.yaml")
         spec.checkpoint, spec.output_dir = str(out / "student"), str(out / "eval")
@@ -245,7 +201,7 @@ def test_a_full_disk_during_a_stage_fails_clearly_and_the_rerun_with_room_resume
     proc = None
     try:
         out = disk / "run"
-        job = write_job(reference.parent, out)
+        job = job_file(reference.parent, out, *SETTING, total=TOTAL)
         log, pauses = tmp_path / "stage.log", tmp_path / "pauses"
         pauses.mkdir()
         if mounted:  # a real full disk: the tmpfs is filled while the stage waits after its first checkpoint
@@ -286,7 +242,7 @@ def test_a_rerun_with_changed_settings_is_refused_and_changes_nothing(reference,
 
     out = tmp_path / "run"
     shutil.copytree(reference, out, ignore=shutil.ignore_patterns("logs"), symlinks=True)
-    job = write_job(reference.parent, out)
+    job = job_file(reference.parent, out, *SETTING, total=TOTAL)
     check_settings(load_job(str(job), []), PIPELINE)  # the records `harness run` keeps (the reference ran in-process)
     before = tree_digest(out)
     done = subprocess.run([sys.executable, "-m", "harness.cli", "run", str(job), "stages.distill.lr=1e-2",

@@ -19,44 +19,16 @@ from pathlib import Path
 
 import pytest
 import torch
-from omegaconf import OmegaConf
 from safetensors.torch import load_file
 
 from harness.launch.local import process_start, process_tree
 from harness.preempt import REQUEUE_EXIT
-from tests.pipeline import tiny_job
+from tests.pipeline import REPO, finish, job_file, reference_run, run, start
 
-REPO = Path(__file__).resolve().parents[1]
 # stage 3: 20 steps of 64 tokens, a checkpoint every 2 steps: a signal after the first one lands mid-stage
 SETTING = ["budget.split=[0.05,0.05,0.9]", "run.layer_groups=1", "data.validation_tokens=128",
            "run.checkpoint_every_tokens=128"]
 TOTAL = 1440
-
-
-def write_job(root: Path, out: Path) -> Path:
-    job = tiny_job(root / "setting", out, *SETTING, total=TOTAL)
-    path = out.parent / f"{out.name}.yaml"
-    path.write_text(OmegaConf.to_yaml(OmegaConf.structured(job)))
-    return path
-
-
-def start(*args: str, log: Path) -> subprocess.Popen:
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
-    env.pop("HARNESS_PREEMPT_FILE", None)
-    with open(log, "w") as handle:
-        return subprocess.Popen([sys.executable, "-m", "harness.cli", *args], cwd=REPO, env=env, stdout=handle,
-                                stderr=subprocess.STDOUT)
-
-
-def finish(proc: subprocess.Popen, log: Path, timeout: float = 600) -> tuple[int, str]:
-    code = proc.wait(timeout=timeout)
-    return code, log.read_text(errors="replace")
-
-
-def run(*args: str, log: Path) -> str:
-    code, output = finish(start(*args, log=log), log)
-    assert code == 0, output[-3000:]
-    return output
 
 
 def checkpoints(out: Path) -> list[int]:
@@ -90,23 +62,7 @@ def assert_same_student(out: Path, reference: Path) -> None:
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory) -> Path:
     """An uninterrupted run of the whole pipeline: its run directory (this process's signal handlers kept)."""
-    from harness.config import load_job
-    from harness.stages.align import align_group
-    from harness.stages.merge import merge_student
-
-    root = tmp_path_factory.mktemp("signals")
-    out = root / "reference"
-    job_path = write_job(root, out)
-    job = load_job(str(job_path), [])
-    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGUSR1)}
-    try:
-        for stage in ("align_mixer", "align_hidden"):
-            align_group(job, stage, [0, 1, 2, 3])
-        merge_student(job)
-    finally:
-        for sig, handler in handlers.items():
-            signal.signal(sig, handler)
-    run("stage", "distill", str(job_path), log=root / "reference.log")
+    out, _ = reference_run(tmp_path_factory.mktemp("signals"), *SETTING, total=TOTAL)
     return out
 
 
@@ -116,7 +72,7 @@ def continued(reference: Path, tmp_path: Path) -> tuple[Path, Path]:
     shutil.copytree(reference, out, ignore=shutil.ignore_patterns("distill", "student", "eval.yaml", "logs"),
                     symlinks=True)
     (out / "logs").mkdir()
-    return out, write_job(reference.parent, out)
+    return out, job_file(reference.parent, out, *SETTING, total=TOTAL)
 
 
 def test_sigterm_to_a_stage_3_process_checkpoints_exits_for_requeue_and_resumes_exactly(reference, tmp_path):

@@ -289,7 +289,8 @@ def test_a_registered_loss_term_appears_in_metrics_and_tensorboard(tmp_path, one
             total, grad = super().chunk(s, t, y, need_grad)
             return total / 2, None if grad is None else grad / 2
 
-    monkeypatch.setitem(TOKEN_LOSSES, "half_ce", register_token_loss(HalfCE))  # (removed again afterwards)
+    monkeypatch.setitem(TOKEN_LOSSES, "half_ce", HalfCE)  # recorded as absent first, so removed again afterwards
+    assert register_token_loss(HalfCE) is HalfCE  # registering the class that is there already is allowed
     job_terms = stage.job_loss_terms
     monkeypatch.setattr(stage, "job_loss_terms", lambda job: [*job_terms(job), HalfCE(0.5)])
     out = tmp_path / "run"
