@@ -11,11 +11,12 @@ the student's logits:
   and q = softmax(s / tau), KL(p || q) = sum_v p_v (t_v - s_v) / tau - lse(t / tau) + lse(s / tau), so the
   loss needs no second pass;
 - pass 2 (only when a gradient is wanted): g = ce_scale (softmax(s) - onehot(y)) + kl_scale tau (q - p), the
-  same formula as `harness.losses.kl_ce.ce_kl_sums_torch`, written over s (fp32) or to a bf16 / fp16 buffer.
+  same formula as `harness.losses.kl_ce.ce_kl_rows_torch`, written over s (fp32) or to a bf16 / fp16 buffer.
 
-It returns per-row CE and KL (KL without the tau^2 factor); the caller sums them. Written by hand because no
-library kernel fits: fla's `fused_kl_div` and Liger's fused linear JSD have one side's logits, no CE beside the
-KL and no temperature (see harness.losses.kl_ce). Triton's interpreter (`TRITON_INTERPRET=1`) runs it on CPU tensors.
+The kernel writes per-row CE and KL (KL without the tau^2 factor, which `distill_rows` applies). Written by hand
+because no library kernel fits: fla's `fused_kl_div` and Liger's fused linear JSD have one side's logits, no CE
+beside the KL and no temperature (see harness.losses.kl_ce). Triton's interpreter (`TRITON_INTERPRET=1`) runs it
+on CPU tensors.
 """
 
 from __future__ import annotations
@@ -46,10 +47,11 @@ def distill_rows(
     s: Tensor, t: Optional[Tensor], y: Tensor, tau: float, ce_scale: float, kl_scale: float, need_grad: bool,
     grad_dtype: torch.dtype = torch.float32,
 ) -> tuple[Tensor, Tensor, Optional[Tensor]]:
-    """Summed CE and tau^2-scaled KL of a chunk of rows, and d(loss)/d(student logits), as `_chunk_losses`.
+    """CE and tau^2-scaled KL of each row of a chunk, and d(loss)/d(student logits), as
+    `harness.losses.kl_ce.ce_kl_rows_torch`.
 
     s: [c, V] fp32 student logits, t: [c, V] fp32 teacher logits or None (CE only), y: [c] int targets in
-    [0, V). Returns (ce_sum, kl_sum, g or None). g is computed in fp32 and stored in grad_dtype: an fp32 g is
+    [0, V). Returns (ce [c], kl [c], g or None). g is computed in fp32 and stored in grad_dtype: an fp32 g is
     written over `s` itself; a bf16 / fp16 one (rounded once, for the gradient matmuls' tensor cores) is new.
     """
     if s.dtype != torch.float32 or (t is not None and (t.dtype != torch.float32 or t.shape != s.shape)):
@@ -67,7 +69,7 @@ def distill_rows(
             1.0 / tau, float(ce_scale), float(kl_scale) * tau,
             HAS_T=t is not None, NEED_GRAD=need_grad, TAU_ONE=tau == 1.0, BLOCK=BLOCK, num_warps=NUM_WARPS,
         )
-    return ce.sum(), kl.sum() * tau**2, (g if need_grad else None)
+    return ce, kl.mul_(tau**2), (g if need_grad else None)
 
 
 if triton is not None:

@@ -373,3 +373,28 @@ def test_validation_every_n_steps_logs_those_steps_once_also_across_a_crash(tmp_
 
 def _rows(out: Path) -> list[dict]:
     return [json.loads(line) for line in (out / "distill" / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.mark.parametrize("copy_weight", [1.0, 4.0])
+def test_the_stage_3_forward_weights_copy_tokens_as_the_job_says(copy_weight):
+    """stages.distill.copy_weight reaches the loss as copy_token_weights of the batch's ids; 1 passes no weights."""
+    from harness.losses.token_weights import copy_token_weights
+    from harness.stages.distill import DistillForward
+
+    seen = {}
+
+    class Student:  # an engine's call: (ids, teacher hidden, teacher head, labels, token weights) -> loss
+        device = torch.device("cpu")
+
+        def __call__(self, ids, t_hidden, head, labels, weight):
+            seen["weight"] = weight
+            return t_hidden.sum()
+
+    ids = torch.tensor([[5, 6, 7, 5, 6, 7, 9]])
+    forward = DistillForward(Student(), lambda i: i.float(), torch.nn.Parameter(torch.ones(2)), copy_weight=copy_weight)
+    forward({"input_ids": ids})
+    if copy_weight == 1.0:
+        assert seen["weight"] is None
+    else:
+        assert torch.equal(seen["weight"], copy_token_weights(ids, 4.0, 3))
+        assert seen["weight"][0].tolist() == [1, 1, 1, 1, 1, 4, 1]  # (5, 6, 7) seen before; (7, 5, 6), (6, 7, 9) not

@@ -17,7 +17,7 @@ from torch.utils._pytree import tree_leaves
 
 from harness.losses import (ALIGNMENT_LOSSES, TOKEN_LOSSES, ChunkedLoss, CrossEntropy, ForwardKL, ReverseKL,
                             alignment_l2, alignment_mse, distill_loss, head_matmuls, lm_loss, token_losses)
-from harness.losses.kl_ce import ce_kl_sums_torch
+from harness.losses.kl_ce import ce_kl_rows_torch
 
 
 def direct_distill(
@@ -201,18 +201,18 @@ def chunk_logits(c=6, v=11, seed=5) -> tuple[Tensor, Tensor, Tensor]:
 
 
 def direct_term(name: str, s: Tensor, t: Tensor, y: Tensor, tau: float) -> Tensor:
-    """A term summed over rows, written out with torch's own functions (autograd gives its gradient)."""
+    """A term on each row, written out with torch's own functions (autograd gives its gradient)."""
     if name == "ce":
-        return F.cross_entropy(s, y, reduction="sum")
+        return F.cross_entropy(s, y, reduction="none")
     log_q, log_p = F.log_softmax(s / tau, -1), F.log_softmax(t / tau, -1)
     if name == "reverse_kl":
-        return F.kl_div(log_p, log_q, log_target=True, reduction="sum") * tau**2  # sum q (log q - log p)
-    return F.kl_div(log_q, log_p, log_target=True, reduction="sum") * tau**2  # sum p (log p - log q)
+        return F.kl_div(log_p, log_q, log_target=True, reduction="none").sum(-1) * tau**2  # sum q (log q - log p)
+    return F.kl_div(log_q, log_p, log_target=True, reduction="none").sum(-1) * tau**2  # sum p (log p - log q)
 
 
 @pytest.mark.parametrize("name,tau", [("ce", 1.0), ("kl", 1.0), ("kl", 2.0), ("kl", 0.5), ("reverse_kl", 1.0),
                                       ("reverse_kl", 2.0), ("reverse_kl", 0.5)])
-def test_each_token_term_gives_the_direct_sum_and_gradient_and_leaves_its_inputs(name, tau):
+def test_each_token_term_gives_the_direct_rows_and_gradient_and_leaves_its_inputs(name, tau):
     s, t, y = chunk_logits()
     term = TOKEN_LOSSES[name](weight=0.3, temperature=tau)
     s_in, t_in = s.clone(), t.clone()
@@ -221,7 +221,7 @@ def test_each_token_term_gives_the_direct_sum_and_gradient_and_leaves_its_inputs
     s_ref = s.clone().requires_grad_()
     ref = direct_term(name, s_ref, t, y, tau)
     torch.testing.assert_close(total, ref.detach(), rtol=1e-5, atol=1e-6)
-    torch.testing.assert_close(grad, torch.autograd.grad(ref, s_ref)[0], rtol=1e-5, atol=1e-6)  # unweighted
+    torch.testing.assert_close(grad, torch.autograd.grad(ref.sum(), s_ref)[0], rtol=1e-5, atol=1e-6)  # unweighted
     assert term.chunk(s, t, y, need_grad=False)[1] is None
 
 
@@ -230,7 +230,7 @@ def test_the_fused_pass_is_ce_plus_kl_term_by_term(tau):
     s, t, y = chunk_logits(seed=6)
     ce_sum, ce_g = CrossEntropy().chunk(s, t, y, True)
     kl_sum, kl_g = ForwardKL(temperature=tau).chunk(s, t, y, True)
-    fused_ce, fused_kl, fused_g = ce_kl_sums_torch(s.clone(), t.clone(), y, tau, 0.7, 1.3, True)
+    fused_ce, fused_kl, fused_g = ce_kl_rows_torch(s.clone(), t.clone(), y, tau, 0.7, 1.3, True)
     torch.testing.assert_close(fused_ce, ce_sum)
     torch.testing.assert_close(fused_kl, kl_sum)
     torch.testing.assert_close(fused_g, 0.7 * ce_g + 1.3 * kl_g)
@@ -243,7 +243,7 @@ def test_reverse_kl_through_hidden_states_equals_the_direct_computation(tau):
     out = ChunkedLoss([ReverseKL(0.8, tau), CrossEntropy(0.3)], chunk_tokens=5)(hs, ws, labels, ht, wt)
     s, t = (hs @ ws.T)[:, :-1], (ht @ wt.T)[:, :-1]
     keep = labels[:, 1:] != -100
-    reverse = direct_term("reverse_kl", s[keep], t[keep], labels[:, 1:][keep], tau) / keep.sum()
+    reverse = direct_term("reverse_kl", s[keep], t[keep], labels[:, 1:][keep], tau).sum() / keep.sum()
     _, ref_ce, ref_kl = direct_distill(hs, ht, ws, wt, labels, ce_weight=1, kl_weight=1, temperature=1.0)
     ref_total = 0.8 * reverse + 0.3 * ref_ce
     torch.testing.assert_close(out.total.detach(), ref_total.detach(), rtol=1e-5, atol=1e-6)
@@ -400,3 +400,51 @@ def test_tf32_setting_is_set_inside_and_restored():
     with pytest.raises(RuntimeError), tf32_matmuls(not before):
         raise RuntimeError("restored on errors too")
     assert torch.backends.cuda.matmul.allow_tf32 is before
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 4])
+def test_repeated_ngrams_are_the_ngrams_seen_before_in_the_row(n):
+    from harness.losses.token_weights import copy_token_weights, repeated_ngrams
+
+    g = torch.Generator().manual_seed(3)
+    ids = torch.randint(0, 6, (3, 40), generator=g)  # a small vocabulary: many repeats
+    ids[2, :20] = ids[2, 20:]  # a copied half
+    ids[1, 5] = 70_000  # ids past a 16-bit vocabulary
+    got = repeated_ngrams(ids, n)
+    for r in range(ids.shape[0]):
+        row = ids[r].tolist()
+        grams = [tuple(row[j - n + 1:j + 1]) for j in range(len(row))]
+        want = [j >= n - 1 and grams[j] in grams[n - 1:j] for j in range(len(row))]
+        assert got[r].tolist() == want
+    assert got[2, 20 + n - 1:].all()  # every n-gram of the copy after its first n - 1 tokens was seen before
+    weights = copy_token_weights(ids, 3.0, n)
+    assert set(weights[got].tolist()) == {3.0} and set(weights[~got].tolist()) == {1.0}
+
+
+@pytest.mark.parametrize("terms", [("kl", "ce"), ("kl", "ce", "reverse_kl")])  # fused pass; term by term
+def test_token_weights_weight_the_total_and_leave_the_reported_means(terms):
+    """total = sum_i w_i sum_k weight_k term_k(i) / n, written out with torch's own functions; the reported terms are
+    the unweighted means; all-ones weights give exactly the unweighted loss."""
+    hs, ht, ws, wt, labels = make_inputs(seed=12)
+    weights = {"kl": 0.8, "ce": 0.5, "reverse_kl": 0.3}
+    loss = ChunkedLoss([TOKEN_LOSSES[name](weights[name], 2.0 if name != "ce" else 1.0) for name in terms],
+                       chunk_tokens=5)
+    w = 1 + torch.rand(labels.shape, generator=torch.Generator().manual_seed(1)) * 3
+    got = loss(hs, ws, labels, ht, wt, token_weight=w)
+    gh, gw = _grads(got.total, hs, ws)
+
+    keep = labels[:, 1:] != -100
+    s, t = (hs[:, :-1] @ ws.T)[keep], (ht[:, :-1] @ wt.T)[keep]
+    y, row_w, n = labels[:, 1:][keep], w[:, 1:][keep], int(keep.sum())
+    per_row = {"ce": F.cross_entropy(s, y, reduction="none"),
+               "kl": 4 * (F.softmax(t / 2, -1) * (F.log_softmax(t / 2, -1) - F.log_softmax(s / 2, -1))).sum(-1),
+               "reverse_kl": 4 * (F.softmax(s / 2, -1) * (F.log_softmax(s / 2, -1) - F.log_softmax(t / 2, -1))).sum(-1)}
+    want = sum(weights[name] * (row_w * per_row[name]).sum() / n for name in terms)
+    torch.testing.assert_close(got.total, want, rtol=1e-5, atol=1e-6)
+    for name in terms:
+        torch.testing.assert_close(got.terms[name], per_row[name].mean().detach(), rtol=1e-5, atol=1e-6)
+    for a, b in zip((gh, gw), _grads(want, hs, ws)):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+
+    plain, ones = loss(hs, ws, labels, ht, wt), loss(hs, ws, labels, ht, wt, token_weight=torch.ones_like(w))
+    assert torch.equal(plain.total, ones.total) and torch.equal(plain.stacked(), ones.stacked())

@@ -57,7 +57,8 @@ class TokenLoss(Loss):
 
     @abstractmethod
     def chunk(self, s: Tensor, t: Optional[Tensor], y: Tensor, need_grad: bool) -> tuple[Tensor, Optional[Tensor]]:
-        """(the term summed over the chunk's c rows, its gradient d sum / d s [c, V] fp32 or None if not need_grad).
+        """(the term's value on each of the chunk's c rows [c] fp32, the gradient of their sum d sum / d s [c, V] fp32,
+        or None if not need_grad). Per row, so that `ChunkedLoss` can weight rows (stages.distill.copy_weight).
 
         s, t: [c, V] fp32 student and teacher logits (t None without a teacher), y: [c] target ids. Neither s nor t
         is written to: several terms read the same chunk.

@@ -23,7 +23,7 @@ class CrossEntropy(TokenLoss):
 
     def chunk(self, s: Tensor, t: Optional[Tensor], y: Tensor, need_grad: bool) -> tuple[Tensor, Optional[Tensor]]:
         lse = torch.logsumexp(s, dim=-1, keepdim=True)
-        total = (lse.squeeze(1) - s.gather(1, y[:, None]).squeeze(1)).sum()
+        total = lse.squeeze(1) - s.gather(1, y[:, None]).squeeze(1)
         if not need_grad:
             return total, None
         grad = (s - lse).exp_()  # d CE / d s = softmax(s) - onehot(y)

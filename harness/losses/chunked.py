@@ -21,10 +21,10 @@ from harness.losses.base import IGNORE_INDEX, TokenLoss
 from harness.losses.ce import CrossEntropy
 from harness.losses.head_matmuls import add_weight_grad, grad_input, logits, loss_matmuls
 from harness.losses.kl import ForwardKL, ReverseKL
-from harness.losses.kl_ce import ce_kl_sums
+from harness.losses.kl_ce import ce_kl_rows
 
 TOKEN_LOSSES: dict[str, type[TokenLoss]] = {cls.name: cls for cls in (ForwardKL, ReverseKL, CrossEntropy)}
-FUSED = frozenset({"ce", "kl"})  # the terms kl_ce.ce_kl_sums computes in one pass
+FUSED = frozenset({"ce", "kl"})  # the terms kl_ce.ce_kl_rows computes in one pass
 
 
 def register_token_loss(cls: type[TokenLoss]) -> type[TokenLoss]:
@@ -94,6 +94,10 @@ class ChunkedLoss:
     hidden and head_weight (when they require grad), never to the teacher; n = 0 gives zeros. The gradient is
     computed during the forward call whenever one is needed, so evaluate under torch.no_grad() to skip that work.
 
+    token_weight: optional [B, T] float, aligned with labels: the weight of each target token in the trained total
+    (stages.distill.copy_weight: `copy_token_weights`); the total is then sum_k weight_k * sum_i w_i term_k(i) / n,
+    and the reported terms stay the unweighted means (comparable with an unweighted run's). None: every token 1.
+
     Returns LossTerms: the terms' per-token means by name (`measured_names`: the configured terms, then ce and kl
     where they are not among them, measured for the logs, kl at temperature 1; kl only with a teacher).
     """
@@ -121,6 +125,7 @@ class ChunkedLoss:
     def __call__(
         self, hidden: Tensor, head_weight: Tensor, labels: Tensor, teacher_hidden: Optional[Tensor] = None,
         teacher_head_weight: Optional[Tensor] = None, loss_mask: Optional[Tensor] = None,
+        token_weight: Optional[Tensor] = None,
     ) -> LossTerms:
         _check_shapes(hidden, head_weight, labels, loss_mask, teacher_hidden, teacher_head_weight)
         readers = [term.name for term in self.terms if term.needs_teacher]
@@ -138,37 +143,44 @@ class ChunkedLoss:
                 xt = teacher_hidden[:, :-1][keep]
             wt = teacher_head_weight.detach()
         y = targets[keep]
+        w = None if token_weight is None else token_weight[:, 1:][keep].float()
         need_dx = torch.is_grad_enabled() and xs.requires_grad
         need_dw = torch.is_grad_enabled() and head_weight.requires_grad
         names = self.measured_names(teacher_hidden is not None)
-        total, values = _ChunkedTerms.apply(xs, head_weight, xt, wt, y, self, names, need_dx, need_dw)
+        total, values = _ChunkedTerms.apply(xs, head_weight, xt, wt, y, w, self, names, need_dx, need_dw)
         return LossTerms(total, dict(zip(names, values.unbind(0))), int(y.numel()))
 
     def rows(
-        self, xs: Tensor, ws: Tensor, xt: Optional[Tensor], wt: Optional[Tensor], y: Tensor, names: Sequence[str],
-        need_dx: bool, need_dw: bool,
+        self, xs: Tensor, ws: Tensor, xt: Optional[Tensor], wt: Optional[Tensor], y: Tensor, w: Optional[Tensor],
+        names: Sequence[str], need_dx: bool, need_dw: bool,
     ) -> tuple[Tensor, Tensor, Optional[Tensor], Optional[Tensor]]:
-        """Over the selected rows, a chunk at a time: (total, the per-token means of the terms `names` as one fp32
-        vector, d total/d xs [n, Cs], d total/d ws [V, Cs]), gradients in fp32."""
+        """Over the selected rows (weighted by w [n] in the total, None: 1), a chunk at a time: (total, the per-token
+        means of the terms `names` as one fp32 vector, d total/d xs [n, Cs], d total/d ws [V, Cs]), gradients in
+        fp32."""
         n = xs.shape[0]
         denom = max(n, 1)
-        sums = {name: xs.new_zeros((), dtype=torch.float32) for name in ("ce", "kl", *(t.name for t in self.terms))}
+        measured = ("ce", "kl", *(t.name for t in self.terms))
+        sums = {name: xs.new_zeros((), dtype=torch.float32) for name in measured}
+        trained = sums if w is None else {name: xs.new_zeros((), dtype=torch.float32) for name in measured}
         dx = torch.empty_like(xs, dtype=torch.float32) if need_dx else None
         dw = torch.zeros_like(ws, dtype=torch.float32) if need_dw else None
         grad_dtype = self._grad_dtype(xs, ws)
         for lo in range(0, n, self.chunk_tokens):
             hi = min(lo + self.chunk_tokens, n)
             s, t = logits(xs[lo:hi], ws), (None if xt is None else logits(xt[lo:hi], wt))
-            chunk_sums, g = self._chunk(s, t, y[lo:hi], denom, need_dx or need_dw, grad_dtype)
+            w_chunk = None if w is None else w[lo:hi]
+            chunk_rows, g = self._chunk(s, t, y[lo:hi], w_chunk, denom, need_dx or need_dw, grad_dtype)
             del s, t
-            for name, value in chunk_sums.items():
-                sums[name] += value
+            for name, value in chunk_rows.items():
+                sums[name] += value.sum()
+                if w_chunk is not None:
+                    trained[name] += (value * w_chunk).sum()
             if dx is not None:
                 dx[lo:hi] = grad_input(g, ws)
             if dw is not None:
                 add_weight_grad(dw, g, xs[lo:hi])
         means = {name: value / denom for name, value in sums.items()}
-        total = sum(term.weight * means[term.name] for term in self.terms)
+        total = sum(term.weight * trained[term.name] / denom for term in self.terms)
         return total, torch.stack([means[name] for name in names]), dx, dw
 
     def _grad_dtype(self, xs: Tensor, ws: Tensor) -> torch.dtype:
@@ -178,34 +190,37 @@ class ChunkedLoss:
         low = self.fused and xs.dtype in (torch.bfloat16, torch.float16) and ws.dtype == xs.dtype
         return xs.dtype if low and loss_kernel.available(xs) else torch.float32
 
-    def _chunk(self, s: Tensor, t: Optional[Tensor], y: Tensor, denom: int, need_grad: bool,
+    def _chunk(self, s: Tensor, t: Optional[Tensor], y: Tensor, w: Optional[Tensor], denom: int, need_grad: bool,
                grad_dtype: torch.dtype) -> tuple[dict[str, Tensor], Optional[Tensor]]:
-        """Each measured term summed over one chunk, and d total / d s (s, t may be overwritten)."""
+        """Each measured term on each row of one chunk ([c], unweighted), and d total / d s with the rows weighted
+        by w (s, t may be overwritten)."""
         if self.fused:
             ce_w, kl_w, tau = self.fused_weights
-            ce_sum, kl_sum, g = ce_kl_sums(s, t, y, tau, ce_w / denom, kl_w / denom, need_grad, grad_dtype)
-            return {"ce": ce_sum, "kl": kl_sum}, g
-        sums, g = {}, None
+            ce, kl, g = ce_kl_rows(s, t, y, tau, ce_w / denom, kl_w / denom, need_grad, grad_dtype, w)
+            return {"ce": ce, "kl": kl}, g
+        rows, g = {}, None
         for term in self.measured:
             if t is None and term.needs_teacher:
                 continue
-            sums[term.name], term_g = term.chunk(s, t, y, need_grad and term.weight != 0)
+            rows[term.name], term_g = term.chunk(s, t, y, need_grad and term.weight != 0)
             if term_g is not None:
                 g = term_g.mul_(term.weight / denom) if g is None else g.add_(term_g, alpha=term.weight / denom)
         if need_grad and g is None:
             g = torch.zeros_like(s)
-        return sums, g
+        if g is not None and w is not None:
+            g.mul_(w[:, None])
+        return rows, g
 
 
 class _ChunkedTerms(torch.autograd.Function):
-    """Rows already selected: xs [n, Cs], xt [n, Ct] (None: no teacher), y [n]. Returns (total, the means of the
-    terms `names` as one fp32 vector, not differentiable)."""
+    """Rows already selected: xs [n, Cs], xt [n, Ct] (None: no teacher), y [n], w [n] (None: 1). Returns (total,
+    the means of the terms `names` as one fp32 vector, not differentiable)."""
 
     @staticmethod
-    def forward(ctx, xs, ws, xt, wt, y, loss: ChunkedLoss, names, need_dx, need_dw):
+    def forward(ctx, xs, ws, xt, wt, y, w, loss: ChunkedLoss, names, need_dx, need_dw):
         # Autocast would run the fp32 logit matmuls in bf16.
         with torch.autocast(device_type=xs.device.type, enabled=False), loss_matmuls(xs):
-            total, values, dx, dw = loss.rows(xs, ws, xt, wt, y, names, need_dx, need_dw)
+            total, values, dx, dw = loss.rows(xs, ws, xt, wt, y, w, names, need_dx, need_dw)
         ctx.grads = (dx, dw)
         ctx.dtypes = (xs.dtype, ws.dtype)
         ctx.mark_non_differentiable(values)
@@ -219,7 +234,7 @@ class _ChunkedTerms(torch.autograd.Function):
         g = g_total.float()
         dx = None if dx is None else dx.mul_(g).to(ctx.dtypes[0])
         dw = None if dw is None else dw.mul_(g).to(ctx.dtypes[1])
-        return dx, dw, None, None, None, None, None, None, None
+        return dx, dw, None, None, None, None, None, None, None, None
 
 
 def distill_loss(

@@ -38,7 +38,7 @@ class ForwardKL(TokenLoss):
         tau = self.temperature
         log_p, log_q = softened_log_probs(t, tau), softened_log_probs(s, tau)
         p = log_p.exp()
-        total = (p * (log_p - log_q)).sum() * tau**2
+        total = (p * (log_p - log_q)).sum(-1) * tau**2
         if not need_grad:
             return total, None
         return total, log_q.exp_().sub_(p).mul_(tau)  # d(tau^2 KL)/ds = tau (q - p)
@@ -60,7 +60,7 @@ class ReverseKL(TokenLoss):
         q = log_q.exp()
         log_ratio = log_q.sub_(log_p)
         per_row = (q * log_ratio).sum(-1, keepdim=True)
-        total = per_row.sum() * tau**2
+        total = per_row.squeeze(1) * tau**2
         if not need_grad:
             return total, None
         # d(tau^2 sum_v q f)/ds = tau q (f - sum_v q f), f = log q - log p (the softmax's Jacobian at s / tau)

@@ -23,47 +23,53 @@ from torch import Tensor
 from harness import loss_kernel
 
 
-def ce_kl_sums(
+def ce_kl_rows(
     s: Tensor, t: Optional[Tensor], y: Tensor, tau: float, ce_scale: float, kl_scale: float, need_grad: bool,
-    grad_dtype: torch.dtype = torch.float32,
+    grad_dtype: torch.dtype = torch.float32, row_weight: Optional[Tensor] = None,
 ) -> tuple[Tensor, Tensor, Optional[Tensor]]:
-    """Summed CE and tau^2-scaled KL of one chunk, and d(loss)/d(student logits) if needed.
+    """CE and tau^2-scaled KL of each row of one chunk ([c] each, unweighted), and d(loss)/d(student logits) if
+    needed, where loss = sum over rows of row_weight * (ce_scale * CE + kl_scale * KL) (row_weight None: 1).
 
     s, t: [c, V] fp32 student / teacher logits (both may be overwritten; t None: CE only, KL 0); y: [c]
     targets. ce_scale and kl_scale are the weights over the token count. On CUDA one Triton kernel does it
-    and stores the gradient in grad_dtype; the PyTorch form returns it in fp32.
+    and stores the gradient in grad_dtype (a row weight then scales the stored gradient); the PyTorch form returns
+    it in fp32.
     """
     if loss_kernel.available(s):
-        return loss_kernel.distill_rows(s, t, y, tau, ce_scale, kl_scale, need_grad, grad_dtype)
-    return ce_kl_sums_torch(s, t, y, tau, ce_scale, kl_scale, need_grad)
+        ce, kl, g = loss_kernel.distill_rows(s, t, y, tau, ce_scale, kl_scale, need_grad, grad_dtype)
+    else:
+        ce, kl, g = ce_kl_rows_torch(s, t, y, tau, ce_scale, kl_scale, need_grad)
+    if g is not None and row_weight is not None:
+        g.mul_(row_weight[:, None].to(g.dtype))
+    return ce, kl, g
 
 
-def ce_kl_sums_torch(
+def ce_kl_rows_torch(
     s: Tensor, t: Optional[Tensor], y: Tensor, tau: float, ce_scale: float, kl_scale: float, need_grad: bool
 ) -> tuple[Tensor, Tensor, Optional[Tensor]]:
-    """`ce_kl_sums` in PyTorch (CPU, and the reference for the kernel). In-place updates keep ~5 [c, V] buffers
-    alive."""
+    """`ce_kl_rows` in PyTorch without row weights (CPU, and the reference for the kernel). In-place updates keep ~5
+    [c, V] buffers alive."""
     lse = torch.logsumexp(s, dim=-1, keepdim=True)
-    ce_sum = (lse.squeeze(1) - s.gather(1, y[:, None]).squeeze(1)).sum()
+    ce = lse.squeeze(1) - s.gather(1, y[:, None]).squeeze(1)
     if t is None:
         if not need_grad:
-            return ce_sum, ce_sum.new_zeros(()), None
+            return ce, torch.zeros_like(ce), None
         soft = s.sub_(lse).exp_()
         soft.scatter_add_(1, y[:, None], soft.new_full((soft.shape[0], 1), -1.0))
-        return ce_sum, ce_sum.new_zeros(()), soft.mul_(ce_scale)
+        return ce, torch.zeros_like(ce), soft.mul_(ce_scale)
     log_p = t.div_(tau)
     log_p -= torch.logsumexp(log_p, dim=-1, keepdim=True)
     log_q = s - lse if tau == 1.0 else s / tau
     if tau != 1.0:
         log_q -= torch.logsumexp(log_q, dim=-1, keepdim=True)
     p = log_p.exp()
-    kl_sum = log_p.sub_(log_q).mul_(p).sum() * tau**2
+    kl = log_p.sub_(log_q).mul_(p).sum(-1) * tau**2
     if not need_grad:
-        return ce_sum, kl_sum, None
+        return ce, kl, None
     # d(tau^2 KL)/ds = tau (q - p); d(CE)/ds = softmax(s) - onehot(y).
     g = log_q.exp_().sub_(p).mul_(kl_scale * tau)
     del p
     soft = s.sub_(lse).exp_()
     soft.scatter_add_(1, y[:, None], soft.new_full((soft.shape[0], 1), -1.0))
     g.add_(soft, alpha=ce_scale)
-    return ce_sum, kl_sum, g
+    return ce, kl, g

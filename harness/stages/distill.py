@@ -37,6 +37,7 @@ from harness.eval.spec import write_eval_spec
 from harness.export import export_checkpoint
 from harness.flops import model_flops_per_token
 from harness.losses import ChunkedLoss, LossTerms, TokenLoss, token_losses
+from harness.losses.token_weights import copy_token_weights
 from harness.observe import RunLogger, setup_mfu
 from harness.stages.common import StageData, chat_data, load_job_teacher, resolve_device, resume_checkpoint, run_dir
 from harness.train import Checkpointer, NoClock, Trainer, TrainState, held_out_validation, stage_hooks
@@ -53,8 +54,8 @@ class LossHead(nn.Module):
         self.weight = weight
         self.loss = ChunkedLoss(terms)
 
-    def forward(self, hidden, teacher_hidden, teacher_weight, labels) -> LossTerms:
-        return self.loss(hidden, self.weight, labels, teacher_hidden, teacher_weight)
+    def forward(self, hidden, teacher_hidden, teacher_weight, labels, token_weight=None) -> LossTerms:
+        return self.loss(hidden, self.weight, labels, teacher_hidden, teacher_weight, token_weight=token_weight)
 
 
 class DistillModel(nn.Module):
@@ -65,9 +66,10 @@ class DistillModel(nn.Module):
         self.student = student
         self.loss_head = LossHead(student.lm_head.weight, terms)
 
-    def forward(self, input_ids, teacher_hidden, teacher_weight, labels=None) -> LossTerms:
+    def forward(self, input_ids, teacher_hidden, teacher_weight, labels=None, token_weight=None) -> LossTerms:
         hidden = self.student.model(input_ids)
-        return self.loss_head(hidden, teacher_hidden, teacher_weight, input_ids if labels is None else labels)
+        return self.loss_head(hidden, teacher_hidden, teacher_weight, input_ids if labels is None else labels,
+                              token_weight)
 
 
 class TeacherBody(nn.Module):
@@ -107,11 +109,14 @@ def text_data(job: JobConfig, tokenizer: Any, max_positions: int, rank: int, wor
 class DistillForward:
     """Stage 3's micro-step forward, batch -> LossTerms: the teacher's hidden states (no gradient), then the student
     engine's body and loss head under a gather of the teacher's head (a ZeRO-3 collective: every rank enters). What
-    the step bench times too; `clock` stamps the teacher's phase (harness.train.trainer)."""
+    the step bench times too; `clock` stamps the teacher's phase (harness.train.trainer). copy_weight
+    (stages.distill.copy_weight) weights the loss on the batch's copy tokens (harness.losses.token_weights)."""
 
-    def __init__(self, s_engine: Any, t_engine: Any, teacher_head: nn.Parameter, clock: Any = None) -> None:
+    def __init__(self, s_engine: Any, t_engine: Any, teacher_head: nn.Parameter, clock: Any = None,
+                 copy_weight: float = 1.0, copy_ngram: int = 3) -> None:
         self.s_engine, self.t_engine, self.teacher_head = s_engine, t_engine, teacher_head
         self.clock = clock or NoClock()
+        self.copy_weight, self.copy_ngram = float(copy_weight), int(copy_ngram)
 
     def __call__(self, batch: dict) -> LossTerms:
         ids = batch["input_ids"].to(self.s_engine.device)
@@ -119,8 +124,9 @@ class DistillForward:
         with torch.no_grad():
             t_hidden = self.t_engine(ids)  # outside the gather: the teacher's own forward releases its (tied) head
         self.clock.mark("teacher_forward")
+        weight = None if self.copy_weight == 1.0 else copy_token_weights(ids, self.copy_weight, self.copy_ngram)
         with gathered([self.teacher_head]):
-            return self.s_engine(ids, t_hidden, self.teacher_head, labels)
+            return self.s_engine(ids, t_hidden, self.teacher_head, labels, weight)
 
 
 def distill(job: JobConfig, *, stop_after_steps: Optional[int] = None) -> Path:
@@ -170,7 +176,8 @@ def distill(job: JobConfig, *, stop_after_steps: Optional[int] = None) -> Path:
                                      device)
     t_body = TeacherBody(teacher.model)
     t_engine, placement = engine.build_teacher(t_body, job, cfg, world, s_engine.device, bf16)
-    forward = DistillForward(s_engine, t_engine, t_body.teacher.lm_head.weight)
+    forward = DistillForward(s_engine, t_engine, t_body.teacher.lm_head.weight,
+                             copy_weight=job.stages.distill.copy_weight, copy_ngram=job.stages.distill.copy_ngram)
 
     state = TrainState(*resume_checkpoint(ckpts, s_engine, data.loader))
     logger = RunLogger(out, "distill", rank=rank, total_tokens=data.tokens,

@@ -15,7 +15,7 @@ if not torch.cuda.is_available():
 
 from harness import loss_kernel  # noqa: E402
 from harness.losses import distill_loss, tf32_matmuls  # noqa: E402
-from harness.losses.kl_ce import ce_kl_sums_torch  # noqa: E402
+from harness.losses.kl_ce import ce_kl_rows_torch  # noqa: E402
 from tests.test_losses import direct_distill  # noqa: E402
 
 DEV = torch.device("cuda")
@@ -53,7 +53,7 @@ def test_bf16_chunked_matches_fp32_direct(tau):
 @pytest.mark.parametrize("tau,teacher,need_grad", [(1.0, True, True), (2.0, True, True), (0.5, True, False),
                                                    (1.0, False, True)])
 def test_triton_row_kernel_equals_the_pytorch_form(tau, teacher, need_grad):
-    """harness.loss_kernel against ce_kl_sums_torch on the same fp32 logits, at the SmolLM2 vocabulary (49,152 =
+    """harness.loss_kernel against ce_kl_rows_torch on the same fp32 logits, at the SmolLM2 vocabulary (49,152 =
     12 column blocks) and at a vocabulary that leaves a partial block; logits spread like a trained head's."""
     assert loss_kernel.available(torch.empty(1, device=DEV)), "Triton is needed on CUDA machines"
     g = torch.Generator(device=DEV).manual_seed(1)
@@ -61,7 +61,7 @@ def test_triton_row_kernel_equals_the_pytorch_form(tau, teacher, need_grad):
         s = 4 * torch.randn(rows, vocab, device=DEV, generator=g)
         t = (s + 2 * torch.randn(rows, vocab, device=DEV, generator=g)) if teacher else None
         y = torch.randint(0, vocab, (rows,), device=DEV, generator=g)
-        want = ce_kl_sums_torch(s.clone(), None if t is None else t.clone(), y, tau, 0.7, 0.3, need_grad)
+        want = ce_kl_rows_torch(s.clone(), None if t is None else t.clone(), y, tau, 0.7, 0.3, need_grad)
         got = loss_kernel.distill_rows(s.clone(), None if t is None else t.clone(), y, tau, 0.7, 0.3, need_grad)
         torch.testing.assert_close(got[0], want[0], rtol=1e-5, atol=1e-4)
         torch.testing.assert_close(got[1], want[1], rtol=1e-5, atol=1e-4)
