@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from harness.layouts import layer_rope, norm_class
+from harness.mixers.kernel_case import KernelCase
 from harness.mixers.kernels import resolve_backend
 from harness.mixers.ops import apply_rope, expand_kv, l2norm, rotate_half_rope
 from harness.mixers.window import WindowCache, window_attention
@@ -164,6 +165,8 @@ class Mixer(nn.Module):
 
     name: ClassVar[str]
     Options: ClassVar[type[MixerOptions]] = MixerOptions
+    # its recurrence on the kernel backend, for the recurrence bench and the GPU kernel tests (None: no kernel case)
+    kernel_case: ClassVar[Optional[KernelCase]] = None
 
     def __init__(self, shape: MixerShape, options: MixerOptions, layer_idx: int = 0):
         super().__init__()

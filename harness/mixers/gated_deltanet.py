@@ -10,11 +10,14 @@ from torch import nn
 
 from harness.mixers.base import ConvMixer, GatedConvOptions, HeadRMSNorm, init_output_gate, mamba_dt_bias
 from harness.mixers.dispatch import gated_delta_rule
+from harness.mixers.kernel_case import KernelCase
 
 
 class GatedDeltaNet(ConvMixer):
     name = "gated_deltanet"
     Options = GatedConvOptions
+    kernel_case = KernelCase(route="gated_delta_rule", features="l2", gate="head", beta=True,
+                             alternative_routes=("kda",))
 
     def __init__(self, shape, options, layer_idx=0):
         super().__init__(shape, options, layer_idx)

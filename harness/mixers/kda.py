@@ -11,11 +11,13 @@ from torch import nn
 
 from harness.mixers.base import ConvMixer, GatedConvOptions, HeadRMSNorm, init_output_gate, mamba_dt_bias
 from harness.mixers.dispatch import kimi_delta_rule
+from harness.mixers.kernel_case import KernelCase
 
 
 class KDA(ConvMixer):
     name = "kda"
     Options = GatedConvOptions
+    kernel_case = KernelCase(route="kda", features="l2", gate="channel", beta=True)
 
     def __init__(self, shape, options, layer_idx=0):
         super().__init__(shape, options, layer_idx)
