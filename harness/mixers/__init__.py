@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import asdict, fields
 from typing import Any, Mapping
 
-from harness.mixers.base import Mixer, MixerOptions, MixerShape, MixerState
+from harness.mixers.base import Mixer, MixerOptions, MixerShape, MixerState, no_weight_decay
 from harness.mixers.deltanet import DeltaNet
 from harness.mixers.gated_deltanet import GatedDeltaNet
 from harness.mixers.gla import GLA
@@ -73,4 +73,5 @@ def describe_options(name: str) -> list[tuple[str, Any, str]]:
 
 
 __all__ = ["LEGACY_OPTION_VALUES", "MIXERS", "KernelCase", "Mixer", "MixerOptions", "MixerShape", "MixerState",
-           "mixer_class", "mixer_options", "describe_options", "register_mixer", "resolved_options", "saved_options"]
+           "mixer_class", "mixer_options", "describe_options", "no_weight_decay", "register_mixer", "resolved_options",
+           "saved_options"]

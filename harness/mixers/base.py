@@ -345,6 +345,13 @@ class Mixer(nn.Module):
         return ()
 
 
+def no_weight_decay(param: nn.Parameter) -> nn.Parameter:
+    """Mark `param` as one AdamW does not decay (`harness.plain_engine.decays`), as fla's layers mark theirs with
+    `_no_weight_decay`; returns it. The student keeps the marks across `from_pretrained`."""
+    param._no_weight_decay = True
+    return param
+
+
 class HeadRMSNorm(nn.Module):
     """RMSNorm over each head's last dim, optionally gated: norm(o) * act(gate) (fla's FusedRMSNormGated)."""
 
