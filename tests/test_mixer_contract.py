@@ -16,6 +16,7 @@ import torch
 
 import harness
 from harness.cli import main
+from harness.config import ConfigError, load_job
 from harness.mixers import MIXERS, mixer_class, register_mixer
 from harness.mixers.contract import FAIL, PASS, PROPERTIES, run_contract
 from harness.mixers.registry import MixerRegistry
@@ -83,8 +84,9 @@ def _install(site: Path, dist: str, version: str, entry_points: dict[str, str]) 
 def test_a_mixer_from_an_entry_point_is_listed_and_passes_the_check(tmp_path, monkeypatch, capsys):
     """The example package as pip installs it (its pyproject's entry point), beside a broken plug-in whose module
     does not exist, on sys.path of a process whose registry has not looked for entry points yet: `harness mixers`
-    lists the toy and names the broken one, `harness mixers check toy_decay` passes (its CPU properties), and the
-    broken plug-in is a warning naming its entry point, not a crash."""
+    lists the toy and names the broken one, `harness mixers check toy_decay` passes (its CPU properties), a job takes
+    the toy and its option, and the broken plug-in is a warning naming its entry point, and an error where a job
+    asks for it, not a crash."""
     project = tomllib.loads((EXAMPLE / "pyproject.toml").read_text())["project"]
     _install(tmp_path, project["name"], project["version"], project["entry-points"]["harness.mixers"])
     shutil.copy(EXAMPLE / "toy_mixer.py", tmp_path)
@@ -106,6 +108,10 @@ def test_a_mixer_from_an_entry_point_is_listed_and_passes_the_check(tmp_path, mo
     assert f"{len(CPU_PROPERTIES)} properties: {len(CPU_PROPERTIES)} passed, 0 failed (none), 0 skipped" in check
     with pytest.raises(ValueError, match="mixer 'broken' is a plug-in that failed to load"):
         mixer_class("broken")
+    job = load_job(REPO / "jobs" / "quickstart.yaml", ["student.mixer=toy_decay", "student.options.initial_decay=0.8"])
+    assert job.student.mixer == "toy_decay" and job.student.options["initial_decay"] == 0.8
+    with pytest.raises(ConfigError, match="Unknown mixer 'broken' at student.mixer.*failed to load: entry point"):
+        load_job(REPO / "jobs" / "quickstart.yaml", ["student.mixer=broken"])
 
 
 def test_entry_points_load_once_on_first_lookup_and_a_broken_one_is_named(tmp_path, monkeypatch):
