@@ -96,10 +96,11 @@ def test_a_mixer_from_an_entry_point_is_listed_and_passes_the_check(tmp_path, mo
     for attr in ("_classes", "_origins", "_failed"):  # as a fresh process: the built-ins only, entry points unread
         monkeypatch.setattr(MIXERS, attr, {k: v for k, v in getattr(MIXERS, attr).items() if k in MIXERS.builtins})
     monkeypatch.setattr(MIXERS, "_entry_points_loaded", False)
-    with pytest.warns(RuntimeWarning, match="entry point 'broken = no_such_module_anywhere:Mixer', package broken-plugin"):
+    with pytest.warns(RuntimeWarning, match="'broken = no_such_module_anywhere:Mixer', package broken-plugin 0.1"):
         assert main(["mixers"]) == 0
     listing = capsys.readouterr().out
-    assert "toy_decay  (plug-in: entry point 'toy_decay = toy_mixer:ToyDecay', package harness-toy-mixer 0.1.0)" in listing
+    toy = "toy_decay  (plug-in: entry point 'toy_decay = toy_mixer:ToyDecay', package harness-toy-mixer 0.1.0)"
+    assert toy in listing
     assert "initial_decay = 0.9: gamma of every head at step 0" in listing
     assert "broken  (plug-in NOT loaded: entry point 'broken = no_such_module_anywhere:Mixer'" in listing
     assert "ModuleNotFoundError" in listing

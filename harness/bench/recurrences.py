@@ -42,21 +42,21 @@ SHAPES = {  # SmolLM2 attention head layouts (the student keeps the teacher's qu
 }
 
 
-
-
 def kernel_cases() -> dict[str, KernelCase]:
     """mixer name -> its kernel case, for every registered mixer that declares one (the cases, named after their
     mixers). Its `variants` are the routes measured: "auto", what kernel_gated_delta / kernel_mlstm pick, and the
     alternative fla routes for the same recurrence (fallbacks if "auto" turns out wrong or slow on a machine)."""
     return {name: cls.kernel_case for name, cls in MIXERS.items() if cls.kernel_case is not None}
+
+
 # Relative-error limits ||kernel - ref|| / ||ref||. bf16 has a 2^-8 = 3.9e-3 relative step; fla keeps
 # intermediate chunk states and the WY / intra-chunk factors in bf16 and accumulates in fp32, so outputs and
 # states land at a few 1e-3 (fla's own tests allow 5e-3 .. 1e-2 against fp32 references at T <= 2048).
 # Gradients pass through more bf16 round trips (dh states, dv) -> 2e-2. Gate gradients (dg, dbeta, di, df)
 # are reductions over K of products of q*dq - k*dk with cancellation and reverse cumulative sums over T, so
-# their relative error is larger -> 4e-2. A case may widen them (`KernelCase.tolerances`). The mLSTM's: mlstm_kernels
-# (chunkwise--triton_limit_chunk) at T = 2048, H200, three seeds: h 0.79-1.1e-2, df 4.0-4.3e-2 (all else
-# <= 8.5e-3). Not input rounding: the same kernel on fp32 inputs is no closer (h 1.2-1.6e-2, dq 2.4-4.3e-2), so it
+# their relative error is larger -> 4e-2. A case may widen them (`KernelCase.tolerances`). The mLSTM's:
+# mlstm_kernels (chunkwise--triton_limit_chunk) at T = 2048, H200, three seeds: h 0.79-1.1e-2, df 4.0-4.3e-2 (all
+# else <= 8.5e-3). Not input rounding: the same kernel on fp32 inputs is no closer (h 1.2-1.6e-2, dq 2.4-4.3e-2), so it
 # is the kernel's own arithmetic; h divides by the normaliser max(|q.n|, exp(-m)), which magnifies it where that is
 # small. Behind the layer's per-head norm the kernel stays within 2x the bf16 floor (tests/gpu/test_mixer_layers.py,
 # docs/KERNELS.md), so those limits document the raw kernel, not a defect.
@@ -280,9 +280,10 @@ def recurrence_header(B: int) -> dict:
 LAYOUT_OF_SHAPE = {"135M": "smollm2-135m", "360M": "smollm2-360m", "1.7B": "smollm2-1.7b"}  # harness bench --shape
 
 
-def measure_errors(out_dir, shapes=("smollm2-135m", "smollm2-1.7b"), cases=None, B: int = 4, Ts=(2048,), variants: str = "all",
-                   reps: int = 10, max_seconds: float = float("inf"), seed: int = 0, timing: bool = True,
-                   device: str = "cuda", on_row: Optional[Callable[[dict], None]] = None) -> dict:
+def measure_errors(out_dir, shapes=("smollm2-135m", "smollm2-1.7b"), cases=None, B: int = 4, Ts=(2048,),
+                   variants: str = "all", reps: int = 10, max_seconds: float = float("inf"), seed: int = 0,
+                   timing: bool = True, device: str = "cuda",
+                   on_row: Optional[Callable[[dict], None]] = None) -> dict:
     """Errors and times for every (shape, T, case, variant) (cases None: every kernel case); writes
     kernel_report.json / .md under out_dir (None: write nothing). `on_row(row)` is called after each measurement."""
     cases = tuple(kernel_cases()) if cases is None else cases

@@ -124,9 +124,9 @@ def max_gap(a: torch.Tensor, b: torch.Tensor) -> float:
 
 # ---------------------------------------------------------------------------------------------------- properties
 def chunked_equals_step(subject: Subject) -> Outcome:
-    """Layer 0's mixer (reference backend) on x `[2, 13, hidden]` at once (chunks of 8 unless the options say) vs token by token from its state:
-    |y_chunk - y_step| <= 1e-5 + 1e-4 |y_step| everywhere, and every parameter's gradient of sum(y^2) within 1e-4
-    relative (and None on both paths or on neither)."""
+    """Layer 0's mixer (reference backend) on x `[2, 13, hidden]` at once (chunks of 8 unless the options say) vs
+    token by token from its state: |y_chunk - y_step| <= 1e-5 + 1e-4 |y_step| everywhere, and every parameter's
+    gradient of sum(y^2) within 1e-4 relative (and None on both paths or on neither)."""
     student = subject.student()
     mixer = student.model.layers[0].mixer
     x = torch.randn(2, 13, student.config.hidden_size, generator=torch.Generator().manual_seed(subject.seed + 1))
