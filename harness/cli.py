@@ -4,16 +4,15 @@ from __future__ import annotations
 
 import argparse
 import sys
-import textwrap
 from typing import Optional
 
 from harness.config import ConfigError
 
 DESCRIPTION = """\
 Linearize a pretrained Transformer (Llama, Mistral, Qwen2, Qwen3): replace the attention blocks of a
-teacher with a linear-time mixer (linear_attn, retnet, gla, deltanet, gated_deltanet, kda, mlstm) -
-every block, or all but those a hybrid keeps (student.attention_layers) - and train the student by
-per-layer alignment and distillation.
+teacher with a linear-time mixer (`harness mixers` lists them: gated_deltanet, kda, mlstm, ... and
+plug-ins) - every block, or all but those a hybrid keeps (student.attention_layers) - and train the
+student by per-layer alignment and distillation.
 
 A job is a YAML file (see jobs/); any field can be overridden on the command line with a dotted
 key=value, e.g.
@@ -284,9 +283,9 @@ def build_parser() -> argparse.ArgumentParser:
     transfer.add_argument("--per-layer", action="store_true", help="Print (and write) the per-layer rows too.")
     transfer.set_defaults(handler=cmd_transfer)
 
-    mixers = sub.add_parser("mixers", help="List the seven mixers and their options.",
-                            description="List the mixers and each one's options with defaults and descriptions.")
-    mixers.set_defaults(handler=cmd_mixers)
+    from harness.mixers.cli import add_parser as add_mixers_parser
+
+    add_mixers_parser(sub)
 
     from harness.eval.cli import add_parsers as add_eval_parsers
     from harness.bench.cli import add_parser as add_bench_parser
@@ -652,18 +651,6 @@ def _merge_ranking(job, measure: str) -> int:
 def _show_ranking(merged) -> int:
     print(merged.with_suffix(".md").read_text(), end="")
     print(f"\n[harness] wrote {merged} and {merged.with_suffix('.md')}")
-    return 0
-
-
-def cmd_mixers(args: argparse.Namespace) -> int:
-    from harness.mixers import MIXERS, describe_options
-
-    for name, cls in MIXERS.items():
-        doc = (sys.modules[cls.__module__].__doc__ or "").strip().split("\n\n")[0]
-        print(f"{name}\n" + textwrap.indent(textwrap.fill(" ".join(doc.split()), 96), "    "))
-        for opt, default, help_text in describe_options(name):
-            print(textwrap.fill(f"{opt} = {default!r}: {help_text}", 110, initial_indent=" " * 6,
-                                subsequent_indent=" " * 10))
     return 0
 
 

@@ -52,8 +52,10 @@ STATE_FILE = "plain_engine.pt"
 
 
 def decays(name: str, param: nn.Parameter) -> bool:
-    """Whether AdamW weight decay applies: to matrices, not to norms, biases, A_log or dt_bias."""
-    return param.ndim >= 2 and "norm" not in name and name.rsplit(".", 1)[-1] not in ("A_log", "dt_bias")
+    """Whether AdamW weight decay applies: to matrices, not to norms, biases, or parameters marked
+    `_no_weight_decay` (`harness.mixers.no_weight_decay`: each mixer marks its own, e.g. A_log and dt_bias, as fla's
+    layers do)."""
+    return param.ndim >= 2 and "norm" not in name and not getattr(param, "_no_weight_decay", False)
 
 
 def param_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:

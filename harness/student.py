@@ -33,7 +33,8 @@ from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm
 
 from harness.attention import FixedKVState, KVState, SoftmaxAttention
 from harness.layouts import GemmaRMSNorm, ScaledEmbedding, layer_rope, layer_rotary, model_rotary, norm_class, softcap
-from harness.mixers import Mixer, MixerShape, MixerState, mixer_class, mixer_options, resolved_options, saved_options
+from harness.mixers import (Mixer, MixerShape, MixerState, mixer_class, mixer_options, no_weight_decay,
+                            resolved_options, saved_options)
 from harness.teacher_families import (
     attention_layout,
     check_teacher_config,
@@ -386,6 +387,18 @@ class HarnessForCausalLM(HarnessPreTrainedModel, GenerationMixin):
         self.model = HarnessModel(config)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.post_init()
+        self.no_weight_decay_names = frozenset(name for name, p in self.named_parameters()
+                                               if getattr(p, "_no_weight_decay", False))
+
+    @classmethod
+    def from_pretrained(cls, *args: Any, **kwargs: Any):
+        """transformers' loader, then the mixers' no-weight-decay marks (`harness.mixers.no_weight_decay`) back on
+        the parameters: the loader puts new Parameter objects in place of those the model was built with."""
+        loaded = super().from_pretrained(*args, **kwargs)
+        model = loaded[0] if isinstance(loaded, tuple) else loaded  # output_loading_info=True: (model, info)
+        for name in model.no_weight_decay_names:
+            no_weight_decay(model.get_parameter(name))
+        return loaded
 
     def enable_recompute(self, fraction: float = 1.0) -> list[int]:
         """Gradient checkpointing of round(fraction x layers) blocks (at least one), spread evenly over the

@@ -1,6 +1,6 @@
-"""Write the study's job files: SmolLM2 135M / 360M / 1.7B x seven mixers at 3B tokens, and the 1.7B runs
+"""Write the study's job files: SmolLM2 135M / 360M / 1.7B x the built-in mixers at 3B tokens, and the 1.7B runs
 at 10B tokens (jobs/study/, Slurm); and the small study (jobs/study-small/, issue #10): the SmolLM2-135M-Instruct
-GGUF teacher, whole, on the embedded corpus at 6M tokens, one H200 per job, the seven mixers plus a second seed
+GGUF teacher, whole, on the embedded corpus at 6M tokens, one H200 per job, the built-in mixers plus a second seed
 of linear_attn. Run from the repository root: python scripts/make_study_jobs.py (both folders are rewritten).
 docs/STUDY.md says how to run them."""
 
@@ -11,7 +11,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the harness of this checkout
 
-MIXERS = ["linear_attn", "retnet", "gla", "deltanet", "gated_deltanet", "kda", "mlstm"]
+from harness.mixers import MIXERS as REGISTERED  # noqa: E402
+
+MIXERS = list(REGISTERED.builtins)  # the built-in mixers in their order; plug-ins installed here are not the study's
 # teacher hub id, micro-batch per GPU at 2048 tokens, gradient accumulation (8 GPUs: 0.5M tokens per step)
 SCALES = {
     "135m": ("HuggingFaceTB/SmolLM2-135M", 16, 2),

@@ -55,6 +55,8 @@ def real(row_logits, n: int, side: str):
     return row_logits[-n:] if side == "left" else row_logits[:n]
 
 
+# every mixer without RoPE; with RoPE a sample (a per-channel gate, a delta rule with its convolution, the mLSTM),
+# which a new mixer need not join
 MIXER_CASES = [(m, False) for m in sorted(MIXERS)] + [(m, True) for m in ("gla", "gated_deltanet", "mlstm")]
 
 

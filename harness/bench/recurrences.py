@@ -1,6 +1,7 @@
 """The recurrence bench: GPU kernels vs the PyTorch reference, for every recurrence case of docs/RECURRENCES.md:
 relative errors of outputs, final states and input gradients, and forward(+backward) times, for each fla route
-of a case. Needs CUDA, fla and mlstm_kernels.
+of a case. Needs CUDA, fla and mlstm_kernels. A case is a registered mixer that declares its `kernel_case`
+(harness.mixers.kernel_case: its route and its inputs), named after the mixer.
 
     harness bench --what recurrences --shape 135M,1.7B --mixer all --kernel-batch 4 --seq 2048 --out DIR/bench.json
     python -m harness.bench.recurrences --out DIR [--shapes smollm2-135m,smollm2-1.7b] [--cases all]
@@ -30,7 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from harness.bench.kernels import median_ms
-from harness.mixers import kernels, recurrence
+from harness.mixers import MIXERS, KernelCase, kernels, recurrence
 
 CUDA = torch.device("cuda")
 
@@ -39,37 +40,32 @@ SHAPES = {  # SmolLM2 attention head layouts (the student keeps the teacher's qu
     "smollm2-360m": dict(H=15, K=64, V=64),
     "smollm2-1.7b": dict(H=32, K=64, V=64),
 }
-DELTA_CASES = ("linear_attn", "retnet", "gla", "deltanet", "gated_deltanet", "kda")
-CASES = DELTA_CASES + ("mlstm",)
-# Routes measured per case: "auto" is what kernel_gated_delta / kernel_mlstm pick; the others are the
-# alternative fla routes for the same recurrence (fallbacks if "auto" turns out wrong or slow on a machine).
-VARIANTS = {
-    "linear_attn": ("auto", "gla"),
-    "retnet": ("auto", "simple_gla", "gla"),
-    "gla": ("auto",),
-    "deltanet": ("auto", "gated_delta_rule"),
-    "gated_deltanet": ("auto", "kda"),
-    "kda": ("auto",),
-    "mlstm": ("auto",),
-}
+
+
+def kernel_cases() -> dict[str, KernelCase]:
+    """mixer name -> its kernel case, for every registered mixer that declares one (the cases, named after their
+    mixers). Its `variants` are the routes measured: "auto", what kernel_gated_delta / kernel_mlstm pick, and the
+    alternative fla routes for the same recurrence (fallbacks if "auto" turns out wrong or slow on a machine)."""
+    return {name: cls.kernel_case for name, cls in MIXERS.items() if cls.kernel_case is not None}
+
+
 # Relative-error limits ||kernel - ref|| / ||ref||. bf16 has a 2^-8 = 3.9e-3 relative step; fla keeps
 # intermediate chunk states and the WY / intra-chunk factors in bf16 and accumulates in fp32, so outputs and
 # states land at a few 1e-3 (fla's own tests allow 5e-3 .. 1e-2 against fp32 references at T <= 2048).
 # Gradients pass through more bf16 round trips (dh states, dv) -> 2e-2. Gate gradients (dg, dbeta, di, df)
 # are reductions over K of products of q*dq - k*dk with cancellation and reverse cumulative sums over T, so
-# their relative error is larger -> 4e-2.
-TOL = {"out": 1e-2, "state": 1e-2, "grad": 2e-2, "gate_grad": 4e-2}
+# their relative error is larger -> 4e-2. A case may widen them (`KernelCase.tolerances`). The mLSTM's:
 # mlstm_kernels (chunkwise--triton_limit_chunk) at T = 2048, H200, three seeds: h 0.79-1.1e-2, df 4.0-4.3e-2 (all
-# else <= 8.5e-3). Not input rounding: the same kernel on fp32 inputs is no closer (h 1.2-1.6e-2, dq 2.4-4.3e-2),
-# so it is the kernel's own arithmetic; h divides by the normaliser max(|q.n|, exp(-m)), which magnifies it where
-# that is small. Behind the layer's per-head norm the kernel stays within 2x the bf16 floor
-# (tests/gpu/test_mixer_layers.py, docs/KERNELS.md), so these limits document the raw kernel, not a defect.
-CASE_TOL = {"mlstm": {"out": 1.5e-2, "gate_grad": 5e-2}}
+# else <= 8.5e-3). Not input rounding: the same kernel on fp32 inputs is no closer (h 1.2-1.6e-2, dq 2.4-4.3e-2), so it
+# is the kernel's own arithmetic; h divides by the normaliser max(|q.n|, exp(-m)), which magnifies it where that is
+# small. Behind the layer's per-head norm the kernel stays within 2x the bf16 floor (tests/gpu/test_mixer_layers.py,
+# docs/KERNELS.md), so those limits document the raw kernel, not a defect.
+TOL = {"out": 1e-2, "state": 1e-2, "grad": 2e-2, "gate_grad": 4e-2}
 GATE_NAMES = ("g", "beta", "i", "f")
 
 
 def tol_for(name: str, case: Optional[str] = None) -> float:
-    tol = {**TOL, **CASE_TOL.get(case, {})}
+    tol = {**TOL, **(kernel_cases()[case].tolerances if case in kernel_cases() else {})}
     if name in ("o", "h"):
         return tol["out"]
     if name.startswith("state"):
@@ -82,12 +78,13 @@ def tol_for(name: str, case: Optional[str] = None) -> float:
 # ---------------------------------------------------------------------------------------------- inputs
 def make_inputs(case: str, B: int, T: int, H: int, K: int, V: int, *, device="cuda", seed: int = 0,
                 with_state: bool = False, dtype=torch.bfloat16) -> dict:
-    """Leaf tensors for one case with realistic distributions (see the mixer layers):
-    linear_attn q, k = elu + 1 (scale 1, the layer's default with its normaliser); retnet / gla / mlstm
-    raw q, k ~ N(0, 1) (scale K^-0.5); delta cases L2-normalised q, k; beta = sigmoid(N(0, 1));
-    per-head g = -exp(A) * softplus(x + dt_bias) (Gated DeltaNet: A ~ U(0, 16), dt ~ LogU(1e-3, 0.1),
-    x ~ N(0, 0.5^2)); per-channel g = logsigmoid(N(0, 1)) / 16 (GLA); retnet g = log(1 - 2^(-5-h)) as an
-    expanded constant; mLSTM i = 15 tanh((2 N - 3) / 15), f = 15 tanh((N + 4.5) / 15)."""
+    """Leaf tensors for one case (a mixer with a kernel case) with realistic distributions, as its
+    `KernelCase` says (see the mixer layers): features elu1: q, k = elu + 1 (scale 1, linear attention's default
+    with its normaliser); raw: q, k ~ N(0, 1) (scale K^-0.5); l2: L2-normalised q, k; beta = sigmoid(N(0, 1));
+    gate head: g = -exp(A) * softplus(x + dt_bias) (Gated DeltaNet: A ~ U(0, 16), dt ~ LogU(1e-3, 0.1),
+    x ~ N(0, 0.5^2)); channel: g = logsigmoid(N(0, 1)) / 16 (GLA); head_const: g = log(1 - 2^(-5-h)) as an
+    expanded constant (RetNet); mLSTM i = 15 tanh((2 N - 3) / 15), f = 15 tanh((N + 4.5) / 15)."""
+    spec = kernel_cases()[case]
     gen = torch.Generator(device="cpu").manual_seed(seed)
 
     def randn(*shape, std=1.0):
@@ -97,31 +94,31 @@ def make_inputs(case: str, B: int, T: int, H: int, K: int, V: int, *, device="cu
         return x.to(dt).detach().requires_grad_(True)
 
     q, k, v = randn(B, T, H, K), randn(B, T, H, K), randn(B, T, H, V)
-    x = dict(case=case, g=None, beta=None, scale=K ** -0.5)
-    if case == "linear_attn":
+    x = dict(case=case, recurrence=spec.recurrence, g=None, beta=None, scale=K ** -0.5)
+    if spec.features == "elu1":
         q, k = F.elu(q) + 1, F.elu(k) + 1
         x["scale"] = 1.0
-    elif case in ("deltanet", "gated_deltanet", "kda"):
+    elif spec.features == "l2":
         q, k = F.normalize(q, dim=-1), F.normalize(k, dim=-1)
     x["q"], x["k"], x["v"] = leaf(q, dtype), leaf(k, dtype), leaf(v, dtype)
-    if case == "retnet":
+    if spec.gate == "head_const":
         heads = torch.arange(H, dtype=torch.float32, device=device)
         x["g"] = torch.log1p(-torch.pow(2.0, -5.0 - heads)).expand(B, T, H)  # constant, no grad
-    elif case == "gated_deltanet":
+    elif spec.gate == "head":
         A = torch.rand(H, generator=gen).to(device) * 16
         dt = torch.exp(torch.rand(H, generator=gen) * (math.log(0.1) - math.log(1e-3)) + math.log(1e-3)).to(device)
         dt_bias = dt + torch.log(-torch.expm1(-dt))
         x["g"] = leaf(-A * F.softplus(randn(B, T, H, std=0.5) + dt_bias), torch.float32)
-    elif case in ("gla", "kda"):
+    elif spec.gate == "channel":
         x["g"] = leaf(F.logsigmoid(randn(B, T, H, K)) / 16, torch.float32)
-    if case in ("deltanet", "gated_deltanet", "kda"):
+    if spec.beta:
         x["beta"] = leaf(torch.sigmoid(randn(B, T, H)), torch.float32)
-    if case == "mlstm":
+    if spec.recurrence == "mlstm":
         x["i"] = leaf(15 * torch.tanh((2 * randn(B, T, H) - 3) / 15), torch.float32)
         x["f"] = leaf(15 * torch.tanh((randn(B, T, H) + 4.5) / 15), torch.float32)
     x["h0"] = None
     if with_state:
-        if case == "mlstm":
+        if spec.recurrence == "mlstm":
             x["h0"] = (leaf(randn(B, H, K, V), torch.float32), leaf(randn(B, H, K), torch.float32),
                        leaf(randn(B, H), torch.float32))
         else:
@@ -161,7 +158,7 @@ def upcast(x: dict) -> dict:
 # ---------------------------------------------------------------------------------------------- runners
 def run_kernel(x: dict, variant: str = "auto"):
     """-> (out, state tuple) through the kernel path; variant "auto" or an fla route name."""
-    if x["case"] == "mlstm":
+    if x["recurrence"] == "mlstm":
         h, (c, n, m) = kernels.kernel_mlstm(x["q"], x["k"], x["v"], x["i"], x["f"], scale=x["scale"],
                                             initial_state=x["h0"])
         return h, (c, n, m)
@@ -174,7 +171,7 @@ def run_kernel(x: dict, variant: str = "auto"):
 
 
 def run_reference(x: dict):
-    if x["case"] == "mlstm":
+    if x["recurrence"] == "mlstm":
         h, (c, n, m) = recurrence.chunk_mlstm(x["q"], x["k"], x["v"], x["i"], x["f"], scale=x["scale"],
                                               initial_state=x["h0"])
         return h, (c, n, m)
@@ -188,7 +185,7 @@ def loss_of(x: dict, out, states) -> torch.Tensor:
     mLSTM: <LayerNorm_head(h), do>, as the layer uses h: mlstm_kernels' backward drops the normaliser's
     gradient, which is exact only behind such a scale-invariant norm, and it does not support gradients
     into the final state (kernel_mlstm refuses them)."""
-    if x["case"] == "mlstm":
+    if x["recurrence"] == "mlstm":
         return (F.layer_norm(out.float(), (out.shape[-1],), eps=1e-6) * x["do"]).sum()
     return (out.float() * x["do"]).sum() + (states[0].float() * x["dS"]).sum()
 
@@ -218,9 +215,9 @@ def compare(x: dict, variant: str = "auto") -> dict:
     out_k, st_k, gr_k = forward_backward(run_kernel, x, variant)
     ref = upcast(x)
     out_r, st_r, gr_r = forward_backward(run_reference, ref)
-    name = "h" if x["case"] == "mlstm" else "o"
+    name = "h" if x["recurrence"] == "mlstm" else "o"
     errs = {name: rel_err(out_k, out_r)}
-    state_names = ("state_C", "state_n", "state_m") if x["case"] == "mlstm" else ("state",)
+    state_names = ("state_C", "state_n", "state_m") if x["recurrence"] == "mlstm" else ("state",)
     for n, a, b in zip(state_names, st_k, st_r):
         errs[n] = rel_err(a, b)
     for n in gr_k:
@@ -268,7 +265,7 @@ def time_case(x: dict, variant: str, reps: int) -> dict:
 
 # ---------------------------------------------------------------------------------------------- report
 def selected_route(x: dict, variant: str) -> str:
-    if x["case"] == "mlstm":
+    if x["recurrence"] == "mlstm":
         return kernels.MLSTM_KERNEL
     if variant != "auto":
         return variant
@@ -283,11 +280,13 @@ def recurrence_header(B: int) -> dict:
 LAYOUT_OF_SHAPE = {"135M": "smollm2-135m", "360M": "smollm2-360m", "1.7B": "smollm2-1.7b"}  # harness bench --shape
 
 
-def measure_errors(out_dir, shapes=("smollm2-135m", "smollm2-1.7b"), cases=CASES, B: int = 4, Ts=(2048,), variants: str = "all",
-                   reps: int = 10, max_seconds: float = float("inf"), seed: int = 0, timing: bool = True,
-                   device: str = "cuda", on_row: Optional[Callable[[dict], None]] = None) -> dict:
-    """Errors and times for every (shape, T, case, variant); writes kernel_report.json / .md under out_dir (None:
-    write nothing). `on_row(row)` is called after each measurement."""
+def measure_errors(out_dir, shapes=("smollm2-135m", "smollm2-1.7b"), cases=None, B: int = 4, Ts=(2048,),
+                   variants: str = "all", reps: int = 10, max_seconds: float = float("inf"), seed: int = 0,
+                   timing: bool = True, device: str = "cuda",
+                   on_row: Optional[Callable[[dict], None]] = None) -> dict:
+    """Errors and times for every (shape, T, case, variant) (cases None: every kernel case); writes
+    kernel_report.json / .md under out_dir (None: write nothing). `on_row(row)` is called after each measurement."""
+    cases = tuple(kernel_cases()) if cases is None else cases
     if out_dir is not None:
         out_dir = Path(out_dir)
         out_dir.mkdir(parents=True, exist_ok=True)
@@ -297,7 +296,7 @@ def measure_errors(out_dir, shapes=("smollm2-135m", "smollm2-1.7b"), cases=CASES
         dims = SHAPES[shape]
         for T in Ts:
             for case in cases:
-                for variant in (VARIANTS[case] if variants == "all" else ("auto",)):
+                for variant in (kernel_cases()[case].variants if variants == "all" else ("auto",)):
                     row = {"shape": shape, "H": dims["H"], "K": dims["K"], "V": dims["V"], "B": B, "T": T,
                            "case": case, "variant": variant}
                     if time.time() - t_start > max_seconds:
@@ -391,7 +390,7 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", required=True, help="output directory")
     p.add_argument("--shapes", default="smollm2-135m,smollm2-1.7b", help=f"comma list of {', '.join(SHAPES)}")
-    p.add_argument("--cases", default="all", help=f"comma list of {', '.join(CASES)} or all")
+    p.add_argument("--cases", default="all", help=f"comma list of {', '.join(kernel_cases())} or all")
     p.add_argument("--B", type=int, default=4)
     p.add_argument("--T", default="2048", help="sequence length(s), comma list")
     p.add_argument("--variants", default="all", choices=("all", "auto"), help="all routes per case, or the default")
@@ -403,9 +402,10 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         print("needs CUDA", file=sys.stderr)
         return 2
-    cases = CASES if a.cases == "all" else tuple(a.cases.split(","))
+    every_case = tuple(kernel_cases())
+    cases = every_case if a.cases == "all" else tuple(a.cases.split(","))
     shapes = tuple(a.shapes.split(","))
-    for name, pool in (("case", CASES), ("shape", SHAPES)):
+    for name, pool in (("case", every_case), ("shape", SHAPES)):
         bad = [c for c in (cases if name == "case" else shapes) if c not in pool]
         if bad:
             p.error(f"unknown {name}(s) {bad}; valid: {', '.join(pool)}")

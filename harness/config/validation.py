@@ -22,8 +22,10 @@ def validate(job: JobConfig) -> None:
 
     check_fields(job)
     if job.student.mixer not in MIXERS:
+        failed = MIXERS.failed().get(job.student.mixer)
+        why = f" It is a plug-in that failed to load: {failed}." if failed else ""
         raise ConfigError(
-            f"Unknown mixer '{job.student.mixer}' at student.mixer. Valid mixers: {', '.join(MIXERS)}."
+            f"Unknown mixer '{job.student.mixer}' at student.mixer. Valid mixers: {', '.join(MIXERS)}.{why}"
         )
     try:
         mixer_options(job.student.mixer, job.student.options)

@@ -1,27 +1,40 @@
-"""The seven linear-time token mixers, by name. `MIXERS[name]` is the layer class."""
+"""The linear-time token mixers, by name. `MIXERS[name]` is the layer class: the built-in mixers below, in this
+order, then plug-ins (`register_mixer`, or an installed package's entry point in the group `harness.mixers`;
+harness.mixers.registry, docs/MIXERS.md)."""
 
 from __future__ import annotations
 
 from dataclasses import asdict, fields
 from typing import Any, Mapping
 
-from harness.mixers.base import Mixer, MixerOptions, MixerShape, MixerState
+from harness.mixers.base import Mixer, MixerOptions, MixerShape, MixerState, no_weight_decay
 from harness.mixers.deltanet import DeltaNet
 from harness.mixers.gated_deltanet import GatedDeltaNet
 from harness.mixers.gla import GLA
 from harness.mixers.kda import KDA
+from harness.mixers.kernel_case import KernelCase
 from harness.mixers.linear_attn import LinearAttention
 from harness.mixers.mlstm import MLSTM
+from harness.mixers.registry import MixerRegistry
 from harness.mixers.retnet import RetNet
 
-MIXERS: dict[str, type[Mixer]] = {
-    cls.name: cls for cls in (LinearAttention, RetNet, GLA, DeltaNet, GatedDeltaNet, KDA, MLSTM)
-}
+MIXERS: MixerRegistry = MixerRegistry(
+    cls for cls in (LinearAttention, RetNet, GLA, DeltaNet, GatedDeltaNet, KDA, MLSTM)
+)
+
+
+def register_mixer(name: str, cls: type[Mixer]) -> type[Mixer]:
+    """Make `cls` (a `Mixer` subclass) the mixer `name` in this process: every function that takes a mixer name
+    finds it. For every command (each stage runs in a process of its own), declare it as an entry point instead
+    (docs/MIXERS.md). A ValueError names what is wrong: the name's form, a name taken by another class, a class that
+    is no Mixer."""
+    return MIXERS.register(name, cls)
 
 
 def mixer_class(name: str) -> type[Mixer]:
+    """The class of mixer `name`; a ValueError lists the valid names (and a failed plug-in's error)."""
     if name not in MIXERS:
-        raise ValueError(f"unknown mixer '{name}'; valid mixers: {', '.join(MIXERS)}")
+        raise MIXERS.unknown_name_error(name)
     return MIXERS[name]
 
 
@@ -59,5 +72,6 @@ def describe_options(name: str) -> list[tuple[str, Any, str]]:
     return [(f.name, f.default, f.metadata.get("help", "")) for f in fields(mixer_class(name).Options)]
 
 
-__all__ = ["LEGACY_OPTION_VALUES", "MIXERS", "Mixer", "MixerOptions", "MixerShape", "MixerState", "mixer_class",
-           "mixer_options", "describe_options", "resolved_options", "saved_options"]
+__all__ = ["LEGACY_OPTION_VALUES", "MIXERS", "KernelCase", "Mixer", "MixerOptions", "MixerShape", "MixerState",
+           "mixer_class", "mixer_options", "describe_options", "no_weight_decay", "register_mixer", "resolved_options",
+           "saved_options"]

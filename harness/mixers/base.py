@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from harness.layouts import layer_rope, norm_class
+from harness.mixers.kernel_case import KernelCase
 from harness.mixers.kernels import resolve_backend
 from harness.mixers.ops import apply_rope, expand_kv, l2norm, rotate_half_rope
 from harness.mixers.window import WindowCache, window_attention
@@ -164,6 +165,8 @@ class Mixer(nn.Module):
 
     name: ClassVar[str]
     Options: ClassVar[type[MixerOptions]] = MixerOptions
+    # its recurrence on the kernel backend, for the recurrence bench and the GPU kernel tests (None: no kernel case)
+    kernel_case: ClassVar[Optional[KernelCase]] = None
 
     def __init__(self, shape: MixerShape, options: MixerOptions, layer_idx: int = 0):
         super().__init__()
@@ -340,6 +343,13 @@ class Mixer(nn.Module):
     def new_parameter_names(cls) -> tuple[str, ...]:
         """Parameter-name prefixes that are not copied from the teacher."""
         return ()
+
+
+def no_weight_decay(param: nn.Parameter) -> nn.Parameter:
+    """Mark `param` as one AdamW does not decay (`harness.plain_engine.decays`), as fla's layers mark theirs with
+    `_no_weight_decay`; returns it. The student keeps the marks across `from_pretrained`."""
+    param._no_weight_decay = True
+    return param
 
 
 class HeadRMSNorm(nn.Module):

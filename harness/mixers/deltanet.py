@@ -8,11 +8,13 @@ from torch import nn
 
 from harness.mixers.base import ConvMixer, ConvOptions, HeadRMSNorm
 from harness.mixers.dispatch import delta_rule
+from harness.mixers.kernel_case import KernelCase
 
 
 class DeltaNet(ConvMixer):
     name = "deltanet"
     Options = ConvOptions
+    kernel_case = KernelCase(route="delta_rule", features="l2", beta=True, alternative_routes=("gated_delta_rule",))
 
     def __init__(self, shape, options, layer_idx=0):
         super().__init__(shape, options, layer_idx)

@@ -8,21 +8,25 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from harness.mixers.base import ConvMixer, GatedConvOptions, HeadRMSNorm, init_output_gate, mamba_dt_bias
+from harness.mixers.base import (ConvMixer, GatedConvOptions, HeadRMSNorm, init_output_gate, mamba_dt_bias,
+                                 no_weight_decay)
 from harness.mixers.dispatch import gated_delta_rule
+from harness.mixers.kernel_case import KernelCase
 
 
 class GatedDeltaNet(ConvMixer):
     name = "gated_deltanet"
     Options = GatedConvOptions
+    kernel_case = KernelCase(route="gated_delta_rule", features="l2", gate="head", beta=True,
+                             alternative_routes=("kda",))
 
     def __init__(self, shape, options, layer_idx=0):
         super().__init__(shape, options, layer_idx)
         h, inner = shape.num_heads, shape.num_heads * shape.head_dim
         self.a_proj = nn.Linear(shape.hidden_size, h, bias=False)
         self.b_proj = nn.Linear(shape.hidden_size, h, bias=False)
-        self.A_log = nn.Parameter(torch.log(torch.empty(h).uniform_(0, 16)))
-        self.dt_bias = nn.Parameter(mamba_dt_bias(h))
+        self.A_log = no_weight_decay(nn.Parameter(torch.log(torch.empty(h).uniform_(0, 16))))
+        self.dt_bias = no_weight_decay(nn.Parameter(mamba_dt_bias(h)))
         self.g_proj = nn.Linear(shape.hidden_size, inner, bias=True)  # the open gate's constant
         self.o_norm = HeadRMSNorm(shape.head_dim, activation="silu")
 

@@ -11,6 +11,7 @@ from torch import nn
 
 from harness.mixers.base import GateOptions, HeadRMSNorm, Mixer, init_output_gate
 from harness.mixers.dispatch import gated_linear_attention
+from harness.mixers.kernel_case import KernelCase
 
 
 @dataclass
@@ -22,6 +23,7 @@ class GLAOptions(GateOptions):
 class GLA(Mixer):
     name = "gla"
     Options = GLAOptions
+    kernel_case = KernelCase(route="gla", gate="channel")
 
     def __init__(self, shape, options, layer_idx=0):
         super().__init__(shape, options, layer_idx)

@@ -9,21 +9,24 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from harness.mixers.base import ConvMixer, GatedConvOptions, HeadRMSNorm, init_output_gate, mamba_dt_bias
+from harness.mixers.base import (ConvMixer, GatedConvOptions, HeadRMSNorm, init_output_gate, mamba_dt_bias,
+                                 no_weight_decay)
 from harness.mixers.dispatch import kimi_delta_rule
+from harness.mixers.kernel_case import KernelCase
 
 
 class KDA(ConvMixer):
     name = "kda"
     Options = GatedConvOptions
+    kernel_case = KernelCase(route="kda", features="l2", gate="channel", beta=True)
 
     def __init__(self, shape, options, layer_idx=0):
         super().__init__(shape, options, layer_idx)
         h, d, inner = shape.num_heads, shape.head_dim, shape.num_heads * shape.head_dim
         self.f_proj = nn.Sequential(nn.Linear(shape.hidden_size, d, bias=False), nn.Linear(d, inner, bias=False))
         self.b_proj = nn.Linear(shape.hidden_size, h, bias=False)
-        self.A_log = nn.Parameter(torch.log(torch.empty(h).uniform_(1, 16)))
-        self.dt_bias = nn.Parameter(mamba_dt_bias(inner))
+        self.A_log = no_weight_decay(nn.Parameter(torch.log(torch.empty(h).uniform_(1, 16))))
+        self.dt_bias = no_weight_decay(nn.Parameter(mamba_dt_bias(inner)))
         self.g_proj = nn.Sequential(nn.Linear(shape.hidden_size, d, bias=False), nn.Linear(d, inner, bias=True))
         self.o_norm = HeadRMSNorm(d, activation="sigmoid")
 

@@ -13,6 +13,7 @@ import torch.nn.functional as F
 
 from harness.mixers.base import Mixer, MixerOptions
 from harness.mixers.dispatch import linear_attention
+from harness.mixers.kernel_case import KernelCase
 
 FEATURE_MAPS = {
     "elu": lambda x: F.elu(x) + 1.0,
@@ -35,6 +36,7 @@ class LinearAttnOptions(MixerOptions):
 class LinearAttention(Mixer):
     name = "linear_attn"
     Options = LinearAttnOptions
+    kernel_case = KernelCase(route="simple_gla", features="elu1", alternative_routes=("gla",))
 
     def score_features(self, q, k):
         phi = FEATURE_MAPS[self.options.feature_map]

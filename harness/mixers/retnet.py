@@ -8,11 +8,13 @@ from torch import nn
 
 from harness.mixers.base import GateOptions, HeadRMSNorm, Mixer, init_output_gate
 from harness.mixers.dispatch import retention
+from harness.mixers.kernel_case import KernelCase
 
 
 class RetNet(Mixer):
     name = "retnet"
     Options = GateOptions
+    kernel_case = KernelCase(route="simple_gla_gamma", gate="head_const", alternative_routes=("simple_gla", "gla"))
 
     def __init__(self, shape, options, layer_idx=0):
         super().__init__(shape, options, layer_idx)

@@ -231,7 +231,7 @@ def student_state_dict(group: nn.ModuleDict, stage: str) -> dict[str, torch.Tens
 
 
 def param_groups(group: nn.ModuleDict, weight_decay: float) -> list[dict[str, Any]]:
-    """AdamW groups per layer: decay on matrices, none on norms, biases, A_log and dt_bias."""
+    """AdamW groups per layer: decay where `decays` says (matrices), none on the rest."""
     out = []
     for key, module in group.items():
         decay, plain = [], []

@@ -22,7 +22,11 @@ if _reason is not None:
 
 
 from harness.bench import recurrences as R  # noqa: E402
+
 B = 4
+CASES = tuple(R.kernel_cases())  # every registered mixer that declares a kernel case, plug-ins too
+DELTA_CASES = tuple(n for n, case in R.kernel_cases().items() if case.recurrence == "gated_delta")
+WITH_ALTERNATIVES = tuple(n for n, case in R.kernel_cases().items() if case.alternative_routes)
 # (shape, T): both head layouts at T = 2048, and the small one at T = 1000 (not a multiple of 64).
 GRID = [("smollm2-135m", 2048), ("smollm2-135m", 1000), ("smollm2-1.7b", 2048)]
 
@@ -34,7 +38,7 @@ def _assert_within(errs: dict, what: str, case: str) -> None:
 
 
 @pytest.mark.parametrize("shape,T", GRID, ids=[f"{s}-T{t}" for s, t in GRID])
-@pytest.mark.parametrize("case", R.CASES)
+@pytest.mark.parametrize("case", CASES)
 def test_kernel_matches_reference(case, shape, T):
     """Output, final state and every input gradient of the default kernel route vs the float32 reference."""
     x = R.make_inputs(case, B, T, **R.SHAPES[shape], seed=1)
@@ -42,7 +46,7 @@ def test_kernel_matches_reference(case, shape, T):
     _assert_within(errs, f"{case} {shape} T={T} route={R.selected_route(x, 'auto')}", case)
 
 
-@pytest.mark.parametrize("case", R.CASES)
+@pytest.mark.parametrize("case", CASES)
 def test_initial_state_is_honoured(case):
     """With a random initial state (T = 1000): matches the reference, including the initial state's gradient,
     and differs from the run without it over the first chunk. (Over all 1000 tokens the state's share of
@@ -57,7 +61,7 @@ def test_initial_state_is_honoured(case):
     assert R.rel_err(with_state[:, :64], without[:, :64]) > 1e-2, "the initial state did not change the output"
 
 
-@pytest.mark.parametrize("case", R.CASES)
+@pytest.mark.parametrize("case", CASES)
 def test_state_passing_matches_one_pass(case):
     """Kernel on tokens [0, 600) then [600, 1000) from the first part's final state == one pass over 1000
     (split points not multiples of 64: exercises fla's partial chunks and the mLSTM padding)."""
@@ -74,19 +78,19 @@ def test_state_passing_matches_one_pass(case):
     with torch.no_grad():
         full_out, full_state = R.run_kernel(x)
         out1, state1 = part(slice(0, cut), None)
-        out2, state2 = part(slice(cut, None), state1 if case == "mlstm" else state1[0])
+        out2, state2 = part(slice(cut, None), state1 if x["recurrence"] == "mlstm" else state1[0])
     errs = {"o": R.rel_err(torch.cat([out1, out2], 1), full_out)}
     for n, a, b in zip(("C", "n", "m"), state2, full_state):
         errs[f"state_{n}"] = R.rel_err(a, b)
     _assert_within(errs, f"{case} split at {cut}", case)
 
 
-@pytest.mark.parametrize("case", ["retnet", "linear_attn", "deltanet", "gated_deltanet"])
+@pytest.mark.parametrize("case", WITH_ALTERNATIVES)
 def test_alternative_routes_match_reference(case):
     """The fallback fla routes (other kernels for the same recurrence) are right too, so that switching a
     route with HARNESS_FLA_ROUTES is safe. A route fla refuses on this machine is skipped with its message."""
     x = R.make_inputs(case, B, 1000, **R.SHAPES["smollm2-135m"], seed=4)
-    for variant in R.VARIANTS[case][1:]:
+    for variant in R.kernel_cases()[case].alternative_routes:
         try:
             errs = R.compare(x, variant)
         except RuntimeError as exc:
@@ -96,7 +100,7 @@ def test_alternative_routes_match_reference(case):
         _assert_within(errs, f"{case} via {variant}", case)
 
 
-@pytest.mark.parametrize("case", R.DELTA_CASES)
+@pytest.mark.parametrize("case", DELTA_CASES)
 def test_route_selection_on_this_machine(case):
     """Every default route runs forward and backward here (no refusal by fla's Hopper guard). One case per test
     so that each can run (and fail) alone: the first call in a fresh process compiles every kernel it touches."""

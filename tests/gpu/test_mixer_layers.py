@@ -43,9 +43,13 @@ def test_kernel_layer_matches_reference(name, layout, seq):
     check_kernel_against_reference(name, LAYOUTS[layout], seq, {})
 
 
-OTHER_INITS = ([(n, {"qkv_activation": "silu"}) for n in ("deltanet", "gated_deltanet", "kda")]
-               + [(n, {"conv_init": "random"}) for n in ("deltanet", "gated_deltanet", "kda")]
-               + [(n, {"gate_init": "random"}) for n in ("retnet", "gla", "gated_deltanet", "kda", "mlstm")])
+def _having(option: str) -> list[str]:
+    return [name for name in MIXERS if option in mixer_options(name).__dataclass_fields__]
+
+
+OTHER_INITS = ([(n, {"qkv_activation": "silu"}) for n in _having("qkv_activation")]
+               + [(n, {"conv_init": "random"}) for n in _having("conv_init")]
+               + [(n, {"gate_init": "random"}) for n in _having("gate_init")])
 
 
 @pytest.mark.parametrize("name, options", OTHER_INITS)

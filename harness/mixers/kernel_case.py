@@ -1,0 +1,58 @@
+"""What a mixer's recurrence is on the kernel backend, declared by the mixer class (`Mixer.kernel_case`): the kernel
+route it reaches, and the inputs with which the recurrence bench (`harness bench --what recurrences`,
+harness/bench/recurrences.py) and the GPU kernel tests check that route against the PyTorch reference. A mixer
+without one (None) runs no kernel of its own there: the bench and those tests leave it out."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Mapping, Optional
+
+from harness.mixers.kernels import MLSTM_KERNEL, ROUTES
+
+RECURRENCES = ("gated_delta", "mlstm")
+# How q and k reach the recurrence: raw ~N(0, 1) with scale K^-0.5; elu1, elu + 1 with scale 1 (linear attention's
+# feature map and normaliser); l2, L2-normalised with scale K^-0.5 (the delta rules)
+FEATURES = ("raw", "elu1", "l2")
+# The decay g of the gated-delta recurrence (harness.mixers.kernels' cases): none; head_const, a constant per
+# head (RetNet's log(1 - 2^(-5-h))); head, data-dependent per head (-exp(A) softplus(x + dt_bias), Mamba2-style);
+# channel, data-dependent per key channel (logsigmoid(x) / 16)
+GATES = (None, "head_const", "head", "channel")
+TOLERANCE_KEYS = ("out", "state", "grad", "gate_grad")
+
+
+@dataclass(frozen=True)
+class KernelCase:
+    """A mixer's recurrence on the kernel backend (see the module docstring)."""
+
+    route: str = field(metadata={"help": "The kernel its recurrence takes by default: an fla route of "
+                                 "harness.mixers.kernels.ROUTES, or kernels.MLSTM_KERNEL."})
+    recurrence: str = field(default="gated_delta", metadata={"help": "gated_delta (docs/RECURRENCES.md) or mlstm."})
+    features: str = field(default="raw", metadata={"help": "How q and k reach the recurrence: raw, elu1 or l2."})
+    gate: Optional[str] = field(default=None, metadata={"help": "The decay g: None, head_const, head or channel."})
+    beta: bool = field(default=False, metadata={"help": "Whether the recurrence takes the delta rule's beta."})
+    alternative_routes: tuple[str, ...] = field(
+        default=(), metadata={"help": "Other fla routes of the same recurrence, measured beside the default one "
+                              "(the fallbacks HARNESS_FLA_ROUTES may switch to)."})
+    tolerances: Mapping[str, float] = field(
+        default_factory=dict, metadata={"help": "Relative-error limits that differ from the bench's (keys out, "
+                                        "state, grad, gate_grad), with the measurement that justifies them."})
+
+    def __post_init__(self) -> None:
+        routes = (MLSTM_KERNEL,) if self.recurrence == "mlstm" else ROUTES
+        checks = (("recurrence", self.recurrence, RECURRENCES), ("features", self.features, FEATURES),
+                  ("gate", self.gate, GATES), ("route", self.route, routes))
+        for name, value, allowed in checks:
+            if value not in allowed:
+                raise ValueError(f"KernelCase {name}={value!r} is not one of {', '.join(map(repr, allowed))}")
+        bad = [r for r in self.alternative_routes if r not in ROUTES]
+        if bad:
+            raise ValueError(f"KernelCase alternative_routes {bad}: each must be one of {', '.join(ROUTES)}")
+        unknown = sorted(set(self.tolerances) - set(TOLERANCE_KEYS))
+        if unknown:
+            raise ValueError(f"KernelCase tolerances {unknown}: keys must be among {', '.join(TOLERANCE_KEYS)}")
+
+    @property
+    def variants(self) -> tuple[str, ...]:
+        """The routes the bench measures: "auto" (the default choice) and the alternatives."""
+        return ("auto", *self.alternative_routes)
