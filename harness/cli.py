@@ -331,11 +331,12 @@ def _add_job_args(p: argparse.ArgumentParser) -> None:
 
 
 def cmd_info(args: argparse.Namespace) -> int:
-    from harness.config import load_job, plan_stages, to_yaml
+    from harness.config import load_job, pipeline_stages, plan_stages, to_yaml
     from harness.preflight import preflight
 
     job = load_job(args.job, args.overrides)
-    preflight(job, writes_output=False)  # the pipeline's stages against the teacher's config; info writes nothing
+    # the pipeline's stages (with SFT when enabled) against the teacher's config; info writes nothing
+    preflight(job, writes_output=False, stages=pipeline_stages(job))
     print(to_yaml(job).rstrip())
     if args.explain:
         print("\n# fields")
@@ -352,15 +353,35 @@ def cmd_info(args: argparse.Namespace) -> int:
     print(f"  student ({job.student.mixer}{f', softmax attention kept in layers {where}' if spec else ''}): "
           f"{student_n:,}")
     print("\n# stage plan (tokens per step = micro_batch_size x grad_accum x seq_len, x deepspeed.world_size "
-          "for distill; every layer group of stages 1-2 sees its stage's tokens)")
+          "for distill and sft; every layer group of stages 1-2 sees its stage's tokens)")
     print(f"  {'stage':<14}{'tokens':>16}{'tokens/step':>14}{'steps':>10}{'warmup':>8}")
     for p in plan_stages(job):
         print(f"  {p.stage:<14}{p.tokens:>16,}{p.tokens_per_step:>14,}{p.steps:>10,}{p.warmup_steps:>8,}")
+    if job.stages.sft.enabled:
+        print(sft_plan_lines(job))
     if job.data.mix:
         from harness.data.mix import plan_summary
 
         print("\n" + plan_summary(job))
     return 0
+
+
+def sft_plan_lines(job) -> str:
+    """`harness info`'s rows for SFT after stage 3 (stages.sft.enabled): its plan (harness.config.plan_sft) or, without
+    stages.sft.tokens, one pass over the conversations; then what it reads and writes."""
+    from harness.config import plan_sft
+
+    p = plan_sft(job)
+    if p is None:
+        row = f"  {'sft':<14}one pass over the training conversations (the steps follow from the data)"
+    else:
+        row = f"  {'sft':<14}{p.tokens:>16,}{p.tokens_per_step:>14,}{p.steps:>10,}{p.warmup_steps:>8,}"
+    note = (f"sft, after stage 3: RUN_DIR/student tuned on the conversations of instructions.source="
+            f"{job.instructions.source} into RUN_DIR/student-sft"
+            + (", then evaluated beside the distilled student (RUN_DIR/eval-sft/)" if job.eval.enabled else "")
+            + (f"; a conversation takes at most instructions.seq_len={job.instructions.seq_len} tokens of a step's "
+               "row, so these steps are the fewest its tokens can take" if p is not None else ""))
+    return row + "\n" + textwrap.fill(note, 116, initial_indent="  (", subsequent_indent="   ") + ")"
 
 
 def _uses_mixed_corpus(job) -> bool:
