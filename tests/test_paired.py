@@ -352,3 +352,23 @@ def test_niah_plot_draws_each_run_and_each_teacher_folder_once_in_its_own_style(
     assert len({(line.get_color(), line.get_linestyle()) for line in lines}) == len(lines)
     styles = [tuple(run_line_style(i).values()) for i in range(30)]
     assert len(set(styles)) == 30  # colours repeat past ten runs, their dashes do not
+
+
+def test_side_by_side_pairs_two_evaluations_and_keeps_the_comparison_when_their_examples_differ(tmp_path):
+    """What the post-trained student's evaluation ends with (its spec's compare_to): both runs side by side with the
+    paired differences B - A, the same rows `paired_report` gives; runs scored on different examples are still shown
+    side by side, without differences, and the reason is written under them."""
+    runs = tmp_path / "runs"
+    a, b = make_run(runs, "run-a", STUDENT_A, NIAH_A), make_run(runs, "run-b", STUDENT_B, NIAH_B, ppl=30.0)
+    written, why = paired.side_by_side(a / "eval", b / "eval", tmp_path / "cmp")
+    saved = json.loads((tmp_path / "cmp" / "comparison.json").read_text())
+    assert why is None and written == tmp_path / "cmp" / "comparison.md"
+    assert [r["label"] for r in saved["runs"]] == ["run-a", "run-b"]
+    assert saved["paired"] == json.loads(json.dumps([paired.paired_report(_loaded(a), _loaded(b))]))
+    assert "### run-b (B) - run-a (A)" in written.read_text()
+    other = make_run(runs, "run-c", STUDENT_B, NIAH_B, seed=7)
+    written, why = paired.side_by_side(a / "eval", other / "eval", tmp_path / "cmp2")
+    assert "NIAH seed (0 against 7)" in why
+    assert "paired" not in json.loads((tmp_path / "cmp2" / "comparison.json").read_text())
+    text = written.read_text()
+    assert text.endswith(f"No paired differences: {why}\n") and "## Paired differences" not in text

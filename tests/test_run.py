@@ -14,7 +14,7 @@ from omegaconf import OmegaConf
 from transformers import AutoModelForCausalLM
 
 import harness  # noqa: F401  (registers the student classes)
-from tests.pipeline import tiny_job
+from tests.pipeline import make_setting, tiny_job
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -176,3 +176,85 @@ def test_a_rerun_with_other_eval_settings_rewrites_the_spec_so_the_evaluation_ru
     assert spec.stat().st_mtime == 1  # the same settings: left as it was
     refresh_eval_spec(tiny_job(tmp_path, out, "eval.limit=8"))
     assert spec.stat().st_mtime > 1 and "limit: 8" in spec.read_text()
+
+
+def test_run_with_post_training_runs_sft_and_both_evaluations_and_resumes_after_a_kill_inside_sft(tmp_path):
+    """stages.sft.enabled: `harness run` goes on after stage 3 and its evaluation to SFT, the post-trained student's
+    evaluation (the teacher's results shared with the first) and the two students side by side with paired
+    differences. SFT is killed (SIGKILL) right after its first checkpoint: the run fails, and the rerun skips
+    everything finished and resumes SFT from that checkpoint (each step logged once) to the end."""
+    import signal
+    import time
+
+    from transformers import AutoTokenizer
+
+    from tests.test_sft import TEMPLATE, conversations
+
+    root = tmp_path / "setting"
+    teacher_dir, _ = make_setting(root)
+    tokenizer = AutoTokenizer.from_pretrained(teacher_dir)  # an instruct teacher: its tokenizer has a chat template
+    tokenizer.chat_template = TEMPLATE
+    tokenizer.save_pretrained(teacher_dir)
+    chats = tmp_path / "chats.jsonl"
+    chats.write_text("".join(json.dumps({"messages": m}) + "\n" for m in conversations(160, seed=3)))
+    out = tmp_path / "run"
+    job = tiny_job(root, out, "name=tiny", "budget.split=[0.1,0.1,0.8]", "run.layer_groups=1",
+                   "run.parallel_groups=1", "data.validation_tokens=128", "run.checkpoint_every_tokens=256",
+                   "stages.sft.enabled=true", f"instructions.source={chats}", "instructions.seq_len=96",
+                   "instructions.validation_conversations=8", "stages.sft.micro_batch_size=2", "stages.sft.lr=3e-3",
+                   "stages.sft.tokens=800", "eval.enabled=true", "eval.tasks=[]", "eval.copy=null",
+                   "eval.niah.lengths=[256]", "eval.niah.depths=[0.5]", "eval.niah.kinds=[kv]",
+                   "eval.niah.samples=1", "eval.perplexity_tokens=64", total=640)
+    job_path = tmp_path / "job.yaml"
+    job_path.write_text(OmegaConf.to_yaml(OmegaConf.structured(job)))
+
+    pauses, log = tmp_path / "pauses", tmp_path / "first.log"
+    pauses.mkdir()
+    env = {**os.environ, "PYTHONPATH": str(REPO), "HARNESS_FAILPOINTS": "checkpoint.saved=pause@1",
+           "HARNESS_FAILPOINTS_ONLY": "stage sft", "HARNESS_FAILPOINTS_DIR": str(pauses)}
+    env.pop("HARNESS_PREEMPT_FILE", None)
+    with open(log, "w") as handle:
+        first = subprocess.Popen([sys.executable, "-m", "harness.cli", "run", str(job_path)], cwd=REPO, env=env,
+                                 stdout=handle, stderr=subprocess.STDOUT)
+    try:
+        marker, deadline = pauses / "checkpoint.saved", time.time() + 600
+        while not marker.exists():
+            assert first.poll() is None and time.time() < deadline, log.read_text()[-3000:]
+            time.sleep(0.1)
+        assert (out / "eval" / "report.json").is_file()  # SFT comes after the distilled student's evaluation
+        os.kill(int(marker.read_text()), signal.SIGKILL)  # the SFT process, paused right after its checkpoint
+        assert first.wait(timeout=120) == 1
+    finally:
+        if first.poll() is None:
+            first.kill()
+    output = log.read_text()
+    assert "sft failed (exit -9)" in output, output[-3000:]
+    saved = [int(p.name.split("-")[1]) for p in (out / "sft" / "checkpoints").glob("step-*")]
+    assert saved and not (out / "student-sft").exists()
+
+    second = harness_cli("run", str(job_path))
+    assert second.returncode == 0, second.stdout[-3000:] + second.stderr[-3000:]
+    for done in ("merge", "distill", "eval"):
+        assert f"{done}: already complete" in second.stdout
+    steps = [json.loads(line)["step"] for line in (out / "sft" / "metrics.jsonl").read_text().splitlines()
+             if "loss" in json.loads(line)]
+    complete = json.loads((out / "sft" / "checkpoints" / "COMPLETE.json").read_text())
+    assert max(saved) < complete["meta"]["step"]  # killed inside SFT, before its last step
+    assert steps == list(range(1, complete["meta"]["step"] + 1))  # resumed from the checkpoint: nothing redone
+    timings = [(t["part"], t["outcome"])
+               for t in map(json.loads, (out / "logs" / "timings.jsonl").read_text().splitlines())]
+    assert timings[:6] == [("align_mixer", "done"), ("align_hidden", "done"), ("merge", "done"), ("distill", "done"),
+                           ("eval", "done"), ("sft", "failed")]
+    assert timings[-2:] == [("sft", "done"), ("eval-sft", "done")]
+
+    after = json.loads((out / "eval-sft" / "report.json").read_text())
+    assert Path(after["student_dir"]) == (out / "eval-sft" / "student").resolve()
+    assert Path(after["teacher_dir"]) == (out / "eval" / "teacher").resolve()  # the teacher was scored once
+    assert not (out / "eval-sft" / "teacher").exists() and after["label"] == "tiny-sft"
+    comparison = (out / "eval-sft" / "comparison" / "comparison.md").read_text()
+    assert "### tiny-sft (B) - tiny (A)" in comparison and "| NIAH exact match, overall | 1 |" in comparison
+    assert "No paired differences" not in comparison
+    pairs = json.loads((out / "eval-sft" / "comparison" / "comparison.json").read_text())["paired"]
+    assert [r["label"] for r in json.loads((out / "eval-sft" / "comparison" / "comparison.json").read_text())["runs"]] \
+        == ["tiny", "tiny-sft"] and pairs[0]["shared_teacher"]
+    assert "before and after side by side" in second.stdout

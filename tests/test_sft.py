@@ -465,3 +465,37 @@ def test_a_run_of_skipped_steps_stops_sft(setting, tmp_path, one_process_group, 
     with pytest.raises(TooManySkippedSteps, match="2 optimizer steps in a row.*up to step 2"):
         sft_stage.sft(job)
     assert not (tmp_path / "skips" / "student-sft").exists()
+
+
+def test_the_135m_post_training_pairs_are_their_study_jobs_but_for_sft_or_stage_3_on_instructions():
+    """jobs/sft-50m (issue 53, item 5), as scripts/make_sft_jobs.py writes them: per mixer, (a) is the 50M study job
+    (same run directory and evaluation) with SFT after stage 3; (b) is that job with stage 3 on the chat data, at the
+    same stage-3 tokens, in its own run directory."""
+    import importlib.util
+    import sys
+
+    from harness.config import pipeline_stages, plan_stages
+
+    sys.path.insert(0, str(REPO / "scripts"))
+    try:
+        spec = importlib.util.spec_from_file_location("make_sft_jobs", REPO / "scripts" / "make_sft_jobs.py")
+        gen = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(gen)
+    finally:
+        sys.path.remove(str(REPO / "scripts"))
+    folder = REPO / "jobs" / "sft-50m"
+    assert {p.name: p.read_text() for p in folder.glob("*.yaml")} == gen.post_training_50m_jobs()
+    for mixer in ("gated_deltanet", "gla", "linear_attn"):
+        base = load_job(REPO / "jobs" / "study-small-50m" / f"smollm2-135m-{mixer}-50m.yaml")
+        tuned = load_job(folder / f"smollm2-135m-{mixer}-50m-sft.yaml")
+        instruct = load_job(folder / f"smollm2-135m-{mixer}-50m-instruct.yaml")
+        for key in ("name", "output_dir", "teacher", "student", "data", "budget", "deepspeed", "run", "eval"):
+            assert getattr(tuned, key) == getattr(base, key), (mixer, key)
+        for stage in ("align_mixer", "align_hidden", "distill"):
+            assert getattr(tuned.stages, stage) == getattr(base.stages, stage), (mixer, stage)
+        assert pipeline_stages(tuned)[-1] == "sft" and tuned.stages.sft.tokens is None  # one pass
+        assert instruct.output_dir == f"{base.output_dir}-instruct" and instruct.stages.distill.data == "instructions"
+        assert not instruct.stages.sft.enabled and instruct.instructions.allow_repeat
+        assert instruct.eval == base.eval and instruct.student == base.student and instruct.teacher == base.teacher
+        assert instruct.budget == base.budget and instruct.stages.distill.tokens is None  # the same stage-3 tokens
+        assert [p.tokens for p in plan_stages(instruct)] == [p.tokens for p in plan_stages(base)]

@@ -104,3 +104,21 @@ def test_rank_nonzero_checks_but_never_writes(tmp_path, monkeypatch):
     check_settings(job_at(tmp_path / "run"), PIPELINE)
     assert not (tmp_path / "run" / "settings").exists()
     assert not has_reusable_work(tmp_path / "run", "distill")
+
+
+def test_turning_post_training_on_reuses_a_finished_pipeline_and_adds_sft_to_the_checked_stages(tmp_path):
+    """stages.sft.enabled says whether the pipeline goes on to SFT, not how anything is computed: a finished run
+    rerun with it on is accepted, and its SFT settings are then recorded and checked like every stage's."""
+    from harness.stage_settings import pipeline_of
+
+    run = tmp_path / "run"
+    check_settings(job_at(run), pipeline_of(job_at(run)))
+    for stage in PIPELINE:
+        finish(run, stage)
+    tuned = job_at(run, "stages.sft.enabled=true")
+    assert pipeline_of(job_at(run)) == PIPELINE and pipeline_of(tuned) == (*PIPELINE, "sft")
+    check_settings(tuned, pipeline_of(tuned))
+    assert record_path(run, "sft").is_file() and is_free("stages.sft.enabled") and not is_free("stages.sft.lr")
+    finish(run, "sft")
+    with pytest.raises(ConfigError, match=r"sft differs in stages.sft.lr \(5e-05 recorded, 0.001 now\)"):
+        check_settings(job_at(run, "stages.sft.enabled=true", "stages.sft.lr=1e-3"), pipeline_of(tuned))

@@ -44,3 +44,30 @@ fi
 def test_status_of_a_missing_run_exits_2(tmp_path, capsys):
     assert main(["status", str(tmp_path / "nope")]) == 2
     assert "does not exist" in capsys.readouterr().err
+
+
+def test_status_knows_post_training_and_its_evaluation(tmp_path, capsys):
+    """SFT is listed once it started or a run with stages.sft.enabled recorded its settings; its evaluation once its
+    spec is there, complete with its report and the comparison with the distilled student's."""
+    run = tmp_path / "run"
+    (run / "settings").mkdir(parents=True)
+    assert main(["status", str(run)]) == 0
+    assert "sft" not in capsys.readouterr().out
+    (run / "settings" / "sft.json").write_text("{}")
+    assert main(["status", str(run)]) == 0
+    assert "  sft                          not started" in capsys.readouterr().out
+    (run / "sft").mkdir()
+    (run / "sft" / "metrics.jsonl").write_text(json.dumps({"step": 3, "tokens": 900}) + "\n")
+    (run / "eval-sft.yaml").write_text("{}")
+    assert main(["status", str(run)]) == 0
+    out = capsys.readouterr().out
+    assert "  sft                          in progress, 900 tokens" in out
+    assert "  eval-sft                     not started" in out
+    (run / "sft" / "checkpoints").mkdir()
+    (run / "sft" / "checkpoints" / "COMPLETE.json").write_text("{}")
+    (run / "eval-sft" / "comparison").mkdir(parents=True)
+    (run / "eval-sft" / "report.json").write_text("{}")
+    assert main(["status", str(run)]) == 0
+    out = capsys.readouterr().out
+    assert "  sft                          complete, 900 tokens" in out
+    assert "  eval-sft                     complete" in out

@@ -141,6 +141,58 @@ def test_finished_stages_are_left_out(job_and_path):
     assert plan_jobs(job, str(path), [], SlurmOptions(nodes=2, gpus_per_node=4)) == []
 
 
+def test_post_training_follows_the_stage_3_evaluation_and_its_own_evaluation_follows_it(job_and_path, tmp_path,
+                                                                                       monkeypatch):
+    """stages.sft.enabled: SFT launched as stage 3 (--nodes x --gpus-per-node processes) after the stage-3
+    evaluation, then the post-trained student's evaluation, each afterok on the one before; finished ones left out."""
+    from harness.checkpoint import CheckpointManager
+
+    job, path = job_and_path
+    job.stages.sft.enabled = True
+    out = Path(job.output_dir)
+    opts = SlurmOptions(nodes=2, gpus_per_node=4)
+    planned = plan_jobs(job, str(path), [], opts, python="python3")
+    assert [p.stage for p in planned] == ["align_mixer", "align_hidden", "merge", "distill", "eval", "sft", "eval_sft"]
+    distill, sft, evaluation, after = (next(p.script for p in planned if p.stage == s)
+                                       for s in ("distill", "sft", "eval", "eval_sft"))
+    assert "#SBATCH --job-name=job-distill" in distill and "# Stage 3 on 2 node(s) x 4 process(es)" in distill
+    assert "#SBATCH --job-name=job-sft" in sft and "/sft-%j.log" in sft and "#SBATCH --nodes=2" in sft
+    assert "--nnodes=2 --nproc_per_node=4" in sft and f"-m harness.cli stage sft {path.resolve()}" in sft
+    assert "stage distill" not in sft and "# SFT (post-training of RUN_DIR/student) on 2 node(s)" in sft
+    assert "#SBATCH --job-name=job-eval\n" in evaluation and "The evaluation job on the distilled student" in evaluation
+    assert "#SBATCH --job-name=job-eval_sft" in after and "/eval_sft-%j.log" in after
+    assert f"-m harness.cli eval job {(out / 'eval-sft.yaml').resolve()}" in after
+    assert "#SBATCH --gpus-per-node=1" in after and "#SBATCH --nodes=1" in after
+    graph = dependency_graph(planned)
+    assert "sft after eval succeeds" in graph and "eval_sft after sft succeeds" in graph
+
+    records_of = recording_sbatch(tmp_path, monkeypatch, first_id=200)
+    submit(job, planned)
+    assert [r["argv"][1] for r in records_of()][-2:] == ["--dependency=afterok:204", "--dependency=afterok:205"]
+
+    CheckpointManager(out / "distill" / "checkpoints").mark_complete({"steps": 1}, collective=False)
+    (out / "merged").mkdir(parents=True)
+    (out / "merged" / "MERGE.json").write_text("{}")
+    for stage in ("align_mixer", "align_hidden"):
+        for group in ("layers-00-01", "layers-02-03"):
+            CheckpointManager(out / stage / group).mark_complete({"steps": 1}, collective=False)
+            (out / stage / group / "weights.safetensors").write_text("")
+    for spec, results in (("eval.yaml", ["eval/report.json"]),
+                          ("eval-sft.yaml", ["eval-sft/report.json", "eval-sft/comparison/comparison.json"])):
+        (out / spec).write_text("{}")
+        for result in results:
+            (out / result).parent.mkdir(parents=True, exist_ok=True)
+            (out / result).write_text("{}")
+    assert [(p.stage, p.depends_on) for p in plan_jobs(job, str(path), [], opts)] == [("sft", None),
+                                                                                      ("eval_sft", "sft")]
+    CheckpointManager(out / "sft" / "checkpoints").mark_complete({"steps": 1}, collective=False)
+    assert plan_jobs(job, str(path), [], opts) == []  # everything finished (the SFT evaluation's reports too)
+    (out / "eval-sft" / "comparison" / "comparison.json").unlink()  # the comparison missing: evaluated again
+    assert [(p.stage, p.depends_on) for p in plan_jobs(job, str(path), [], opts)] == [("eval_sft", None)]
+    job.eval.enabled = False
+    assert plan_jobs(job, str(path), [], opts) == []
+
+
 def test_dry_run_shows_what_is_submitted(job_and_path, tmp_path, capsys, monkeypatch):
     job, path = job_and_path
     args = ["submit", str(path), "--nodes", "2", "--gpus-per-node", "4", "--partition", "gpu"]

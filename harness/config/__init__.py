@@ -10,11 +10,13 @@ loads a model.
                 ConfigError, the choice helpers (choice_of_field, bad_choice)
     models      teacher: and student: (TeacherConfig, StudentConfig; 'auto:K' attention layers)
     data        data: and instructions: (DataConfig, MixSourceConfig, InstructionsConfig)
-    training    budget: and stages: (BudgetConfig, StageConfig, AlignConfig, DistillConfig, SftConfig, STAGES)
+    training    budget: and stages: (BudgetConfig, StageConfig, AlignConfig, DistillConfig, SftConfig, STAGES,
+                POST_TRAINING)
     runtime     deepspeed: and run: (DeepSpeedConfig, RunConfig)
     evaluation  eval: (EvalConfig, NiahConfig, DuringConfig, the copy and state probes' CopyConfig, StateConfig)
     job         JobConfig, the sections together
-    planning    the token-to-step plan (plan_stages, requested_tokens, reads_instructions)
+    planning    the token-to-step plan (plan_stages, plan_sft, requested_tokens, reads_instructions) and the stages
+                a job's pipeline runs (pipeline_stages)
     validation  validate: the checks that tie fields together or need the data, the mixers or the file system
     loading     load_job (YAML + overrides), whole_numbers, field_help, to_yaml
 
@@ -30,20 +32,22 @@ from harness.config.job import JobConfig
 from harness.config.loading import field_help, load_job, to_yaml, whole_numbers
 from harness.config.models import (AUTO_LAYERS, RANK_MEASURES, StudentConfig, TeacherConfig, auto_layer_count,
                                    auto_layer_measure)
-from harness.config.planning import StagePlan, plan_stages, reads_instructions, requested_tokens
+from harness.config.planning import (StagePlan, pipeline_stages, plan_sft, plan_stages, reads_instructions,
+                                     requested_tokens)
 from harness.config.runtime import DeepSpeedConfig, RunConfig
-from harness.config.training import (ALIGN_LOSSES, DISTILL_LOSSES, PER_LAYER, SPLIT, STAGES, AlignConfig, BudgetConfig,
-                                     DistillConfig, LossTermConfig, SftConfig, StageConfig, StagesConfig)
+from harness.config.training import (ALIGN_LOSSES, DISTILL_LOSSES, PER_LAYER, POST_TRAINING, SPLIT, STAGES,
+                                     AlignConfig, BudgetConfig, DistillConfig, LossTermConfig, SftConfig, StageConfig,
+                                     StagesConfig)
 from harness.config.validation import validate
 
 __all__ = [
     "ALIGN_LOSSES", "AUTO_LAYERS", "DISTILL_LOSSES", "DISTRACTORS", "FRACTION", "PER_LAYER", "POSITIVE",
-    "RANK_MEASURES", "SPLIT", "STAGES", "AlignConfig", "BudgetConfig", "ConfigError", "CopyConfig", "CopyError",
-    "DataConfig", "DeepSpeedConfig", "DistillConfig", "DuringConfig", "EvalConfig", "InstructionsConfig",
-    "JobConfig", "LossTermConfig", "MixSourceConfig", "NiahConfig", "Rule", "RunConfig", "SftConfig", "StageConfig",
-    "StagePlan", "StagesConfig", "StateConfig", "StudentConfig", "TeacherConfig", "at_least_zero",
-    "auto_layer_count", "auto_layer_measure", "bad_choice", "check_eval", "check_fields", "choice_of_field",
-    "default_copy_settings", "default_positions", "described", "each", "field_help", "keys_under", "load_job",
-    "plan_stages", "reads_instructions", "requested_tokens", "to_yaml", "unwrap_optional", "validate",
-    "whole_numbers", "without_index",
+    "POST_TRAINING", "RANK_MEASURES", "SPLIT", "STAGES", "AlignConfig", "BudgetConfig", "ConfigError", "CopyConfig",
+    "CopyError", "DataConfig", "DeepSpeedConfig", "DistillConfig", "DuringConfig", "EvalConfig",
+    "InstructionsConfig", "JobConfig", "LossTermConfig", "MixSourceConfig", "NiahConfig", "Rule", "RunConfig",
+    "SftConfig", "StageConfig", "StagePlan", "StagesConfig", "StateConfig", "StudentConfig", "TeacherConfig",
+    "at_least_zero", "auto_layer_count", "auto_layer_measure", "bad_choice", "check_eval", "check_fields",
+    "choice_of_field", "default_copy_settings", "default_positions", "described", "each", "field_help",
+    "keys_under", "load_job", "pipeline_stages", "plan_sft", "plan_stages", "reads_instructions",
+    "requested_tokens", "to_yaml", "unwrap_optional", "validate", "whole_numbers", "without_index",
 ]

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 from harness.config.job import JobConfig
-from harness.config.training import STAGES, StageConfig
+from harness.config.training import POST_TRAINING, STAGES, StageConfig
 
 
 @dataclass
@@ -39,6 +40,26 @@ def plan_stages(job: JobConfig) -> list[StagePlan]:
         plans.append(StagePlan(stage, steps * per_step if steps else requested, per_step, steps,
                                int(steps * cfg.warmup_fraction)))
     return plans
+
+
+def pipeline_stages(job: JobConfig) -> tuple[str, ...]:
+    """The training stages `harness run` and `harness submit` run, in order: the three of the pretraining pipeline,
+    then SFT with stages.sft.enabled."""
+    return (*STAGES, POST_TRAINING) if job.stages.sft.enabled else STAGES
+
+
+def plan_sft(job: JobConfig) -> Optional[StagePlan]:
+    """SFT's plan with stages.sft.tokens, as stage 3 on instructions is planned: a step takes deepspeed.world_size x
+    micro_batch_size x grad_accum conversations of at most instructions.seq_len tokens, so these are the fewest steps
+    the budget can take (the stage counts its real steps from the tokenised conversations). None without
+    stages.sft.tokens: one pass over the training conversations, whose steps only the data can tell."""
+    cfg = job.stages.sft
+    if cfg.tokens is None:
+        return None
+    per_step = job.deepspeed.world_size * cfg.micro_batch_size * cfg.grad_accum * job.instructions.seq_len
+    steps = cfg.tokens // per_step
+    return StagePlan(POST_TRAINING, steps * per_step if steps else cfg.tokens, per_step, steps,
+                     int(steps * cfg.warmup_fraction))
 
 
 def requested_tokens(job: JobConfig, stage: str) -> int:

@@ -11,6 +11,7 @@ from harness.config.fields import FRACTION, POSITIVE, Rule, described
 from harness.config_choices import AlignLoss, DistillData, DistillLoss, Schedule
 
 STAGES = ("align_mixer", "align_hidden", "distill")  # the pretraining pipeline; `sft` is a post-training stage
+POST_TRAINING = "sft"  # the stage stages.sft.enabled appends to the pipeline
 PER_LAYER = STAGES[:2]  # the stages that train each layer on its own
 ALIGN_LOSSES = AlignLoss.values()  # the keys of harness.losses.ALIGNMENT_LOSSES
 SPLIT = Rule(lambda split: len(split) == 3 and min(split) >= 0 and math.isclose(sum(split), 1.0, abs_tol=1e-3),
@@ -130,6 +131,12 @@ class DistillConfig(StageConfig):
 
 @dataclass
 class SftConfig(StageConfig):
+    enabled: bool = described(
+        False, "Post-training as a stage of the pipeline: `harness run` and `harness submit` run SFT on the distilled "
+        "student (RUN_DIR/student) after stage 3 and its evaluation, then evaluate RUN_DIR/student-sft like the "
+        "student (RUN_DIR/eval-sft.yaml, with eval.enabled) beside it: before and after in one comparison with "
+        "paired differences (RUN_DIR/eval-sft/comparison/). false: SFT runs only as `harness stage sft`."
+    )
     lr: float = described(5e-5, "Peak learning rate.")
     schedule: Schedule = described(
         Schedule.cosine,
@@ -142,7 +149,8 @@ class SftConfig(StageConfig):
         "at the last whole step within it. null: one pass over the training conversations."
     )
     student: Optional[str] = described(
-        None, "The student to fine-tune (a Hugging Face folder); null: RUN_DIR/student, what stage 3 wrote."
+        None, "The student to fine-tune (a Hugging Face folder); null: RUN_DIR/student, what stage 3 wrote. Only for "
+        "`harness stage sft`: with `enabled` the pipeline tunes its own student."
     )
 
 
@@ -155,5 +163,7 @@ class StagesConfig:
     distill: DistillConfig = described(help="Stage 3: end-to-end distillation (CE + KL).", factory=DistillConfig)
     sft: SftConfig = described(
         help="Post-training: supervised fine-tuning of the student on `instructions` (CE on assistant tokens; "
-        "`harness stage sft`).", factory=SftConfig,
+        "`harness stage sft`, or after stage 3 in `harness run` / `harness submit` with stages.sft.enabled).",
+        factory=SftConfig,
     )
+

@@ -39,6 +39,7 @@ def validate(job: JobConfig) -> None:
     d = job.stages.distill
     _check_distill_losses(d)
     _check_instructions(job.instructions)
+    _check_post_training(job)
     _check_teacher_source(job.teacher.source)
     for plan in plan_stages(job):
         if plan.steps < 1 and not reads_instructions(job, plan.stage):  # conversation stages: checked on the data
@@ -47,6 +48,16 @@ def validate(job: JobConfig) -> None:
                 f"({plan.tokens_per_step} = world_size {job.deepspeed.world_size} x micro_batch_size x "
                 f"grad_accum x seq_len {job.data.seq_len}). Raise budget.total_tokens or shrink the batch."
             )
+
+
+def _check_post_training(job: JobConfig) -> None:
+    """SFT in the pipeline tunes the pipeline's own student, so it names no other."""
+    sft = job.stages.sft
+    if sft.enabled and sft.student:
+        raise ConfigError(f"stages.sft.enabled=true runs SFT on this pipeline's own student (RUN_DIR/student), but "
+                          f"stages.sft.student='{sft.student}' names another. Set stages.sft.student=null to tune the "
+                          "pipeline's student, or stages.sft.enabled=false and tune that student with `harness stage "
+                          "sft`.")
 
 
 def _check_attention_layers(layers: Any) -> None:

@@ -8,6 +8,8 @@ held-out perplexity, the NIAH grid, the chat samples, the lm-eval tasks. Results
     TEACHER_DIR/             the same for the teacher (TEACHER_DIR: see `teacher_results_dir`)
     OUTPUT_DIR/report.md     teacher recovery, NIAH by length, perplexity, ... (harness.eval.report)
     OUTPUT_DIR/report.json
+    OUTPUT_DIR/comparison/   with compare_to (the post-trained student's spec): that evaluation and this one side by
+                             side, with paired differences (harness.eval.paired.side_by_side)
 
 Everything resumes: each task keeps what it finished (NIAH samples and benchmark tasks already on disk are kept,
 perplexity is recomputed only if its settings changed); so a killed or preempted evaluation re-run with the same
@@ -27,7 +29,7 @@ from typing import Any, Optional, Sequence
 import torch
 
 from harness.eval.formatting import PERPLEXITY_FILE  # noqa: F401  (scripts/study_seed.py reads it from here)
-from harness.eval.spec import EvalSpec
+from harness.eval.spec import COMPARISON_DIR, EvalSpec
 from harness.eval.tasks import EvalTask, tasks, tasks_in_run_order
 from harness.files import file_lock
 
@@ -46,12 +48,15 @@ def resolve(spec: EvalSpec) -> tuple[torch.device, torch.dtype]:
 
 
 def teacher_results_dir(spec: EvalSpec) -> Path:
-    """Where the teacher's results go: TEACHER_CACHE/<name>-<key>, or OUTPUT_DIR/teacher without a cache.
+    """Where the teacher's results go: the spec's teacher_dir when it names one, else TEACHER_CACHE/<name>-<key>, or
+    OUTPUT_DIR/teacher without a cache.
 
     The key hashes what the teacher's numbers depend on beyond what each result file checks itself (NIAH
     samples are keyed by kind/length/depth, benchmark tasks by name): teacher, layers, dtype, limit, NIAH prose,
     prompt mode and perplexity text. Grids and task lists may differ between runs; the overlap is reused.
     """
+    if spec.teacher_dir is not None:
+        return Path(spec.teacher_dir)
     if spec.teacher_cache is None:
         return Path(spec.output_dir) / "teacher"
     digest = hashlib.sha256(json.dumps(teacher_cache_key(spec), sort_keys=True).encode()).hexdigest()[:12]
@@ -117,10 +122,11 @@ def run_eval_spec(spec: EvalSpec, *, progress: bool = True) -> dict:
     teacher_dir = None
     if spec.teacher:
         teacher_dir = teacher_results_dir(spec)
-        # a shared cache is filled by one evaluation at a time (the others then reuse what it wrote)
-        lock = file_lock(teacher_dir.with_name(teacher_dir.name + ".lock")) if spec.teacher_cache else nullcontext()
+        shared = spec.teacher_cache is not None or spec.teacher_dir is not None
+        # a shared folder is filled by one evaluation at a time (the others then reuse what it wrote)
+        lock = file_lock(teacher_dir.with_name(teacher_dir.name + ".lock")) if shared else nullcontext()
         on_teacher = [t for t in tasks_in_run_order() if t.runs_on("teacher")]
-        own = [t for t in on_teacher if not t.teacher_shared and t.wanted(spec)] if spec.teacher_cache else []
+        own = [t for t in on_teacher if not t.teacher_shared and t.wanted(spec)] if shared else []
         with lock:
             teacher, teacher_tokenizer = load_teacher_for(spec, device, dtype)
             evaluate_model(teacher, teacher_tokenizer, spec, teacher_dir, label="teacher", device=device,
@@ -132,4 +138,22 @@ def run_eval_spec(spec: EvalSpec, *, progress: bool = True) -> dict:
     report = build_report(out / "student", teacher_dir, label=spec.label, mixer=spec.mixer,
                           tasks=list(spec.tasks), lengths=list(spec.niah.lengths))
     write_report(report, out)
+    if spec.compare_to:
+        compare_with(Path(spec.compare_to), out)
     return report
+
+
+def compare_with(baseline: Path, out: Path) -> Optional[Path]:
+    """OUTPUT_DIR/comparison/: the evaluation in `baseline` (A) and this one (B) side by side, with their paired
+    differences B - A (harness.eval.paired.side_by_side); None, with a note, while `baseline` has no report."""
+    from harness.eval.paired import side_by_side
+    from harness.eval.report import REPORT_FILE
+
+    if not (baseline / REPORT_FILE).is_file():
+        print(f"[harness] no comparison with {baseline}: it has no {REPORT_FILE} yet; once it has, run this "
+              "evaluation again (its finished results are reused) to write the comparison", flush=True)
+        return None
+    written, why = side_by_side(baseline, out, out / COMPARISON_DIR)
+    print(f"[harness] comparison with {baseline}: {written}" + (f" (no paired differences: {why})" if why else ""),
+          flush=True)
+    return written

@@ -30,6 +30,8 @@ grid, seed, haystack, prompt mode and tokenizer).
     difference(a, b, stream=...)                         -> one metric's B - A with its paired interval
     paired_report(a, b)                                  -> {"a", "b", "rows", ...}; PairError if examples differ
     paired_markdown(pairs)                               -> the "Paired differences" section of comparison.md
+    side_by_side(a, b, out)                              -> two evaluations compared in out/, with B - A (the
+                                                            post-trained student's against the distilled one's)
 """
 
 from __future__ import annotations
@@ -299,6 +301,24 @@ def paired_report(a: RunResults, b: RunResults, samples: int = BOOTSTRAP_SAMPLES
             "rows": benchmark_rows(a, b, samples, seed)
                     + [row for task in tasks() for row in task.paired_rows(a, b, samples, seed)]
                     + training_rows(a, b)}
+
+
+def side_by_side(a: Path, b: Path, out: Path) -> tuple[Path, Optional[str]]:
+    """Two evaluations (RUN_DIR/eval-like folders with a report) side by side in `out` (report.compare: each with its
+    training losses where its run has them), with the paired differences B - A; when they were not scored on the same
+    examples, without them, the reason written under the comparison and returned."""
+    from harness.eval.report import attach_training, compare, find_report, with_heldout_window
+
+    reports = [attach_training(with_heldout_window(find_report(path), path), path) for path in (a, b)]
+    try:
+        pairs, why = [paired_report(load_run(a, reports[0]), load_run(b, reports[1]))], None
+    except PairError as err:
+        pairs, why = [], str(err)
+    written = compare(reports, out, pairs)
+    if why:
+        with open(written, "a") as f:
+            f.write(f"\nNo paired differences: {why}\n")
+    return written, why
 
 
 def _str(path: Optional[Path]) -> Optional[str]:

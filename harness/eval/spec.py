@@ -1,7 +1,9 @@
 """The evaluation job spec (`RUN_DIR/eval.yaml`): what `harness eval EVAL.yaml` runs on one student.
 
 Stage 3 writes it from the job's `eval:` section (`write_eval_spec`), next to the run's resolved job
-(`RUN_DIR/job.yaml`, which the held-out perplexity reads). It is a typed OmegaConf structure like the job
+(`RUN_DIR/job.yaml`, which the held-out perplexity reads); SFT writes `RUN_DIR/eval-sft.yaml` for the post-trained
+student the same way (`write_sft_eval_spec`: the same settings, the teacher's results shared, and a comparison with
+the distilled student's evaluation). It is a typed OmegaConf structure like the job
 config, so a hand-written or edited spec is validated the same way (`load_eval_spec`), and it may be
 overridden on the command line (`harness eval RUN/eval.yaml limit=20 niah.lengths=[256,512]`).
 
@@ -16,14 +18,14 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 import yaml
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from harness.config import (ConfigError, EvalConfig, JobConfig, NiahConfig, bad_choice, check_fields, choice_of_field,
-                            described)
+                            described, to_yaml)
 from harness.config_choices import Device, Dtype
 from harness.eval.tasks import describe_tasks, tasks
 
@@ -42,6 +44,16 @@ class EvalSpec:
     teacher_cache: Optional[str] = described(
         None, "Where the teacher's results are kept and shared between runs with the same teacher and settings; "
         "null: OUTPUT_DIR/teacher."
+    )
+    teacher_dir: Optional[str] = described(
+        None, "The teacher's result folder as it is (no key appended), shared with another evaluation of this run: "
+        "the post-trained student's spec names the distilled student's OUTPUT_DIR/teacher, so the teacher is scored "
+        "once for both; null: teacher_cache decides."
+    )
+    compare_to: Optional[str] = described(
+        None, "Another evaluation's OUTPUT_DIR to compare with (the post-trained student's spec names RUN_DIR/eval, "
+        "the distilled student's): after the report, both side by side with the paired differences this student - "
+        "that one, in OUTPUT_DIR/comparison/ (as `harness report A B --pairs A:B`); null: no comparison."
     )
     device: Device = described(Device.auto, "auto (cuda if available), cpu or cuda.")
     dtype: Dtype = described(Dtype.auto, "Weights' dtype for student and teacher: auto (bfloat16 on CUDA, float32 on "
@@ -118,6 +130,38 @@ def write_eval_spec(job: JobConfig, student_dir: Path) -> Path:
     path = run / "eval.yaml"
     path.write_text(OmegaConf.to_yaml(OmegaConf.structured(spec_from_job(job, student_dir, job_yaml))))
     return path
+
+
+SFT_EVAL_SPEC, SFT_EVAL_DIR = "eval-sft.yaml", "eval-sft"  # the post-trained student's spec and results
+COMPARISON_DIR = "comparison"  # OUTPUT_DIR/comparison: the spec's student beside compare_to's
+
+
+def sft_spec_from_job(job: JobConfig, student_dir: Path, job_yaml: Optional[Path] = None) -> EvalSpec:
+    """The spec of the post-trained student (RUN_DIR/student-sft): the job's `eval:` section, as for the distilled
+    student, labelled NAME-sft, results in RUN_DIR/eval-sft/; the teacher's results are those of the distilled
+    student's evaluation (the job's eval.teacher_cache, else RUN_DIR/eval/teacher), and the report is compared with
+    that evaluation's (compare_to: RUN_DIR/eval)."""
+    run = Path(job.output_dir).resolve()
+    spec = spec_from_job(job, student_dir, job_yaml)
+    spec.label, spec.output_dir, spec.compare_to = f"{job.name}-sft", str(run / SFT_EVAL_DIR), str(run / "eval")
+    if spec.teacher is not None and spec.teacher_cache is None:
+        spec.teacher_dir = str(run / "eval" / "teacher")
+    return spec
+
+
+def write_sft_eval_spec(job: JobConfig, student_dir: Path) -> Path:
+    """RUN_DIR/job-sft.yaml (the resolved job SFT ran with) and RUN_DIR/eval-sft.yaml (`sft_spec_from_job`)."""
+    run = Path(job.output_dir)
+    job_yaml = run / "job-sft.yaml"
+    job_yaml.write_text(to_yaml(job))
+    path = run / SFT_EVAL_SPEC
+    path.write_text(OmegaConf.to_yaml(OmegaConf.structured(sft_spec_from_job(job, student_dir, job_yaml))))
+    return path
+
+
+def results_current(spec: Path, results: Sequence[Path]) -> bool:
+    """Whether every file of `results` exists and is at least as new as the spec it was made from."""
+    return spec.is_file() and all(r.is_file() and r.stat().st_mtime >= spec.stat().st_mtime for r in results)
 
 
 def load_eval_spec(path: str | Path, overrides: Optional[list[str]] = None) -> EvalSpec:

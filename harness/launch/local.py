@@ -2,7 +2,10 @@
 
 Stages 1 and 2 run one process per layer group (run.layer_groups), run.parallel_groups at a time, each pinned
 to one GPU when there are GPUs; then the merge; then stage 3 as deepspeed.world_size processes under torchrun or
-the deepspeed launcher (run.launcher; gloo on CPU, nccl on GPUs); then, with eval.enabled, the evaluation job on RUN_DIR/eval.yaml. Every stage resumes from its newest valid checkpoint, so re-running the same
+the deepspeed launcher (run.launcher; gloo on CPU, nccl on GPUs); then, with eval.enabled, the evaluation job on
+RUN_DIR/eval.yaml; then, with stages.sft.enabled, SFT as stage 3 runs (its processes, its launcher) and, with
+eval.enabled, the evaluation of RUN_DIR/eval-sft.yaml, which ends with the distilled and the post-trained student side
+by side (RUN_DIR/eval-sft/comparison/). Every stage resumes from its newest valid checkpoint, so re-running the same
 command after a crash continues where it stopped. Each process's output goes to run_dir/logs/, and the wall time of
 each part to run_dir/logs/timings.jsonl.
 
@@ -104,7 +107,8 @@ def job_args(job_path: Optional[str], overrides: list[str]) -> list[str]:
 
 
 def run_pipeline(job: JobConfig, job_path: str, overrides: list[str]) -> Path:
-    """Run stages 1-3 (skipping complete ones) under the run lock and return the final student's directory."""
+    """Run stages 1-3 and their evaluation, then SFT and its evaluation with stages.sft.enabled (skipping complete
+    ones) under the run lock; return the distilled student's directory."""
     out = run_dir(job)
     (out / "logs").mkdir(parents=True, exist_ok=True)
     with supervised(out):
@@ -112,10 +116,10 @@ def run_pipeline(job: JobConfig, job_path: str, overrides: list[str]) -> Path:
 
 
 def _run_stages(job: JobConfig, job_path: str, overrides: list[str]) -> Path:
-    from harness.stage_settings import PIPELINE, check_settings
+    from harness.stage_settings import check_settings, pipeline_of
 
     out = run_dir(job)
-    check_settings(job, PIPELINE)  # under the run lock: what RUN_DIR holds must be this job's work
+    check_settings(job, pipeline_of(job))  # under the run lock: what RUN_DIR holds must be this job's work
     groups = job_layer_groups(job, default_count(job.run.layer_groups, 2))  # none holds a kept attention layer
     for stage in PER_LAYER_STAGES:
         with timed(job, stage, groups=len(groups), parallel=default_count(job.run.parallel_groups, 2),
@@ -124,7 +128,7 @@ def _run_stages(job: JobConfig, job_path: str, overrides: list[str]) -> Path:
     with timed(job, "merge"):
         run_merge(job, job_path, overrides)
     with timed(job, "distill", world=job.deepspeed.world_size):
-        run_distill(job, job_path, overrides)
+        run_training(job, "distill", job_path, overrides)
     print(loss_summary(job), flush=True)
     if job.eval.enabled:
         with timed(job, "eval"):
@@ -132,6 +136,12 @@ def _run_stages(job: JobConfig, job_path: str, overrides: list[str]) -> Path:
     if job.eval.enabled and job.eval.every_tokens:  # the evaluations along stage 3 that are still pending
         _run_logged(cli_command("eval", "marks", str(out), "--wait"), out / "logs" / "eval-during.log",
                     "evaluations along stage 3")
+    if job.stages.sft.enabled:
+        with timed(job, "sft", world=job.deepspeed.world_size):
+            run_training(job, "sft", job_path, overrides)
+        if job.eval.enabled:
+            with timed(job, "eval-sft"):
+                run_sft_eval(job)
     return out / "student"
 
 
@@ -159,33 +169,54 @@ def timed(job: JobConfig, what: str, **facts):
 
 
 def run_eval(job: JobConfig) -> None:
-    """The evaluation job on the final student (logs/eval.log); skipped when its report is newer than the spec."""
+    """The evaluation job on the distilled student (logs/eval.log); skipped when its report is newer than the spec."""
     out = run_dir(job)
-    spec, report = out / "eval.yaml", out / "eval" / "report.md"
     refresh_eval_spec(job)
-    if report.is_file() and report.stat().st_mtime >= spec.stat().st_mtime:
-        print(f"[harness] eval: already complete, report in {report}", flush=True)
+    evaluate("eval", out / "eval.yaml", [out / "eval" / "report.md"], out / "logs" / "eval.log")
+
+
+def run_sft_eval(job: JobConfig) -> None:
+    """The evaluation job on the post-trained student (logs/eval-sft.log), ending with its comparison with the
+    distilled student's evaluation; skipped when its report and the comparison are newer than the spec."""
+    from harness.eval.spec import COMPARISON_DIR, SFT_EVAL_DIR, SFT_EVAL_SPEC
+
+    out = run_dir(job)
+    refresh_eval_spec(job, sft=True)
+    results = out / SFT_EVAL_DIR
+    evaluate("eval-sft", out / SFT_EVAL_SPEC, [results / "report.md", results / COMPARISON_DIR / "comparison.md"],
+             out / "logs" / "eval-sft.log")
+
+
+def evaluate(what: str, spec: Path, results: list[Path], log: Path) -> None:
+    """`harness eval job SPEC` as a logged process, unless every file of `results` is newer than the spec; then
+    prints the first of them (the report)."""
+    from harness.eval.spec import results_current
+
+    if results_current(spec, results):
+        print(f"[harness] {what}: already complete, report in {results[0]}", flush=True)
         return
-    print(f"[harness] eval: {spec} (progress in {out / 'logs' / 'eval.log'})", flush=True)
-    _run_logged(cli_command("eval", "job", str(spec)), out / "logs" / "eval.log", "eval")
-    print(report.read_text(), flush=True)
+    print(f"[harness] {what}: {spec} (progress in {log})", flush=True)
+    _run_logged(cli_command("eval", "job", str(spec)), log, what)
+    print(results[0].read_text(), flush=True)
 
 
-def refresh_eval_spec(job: JobConfig) -> None:
-    """Rewrite RUN_DIR/eval.yaml (and job.yaml) when the job's `eval:` section no longer gives the spec on disk: a
-    rerun of a finished run with other evaluation settings then evaluates again (reusing the results that still
-    apply) instead of reporting the old evaluation as done."""
+def refresh_eval_spec(job: JobConfig, sft: bool = False) -> None:
+    """Rewrite RUN_DIR/eval.yaml (and job.yaml), or with `sft` RUN_DIR/eval-sft.yaml (and job-sft.yaml), when the
+    job's `eval:` section no longer gives the spec on disk: a rerun of a finished run with other evaluation settings
+    then evaluates again (reusing the results that still apply) instead of reporting the old evaluation as done."""
     from omegaconf import OmegaConf
 
-    from harness.eval.spec import spec_from_job, write_eval_spec
+    from harness.eval.spec import (SFT_EVAL_SPEC, sft_spec_from_job, spec_from_job, write_eval_spec,
+                                   write_sft_eval_spec)
 
     out = run_dir(job)
-    spec = out / "eval.yaml"
-    wanted = OmegaConf.to_yaml(OmegaConf.structured(spec_from_job(job, out / "student", out / "job.yaml")))
-    if spec.is_file() and spec.read_text() != wanted:
-        print("[harness] eval: the job's eval settings differ from RUN_DIR/eval.yaml; rewriting it, so the "
+    name, student, job_yaml = ("eval-sft", "student-sft", "job-sft.yaml") if sft else ("eval", "student", "job.yaml")
+    spec = out / (SFT_EVAL_SPEC if sft else "eval.yaml")
+    wanted = (sft_spec_from_job if sft else spec_from_job)(job, out / student, out / job_yaml)
+    if spec.is_file() and spec.read_text() != OmegaConf.to_yaml(OmegaConf.structured(wanted)):
+        print(f"[harness] {name}: the job's eval settings differ from RUN_DIR/{spec.name}; rewriting it, so the "
               "evaluation runs again (finished results that still apply are reused)", flush=True)
-        write_eval_spec(job, out / "student")
+        (write_sft_eval_spec if sft else write_eval_spec)(job, out / student)
 
 
 def loss_summary(job: JobConfig) -> str:
@@ -253,28 +284,29 @@ def run_merge(job: JobConfig, job_path: str, overrides: list[str]) -> None:
                 "merge")
 
 
-def run_distill(job: JobConfig, job_path: str, overrides: list[str]) -> None:
-    if (run_dir(job) / "distill" / "checkpoints" / "COMPLETE.json").exists():
-        print("[harness] distill: already complete", flush=True)
+def run_training(job: JobConfig, stage: str, job_path: str, overrides: list[str]) -> None:
+    """Stage 3 ('distill') or SFT ('sft') on deepspeed.world_size processes, unless its COMPLETE.json is there."""
+    if (run_dir(job) / stage / "checkpoints" / "COMPLETE.json").exists():
+        print(f"[harness] {stage}: already complete", flush=True)
         return
     world = job.deepspeed.world_size
-    cmd = distill_command(job, job_args(job_path, overrides))
-    print(f"[harness] distill on {world} process(es): {' '.join(cmd)}", flush=True)
-    marker = stopped_marker(run_dir(job) / "logs" / "distill.log")
+    cmd = distill_command(job, job_args(job_path, overrides), stage)
+    print(f"[harness] {stage} on {world} process(es): {' '.join(cmd)}", flush=True)
+    marker = stopped_marker(run_dir(job) / "logs" / f"{stage}.log")
     env = with_stopped_marker(dict(os.environ), marker)
     if not _gpus():
         env["DS_ACCELERATOR"] = "cpu"
-    check_not_stopped("distill")
+    check_not_stopped(stage)
     proc = start_child(cmd, env, polls_only=world > 1)  # the file, not a signal, for torchrun (module docstring)
     if proc.wait() != 0:
-        raise stage_error("distill", proc.returncode, f"its output is above, metrics in {run_dir(job) / 'distill'}",
-                          marker)
+        raise stage_error(stage, proc.returncode, f"its output is above, metrics in {run_dir(job) / stage}", marker)
 
 
-def distill_command(job: JobConfig, args: list[str]) -> list[str]:
-    """Stage 3 on this machine: one plain process, or deepspeed.world_size processes under run.launcher."""
+def distill_command(job: JobConfig, args: list[str], stage_name: str = "distill") -> list[str]:
+    """Stage 3 (or SFT, `stage_name` 'sft') on this machine: one plain process, or deepspeed.world_size processes
+    under run.launcher."""
     world = job.deepspeed.world_size
-    stage = ["-m", "harness.cli", "stage", "distill", *args]
+    stage = ["-m", "harness.cli", "stage", stage_name, *args]
     if world == 1:
         return [sys.executable, *stage]
     if job.run.launcher == "deepspeed":

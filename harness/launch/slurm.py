@@ -7,6 +7,12 @@
                   --no_ssh and a hostfile of the allocation), or the deepspeed launcher on the first node reaches
                   every node over pdsh/ssh (--node-launch ssh); rendezvous on the first node
     eval          afterok on distill (with eval.enabled): `harness eval job RUN_DIR/eval.yaml` on one GPU
+    sft           with stages.sft.enabled, afterok on eval (or distill): `harness stage sft`, launched as distill
+    eval_sft      afterok on sft (with eval.enabled): `harness eval job RUN_DIR/eval-sft.yaml`, which ends with the
+                  comparison of the distilled and the post-trained student (it reads eval's report)
+
+Every job waits for the one before it, the order of `harness run`: SFT after the stage-3 evaluation, so that the
+post-trained student's evaluation finds the distilled student's report to compare with.
 
 `harness submit JOB --rank-layers` plans the layer ranking instead (`plan_ranking`): `rank`, a job array of
 `harness transfer --rank-layers` (one task per layer group), and `rank_merge` after it; ids in rank-jobs.json.
@@ -166,8 +172,9 @@ class PlannedJob:
 def plan_jobs(job: JobConfig, job_path: str, overrides: list[str], opts: SlurmOptions,
               python: str = sys.executable, workdir: Optional[Path] = None) -> list[PlannedJob]:
     """The sbatch scripts of the stages still to run, in dependency order."""
-    from harness.stages.align import group_complete
     from harness.checkpoint import CheckpointManager
+    from harness.eval.spec import SFT_EVAL_SPEC
+    from harness.stages.align import group_complete
 
     if opts.nodes < 1 or opts.cpus_per_task < 1 or opts.gpus_per_node < 0 or opts.layers_per_task < 0:
         raise ConfigError("--nodes and --cpus-per-task must be >= 1, --gpus-per-node and --layers-per-task >= 0.")
@@ -213,23 +220,41 @@ def plan_jobs(job: JobConfig, job_path: str, overrides: list[str], opts: SlurmOp
                          launch=launch(f"{py} -m harness.cli stage merge {job_args}"), **common)
         planned.append(PlannedJob("merge", script, previous))
         previous = "merge"
+
+    def training(stage: str, title: str) -> PlannedJob:  # stage 3 or SFT on --nodes nodes
+        how, prepare, command = distill_launch(opts, launcher, py, f"-m harness.cli stage {stage} {job_args}", folder)
+        script = _render("distill.sbatch", stage=stage, title=title, nodes=opts.nodes,
+                         procs_per_node=max(1, opts.gpus_per_node), port=PORT, how=how, prepare=prepare,
+                         resources=opts.resources(opts.gpus_per_node), launch=launch(command), **common)
+        return PlannedJob(stage, script, previous)
+
+    def evaluation(stage: str, spec: Path, about: str, then: str = "") -> PlannedJob:  # on one GPU
+        command = f"{py} -m harness.cli eval job {shlex.quote(str(spec.resolve()))}{then}"
+        script = _render("eval.sbatch", stage=stage, about=about, launch=launch(command),
+                         resources=opts.resources(1 if opts.gpus_per_node else 0), **common)
+        return PlannedJob(stage, script, previous)
+
     if not CheckpointManager(out / "distill" / "checkpoints").is_complete():
-        procs = max(1, opts.gpus_per_node)
-        how, prepare, command = distill_launch(opts, launcher, py, f"-m harness.cli stage distill {job_args}",
-                                               folder)
-        script = _render("distill.sbatch", nodes=opts.nodes, procs_per_node=procs, port=PORT, how=how,
-                         prepare=prepare, resources=opts.resources(opts.gpus_per_node), launch=launch(command),
-                         **common)
-        planned.append(PlannedJob("distill", script, previous))
+        planned.append(training("distill", "Stage 3"))
         previous = "distill"
     if job.eval.enabled and not _eval_complete(out):
-        command = f"{py} -m harness.cli eval job {shlex.quote(str((out / 'eval.yaml').resolve()))}"
-        if job.eval.every_tokens:  # then the evaluations along stage 3 still pending
-            command += f" && {py} -m harness.cli eval marks {shlex.quote(str(out.resolve()))} --wait"
-        script = _render("eval.sbatch", resources=opts.resources(1 if opts.gpus_per_node else 0),
-                         launch=launch(command), **common)
-        planned.append(PlannedJob("eval", script, previous))
+        marks = f" && {py} -m harness.cli eval marks {shlex.quote(str(out.resolve()))} --wait"  # those still pending
+        then = marks if job.eval.every_tokens else ""
+        planned.append(evaluation("eval", out / "eval.yaml", EVAL_ABOUT, then))
+        previous = "eval"
+    if job.stages.sft.enabled and not CheckpointManager(out / "sft" / "checkpoints").is_complete():
+        planned.append(training("sft", "SFT (post-training of RUN_DIR/student)"))
+        previous = "sft"
+    if job.stages.sft.enabled and job.eval.enabled and (previous == "sft" or not _sft_eval_complete(out)):
+        planned.append(evaluation("eval_sft", out / SFT_EVAL_SPEC, SFT_EVAL_ABOUT))
     return planned
+
+
+EVAL_ABOUT = """The evaluation job on the distilled student: RUN_DIR/eval.yaml, written by stage 3 (perplexity, NIAH,
+# benchmarks for the student and its teacher, then RUN_DIR/eval/report.md)."""
+SFT_EVAL_ABOUT = """The evaluation job on the post-trained student: RUN_DIR/eval-sft.yaml, written by SFT (the same
+# tasks, the teacher's results shared; RUN_DIR/eval-sft/report.md), then the distilled and the post-trained
+# student side by side with paired differences (RUN_DIR/eval-sft/comparison/comparison.md)."""
 
 
 def task_groups(job: JobConfig, opts: SlurmOptions, every_layer: bool = False) -> list[list[int]]:
@@ -345,8 +370,17 @@ def distill_launch(opts: SlurmOptions, launcher: str, py: str, target: str, fold
 
 def _eval_complete(out: Path) -> bool:
     """The evaluation's report exists and is newer than the spec it was made from."""
-    spec, report = out / "eval.yaml", out / "eval" / "report.json"
-    return spec.is_file() and report.is_file() and report.stat().st_mtime >= spec.stat().st_mtime
+    from harness.eval.spec import results_current
+
+    return results_current(out / "eval.yaml", [out / "eval" / "report.json"])
+
+
+def _sft_eval_complete(out: Path) -> bool:
+    """The post-trained student's report and its comparison exist and are newer than its spec."""
+    from harness.eval.spec import COMPARISON_DIR, SFT_EVAL_DIR, SFT_EVAL_SPEC, results_current
+
+    results = out / SFT_EVAL_DIR
+    return results_current(out / SFT_EVAL_SPEC, [results / "report.json", results / COMPARISON_DIR / "comparison.json"])
 
 
 def _render(template: str, **values) -> str:

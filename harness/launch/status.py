@@ -10,7 +10,9 @@ from pathlib import Path
 from typing import Optional
 
 def stage_rows(run: Path) -> list[dict]:
-    """One row per stage (and per layer group of the per-layer stages), read from the run directory."""
+    """One row per stage (and per layer group of the per-layer stages), read from the run directory, in the order the
+    pipeline runs them: SFT (post-training) and its evaluation once SFT has started or `harness run` / `harness
+    submit` recorded its settings (stages.sft.enabled)."""
     rows = []
     for stage in ("align_mixer", "align_hidden"):
         groups = sorted((run / stage).glob("layers-*")) if (run / stage).is_dir() else []
@@ -18,10 +20,13 @@ def stage_rows(run: Path) -> list[dict]:
     merged = run / "merged" / "MERGE.json"
     rows.append({"stage": "merge", "done": merged.is_file(), "tokens": None})
     rows.append(_progress_row("distill", run / "distill", run / "distill" / "checkpoints" / "COMPLETE.json"))
-    if (run / "sft").is_dir():
-        rows.append(_progress_row("sft", run / "sft", run / "sft" / "checkpoints" / "COMPLETE.json"))
     if (run / "eval.yaml").is_file():
         rows.append({"stage": "eval", "done": (run / "eval" / "report.json").is_file(), "tokens": None})
+    if (run / "sft").is_dir() or (run / "settings" / "sft.json").is_file():  # started, or a run that will start it
+        rows.append(_progress_row("sft", run / "sft", run / "sft" / "checkpoints" / "COMPLETE.json"))
+    if (run / "eval-sft.yaml").is_file():
+        done = (run / "eval-sft" / "report.json").is_file() and (run / "eval-sft" / "comparison").is_dir()
+        rows.append({"stage": "eval-sft", "done": done, "tokens": None})
     return rows
 
 

@@ -21,8 +21,13 @@ Writes (RUN_DIR = output_dir):
                     checkpoints/COMPLETE.json
     student-sft/    the fine-tuned student in Hugging Face format, with the tokenizer and the chat template used
     job-sft.yaml    the resolved job
-    eval-sft.yaml   the evaluation spec of student-sft (`harness eval`; results in eval-sft/; the teacher's
-                    results are shared with stage 3's evaluation through eval/teacher)
+    eval-sft.yaml   the evaluation spec of student-sft (`harness eval`; harness.eval.spec.sft_spec_from_job): the
+                    job's eval settings, results in eval-sft/, the teacher's results those of stage 3's evaluation
+                    (eval.teacher_cache, else eval/teacher), and eval-sft/comparison/: the distilled student (eval/)
+                    and the tuned one side by side with paired differences
+
+With stages.sft.enabled, `harness run` and `harness submit` run this stage after stage 3 and its evaluation, and
+the evaluation of eval-sft.yaml after it (harness.launch).
 """
 
 from __future__ import annotations
@@ -35,7 +40,8 @@ from torch import nn
 
 from harness import preempt
 from harness.checkpoint import CheckpointManager
-from harness.config import ConfigError, JobConfig, to_yaml
+from harness.config import ConfigError, JobConfig
+from harness.eval.spec import write_sft_eval_spec
 from harness.export import export_checkpoint
 from harness.flops import dense_flops_per_token
 from harness.losses import LossTerms, lm_loss
@@ -144,7 +150,7 @@ def sft(job: JobConfig, *, stop_after_steps: Optional[int] = None) -> Path:
 def export_sft_student(job: JobConfig, ckpts: CheckpointManager, source: Path, tokenizer: Any, template: str,
                        rank: int) -> Path:
     """Consolidate the newest checkpoint into RUN_DIR/student-sft (with the tokenizer and the chat template the
-    student was tuned with) and write the evaluation spec RUN_DIR/eval-sft.yaml."""
+    student was tuned with) and write the evaluation spec RUN_DIR/eval-sft.yaml (and job-sft.yaml)."""
     dest = run_dir(job) / "student-sft"
     if rank == 0:
         export_checkpoint(ckpts.latest_valid(collective=False).path, dest, merged=source, force=True)
@@ -154,21 +160,3 @@ def export_sft_student(job: JobConfig, ckpts: CheckpointManager, source: Path, t
     torch.distributed.barrier()
     return dest
 
-
-def write_sft_eval_spec(job: JobConfig, student_dir: Path) -> Path:
-    """RUN_DIR/job-sft.yaml (the resolved job) and RUN_DIR/eval-sft.yaml: the job's eval settings on student-sft,
-    results in RUN_DIR/eval-sft/, the teacher's results cached with stage 3's (RUN_DIR/eval/teacher)."""
-    from omegaconf import OmegaConf
-
-    from harness.eval.spec import spec_from_job
-
-    run = run_dir(job)
-    job_yaml = run / "job-sft.yaml"
-    job_yaml.write_text(to_yaml(job))
-    spec = spec_from_job(job, student_dir, job_yaml)
-    spec.label = f"{job.name}-sft"
-    spec.output_dir = str((run / "eval-sft").resolve())
-    spec.teacher_cache = str((run / "eval" / "teacher").resolve())
-    path = run / "eval-sft.yaml"
-    path.write_text(OmegaConf.to_yaml(OmegaConf.structured(spec)))
-    return path
