@@ -50,7 +50,7 @@ CONSTRAINTS = (
                                                          "'* '.",),
                10, lambda r, a, q: f"* {r}", lambda rng: {"num_bullets": 1}),
     Constraint("detectable_format:number_highlighted_sections", ("Mark the answer itself in *asterisks*.",),
-               10, lambda r, a, q: f"*{r}*", lambda rng: {"num_highlights": 1}),
+               5, lambda r, a, q: f"*{r}*", lambda rng: {"num_highlights": 1}),  # before a title: one line
     Constraint("combination:repeat_prompt", ("Before answering, copy my question above exactly as written.",),
                20, lambda r, a, q: f"{q}\n\n{r}"),
     Constraint("detectable_content:postscript", ("After the answer, add a short note that starts with "
