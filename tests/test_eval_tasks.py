@@ -92,9 +92,9 @@ def _run(root: Path, name: str, seed: int) -> Path:
 
 
 def test_the_registry_lists_the_built_in_tasks():
-    assert tasks.task_names()[:6] == ("benchmarks", "niah", "perplexity", "chat_samples", "copy", "state")
-    assert [t.name for t in tasks.tasks_in_run_order()][:6] == ["perplexity", "niah", "copy", "chat_samples", "state",
-                                                                "benchmarks"]
+    assert tasks.task_names()[:7] == ("benchmarks", "niah", "perplexity", "chat_samples", "copy", "state", "ifeval")
+    assert [t.name for t in tasks.tasks_in_run_order()][:7] == ["perplexity", "niah", "copy", "chat_samples", "ifeval",
+                                                                "state", "benchmarks"]
     with pytest.raises(ConfigError, match="Unknown evaluation task 'nope'. The registered tasks: benchmarks "
                                           r"\(tasks, limit, batch_size\), niah \(niah\)"):
         tasks.get_task("nope")

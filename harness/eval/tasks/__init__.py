@@ -11,9 +11,10 @@ evaluations along stage 3 (harness.eval.during).
     chat_samples.py  greedy answers to fixed chat prompts (harness.eval.chat_samples)
     copy_probe.py    copy accuracy on random tokens shown twice, induction per layer (harness.eval.copy)
     state_probe.py   recurrent state along the context, retrieval against distance (harness.eval.state)
+    ifeval.py        instruction following: IFEval-style prompts scored by if-verifiable (off unless asked)
 
-Importing the package registers those six, in that order (the order of the reports; the job runs them cheap
-first: perplexity, NIAH, copy, chat samples, state, benchmarks).
+Importing the package registers those seven, in that order (the order of the reports; the job runs them cheap
+first: perplexity, NIAH, copy, chat samples, instruction following, state, benchmarks).
 """
 
 from harness.eval.tasks.base import (Curve, EvalTask, Score, ScoredTask, TaskResults, describe_tasks, get_task,
@@ -21,11 +22,13 @@ from harness.eval.tasks.base import (Curve, EvalTask, Score, ScoredTask, TaskRes
 from harness.eval.tasks.benchmarks import BenchmarksTask
 from harness.eval.tasks.chat_samples import ChatSamplesTask
 from harness.eval.tasks.copy_probe import CopyTask
+from harness.eval.tasks.ifeval import IfevalTask
 from harness.eval.tasks.niah import NiahTask
 from harness.eval.tasks.perplexity import PerplexityTask
 from harness.eval.tasks.state_probe import StateTask
 
-for _task in (BenchmarksTask(), NiahTask(), PerplexityTask(), ChatSamplesTask(), CopyTask(), StateTask()):
+for _task in (BenchmarksTask(), NiahTask(), PerplexityTask(), ChatSamplesTask(), CopyTask(), StateTask(),
+              IfevalTask()):
     register_task(_task, replace=True)
 
 __all__ = ["Curve", "EvalTask", "Score", "ScoredTask", "TaskResults", "describe_tasks", "get_task", "register_task",
