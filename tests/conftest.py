@@ -3,7 +3,15 @@ process group for the stages a test module runs in pytest's own process."""
 
 from __future__ import annotations
 
-import socket
+import os
+
+# One OpenMP thread per process, set before torch loads: the tiny models gain nothing from more, and the tests that
+# start several processes (harness run, gloo pairs, the Slurm cluster) would share the CI machine's two cores with
+# twice as many threads. Measured on this 2-core machine while loaded: tests/test_run.py's whole-pipeline test took
+# 186 s with torch's default threads and 88 s with one. A thread count set outside pytest is kept.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import socket  # noqa: E402
 from pathlib import Path
 
 import pytest
