@@ -46,3 +46,18 @@ def test_each_mixer_reaches_the_kernel_its_file_names(monkeypatch, name):
     monkeypatch.setattr(layer, "backend_for", lambda x: "kernel")
     y, _ = layer(torch.randn(2, 16, SHAPE.hidden_size))
     assert taken == [FLA_ROUTE[name]] and y.shape == (2, 16, SHAPE.hidden_size)
+
+
+# the decay gate's granularity (harness.mixers.decay): one gate per head takes Gated DeltaNet's kernel, finer KDA's
+DECAY_GROUP_ROUTES = [("gated_deltanet", 2, "kda"), ("gated_deltanet", 1, "kda"), ("kda", 0, "gated_delta_rule"),
+                      ("kda", 8, "gated_delta_rule"), ("kda", 4, "kda")]
+
+
+@pytest.mark.parametrize("name,group,route", DECAY_GROUP_ROUTES)
+def test_a_decay_group_size_reaches_the_kernel_of_its_granularity(monkeypatch, name, group, route):
+    taken = _record_kernels(monkeypatch)
+    torch.manual_seed(0)
+    layer = mixer_class(name)(SHAPE, mixer_options(name, {"decay_group_size": group}))
+    monkeypatch.setattr(layer, "backend_for", lambda x: "kernel")
+    layer(torch.randn(2, 16, SHAPE.hidden_size))
+    assert taken == [route]

@@ -122,7 +122,8 @@ def delta_rule(q, k, v, beta, *, scale: float, prior, backend: str, chunk_size: 
 def gated_delta_rule(q, k, v, g, beta, *, scale: float, prior, backend: str, chunk_size: int,
                      normalize_qk: bool = False, mask=None):
     """The gated delta rule, S_t = exp(g_t) (I - b_t k_t k_t^T) S_{t-1} + b_t k_t v_t^T, g and beta `[B, T, H]`
-    (case head_delta).
+    (case head_delta); with a gate finer than a head (`decay_group_size`, harness.mixers.decay) g is `[B, T, H, K]`,
+    KDA's recurrence and route (case channel_delta).
 
     kernel: fla chunk_gated_delta_rule; chunk_kda with g broadcast over K when gradients are needed on a GPU
         where fla's gated backward is blocked and TileLang is not usable
@@ -135,9 +136,10 @@ def gated_delta_rule(q, k, v, g, beta, *, scale: float, prior, backend: str, chu
 def kimi_delta_rule(q, k, v, g, beta, *, scale: float, prior, backend: str, chunk_size: int,
                     normalize_qk: bool = False, mask=None):
     """Kimi delta attention's recurrence, S_t = (I - b_t k_t k_t^T) Diag(exp g_t) S_{t-1} + b_t k_t v_t^T,
-    g `[B, T, H, K]`, beta `[B, T, H]` (case channel_delta).
+    g `[B, T, H, K]`, beta `[B, T, H]` (case channel_delta); with one gate per head (`decay_group_size`) g is
+    `[B, T, H]`, Gated DeltaNet's recurrence and route (case head_delta).
 
-    kernel: fla chunk_kda
+    kernel: fla chunk_kda (chunk_gated_delta_rule for g `[B, T, H]`)
     reference: recurrence.chunk_gated_delta; one decoding token: recurrence.step_gated_delta
     """
     return run_gated_delta(q, k, v, g, beta, scale=scale, prior=prior, backend=backend, chunk_size=chunk_size,

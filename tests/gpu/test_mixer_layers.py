@@ -45,12 +45,16 @@ def test_kernel_layer_matches_reference(name, layout, seq):
 
 OTHER_INITS = ([(n, {"qkv_activation": "silu"}) for n in ("deltanet", "gated_deltanet", "kda")]
                + [(n, {"conv_init": "random"}) for n in ("deltanet", "gated_deltanet", "kda")]
-               + [(n, {"gate_init": "random"}) for n in ("retnet", "gla", "gated_deltanet", "kda", "mlstm")])
+               + [(n, {"gate_init": "random"}) for n in ("retnet", "gla", "gated_deltanet", "kda", "mlstm")]
+               # the decay gate's granularity: per group (chunk_kda) and per head (chunk_gated_delta_rule)
+               + [("gated_deltanet", {"decay_group_size": 16}), ("gated_deltanet", {"decay_group_size": 1}),
+                  ("kda", {"decay_group_size": 16}), ("kda", {"decay_group_size": 0})])
 
 
 @pytest.mark.parametrize("name, options", OTHER_INITS)
 def test_kernel_layer_matches_reference_under_the_other_init_options(name, options):
-    """The options docs/TRANSFER.md compares change the fused operators (convolution without SiLU, a random gate)."""
+    """The options docs/TRANSFER.md compares change the fused operators (convolution without SiLU, a random gate),
+    and the decay gate's granularity changes the fla route (docs/RECURRENCES.md, "Decay granularity")."""
     check_kernel_against_reference(name, LAYOUTS["135M"], 2048, options)
 
 
