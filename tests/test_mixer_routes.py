@@ -13,7 +13,8 @@ SHAPE = MixerShape(hidden_size=32, num_heads=4, num_kv_heads=4, head_dim=8)
 
 # the fla op named at each mixer's recurrence call, on a machine where fla's gated backward is not blocked
 FLA_ROUTE = {"linear_attn": "simple_gla", "retnet": "simple_gla_gamma", "gla": "gla", "deltanet": "delta_rule",
-             "gated_deltanet": "gated_delta_rule", "kda": "kda", "mlstm": "mlstm_kernels"}
+             "gated_deltanet": "gated_delta_rule", "kda": "kda", "mlstm": "mlstm_kernels",
+             "deltaproduct": "gated_delta_product"}
 
 
 def _record_kernels(monkeypatch) -> list[str]:
@@ -27,7 +28,12 @@ def _record_kernels(monkeypatch) -> list[str]:
         taken.append("mlstm_kernels")
         return recurrence.chunk_mlstm(q, k, v, i, f, scale=scale, initial_state=initial_state, eps=eps)
 
+    def product(q, k, v, g, beta, *, scale, initial_state=None, normalize_qk=False):
+        taken.append(kernels.select_gated_delta_product_route(q, k, v, g, beta, initial_state))
+        return recurrence.chunk_gated_delta_product(q, k, v, g, beta, scale=scale, initial_state=initial_state)
+
     monkeypatch.setattr(kernels, "kernel_gated_delta", gated_delta)
+    monkeypatch.setattr(kernels, "kernel_gated_delta_product", product)
     monkeypatch.setattr(kernels, "kernel_mlstm", mlstm)
     monkeypatch.setattr(kernels, "_gated_bwd_blocked", lambda: False)
     monkeypatch.delenv("HARNESS_FLA_ROUTES", raising=False)

@@ -99,8 +99,9 @@ def test_unknown_option_lists_allowed():
         mixer_options("mamba", {})
 
 
-def test_mixer_names_are_the_seven():
-    assert list(MIXERS) == ["linear_attn", "retnet", "gla", "deltanet", "gated_deltanet", "kda", "mlstm"]
+def test_mixer_names():
+    assert list(MIXERS) == ["linear_attn", "retnet", "gla", "deltanet", "gated_deltanet", "kda", "mlstm",
+                            "deltaproduct"]
 
 
 @pytest.mark.parametrize("T", [1, 2, 3, 10])

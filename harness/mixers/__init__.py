@@ -7,6 +7,7 @@ from typing import Any, Mapping
 
 from harness.mixers.base import Mixer, MixerOptions, MixerShape, MixerState
 from harness.mixers.deltanet import DeltaNet
+from harness.mixers.deltaproduct import DeltaProduct
 from harness.mixers.gated_deltanet import GatedDeltaNet
 from harness.mixers.gla import GLA
 from harness.mixers.kda import KDA
@@ -15,7 +16,7 @@ from harness.mixers.mlstm import MLSTM
 from harness.mixers.retnet import RetNet
 
 MIXERS: dict[str, type[Mixer]] = {
-    cls.name: cls for cls in (LinearAttention, RetNet, GLA, DeltaNet, GatedDeltaNet, KDA, MLSTM)
+    cls.name: cls for cls in (LinearAttention, RetNet, GLA, DeltaNet, GatedDeltaNet, KDA, MLSTM, DeltaProduct)
 }
 
 

@@ -3,9 +3,10 @@ GPU kernel on the kernel backend (harness.mixers.kernels), else the PyTorch chun
 (harness.mixers.recurrence). docs/RECURRENCES.md is the contract all three follow.
 
 Each mixer calls the function named after its recurrence (linear_attention, retention, gated_linear_attention,
-delta_rule, gated_delta_rule, kimi_delta_rule, mlstm_cell); its docstring names the kernel that runs on the kernel
-backend (for the gated-delta family: the route `kernels.select_gated_delta_route` takes for the mixer's (g, beta)
-case) and the reference. The six gated-delta functions are `run_gated_delta` under the name of their case.
+delta_rule, gated_delta_rule, kimi_delta_rule, gated_delta_product, mlstm_cell); its docstring names the kernel that
+runs on the kernel backend (for the gated-delta family: the route `kernels.select_gated_delta_route` takes for the
+mixer's (g, beta) case) and the reference. The six gated-delta functions are `run_gated_delta` under the name of
+their case; gated_delta_product holds several steps per token.
 
 Padded batches: `mask` (bool `[B, T]`, False at padding, or None for none) makes every padded token leave the state
 exactly as it found it: no write (k = 0 and beta = 0; for mLSTM an input gate of -inf) and no decay (log decay 0;
@@ -144,6 +145,31 @@ def kimi_delta_rule(q, k, v, g, beta, *, scale: float, prior, backend: str, chun
     """
     return run_gated_delta(q, k, v, g, beta, scale=scale, prior=prior, backend=backend, chunk_size=chunk_size,
                            normalize_qk=normalize_qk, mask=mask)
+
+
+def gated_delta_product(q, k, v, g, beta, *, scale: float, prior, backend: str, chunk_size: int,
+                        normalize_qk: bool = False, mask=None):
+    """Gated DeltaProduct, n Householder steps per token: S_t = exp(g_t) S_{t-1}, then for j = 1..n
+    S_t = (I - b_tj k_tj k_tj^T) S_t + b_tj k_tj v_tj^T; q `[B, T, H, K]`, k `[B, T, n, H, K]`, v `[B, T, n, H, V]`,
+    g None | `[B, T, H]`, beta `[B, T, n, H]`. A padded token holds the state through all its steps.
+
+    kernel: fla chunk_gated_delta_product (kernels.kernel_gated_delta_product; where fla's gated backward is blocked,
+        the gated delta rule over the interleaved steps)
+    reference: recurrence.chunk_gated_delta_product; one decoding token: recurrence.step_gated_delta_product
+    """
+    if mask is not None:
+        k, g, beta = _hold_gated_delta(mask, k, g, beta)
+    if backend == "kernel" and not _is_decoding_step(q, prior):
+        return kernels.kernel_gated_delta_product(q, k, v, g, beta, scale=scale, initial_state=prior,
+                                                  normalize_qk=normalize_qk)
+    if normalize_qk:
+        q, k = l2norm(q), l2norm(k)
+    if _is_decoding_step(q, prior):
+        o, state = recurrence.step_gated_delta_product(q[:, 0], k[:, 0], v[:, 0], None if g is None else g[:, 0],
+                                                       beta[:, 0], scale=scale, state=prior)
+        return o.unsqueeze(1), state
+    return recurrence.chunk_gated_delta_product(q, k, v, g, beta, scale=scale, initial_state=prior,
+                                                chunk_size=chunk_size)
 
 
 def mlstm_cell(q, k, v, i, f, *, scale: float, prior, backend: str, chunk_size: int, eps: float, mask=None):
