@@ -1,8 +1,8 @@
-"""Gated DeltaProduct (Siems et al., 2025): n Householder steps per token, each with its own key, value and beta,
-S_t = (I - b_tn k_tn k_tn^T) ... (I - b_t1 k_t1 k_t1^T) exp(g_t) S_{t-1} + (the steps' writes b_tj k_tj v_tj^T),
-with one decay gate per token and head g_t = -exp(A_log) softplus(W_a x_t + dt_bias) (as Gated DeltaNet), short
-convolutions, L2-normalised q and keys, and a per-head RMSNorm with a swish output gate (fla's GatedDeltaProduct,
-expand_v=1). With n = 1 it is Gated DeltaNet.
+"""Gated DeltaProduct (Siems et al., 2025): n Householder steps per token, each with its own key, value and beta:
+S = exp(g_t) S_{t-1}, then for j = 1..n S = (I - b_tj k_tj k_tj^T) S + b_tj k_tj v_tj^T, with one decay gate per
+token and head g_t = -exp(A_log) softplus(W_a x_t + dt_bias) (as Gated DeltaNet), short convolutions,
+L2-normalised q and keys, and a per-head RMSNorm with a swish output gate (fla's GatedDeltaProduct, expand_v=1).
+With n = 1 it is Gated DeltaNet.
 
 Step 1 is the teacher's: q, k, v, o copied as for every mixer. Steps 2..n have their own k and v projections
 (`extra_k_proj`, `extra_v_proj`, `householder_kv_init`) and beta rows (b_proj has a bias, `householder_beta_bias`
