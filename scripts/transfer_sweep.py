@@ -41,10 +41,10 @@ VARIANTS = {
     "kda": [AUTHORS["conv"], "gate_init=random,output_scale=none,qkv_activation=silu",
             "output_scale=none,qkv_activation=silu", "qkv_activation=silu", "", "gate_init=random", "rope=true"],
     "mlstm": [AUTHORS["gate"], "output_scale=none", "", "rope=true", "gate_init=random"],
-    # the authors' init (the extra Householder steps' k, v random, as fla's layers draw them), the extra steps alone
-    # random under today's defaults, the defaults (the teacher's k, v copied), and quieter extra steps
-    "deltaproduct": [AUTHORS["conv"] + ",householder_kv_init=random", "householder_kv_init=random", "",
-                     "householder_beta_bias=-4"],
+    # the authors' init (the extra Householder steps' k, v random, as fla's layers draw them), the extra steps'
+    # k, v copied from the teacher's, the defaults (random), and quieter extra steps (beta ~0.018) under either
+    "deltaproduct": [AUTHORS["conv"] + ",householder_kv_init=random", "householder_kv_init=copy", "",
+                     "householder_kv_init=copy,householder_beta_bias=-4", "householder_beta_bias=-4"],
 }
 
 

@@ -21,7 +21,7 @@ from harness.mixers.base import ConvMixer, GatedConvOptions, HeadRMSNorm, init_o
 from harness.mixers.dispatch import gated_delta_product
 from harness.mixers.ops import l2norm
 
-HOUSEHOLDER_KV_INITS = ("copy", "random")
+HOUSEHOLDER_KV_INITS = ("random", "copy")
 
 
 @dataclass
@@ -30,10 +30,10 @@ class DeltaProductOptions(GatedConvOptions):
         default=2, metadata={"help": "Householder steps per token (n), each with its own k, v and beta; one decay gate "
                              "per token. 2 as the authors (Siems et al. 2025); 1 is Gated DeltaNet."})
     householder_kv_init: str = field(
-        default="copy", metadata={"help": "Steps 2..n's k and v projections: copy (the teacher's k and v, as step 1: "
-                                  "with the same beta each step repeats the first write) or random (~N(0, 0.02), as "
-                                  "the other new projections; fla's layers draw every projection at random). "
-                                  "docs/TRANSFER.md."})
+        default="random", metadata={"help": "Steps 2..n's k and v projections: random (~N(0, 0.02), as the other new "
+                                    "projections; fla's layers draw every projection at random) or copy (the "
+                                    "teacher's k and v, as step 1: each extra step then repeats step 1's write). "
+                                    "random ends stage 1 closer to the teacher (docs/TRANSFER.md)."})
     householder_beta_bias: float = field(
         default=0.0, metadata={"help": "Initial bias of steps 2..n's beta logits (step 1's is 0, beta ~1/2 as Gated "
                                "DeltaNet): sigmoid(bias) is their write strength at step 0; e.g. -4 (beta ~0.018) "
@@ -118,8 +118,8 @@ class DeltaProduct(ConvMixer):
         self._reset_decay_norm_conv(a_low=0)
 
     def _reset_extra_kv(self) -> None:
-        """Steps 2..n's k and v projections as `householder_kv_init` says: copies of k_proj and v_proj (which hold
-        the teacher's after `transfer_from_attention`), or ~N(0, 0.02) with zero biases."""
+        """Steps 2..n's k and v projections as `householder_kv_init` says: ~N(0, 0.02) with zero biases, or copies
+        of k_proj and v_proj (which hold the teacher's after `transfer_from_attention`)."""
         repeats = self.options.num_householder - 1
         for extra, first in ((self.extra_k_proj, self.k_proj), (self.extra_v_proj, self.v_proj)):
             if self.options.householder_kv_init == "copy":
