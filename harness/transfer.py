@@ -158,9 +158,12 @@ class MixerProbe:
         return torch.einsum("bthd,bshd->bhts", q.float(), k.float())
 
     def mixing(self, x, positions):
+        """A `[B, H, T, T]`. With several values per token (DeltaProduct's steps `[B, T, n, H, D]`) each of them is
+        the token's one-hot: A_ts is the weight of token s summed over its steps."""
         q, k, v = self._qkv(x, positions)
-        batch, length, heads, _ = v.shape
-        onehot = torch.eye(length, device=x.device).view(1, length, 1, length).expand(batch, length, heads, length)
+        length = v.shape[1]
+        onehot = torch.eye(length, device=x.device).view(1, length, *(1,) * (v.dim() - 3), length)
+        onehot = onehot.expand(*v.shape[:-1], length)
         o, _ = self.mixer._mix(x, q, k, onehot, None, "reference")  # value s = e_s: o_t = row t of A
         return o.float().permute(0, 2, 1, 3)
 

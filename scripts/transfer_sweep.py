@@ -41,11 +41,15 @@ VARIANTS = {
     "kda": [AUTHORS["conv"], "gate_init=random,output_scale=none,qkv_activation=silu",
             "output_scale=none,qkv_activation=silu", "qkv_activation=silu", "", "gate_init=random", "rope=true"],
     "mlstm": [AUTHORS["gate"], "output_scale=none", "", "rope=true", "gate_init=random"],
+    # the authors' init (the extra Householder steps' k, v random, as fla's layers draw them), the extra steps'
+    # k, v copied from the teacher's, the defaults (random), and quieter extra steps (beta ~0.018) under either
+    "deltaproduct": [AUTHORS["conv"] + ",householder_kv_init=random", "householder_kv_init=copy", "",
+                     "householder_kv_init=copy,householder_beta_bias=-4", "householder_beta_bias=-4"],
 }
 
 
 def harness(*args: str) -> None:
-    cmd = [str(Path(sys.executable).parent / "harness"), *args]
+    cmd = [sys.executable, "-m", "harness.cli", *args]  # the checkout's harness (run from the repository root)
     print("+ " + " ".join(cmd), flush=True)
     subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
 
@@ -60,9 +64,11 @@ def losses(metrics: Path) -> dict[str, list[float]]:
 def measure(mixer: str, variant: str, seed: int, args: argparse.Namespace, micro: int) -> dict:
     """Stage 1 of one (mixer, variant, seed), then the transfer report on its layers: one JSON row."""
     job = f"jobs/study-small/smollm2-135m-{mixer}-small.yaml"
+    options = [f"student.options.{kv}" for kv in variant.split(",") if kv]
+    if not Path(job).is_file():  # a mixer without a study job: gated_deltanet's with the mixer swapped
+        job, options = "jobs/study-small/smollm2-135m-gated_deltanet-small.yaml", [f"student.mixer={mixer}", *options]
     slug = variant.replace(",", "+").replace("=", "-") or "default"
     run = Path(args.work) / mixer / f"{slug}-seed{seed}"
-    options = [f"student.options.{kv}" for kv in variant.split(",") if kv]
     common = [job, f"seed={seed}", "teacher.dtype=float32", f"data.seq_len={args.seq_len}", f"output_dir={run}",
               f"stages.align_mixer.tokens={args.steps * micro * args.seq_len}",
               f"stages.align_mixer.micro_batch_size={micro}", "run.log_every_steps=1", *options]
@@ -113,7 +119,7 @@ def table(runs: list[dict]) -> str:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--mixers", default=",".join(VARIANTS), help="Comma list (default: all seven).")
+    p.add_argument("--mixers", default=",".join(VARIANTS), help="Comma list (default: every mixer listed).")
     p.add_argument("--layers", default="14-15", help="Stage-1 layer group (default 14-15).")
     p.add_argument("--steps", type=int, default=40, help="Stage-1 optimizer steps (default 40).")
     p.add_argument("--seq-len", type=int, default=512, help="data.seq_len (default 512).")

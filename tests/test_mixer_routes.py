@@ -27,7 +27,12 @@ def _record_kernels(monkeypatch) -> list[str]:
         taken.append(kernels.MLSTM_KERNEL)
         return recurrence.chunk_mlstm(q, k, v, i, f, scale=scale, initial_state=initial_state, eps=eps)
 
+    def product(q, k, v, g, beta, *, scale, initial_state=None, normalize_qk=False):
+        taken.append(kernels.select_gated_delta_product_route(q, k, v, g, beta, initial_state))
+        return recurrence.chunk_gated_delta_product(q, k, v, g, beta, scale=scale, initial_state=initial_state)
+
     monkeypatch.setattr(kernels, "kernel_gated_delta", gated_delta)
+    monkeypatch.setattr(kernels, "kernel_gated_delta_product", product)
     monkeypatch.setattr(kernels, "kernel_mlstm", mlstm)
     monkeypatch.setattr(kernels, "_gated_bwd_blocked", lambda: False)
     monkeypatch.delenv("HARNESS_FLA_ROUTES", raising=False)
@@ -46,3 +51,18 @@ def test_each_mixer_reaches_the_kernel_its_file_names(monkeypatch, name):
     monkeypatch.setattr(layer, "backend_for", lambda x: "kernel")
     y, _ = layer(torch.randn(2, 16, SHAPE.hidden_size))
     assert taken == [FLA_ROUTE[name]] and y.shape == (2, 16, SHAPE.hidden_size)
+
+
+# the decay gate's granularity (harness.mixers.decay): one gate per head takes Gated DeltaNet's kernel, finer KDA's
+DECAY_GROUP_ROUTES = [("gated_deltanet", 2, "kda"), ("gated_deltanet", 1, "kda"), ("kda", 0, "gated_delta_rule"),
+                      ("kda", 8, "gated_delta_rule"), ("kda", 4, "kda")]
+
+
+@pytest.mark.parametrize("name,group,route", DECAY_GROUP_ROUTES)
+def test_a_decay_group_size_reaches_the_kernel_of_its_granularity(monkeypatch, name, group, route):
+    taken = _record_kernels(monkeypatch)
+    torch.manual_seed(0)
+    layer = mixer_class(name)(SHAPE, mixer_options(name, {"decay_group_size": group}))
+    monkeypatch.setattr(layer, "backend_for", lambda x: "kernel")
+    layer(torch.randn(2, 16, SHAPE.hidden_size))
+    assert taken == [route]

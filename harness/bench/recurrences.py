@@ -62,6 +62,7 @@ def kernel_cases() -> dict[str, KernelCase]:
 # docs/KERNELS.md), so those limits document the raw kernel, not a defect.
 TOL = {"out": 1e-2, "state": 1e-2, "grad": 2e-2, "gate_grad": 4e-2}
 GATE_NAMES = ("g", "beta", "i", "f")
+PRODUCT_STEPS = 2  # Householder steps per token of a gated_delta_product case (the deltaproduct mixer's default)
 
 
 def tol_for(name: str, case: Optional[str] = None) -> float:
@@ -93,7 +94,8 @@ def make_inputs(case: str, B: int, T: int, H: int, K: int, V: int, *, device="cu
     def leaf(x, dt):
         return x.to(dt).detach().requires_grad_(True)
 
-    q, k, v = randn(B, T, H, K), randn(B, T, H, K), randn(B, T, H, V)
+    steps = (PRODUCT_STEPS,) if spec.recurrence == "gated_delta_product" else ()  # keys, values, beta
+    q, k, v = randn(B, T, H, K), randn(B, T, *steps, H, K), randn(B, T, *steps, H, V)
     x = dict(case=case, recurrence=spec.recurrence, g=None, beta=None, scale=K ** -0.5)
     if spec.features == "elu1":
         q, k = F.elu(q) + 1, F.elu(k) + 1
@@ -112,7 +114,7 @@ def make_inputs(case: str, B: int, T: int, H: int, K: int, V: int, *, device="cu
     elif spec.gate == "channel":
         x["g"] = leaf(F.logsigmoid(randn(B, T, H, K)) / 16, torch.float32)
     if spec.beta:
-        x["beta"] = leaf(torch.sigmoid(randn(B, T, H)), torch.float32)
+        x["beta"] = leaf(torch.sigmoid(randn(B, T, *steps, H)), torch.float32)
     if spec.recurrence == "mlstm":
         x["i"] = leaf(15 * torch.tanh((2 * randn(B, T, H) - 3) / 15), torch.float32)
         x["f"] = leaf(15 * torch.tanh((randn(B, T, H) + 4.5) / 15), torch.float32)
@@ -163,6 +165,10 @@ def run_kernel(x: dict, variant: str = "auto"):
                                             initial_state=x["h0"])
         return h, (c, n, m)
     args = (x["q"], x["k"], x["v"], x["g"], x["beta"])
+    if x["recurrence"] == "gated_delta_product":
+        o, s = kernels.kernel_gated_delta_product(*args, scale=x["scale"], initial_state=x["h0"],
+                                                  route=None if variant == "auto" else variant)
+        return o, (s,)
     if variant == "auto":
         o, s = kernels.kernel_gated_delta(*args, scale=x["scale"], initial_state=x["h0"])
     else:
@@ -175,8 +181,9 @@ def run_reference(x: dict):
         h, (c, n, m) = recurrence.chunk_mlstm(x["q"], x["k"], x["v"], x["i"], x["f"], scale=x["scale"],
                                               initial_state=x["h0"])
         return h, (c, n, m)
-    o, s = recurrence.chunk_gated_delta(x["q"], x["k"], x["v"], x["g"], x["beta"], scale=x["scale"],
-                                        initial_state=x["h0"])
+    run = recurrence.chunk_gated_delta_product if x["recurrence"] == "gated_delta_product" \
+        else recurrence.chunk_gated_delta
+    o, s = run(x["q"], x["k"], x["v"], x["g"], x["beta"], scale=x["scale"], initial_state=x["h0"])
     return o, (s,)
 
 
@@ -269,6 +276,8 @@ def selected_route(x: dict, variant: str) -> str:
         return kernels.MLSTM_KERNEL
     if variant != "auto":
         return variant
+    if x["recurrence"] == "gated_delta_product":
+        return kernels.select_gated_delta_product_route(x["q"], x["k"], x["v"], x["g"], x["beta"], x["h0"])
     return kernels.select_gated_delta_route(x["q"], x["k"], x["v"], x["g"], x["beta"], x["h0"])
 
 

@@ -9,6 +9,7 @@ from typing import Any, Mapping
 
 from harness.mixers.base import Mixer, MixerOptions, MixerShape, MixerState, no_weight_decay
 from harness.mixers.deltanet import DeltaNet
+from harness.mixers.deltaproduct import DeltaProduct
 from harness.mixers.gated_deltanet import GatedDeltaNet
 from harness.mixers.gla import GLA
 from harness.mixers.kda import KDA
@@ -19,7 +20,7 @@ from harness.mixers.registry import MixerRegistry
 from harness.mixers.retnet import RetNet
 
 MIXERS: MixerRegistry = MixerRegistry(
-    cls for cls in (LinearAttention, RetNet, GLA, DeltaNet, GatedDeltaNet, KDA, MLSTM)
+    cls for cls in (LinearAttention, RetNet, GLA, DeltaNet, GatedDeltaNet, KDA, MLSTM, DeltaProduct)
 )
 
 

@@ -167,6 +167,9 @@ class Mixer(nn.Module):
     Options: ClassVar[type[MixerOptions]] = MixerOptions
     # its recurrence on the kernel backend, for the recurrence bench and the GPU kernel tests (None: no kernel case)
     kernel_case: ClassVar[Optional[KernelCase]] = None
+    # the modules whose outputs are the values the state stores: with all of them zero the mixer outputs 0 (the
+    # contract's zeroed_values_give_the_teacher zeroes those beyond v_proj, which transfer copies from the teacher)
+    value_projections: ClassVar[tuple[str, ...]] = ("v_proj",)
 
     def __init__(self, shape: MixerShape, options: MixerOptions, layer_idx: int = 0):
         super().__init__()
@@ -438,11 +441,23 @@ class ConvMixer(Mixer):
     def __init__(self, shape: MixerShape, options, layer_idx: int = 0):
         super().__init__(shape, options, layer_idx)
         if options.short_conv:
-            self.qkv_conv = ShortConv(3 * shape.num_heads * shape.head_dim, options.conv_size,
+            self.qkv_conv = ShortConv(self.conv_channels(), options.conv_size,
                                       activation=None if options.qkv_activation == "identity" else "silu")
+
+    def conv_channels(self) -> int:
+        """Channels of the short convolution: q, k and v."""
+        return 3 * self.shape.num_heads * self.shape.head_dim
 
     def project_qkv(self, x, state, use_cache, mask=None, projected=None):
         qkv = torch.cat(projected if projected is not None else [*self.project_qk(x), self.v_proj(x)], dim=-1)
+        qkv, tail = self.convolve(x, qkv, state, use_cache, mask)
+        q, k, v = (self._heads(t) for t in qkv.chunk(3, dim=-1))
+        return q, k, v, tail
+
+    def convolve(self, x, qkv: torch.Tensor, state: Optional[MixerState], use_cache: bool,
+                 mask: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """The projections `[B, T, conv_channels]` through the short convolution (+ `qkv_activation`), or the
+        activation alone without it -> (result, the new conv tail or None)."""
         tail = None
         if self.options.short_conv:
             if mask is not None:  # a padded input is a zero, as before the first token: left padding changes nothing
@@ -451,8 +466,7 @@ class ConvMixer(Mixer):
                                       fused=self.fused_ops(x), want_tail=use_cache)
         elif self.options.qkv_activation == "silu":
             qkv = F.silu(qkv)
-        q, k, v = (self._heads(t) for t in qkv.chunk(3, dim=-1))
-        return q, k, v, tail
+        return qkv, tail
 
     def score_features(self, q, k):
         return l2norm(q), l2norm(k)

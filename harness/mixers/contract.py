@@ -7,8 +7,9 @@ compared. A property that raises fails with the error. A few seconds per mixer o
   state (outputs and every parameter's gradient);
 - kernel_matches_reference: on CUDA, the kernel backend in bf16 against the reference in fp32, no farther than the
   reference run in bf16 (the bf16 floor) allows (SKIP without CUDA);
-- zeroed_values_give_the_teacher: with the teacher's v_proj zeroed, the student's logits are the teacher's (every
-  attention and every mixer outputs 0, so what is left is the rest of the network, which the student copies);
+- zeroed_values_give_the_teacher: with the teacher's v_proj zeroed (and a mixer's own further value projections,
+  `Mixer.value_projections`), the student's logits are the teacher's (every attention and every mixer outputs 0, so
+  what is left is the rest of the network, which the student copies);
 - cached_generate_equals_full_forwards: greedy `generate` with the recurrent cache gives the tokens of repeated
   full forwards, and each cached step's logits are the full forward's;
 - padding_left_and_right: in a batch padded on the left or on the right, each row's logits at its real tokens are
@@ -202,7 +203,8 @@ def _layer_run(student: HarnessForCausalLM, x: torch.Tensor) -> dict[str, torch.
 
 
 def zeroed_values_give_the_teacher(subject: Subject) -> Outcome:
-    """The teacher with every v_proj (and its bias) zeroed, and its student: logits within 1e-5 on 2 x 24 tokens."""
+    """The teacher with every v_proj (and its bias) zeroed, and its student (its mixers' further value projections
+    zeroed too): logits within 1e-5 on 2 x 24 tokens."""
     teacher = copy.deepcopy(subject.teacher)
     with torch.no_grad():
         for layer in teacher.model.layers:
@@ -210,6 +212,12 @@ def zeroed_values_give_the_teacher(subject: Subject) -> Outcome:
             if layer.self_attn.v_proj.bias is not None:
                 layer.self_attn.v_proj.bias.zero_()
     student = subject.student(teacher)
+    with torch.no_grad():
+        for module in student.modules():
+            if isinstance(module, Mixer):
+                for name in module.value_projections:
+                    for p in getattr(module, name).parameters():
+                        p.zero_()
     ids = token_ids(2, 24, subject.seed, teacher.config.vocab_size)
     with torch.no_grad():
         gap = max_gap(student(ids).logits, teacher(ids).logits)

@@ -3,9 +3,10 @@ GPU kernel on the kernel backend (harness.mixers.kernels), else the PyTorch chun
 (harness.mixers.recurrence). docs/RECURRENCES.md is the contract all three follow.
 
 Each mixer calls the function named after its recurrence (linear_attention, retention, gated_linear_attention,
-delta_rule, gated_delta_rule, kimi_delta_rule, mlstm_cell); its docstring names the kernel that runs on the kernel
-backend (for the gated-delta family: the route `kernels.select_gated_delta_route` takes for the mixer's (g, beta)
-case) and the reference. The six gated-delta functions are `run_gated_delta` under the name of their case.
+delta_rule, gated_delta_rule, kimi_delta_rule, gated_delta_product, mlstm_cell); its docstring names the kernel that
+runs on the kernel backend (for the gated-delta family: the route `kernels.select_gated_delta_route` takes for the
+mixer's (g, beta) case) and the reference. The six gated-delta functions are `run_gated_delta` under the name of
+their case; gated_delta_product holds several steps per token.
 
 Padded batches: `mask` (bool `[B, T]`, False at padding, or None for none) makes every padded token leave the state
 exactly as it found it: no write (k = 0 and beta = 0; for mLSTM an input gate of -inf) and no decay (log decay 0;
@@ -122,7 +123,8 @@ def delta_rule(q, k, v, beta, *, scale: float, prior, backend: str, chunk_size: 
 def gated_delta_rule(q, k, v, g, beta, *, scale: float, prior, backend: str, chunk_size: int,
                      normalize_qk: bool = False, mask=None):
     """The gated delta rule, S_t = exp(g_t) (I - b_t k_t k_t^T) S_{t-1} + b_t k_t v_t^T, g and beta `[B, T, H]`
-    (case head_delta).
+    (case head_delta); with a gate finer than a head (`decay_group_size`, harness.mixers.decay) g is `[B, T, H, K]`,
+    KDA's recurrence and route (case channel_delta).
 
     kernel: fla chunk_gated_delta_rule; chunk_kda with g broadcast over K when gradients are needed on a GPU
         where fla's gated backward is blocked and TileLang is not usable
@@ -135,13 +137,39 @@ def gated_delta_rule(q, k, v, g, beta, *, scale: float, prior, backend: str, chu
 def kimi_delta_rule(q, k, v, g, beta, *, scale: float, prior, backend: str, chunk_size: int,
                     normalize_qk: bool = False, mask=None):
     """Kimi delta attention's recurrence, S_t = (I - b_t k_t k_t^T) Diag(exp g_t) S_{t-1} + b_t k_t v_t^T,
-    g `[B, T, H, K]`, beta `[B, T, H]` (case channel_delta).
+    g `[B, T, H, K]`, beta `[B, T, H]` (case channel_delta); with one gate per head (`decay_group_size`) g is
+    `[B, T, H]`, Gated DeltaNet's recurrence and route (case head_delta).
 
-    kernel: fla chunk_kda
+    kernel: fla chunk_kda (chunk_gated_delta_rule for g `[B, T, H]`)
     reference: recurrence.chunk_gated_delta; one decoding token: recurrence.step_gated_delta
     """
     return run_gated_delta(q, k, v, g, beta, scale=scale, prior=prior, backend=backend, chunk_size=chunk_size,
                            normalize_qk=normalize_qk, mask=mask)
+
+
+def gated_delta_product(q, k, v, g, beta, *, scale: float, prior, backend: str, chunk_size: int,
+                        normalize_qk: bool = False, mask=None):
+    """Gated DeltaProduct, n Householder steps per token: S_t = exp(g_t) S_{t-1}, then for j = 1..n
+    S_t = (I - b_tj k_tj k_tj^T) S_t + b_tj k_tj v_tj^T; q `[B, T, H, K]`, k `[B, T, n, H, K]`, v `[B, T, n, H, V]`,
+    g None | `[B, T, H]`, beta `[B, T, n, H]`. A padded token holds the state through all its steps.
+
+    kernel: fla chunk_gated_delta_product (kernels.kernel_gated_delta_product; where fla's gated backward is blocked,
+        the gated delta rule over the interleaved steps)
+    reference: recurrence.chunk_gated_delta_product; one decoding token: recurrence.step_gated_delta_product
+    """
+    if mask is not None:
+        k, g, beta = _hold_gated_delta(mask, k, g, beta)
+    if backend == "kernel" and not _is_decoding_step(q, prior):
+        return kernels.kernel_gated_delta_product(q, k, v, g, beta, scale=scale, initial_state=prior,
+                                                  normalize_qk=normalize_qk)
+    if normalize_qk:
+        q, k = l2norm(q), l2norm(k)
+    if _is_decoding_step(q, prior):
+        o, state = recurrence.step_gated_delta_product(q[:, 0], k[:, 0], v[:, 0], None if g is None else g[:, 0],
+                                                       beta[:, 0], scale=scale, state=prior)
+        return o.unsqueeze(1), state
+    return recurrence.chunk_gated_delta_product(q, k, v, g, beta, scale=scale, initial_state=prior,
+                                                chunk_size=chunk_size)
 
 
 def mlstm_cell(q, k, v, i, f, *, scale: float, prior, backend: str, chunk_size: int, eps: float, mask=None):

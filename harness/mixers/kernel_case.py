@@ -8,9 +8,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Mapping, Optional
 
-from harness.mixers.kernels import MLSTM_KERNEL, ROUTES
+from harness.mixers.kernels import MLSTM_KERNEL, PRODUCT_ROUTES, ROUTES
 
-RECURRENCES = ("gated_delta", "mlstm")
+# gated_delta_product: the gated delta rule with several Householder steps per token (keys, values and beta with a
+# step axis, `harness.bench.recurrences.PRODUCT_STEPS` of them in the bench)
+RECURRENCES = ("gated_delta", "gated_delta_product", "mlstm")
+_ROUTES_OF = {"gated_delta": ROUTES, "gated_delta_product": PRODUCT_ROUTES, "mlstm": (MLSTM_KERNEL,)}
 # How q and k reach the recurrence: raw ~N(0, 1) with scale K^-0.5; elu1, elu + 1 with scale 1 (linear attention's
 # feature map and normaliser); l2, L2-normalised with scale K^-0.5 (the delta rules)
 FEATURES = ("raw", "elu1", "l2")
@@ -26,8 +29,10 @@ class KernelCase:
     """A mixer's recurrence on the kernel backend (see the module docstring)."""
 
     route: str = field(metadata={"help": "The kernel its recurrence takes by default: an fla route of "
-                                 "harness.mixers.kernels.ROUTES, or kernels.MLSTM_KERNEL."})
-    recurrence: str = field(default="gated_delta", metadata={"help": "gated_delta (docs/RECURRENCES.md) or mlstm."})
+                                 "harness.mixers.kernels.ROUTES (gated_delta), of kernels.PRODUCT_ROUTES "
+                                 "(gated_delta_product), or kernels.MLSTM_KERNEL (mlstm)."})
+    recurrence: str = field(default="gated_delta", metadata={"help": "gated_delta (docs/RECURRENCES.md), "
+                                                             "gated_delta_product or mlstm."})
     features: str = field(default="raw", metadata={"help": "How q and k reach the recurrence: raw, elu1 or l2."})
     gate: Optional[str] = field(default=None, metadata={"help": "The decay g: None, head_const, head or channel."})
     beta: bool = field(default=False, metadata={"help": "Whether the recurrence takes the delta rule's beta."})
@@ -39,15 +44,18 @@ class KernelCase:
                                         "state, grad, gate_grad), with the measurement that justifies them."})
 
     def __post_init__(self) -> None:
-        routes = (MLSTM_KERNEL,) if self.recurrence == "mlstm" else ROUTES
-        checks = (("recurrence", self.recurrence, RECURRENCES), ("features", self.features, FEATURES),
-                  ("gate", self.gate, GATES), ("route", self.route, routes))
+        if self.recurrence not in RECURRENCES:
+            raise ValueError(f"KernelCase recurrence={self.recurrence!r} is not one of "
+                             f"{', '.join(map(repr, RECURRENCES))}")
+        routes = _ROUTES_OF[self.recurrence]
+        checks = (("features", self.features, FEATURES), ("gate", self.gate, GATES), ("route", self.route, routes))
         for name, value, allowed in checks:
             if value not in allowed:
                 raise ValueError(f"KernelCase {name}={value!r} is not one of {', '.join(map(repr, allowed))}")
-        bad = [r for r in self.alternative_routes if r not in ROUTES]
+        bad = [r for r in self.alternative_routes if r not in routes or self.recurrence == "mlstm"]
         if bad:
-            raise ValueError(f"KernelCase alternative_routes {bad}: each must be one of {', '.join(ROUTES)}")
+            raise ValueError(f"KernelCase alternative_routes {bad}: each must be one of {', '.join(routes)} "
+                             f"(recurrence {self.recurrence})")
         unknown = sorted(set(self.tolerances) - set(TOLERANCE_KEYS))
         if unknown:
             raise ValueError(f"KernelCase tolerances {unknown}: keys must be among {', '.join(TOLERANCE_KEYS)}")

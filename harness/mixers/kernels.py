@@ -1,5 +1,5 @@
-"""GPU kernel path of the recurrences in docs/RECURRENCES.md: fla.ops for the gated-delta family, mlstm_kernels
-for the mLSTM. CUDA only; the PyTorch reference (harness.mixers.recurrence) is the oracle.
+"""GPU kernel path of the recurrences in docs/RECURRENCES.md: fla.ops for the gated-delta family (gated
+DeltaProduct included), mlstm_kernels for the mLSTM. CUDA only; the PyTorch reference (harness.mixers.recurrence) is the oracle.
 
 Nothing here imports fla, triton or mlstm_kernels at module import time: this module is imported on CPU
 machines (CI) where triton does not exist. The kernel libraries are imported inside the functions.
@@ -55,6 +55,7 @@ import torch
 import torch.nn.functional as F
 
 from harness.mixers.ops import l2norm
+from harness.mixers.recurrence import interleave_householder
 
 BACKENDS = ("auto", "kernel", "reference")
 
@@ -219,6 +220,12 @@ def kernel_environment() -> dict:
 # Override per case with HARNESS_FLA_ROUTES="case=route,case=route" (e.g. "head_const=gla").
 GATED_DELTA_CASES = ("none", "head_const", "head", "channel", "delta", "head_delta", "channel_delta")
 ROUTES = ("simple_gla", "simple_gla_gamma", "gla", "delta_rule", "gated_delta_rule", "kda")
+# Gated DeltaProduct (several Householder steps per token, `kernel_gated_delta_product`), its own case:
+#   product  -> gated_delta_product (fla's chunk_gated_delta_product), or interleaved (the gated delta rule over
+#               the T * n steps through kernel_gated_delta) where gradients are needed and fla's gated backward is
+#               blocked without TileLang (chunk_gated_delta_product's backward is chunk_gated_delta_rule's)
+PRODUCT_CASE = "product"
+PRODUCT_ROUTES = ("gated_delta_product", "interleaved")
 _L2NORM_IN_KERNEL = ("delta_rule", "gated_delta_rule", "kda")  # routes whose fla op normalises q, k itself
 _ROUTE_ACCEPTS = {  # route -> (g kinds it can take, whether it takes beta)
     "simple_gla": ({"none", "head"}, False),
@@ -256,9 +263,11 @@ def _route_overrides() -> dict[str, str]:
     for item in filter(None, (s.strip() for s in spec.split(","))):
         case, _, route = item.partition("=")
         case, route = case.strip(), route.strip()
-        if case not in GATED_DELTA_CASES or route not in ROUTES:
+        routes = PRODUCT_ROUTES if case == PRODUCT_CASE else ROUTES
+        if case not in (*GATED_DELTA_CASES, PRODUCT_CASE) or route not in routes:
             raise ValueError(f"HARNESS_FLA_ROUTES item '{item}': case must be one of {', '.join(GATED_DELTA_CASES)}"
-                             f" and route one of {', '.join(ROUTES)}")
+                             f" and route one of {', '.join(ROUTES)}; or case {PRODUCT_CASE} (gated DeltaProduct) "
+                             f"and route one of {', '.join(PRODUCT_ROUTES)}")
         out[case] = route
     return out
 
@@ -401,6 +410,80 @@ def kernel_gated_delta(q, k, v, g=None, beta=None, *, scale: float, initial_stat
 
 
 # ----------------------------------------------------------------------------------------------------------
+# gated DeltaProduct -> fla.ops.gated_delta_product
+
+def _check_gated_delta_product(q, k, v, g, beta, initial_state) -> None:
+    if q.dim() != 4 or k.dim() != 5 or tuple(k.shape[:2]) + tuple(k.shape[3:]) != tuple(q.shape):
+        raise ValueError(f"q must be [B, T, H, K] and k [B, T, n, H, K]; got {tuple(q.shape)} and {tuple(k.shape)}")
+    B, T, n, H, K = k.shape
+    if v.dim() != 5 or tuple(v.shape[:4]) != (B, T, n, H):
+        raise ValueError(f"v must be [B, T, n, H, V] = [{B}, {T}, {n}, {H}, V]; got {tuple(v.shape)}")
+    if g is not None and tuple(g.shape) != (B, T, H):
+        raise ValueError(f"g must be [B, T, H] = {[B, T, H]}; got {tuple(g.shape)}")
+    if tuple(beta.shape) != (B, T, n, H):
+        raise ValueError(f"beta must be [B, T, n, H] = {[B, T, n, H]}; got {tuple(beta.shape)}")
+    if T == 0:
+        raise ValueError("empty sequence (T == 0)")
+    if initial_state is not None and tuple(initial_state.shape) != (B, H, K, v.shape[-1]):
+        raise ValueError(f"initial_state must be [B, H, K, V] = {[B, H, K, v.shape[-1]]}; "
+                         f"got {tuple(initial_state.shape)}")
+    if K > 256:
+        raise ValueError(f"fla's delta-rule kernels support K <= 256; got K={K}")
+
+
+def select_gated_delta_product_route(q, k, v, g=None, beta=None, initial_state=None) -> str:
+    """The route `kernel_gated_delta_product` takes for these arguments on this machine (PRODUCT_ROUTES)."""
+    override = _route_overrides().get(PRODUCT_CASE)
+    if override is not None:
+        return override
+    if g is not None and _needs_grad(q, k, v, g, beta, initial_state) and _gated_bwd_blocked() \
+            and not _tilelang_usable():
+        return "interleaved"
+    return "gated_delta_product"
+
+
+def _fla_gated_delta_product():
+    """fla's chunk_gated_delta_product (imported on call: triton exists on GPU machines only)."""
+    from fla.ops.gated_delta_product import chunk_gated_delta_product
+
+    return chunk_gated_delta_product
+
+
+def kernel_gated_delta_product(q, k, v, g, beta, *, scale: float, initial_state=None,
+                               output_final_state: bool = True, normalize_qk: bool = False,
+                               route: Optional[str] = None):
+    """Gated DeltaProduct (docs/RECURRENCES.md) through fla -> (o `[B, T, H, V]`, final `[B, H, K, V]`).
+
+    q `[B, T, H, K]`, k `[B, T, n, H, K]`, v `[B, T, n, H, V]`, g None | `[B, T, H]` (natural-log decay <= 0),
+    beta `[B, T, n, H]`, initial_state None | `[B, H, K, V]`. route: one of PRODUCT_ROUTES, or None for
+    `select_gated_delta_product_route`'s. fla takes the steps interleaved, `[B, T n, ...]` with step j of token t
+    at row t n + j; the interleaved route runs `kernel_gated_delta` on q zero but at each token's last step and g on
+    its first (`recurrence.interleave_householder`). dtypes as `kernel_gated_delta`. Raises KernelUnavailable off
+    CUDA or without fla/triton.
+    """
+    _check_gated_delta_product(q, k, v, g, beta, initial_state)
+    _require("fla", q, k, v, g, beta, initial_state, fn="kernel_gated_delta_product")
+    route = route or select_gated_delta_product_route(q, k, v, g, beta, initial_state)
+    if route not in PRODUCT_ROUTES:
+        raise ValueError(f"unknown gated DeltaProduct route '{route}'; valid: {', '.join(PRODUCT_ROUTES)}")
+    B, T, steps = k.shape[:3]
+    if route == "interleaved":
+        o, ht = kernel_gated_delta(*interleave_householder(q, k, v, g, beta), scale=scale,
+                                   initial_state=initial_state, output_final_state=output_final_state,
+                                   normalize_qk=normalize_qk)
+        return o.unflatten(1, (T, steps))[:, :, -1], ht
+    out_dtype, dt = v.dtype, _compute_dtype(v)
+    q = q.to(dt).contiguous()
+    k, v = (t.to(dt).flatten(1, 2).contiguous() for t in (k, v))
+    g = None if g is None else g.to(torch.float32).contiguous()
+    h0 = None if initial_state is None else initial_state.to(torch.float32).contiguous()
+    o, ht = _fla_gated_delta_product()(q, k, v, g, beta.flatten(1, 2).contiguous(), scale=float(scale),
+                                       initial_state=h0, output_final_state=output_final_state,
+                                       num_householder=steps, use_qk_l2norm_in_kernel=normalize_qk)
+    return o.to(out_dtype), ht
+
+
+# ----------------------------------------------------------------------------------------------------------
 # mLSTM -> mlstm_kernels chunkwise--triton_limit_chunk
 
 MLSTM_KERNEL = "chunkwise--triton_limit_chunk"
@@ -513,7 +596,8 @@ def _mlstm_padded(kernel, q, k, v, i, f, *, scale, state, eps, chunk_size, dtype
 
 
 __all__ = [
-    "BACKENDS", "GATED_DELTA_CASES", "KernelUnavailable", "MLSTM_KERNEL", "ROUTES", "gated_delta_case",
-    "kernel_environment", "kernel_gated_delta", "kernel_mlstm", "kernel_unavailable_reason", "kernels_available",
-    "resolve_backend", "run_gated_delta_route", "select_gated_delta_route",
+    "BACKENDS", "GATED_DELTA_CASES", "KernelUnavailable", "MLSTM_KERNEL", "PRODUCT_ROUTES", "ROUTES",
+    "gated_delta_case", "kernel_environment", "kernel_gated_delta", "kernel_gated_delta_product", "kernel_mlstm",
+    "kernel_unavailable_reason", "kernels_available", "resolve_backend", "run_gated_delta_route",
+    "select_gated_delta_product_route", "select_gated_delta_route",
 ]

@@ -14,14 +14,15 @@ def expand_kv(weight: torch.Tensor, num_kv_heads: int, n_rep: int) -> torch.Tens
 
 
 def apply_rope(q, k, cos, sin):
-    """Rotary embedding on `[B, T, H, D]` q and k with transformers' (cos, sin) of shape `[B, T, D]`."""
-    cos, sin = cos.unsqueeze(2).to(q.dtype), sin.unsqueeze(2).to(q.dtype)
+    """Rotary embedding on q and k `[B, T, ..., D]` (`[B, T, H, D]`; a DeltaProduct's keys `[B, T, n, H, D]`: each
+    of a token's keys at the token's position) with transformers' (cos, sin) of shape `[B, T, D]`."""
 
     def rotate(x):
+        c, s = (t.reshape(*t.shape[:2], *(1,) * (x.dim() - 3), t.shape[-1]).to(q.dtype) for t in (cos, sin))
         x1, x2 = x.chunk(2, dim=-1)
-        return torch.cat((-x2, x1), dim=-1)
+        return x * c + torch.cat((-x2, x1), dim=-1) * s
 
-    return q * cos + rotate(q) * sin, k * cos + rotate(k) * sin
+    return rotate(q), rotate(k)
 
 
 def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:

@@ -1,4 +1,5 @@
-"""Pure-PyTorch reference recurrences (docs/RECURRENCES.md): the gated delta family and mLSTM.
+"""Pure-PyTorch reference recurrences (docs/RECURRENCES.md): the gated delta family (and gated DeltaProduct, its
+several steps per token) and mLSTM.
 
 Each recurrence has three forms with one meaning:
 - ``chunk_*``: chunkwise-parallel (training): a matrix form inside each chunk, the state passed between chunks;
@@ -35,6 +36,9 @@ __all__ = [
     "chunk_gated_delta",
     "step_gated_delta",
     "recurrent_gated_delta",
+    "chunk_gated_delta_product",
+    "step_gated_delta_product",
+    "recurrent_gated_delta_product",
     "chunk_mlstm",
     "step_mlstm",
     "recurrent_mlstm",
@@ -276,6 +280,107 @@ def recurrent_gated_delta(
         o, state = step_gated_delta(qt, kt, vt, gt, bt, scale=scale, state=state)
         outs.append(o)
     return torch.stack(outs, 1) if outs else v.new_zeros(v.shape), state.float()
+
+
+# ------------------------------------------------------------------------------- gated DeltaProduct
+def interleave_householder(q: Tensor, k: Tensor, v: Tensor, g: Optional[Tensor], beta: Tensor):
+    """A gated DeltaProduct's inputs as the gated delta rule over T * n steps (n Householder steps per token, each
+    its own step): the decay on each token's first step, its query on its last (zero elsewhere).
+
+    q ``[B, T, H, K]``, k ``[B, T, n, H, K]``, v ``[B, T, n, H, V]``, g None | ``[B, T, H]``, beta ``[B, T, n, H]``
+    -> q, k ``[B, T n, H, K]``, v ``[B, T n, H, V]``, g None | ``[B, T n, H]``, beta ``[B, T n, H]``; step j of token
+    t is row t n + j (fla's ``(t n)`` layout)."""
+    steps = k.shape[2]
+    q_steps = q.new_zeros(*q.shape[:2], steps, *q.shape[2:])
+    q_steps[:, :, -1] = q
+    g_steps = None
+    if g is not None:
+        g_steps = g.new_zeros(*g.shape[:2], steps, g.shape[2])
+        g_steps[:, :, 0] = g
+        g_steps = g_steps.flatten(1, 2)
+    return q_steps.flatten(1, 2), k.flatten(1, 2), v.flatten(1, 2), g_steps, beta.flatten(1, 2)
+
+
+def chunk_gated_delta_product(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    g: Optional[Tensor],
+    beta: Tensor,
+    *,
+    scale: float,
+    initial_state: Optional[Tensor] = None,
+    chunk_size: int = 64,
+) -> tuple[Tensor, Tensor]:
+    """Chunkwise-parallel gated DeltaProduct (training form); equals ``recurrent_gated_delta_product``.
+
+    Per token: S = exp(g_t) S; then for each Householder step j = 1..n: S += beta_tj k_tj (v_tj - S^T k_tj)^T;
+    o_t = scale * S^T q_t. It is ``chunk_gated_delta`` over the interleaved T * n steps (``interleave_householder``),
+    read at each token's last step.
+
+    Args:
+        q: ``[B, T, H, K]``; k: ``[B, T, n, H, K]``; v: ``[B, T, n, H, V]``; any float dtype.
+        g: log decay <= 0, None | ``[B, T, H]`` (one per token and head).
+        beta: ``[B, T, n, H]``, in (0, 2) for a contraction.
+        initial_state: None (zeros) | ``[B, H, K, V]``.
+        chunk_size: tokens per chunk (chunk_size * n steps of the interleaved sequence).
+
+    Returns:
+        o ``[B, T, H, V]`` of v's dtype, final state ``[B, H, K, V]`` float32.
+    """
+    _check_chunk(chunk_size)
+    steps = k.shape[2]
+    o, state = chunk_gated_delta(*interleave_householder(q, k, v, g, beta), scale=scale, initial_state=initial_state,
+                                 chunk_size=chunk_size * steps)
+    return o.unflatten(1, (q.shape[1], steps))[:, :, -1], state
+
+
+def step_gated_delta_product(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    g: Optional[Tensor],
+    beta: Tensor,
+    *,
+    scale: float,
+    state: Optional[Tensor],
+) -> tuple[Tensor, Tensor]:
+    """One token of the gated DeltaProduct: ``step_gated_delta`` for each Householder step, the decay on the first.
+
+    Args:
+        q: ``[B, H, K]``; k: ``[B, n, H, K]``; v: ``[B, n, H, V]``; g: None | ``[B, H]``; beta: ``[B, n, H]``.
+        state: None (zeros) | ``[B, H, K, V]``.
+
+    Returns:
+        o ``[B, H, V]`` of v's dtype (read after the last step), new state ``[B, H, K, V]`` float32.
+    """
+    o = None
+    for j in range(k.shape[1]):
+        o, state = step_gated_delta(q, k[:, j], v[:, j], g if j == 0 else None, beta[:, j], scale=scale, state=state)
+    return o, state
+
+
+def recurrent_gated_delta_product(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    g: Optional[Tensor],
+    beta: Tensor,
+    *,
+    scale: float,
+    initial_state: Optional[Tensor] = None,
+    chunk_size: int = 64,
+) -> tuple[Tensor, Tensor]:
+    """``step_gated_delta_product`` looped over T: the oracle. Same arguments and results as
+    ``chunk_gated_delta_product``; ``chunk_size`` is ignored."""
+    batch, length, heads, dk = q.shape
+    state = q.new_zeros(batch, heads, dk, v.shape[-1], dtype=torch.float32) if initial_state is None else initial_state
+    gs = [None] * length if g is None else g.unbind(1)
+    outs = []
+    for qt, kt, vt, gt, bt in zip(q.unbind(1), k.unbind(1), v.unbind(1), gs, beta.unbind(1)):
+        o, state = step_gated_delta_product(qt, kt, vt, gt, bt, scale=scale, state=state)
+        outs.append(o)
+    return torch.stack(outs, 1) if outs else v.new_zeros(v[:, :, 0].shape), state.float()
 
 
 # -------------------------------------------------------------------------------------------------- mLSTM

@@ -49,12 +49,19 @@ def _having(option: str) -> list[str]:
 
 OTHER_INITS = ([(n, {"qkv_activation": "silu"}) for n in _having("qkv_activation")]
                + [(n, {"conv_init": "random"}) for n in _having("conv_init")]
-               + [(n, {"gate_init": "random"}) for n in _having("gate_init")])
+               + [(n, {"gate_init": "random"}) for n in _having("gate_init")]
+               # the decay gate's granularity: per group (chunk_kda) and per head (chunk_gated_delta_rule)
+               + [("gated_deltanet", {"decay_group_size": 16}), ("gated_deltanet", {"decay_group_size": 1}),
+                  ("kda", {"decay_group_size": 16}), ("kda", {"decay_group_size": 0})]
+               # gated DeltaProduct: more steps with beta in (0, 2), and extra steps copied from the teacher
+               + [("deltaproduct", {"num_householder": 3, "negative_eigenvalues": True}),
+                  ("deltaproduct", {"householder_kv_init": "copy"})])
 
 
 @pytest.mark.parametrize("name, options", OTHER_INITS)
 def test_kernel_layer_matches_reference_under_the_other_init_options(name, options):
-    """The options docs/TRANSFER.md compares change the fused operators (convolution without SiLU, a random gate)."""
+    """The options docs/TRANSFER.md compares change the fused operators (convolution without SiLU, a random gate),
+    and the decay gate's granularity changes the fla route (docs/RECURRENCES.md, "Decay granularity")."""
     check_kernel_against_reference(name, LAYOUTS["135M"], 2048, options)
 
 
