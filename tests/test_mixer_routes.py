@@ -13,7 +13,8 @@ SHAPE = MixerShape(hidden_size=32, num_heads=4, num_kv_heads=4, head_dim=8)
 
 # the fla op named at each mixer's recurrence call, on a machine where fla's gated backward is not blocked
 FLA_ROUTE = {"linear_attn": "simple_gla", "retnet": "simple_gla_gamma", "gla": "gla", "deltanet": "delta_rule",
-             "gated_deltanet": "gated_delta_rule", "kda": "kda", "mlstm": "mlstm_kernels"}
+             "gated_deltanet": "gated_delta_rule", "kda": "kda", "mlstm": "mlstm_kernels", "mamba2": "simple_gla",
+             "hedgehog": "simple_gla"}
 
 
 def _record_kernels(monkeypatch) -> list[str]:

@@ -95,12 +95,14 @@ def test_expand_kv_maps_student_head_j_to_teacher_head_j_div_nrep():
 def test_unknown_option_lists_allowed():
     with pytest.raises(ValueError, match="Allowed: .*short_conv"):
         mixer_options("gated_deltanet", {"expand_v": 2})
-    with pytest.raises(ValueError, match="valid mixers: linear_attn, retnet, gla, deltanet, gated_deltanet, kda, mlstm"):
+    with pytest.raises(ValueError, match="valid mixers: linear_attn, retnet, gla, deltanet, gated_deltanet, kda, mlstm, "
+                                         "mamba2, hedgehog"):
         mixer_options("mamba", {})
 
 
-def test_mixer_names_are_the_seven():
-    assert list(MIXERS) == ["linear_attn", "retnet", "gla", "deltanet", "gated_deltanet", "kda", "mlstm"]
+def test_mixer_names_are_the_nine():
+    assert list(MIXERS) == ["linear_attn", "retnet", "gla", "deltanet", "gated_deltanet", "kda", "mlstm", "mamba2",
+                            "hedgehog"]
 
 
 @pytest.mark.parametrize("T", [1, 2, 3, 10])

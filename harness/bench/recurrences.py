@@ -39,7 +39,7 @@ SHAPES = {  # SmolLM2 attention head layouts (the student keeps the teacher's qu
     "smollm2-360m": dict(H=15, K=64, V=64),
     "smollm2-1.7b": dict(H=32, K=64, V=64),
 }
-DELTA_CASES = ("linear_attn", "retnet", "gla", "deltanet", "gated_deltanet", "kda")
+DELTA_CASES = ("linear_attn", "retnet", "gla", "deltanet", "gated_deltanet", "kda", "mamba2", "hedgehog")
 CASES = DELTA_CASES + ("mlstm",)
 # Routes measured per case: "auto" is what kernel_gated_delta / kernel_mlstm pick; the others are the
 # alternative fla routes for the same recurrence (fallbacks if "auto" turns out wrong or slow on a machine).
@@ -50,6 +50,8 @@ VARIANTS = {
     "deltanet": ("auto", "gated_delta_rule"),
     "gated_deltanet": ("auto", "kda"),
     "kda": ("auto",),
+    "mamba2": ("auto", "gla"),
+    "hedgehog": ("auto", "gla"),
     "mlstm": ("auto",),
 }
 # Relative-error limits ||kernel - ref|| / ||ref||. bf16 has a 2^-8 = 3.9e-3 relative step; fla keeps
@@ -87,8 +89,12 @@ def make_inputs(case: str, B: int, T: int, H: int, K: int, V: int, *, device="cu
     raw q, k ~ N(0, 1) (scale K^-0.5); delta cases L2-normalised q, k; beta = sigmoid(N(0, 1));
     per-head g = -exp(A) * softplus(x + dt_bias) (Gated DeltaNet: A ~ U(0, 16), dt ~ LogU(1e-3, 0.1),
     x ~ N(0, 0.5^2)); per-channel g = logsigmoid(N(0, 1)) / 16 (GLA); retnet g = log(1 - 2^(-5-h)) as an
-    expanded constant; mLSTM i = 15 tanh((2 N - 3) / 15), f = 15 tanh((N + 4.5) / 15)."""
+    expanded constant; mLSTM i = 15 tanh((2 N - 3) / 15), f = 15 tanh((N + 4.5) / 15); mamba2 raw q, k with k
+    scaled by dt and g = -A dt (A ~ U(1, 16), dt as Gated DeltaNet's; scale 1); hedgehog q, k = [softmax(x),
+    softmax(-x)] of x ~ N(0, 1) `[..., K]`, so its key dim is 2K (scale 1)."""
     gen = torch.Generator(device="cpu").manual_seed(seed)
+    if case == "hedgehog":
+        K = 2 * K  # the feature map's [softmax, softmax] of a K-dim map
 
     def randn(*shape, std=1.0):
         return (torch.randn(*shape, generator=gen) * std).to(device)
@@ -101,17 +107,25 @@ def make_inputs(case: str, B: int, T: int, H: int, K: int, V: int, *, device="cu
     if case == "linear_attn":
         q, k = F.elu(q) + 1, F.elu(k) + 1
         x["scale"] = 1.0
+    elif case == "hedgehog":
+        q, k = (torch.cat([t[..., :K // 2].softmax(-1), (-t[..., :K // 2]).softmax(-1)], -1) for t in (q, k))
+        x["scale"] = 1.0
     elif case in ("deltanet", "gated_deltanet", "kda"):
         q, k = F.normalize(q, dim=-1), F.normalize(k, dim=-1)
     x["q"], x["k"], x["v"] = leaf(q, dtype), leaf(k, dtype), leaf(v, dtype)
     if case == "retnet":
         heads = torch.arange(H, dtype=torch.float32, device=device)
         x["g"] = torch.log1p(-torch.pow(2.0, -5.0 - heads)).expand(B, T, H)  # constant, no grad
-    elif case == "gated_deltanet":
-        A = torch.rand(H, generator=gen).to(device) * 16
+    elif case in ("gated_deltanet", "mamba2"):
+        low = 1.0 if case == "mamba2" else 0.0  # Mamba2's A ~ U(1, 16), Gated DeltaNet's U(0, 16)
+        A = low + torch.rand(H, generator=gen).to(device) * (16 - low)
         dt = torch.exp(torch.rand(H, generator=gen) * (math.log(0.1) - math.log(1e-3)) + math.log(1e-3)).to(device)
         dt_bias = dt + torch.log(-torch.expm1(-dt))
-        x["g"] = leaf(-A * F.softplus(randn(B, T, H, std=0.5) + dt_bias), torch.float32)
+        dt = F.softplus(randn(B, T, H, std=0.5) + dt_bias)
+        x["g"] = leaf(-A * dt, torch.float32)
+        if case == "mamba2":  # the input dt x folded into B (k), no q.k scale, as the layer passes them
+            x["k"] = leaf(k * dt.unsqueeze(-1), dtype)
+            x["scale"] = 1.0
     elif case in ("gla", "kda"):
         x["g"] = leaf(F.logsigmoid(randn(B, T, H, K)) / 16, torch.float32)
     if case in ("deltanet", "gated_deltanet", "kda"):

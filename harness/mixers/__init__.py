@@ -9,13 +9,15 @@ from harness.mixers.base import Mixer, MixerOptions, MixerShape, MixerState
 from harness.mixers.deltanet import DeltaNet
 from harness.mixers.gated_deltanet import GatedDeltaNet
 from harness.mixers.gla import GLA
+from harness.mixers.hedgehog import Hedgehog
 from harness.mixers.kda import KDA
 from harness.mixers.linear_attn import LinearAttention
+from harness.mixers.mamba2 import Mamba2
 from harness.mixers.mlstm import MLSTM
 from harness.mixers.retnet import RetNet
 
 MIXERS: dict[str, type[Mixer]] = {
-    cls.name: cls for cls in (LinearAttention, RetNet, GLA, DeltaNet, GatedDeltaNet, KDA, MLSTM)
+    cls.name: cls for cls in (LinearAttention, RetNet, GLA, DeltaNet, GatedDeltaNet, KDA, MLSTM, Mamba2, Hedgehog)
 }
 
 

@@ -43,9 +43,11 @@ def test_kernel_layer_matches_reference(name, layout, seq):
     check_kernel_against_reference(name, LAYOUTS[layout], seq, {})
 
 
-OTHER_INITS = ([(n, {"qkv_activation": "silu"}) for n in ("deltanet", "gated_deltanet", "kda")]
-               + [(n, {"conv_init": "random"}) for n in ("deltanet", "gated_deltanet", "kda")]
-               + [(n, {"gate_init": "random"}) for n in ("retnet", "gla", "gated_deltanet", "kda", "mlstm")])
+OTHER_INITS = ([(n, {"qkv_activation": "silu"}) for n in ("deltanet", "gated_deltanet", "kda", "mamba2")]
+               + [(n, {"conv_init": "random"}) for n in ("deltanet", "gated_deltanet", "kda", "mamba2")]
+               + [(n, {"gate_init": "random"}) for n in ("retnet", "gla", "gated_deltanet", "kda", "mlstm", "mamba2")]
+               + [("mamba2", {"d_init": "zero"}), ("hedgehog", {"feature_init": "random"}),
+                  ("hedgehog", {"feature_dim": 32})])
 
 
 @pytest.mark.parametrize("name, options", OTHER_INITS)
