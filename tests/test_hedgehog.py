@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from safetensors.torch import load_file
 
 from harness.mixers import MixerShape, mixer_class, mixer_options
 from harness.mixers.hedgehog import hedgehog_features
@@ -79,15 +78,27 @@ def test_a_feature_size_other_than_head_dim_decodes_step_by_step():
     torch.testing.assert_close(torch.cat(steps, 1), full, rtol=1e-4, atol=1e-5)
 
 
-def test_stage1_trains_the_feature_maps(tmp_path):
-    """The maps are among the mixer's parameters that stage 1 trains: after a short stage 1 they have left their
-    identity init, each its own way (q's and k's differ)."""
-    from harness.stages.align import align_group
-    from tests.pipeline import tiny_job
+def test_stage1_trains_the_feature_maps():
+    """Stage 1's optimizer groups (`param_groups` of the mixer as `init_mixer` builds it) hold the maps, and a few
+    AdamW steps of its loss on a teacher's activations move them off the identity, q's and k's each its own way."""
+    from torch import nn
 
-    job = tiny_job(tmp_path, tmp_path / "run", "student.mixer=hedgehog", "teacher.num_layers=1",
-                   "stages.align_mixer.tokens=256", "stages.align_mixer.lr=1e-2")
-    weights = load_file(align_group(job, "align_mixer", [0]) / "weights.safetensors")
-    fq, fk = weights["model.layers.0.mixer.feature_q"], weights["model.layers.0.mixer.feature_k"]
-    eye = torch.eye(fq.shape[-1]).expand_as(fq)
+    from harness.stages.align import init_mixer, layer_loss, param_groups
+    from harness.student import student_config
+    from harness.teacher import capture_activations
+    from tests.tiny import tiny_llama
+
+    teacher = tiny_llama(num_layers=1, hidden=24, heads=3, kv_heads=1)
+    mixer = init_mixer(teacher.model.layers[0], student_config(teacher.config, "hedgehog", {}), 0, seed=0)
+    groups = param_groups(nn.ModuleDict({"0": mixer}), weight_decay=0.01)
+    held = {id(p) for g in groups for p in g["params"]}
+    assert id(mixer.feature_q) in held and id(mixer.feature_k) in held
+    acts = capture_activations(teacher, torch.randint(3, 97, (2, 24)), kinds=("attn_input", "attn_output"))
+    optimizer = torch.optim.AdamW(groups, lr=1e-2)
+    for _ in range(3):
+        optimizer.zero_grad()
+        layer_loss(mixer, "align_mixer", acts, 0).backward()
+        optimizer.step()
+    fq, fk = mixer.feature_q.detach(), mixer.feature_k.detach()
+    eye = torch.eye(SHAPE.head_dim).expand_as(fq)
     assert (fq - eye).abs().max() > 1e-3 and (fk - eye).abs().max() > 1e-3 and not torch.equal(fq, fk)
