@@ -107,17 +107,17 @@ def test_the_gated_norm_gates_before_it_normalises():
 
 
 def test_the_inits():
-    """d_init sets D; the open gate makes z a constant silu(z) = 1; A ~ U(1, 16) and dt_bias = softplus^-1 of
-    dt in [1e-3, 0.1] (Mamba2's); an unknown d_init is named."""
-    zero = mixer_class("mamba2")(SHAPE, mixer_options("mamba2", {"d_init": "zero"}))
-    assert torch.equal(zero.D, torch.zeros(3))
-    one = mixer_class("mamba2")(SHAPE, mixer_options("mamba2", {}))
+    """d_init sets D (zero by default); the open gate makes z a constant silu(z) = 1; A ~ U(1, 16) and dt_bias =
+    softplus^-1 of dt in [1e-3, 0.1] (Mamba2's); an unknown d_init is named."""
+    one = mixer_class("mamba2")(SHAPE, mixer_options("mamba2", {"d_init": "one"}))
     assert torch.equal(one.D, torch.ones(3))
-    assert torch.equal(one.z_proj.weight, torch.zeros_like(one.z_proj.weight))
-    torch.testing.assert_close(F.silu(one.z_proj.bias), torch.ones(12))
-    A = one.A_log.exp()
+    layer = mixer_class("mamba2")(SHAPE, mixer_options("mamba2", {}))
+    assert torch.equal(layer.D, torch.zeros(3))
+    assert torch.equal(layer.z_proj.weight, torch.zeros_like(layer.z_proj.weight))
+    torch.testing.assert_close(F.silu(layer.z_proj.bias), torch.ones(12))
+    A = layer.A_log.exp()
     assert bool(((A >= 1) & (A <= 16)).all())
-    dt = F.softplus(one.dt_bias)
+    dt = F.softplus(layer.dt_bias)
     assert bool(((dt >= 1e-3 - 1e-7) & (dt <= 0.1 + 1e-7)).all())
     with pytest.raises(ValueError, match="d_init='half'.*one, zero"):
         mixer_options("mamba2", {"d_init": "half"})

@@ -21,8 +21,9 @@ D_INITS = ("one", "zero")
 @dataclass
 class Mamba2Options(GatedConvOptions):
     d_init: str = field(
-        default="one", metadata={"help": "The skip y += D_h x per head: one (Mamba2's init) or zero (the layer's "
-                                 "output is the SSM's alone at step 0; docs/TRANSFER.md)."})
+        default="zero", metadata={"help": "The skip y += D_h x per head starts at zero (the layer's output is the "
+                                  "SSM's alone at step 0; it ended stage 1 lower, docs/TRANSFER.md) or one (Mamba2's "
+                                  "and MambaInLlama's init)."})
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -62,7 +63,7 @@ class Mamba2(ConvMixer):
         self.dt_proj = nn.Linear(shape.hidden_size, h, bias=False)
         self.dt_bias = nn.Parameter(torch.zeros(h))
         self.A_log = nn.Parameter(torch.zeros(h))
-        self.D = nn.Parameter(torch.ones(h))
+        self.D = nn.Parameter(torch.zeros(h))
         self.z_proj = nn.Linear(shape.hidden_size, h * shape.head_dim, bias=True)  # the open gate's constant
         self.o_norm = GateThenRMSNorm(h, shape.head_dim)
         self.reset_new_parameters()
