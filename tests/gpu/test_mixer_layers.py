@@ -46,7 +46,7 @@ def test_kernel_layer_matches_reference(name, layout, seq):
 OTHER_INITS = ([(n, {"qkv_activation": "silu"}) for n in ("deltanet", "gated_deltanet", "kda", "mamba2")]
                + [(n, {"conv_init": "random"}) for n in ("deltanet", "gated_deltanet", "kda", "mamba2")]
                + [(n, {"gate_init": "random"}) for n in ("retnet", "gla", "gated_deltanet", "kda", "mlstm", "mamba2")]
-               + [("mamba2", {"d_init": "zero"}), ("hedgehog", {"feature_init": "random"}),
+               + [("mamba2", {"d_init": "one"}), ("hedgehog", {"feature_init": "random"}),
                   ("hedgehog", {"feature_dim": 32})])
 
 
