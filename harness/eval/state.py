@@ -26,10 +26,9 @@ about 1 for a sum of aligned writes (linear attention's elu+1 keys are all posit
 a state that has saturated (a decayed or delta-rule state at its fixed point). What the state is, per mixer
 (`STATE_OF`): S of the gated-delta recurrence (docs/RECURRENCES.md) for six mixers and Mamba2; for linear attention
 and Hedgehog S = sum phi(k_t) v_t^T (the value its normaliser divides by is z = sum phi(k_t), reported as
-`normaliser_norm`); for
-the mLSTM the de-stabilised C_t (the stored C times exp(m_t): the true sum of gated writes, comparable across
-positions), beside the stored one's norm (`stored_norm`), the de-stabilised normaliser n_t and the stabiliser m_t.
-A hybrid's kept softmax-attention layers are listed as such, without measures; a mixer's sliding window cache
+`normaliser_norm`); for the mLSTM the de-stabilised C_t (the stored C times exp(m_t): the true sum of gated writes,
+comparable across positions), beside the stored one's norm (`stored_norm`), the de-stabilised normaliser n_t and the
+stabiliser m_t. A hybrid's kept softmax-attention layers are listed as such, without measures; a mixer's sliding window cache
 (`options.window`) is not part of the recurrent state and is not measured.
 
 Retrieval against distance (students and teachers). For each needle kind, distance d and sample i, a prompt of
