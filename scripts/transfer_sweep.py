@@ -45,6 +45,9 @@ VARIANTS = {
     # k, v copied from the teacher's, the defaults (random), and quieter extra steps (beta ~0.018) under either
     "deltaproduct": [AUTHORS["conv"] + ",householder_kv_init=random", "householder_kv_init=copy", "",
                      "householder_kv_init=copy,householder_beta_bias=-4", "householder_beta_bias=-4"],
+    # MambaInLlama's init (random conv with SiLU, random z, D = 1, no fitted scale); LoLCATs' released configs
+    "mamba2": [AUTHORS["conv"] + ",d_init=one", "d_init=one", "", "qkv_activation=silu,d_init=one"],
+    "hedgehog": ["feature_init=random,output_scale=none", "feature_init=random", ""],
 }
 
 

@@ -84,9 +84,13 @@ def make_inputs(case: str, B: int, T: int, H: int, K: int, V: int, *, device="cu
     with its normaliser); raw: q, k ~ N(0, 1) (scale K^-0.5); l2: L2-normalised q, k; beta = sigmoid(N(0, 1));
     gate head: g = -exp(A) * softplus(x + dt_bias) (Gated DeltaNet: A ~ U(0, 16), dt ~ LogU(1e-3, 0.1),
     x ~ N(0, 0.5^2)); channel: g = logsigmoid(N(0, 1)) / 16 (GLA); head_const: g = log(1 - 2^(-5-h)) as an
-    expanded constant (RetNet); mLSTM i = 15 tanh((2 N - 3) / 15), f = 15 tanh((N + 4.5) / 15)."""
+    expanded constant (RetNet); ssd: k scaled by dt and g = -A dt (Mamba2's A ~ U(1, 16), dt as Gated DeltaNet's;
+    scale 1); features softmax_pair: q, k = [softmax(x), softmax(-x)] of x ~ N(0, 1) `[..., K]`, so the key dim
+    is 2K (scale 1, hedgehog's feature map); mLSTM i = 15 tanh((2 N - 3) / 15), f = 15 tanh((N + 4.5) / 15)."""
     spec = kernel_cases()[case]
     gen = torch.Generator(device="cpu").manual_seed(seed)
+    if spec.features == "softmax_pair":
+        K = 2 * K  # the feature map's [softmax, softmax] of a K-dim map
 
     def randn(*shape, std=1.0):
         return (torch.randn(*shape, generator=gen) * std).to(device)
@@ -100,6 +104,9 @@ def make_inputs(case: str, B: int, T: int, H: int, K: int, V: int, *, device="cu
     if spec.features == "elu1":
         q, k = F.elu(q) + 1, F.elu(k) + 1
         x["scale"] = 1.0
+    elif spec.features == "softmax_pair":
+        q, k = (torch.cat([t[..., :K // 2].softmax(-1), (-t[..., :K // 2]).softmax(-1)], -1) for t in (q, k))
+        x["scale"] = 1.0
     elif spec.features == "l2":
         q, k = F.normalize(q, dim=-1), F.normalize(k, dim=-1)
     x["q"], x["k"], x["v"] = leaf(q, dtype), leaf(k, dtype), leaf(v, dtype)
@@ -111,6 +118,13 @@ def make_inputs(case: str, B: int, T: int, H: int, K: int, V: int, *, device="cu
         dt = torch.exp(torch.rand(H, generator=gen) * (math.log(0.1) - math.log(1e-3)) + math.log(1e-3)).to(device)
         dt_bias = dt + torch.log(-torch.expm1(-dt))
         x["g"] = leaf(-A * F.softplus(randn(B, T, H, std=0.5) + dt_bias), torch.float32)
+    elif spec.gate == "ssd":  # Mamba2: the input's dt folded into B (k), no q.k scale, as the layer passes them
+        A = 1.0 + torch.rand(H, generator=gen).to(device) * 15
+        dt = torch.exp(torch.rand(H, generator=gen) * (math.log(0.1) - math.log(1e-3)) + math.log(1e-3)).to(device)
+        dt = F.softplus(randn(B, T, H, std=0.5) + dt + torch.log(-torch.expm1(-dt)))
+        x["g"] = leaf(-A * dt, torch.float32)
+        x["k"] = leaf(k * dt.unsqueeze(-1), dtype)
+        x["scale"] = 1.0
     elif spec.gate == "channel":
         x["g"] = leaf(F.logsigmoid(randn(B, T, H, K)) / 16, torch.float32)
     if spec.beta:

@@ -24,11 +24,11 @@ values themselves; and per layer the norm's growth exponent over the last doubli
 log(norm(p_b) / norm(p_a)) / log(p_b / p_a) with p_b = the last position and p_a the largest position <= p_b / 2:
 about 1 for a sum of aligned writes (linear attention's elu+1 keys are all positive), 1/2 for a random walk, 0 for
 a state that has saturated (a decayed or delta-rule state at its fixed point). What the state is, per mixer
-(`STATE_OF`): S of the gated-delta recurrence (docs/RECURRENCES.md) for six mixers; for linear attention S =
-sum phi(k_t) v_t^T (the value its normaliser divides by is z = sum phi(k_t), reported as `normaliser_norm`); for
-the mLSTM the de-stabilised C_t (the stored C times exp(m_t): the true sum of gated writes, comparable across
-positions), beside the stored one's norm (`stored_norm`), the de-stabilised normaliser n_t and the stabiliser m_t.
-A hybrid's kept softmax-attention layers are listed as such, without measures; a mixer's sliding window cache
+(`STATE_OF`): S of the gated-delta recurrence (docs/RECURRENCES.md) for six mixers and Mamba2; for linear attention
+and Hedgehog S = sum phi(k_t) v_t^T (the value its normaliser divides by is z = sum phi(k_t), reported as
+`normaliser_norm`); for the mLSTM the de-stabilised C_t (the stored C times exp(m_t): the true sum of gated writes,
+comparable across positions), beside the stored one's norm (`stored_norm`), the de-stabilised normaliser n_t and the
+stabiliser m_t. A hybrid's kept softmax-attention layers are listed as such, without measures; a mixer's sliding window cache
 (`options.window`) is not part of the recurrent state and is not measured.
 
 Retrieval against distance (students and teachers). For each needle kind, distance d and sample i, a prompt of
@@ -97,6 +97,10 @@ STATE_OF = {
     "deltanet": "S_p = (I - b_p k_p k_p^T) S_{p-1} + b_p k_p v_p^T, k L2-normalised",
     "gated_deltanet": "S_p = exp(g_p) (I - b_p k_p k_p^T) S_{p-1} + b_p k_p v_p^T, k L2-normalised",
     "kda": "S_p = (I - b_p k_p k_p^T) Diag(exp g_p) S_{p-1} + b_p k_p v_p^T, k L2-normalised",
+    "mamba2": "S_p = exp(dt_p A_h) S_{p-1} + dt_p k_p v_p^T (Mamba2's SSD: B = k, x = v), a data-dependent decay per "
+              "head",
+    "hedgehog": "S_p = sum_{t<=p} phi(k_t) v_t^T, phi the learned Hedgehog feature map (2F rows; no decay); "
+                "normaliser_norm: ||z_p||, z_p = sum phi(k_t), the normaliser's state",
     "mlstm": "C_p de-stabilised: the stored C_p times exp(m_p), i.e. sum_t exp(i_t + sum_{t<s<=p} logsigmoid(f_s)) "
              "k_t v_t^T; stored_norm: ||C_p|| as the recurrence carries it (scaled by exp(-m_p)); normaliser_norm: "
              "||n_p|| de-stabilised; stabiliser: m_p",
@@ -156,7 +160,7 @@ def state_measures(mixer: str, recurrent: Any) -> dict[str, torch.Tensor]:
         matrix = C * scale[..., None, None]
         extra = {"stored_norm": frobenius(C), "normaliser_norm": (n * scale[..., None]).norm(dim=-1),
                  "stabiliser": m}
-    elif mixer == "linear_attn":
+    elif mixer in ("linear_attn", "hedgehog"):
         S, z = recurrent
         matrix = S.detach().to("cpu", torch.float64)
         extra = {} if z is None else {"normaliser_norm": z.detach().to("cpu", torch.float64).norm(dim=-1)}

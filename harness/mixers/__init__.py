@@ -12,15 +12,18 @@ from harness.mixers.deltanet import DeltaNet
 from harness.mixers.deltaproduct import DeltaProduct
 from harness.mixers.gated_deltanet import GatedDeltaNet
 from harness.mixers.gla import GLA
+from harness.mixers.hedgehog import Hedgehog
 from harness.mixers.kda import KDA
 from harness.mixers.kernel_case import KernelCase
 from harness.mixers.linear_attn import LinearAttention
+from harness.mixers.mamba2 import Mamba2
 from harness.mixers.mlstm import MLSTM
 from harness.mixers.registry import MixerRegistry
 from harness.mixers.retnet import RetNet
 
 MIXERS: MixerRegistry = MixerRegistry(
-    cls for cls in (LinearAttention, RetNet, GLA, DeltaNet, GatedDeltaNet, KDA, MLSTM, DeltaProduct)
+    cls for cls in (LinearAttention, RetNet, GLA, DeltaNet, GatedDeltaNet, KDA, MLSTM, DeltaProduct, Mamba2,
+                    Hedgehog)
 )
 
 

@@ -435,8 +435,9 @@ class ShortConv(nn.Module):
 
 
 class ConvMixer(Mixer):
-    """A delta-rule mixer (DeltaNet, Gated DeltaNet, KDA): fla's short causal convolution (+SiLU) on q, k and v,
-    then L2-normalised q and k (inside the recurrence call: fla's kernel does it in-kernel)."""
+    """A mixer with fla's short causal convolution (+SiLU) on q, k and v: the delta rules (DeltaNet, Gated DeltaNet,
+    KDA), which then L2-normalise q and k (inside the recurrence call: fla's kernel does it in-kernel), and Mamba2
+    (its conv over x, B, C), which does not."""
 
     def __init__(self, shape: MixerShape, options, layer_idx: int = 0):
         super().__init__(shape, options, layer_idx)

@@ -2,10 +2,10 @@
 GPU kernel on the kernel backend (harness.mixers.kernels), else the PyTorch chunkwise reference
 (harness.mixers.recurrence). docs/RECURRENCES.md is the contract all three follow.
 
-Each mixer calls the function named after its recurrence (linear_attention, retention, gated_linear_attention,
+Each mixer calls the function named after its recurrence (linear_attention, retention, ssd, gated_linear_attention,
 delta_rule, gated_delta_rule, kimi_delta_rule, gated_delta_product, mlstm_cell); its docstring names the kernel that
 runs on the kernel backend (for the gated-delta family: the route `kernels.select_gated_delta_route` takes for the
-mixer's (g, beta) case) and the reference. The six gated-delta functions are `run_gated_delta` under the name of
+mixer's (g, beta) case) and the reference. The seven gated-delta functions are `run_gated_delta` under the name of
 their case; gated_delta_product holds several steps per token.
 
 Padded batches: `mask` (bool `[B, T]`, False at padding, or None for none) makes every padded token leave the state
@@ -93,6 +93,18 @@ def retention(q, k, v, g, *, scale: float, prior, backend: str, chunk_size: int,
     to `[B, T, H]`, needing no gradient: case head_const).
 
     kernel: fla chunk_simple_gla with g_gamma = g[0, 0] (fla's chunk_retention path)
+    reference: recurrence.chunk_gated_delta; one decoding token: recurrence.step_gated_delta
+    """
+    return run_gated_delta(q, k, v, g, None, scale=scale, prior=prior, backend=backend, chunk_size=chunk_size,
+                           mask=mask)
+
+
+def ssd(q, k, v, g, *, scale: float, prior, backend: str, chunk_size: int, mask=None):
+    """Mamba2's state space duality (SSD) with one state per head, S_t = exp(g_t) S_{t-1} + k_t v_t^T, g a
+    per-head, per-token log decay `[B, T, H]` (the caller folds Mamba2's dt into g and k; case head).
+
+    kernel: fla chunk_simple_gla with g; chunk_gla with g broadcast over K when gradients are needed on a GPU
+        where fla's gated backward is blocked
     reference: recurrence.chunk_gated_delta; one decoding token: recurrence.step_gated_delta
     """
     return run_gated_delta(q, k, v, g, None, scale=scale, prior=prior, backend=backend, chunk_size=chunk_size,

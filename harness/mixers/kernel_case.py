@@ -15,12 +15,13 @@ from harness.mixers.kernels import MLSTM_KERNEL, PRODUCT_ROUTES, ROUTES
 RECURRENCES = ("gated_delta", "gated_delta_product", "mlstm")
 _ROUTES_OF = {"gated_delta": ROUTES, "gated_delta_product": PRODUCT_ROUTES, "mlstm": (MLSTM_KERNEL,)}
 # How q and k reach the recurrence: raw ~N(0, 1) with scale K^-0.5; elu1, elu + 1 with scale 1 (linear attention's
-# feature map and normaliser); l2, L2-normalised with scale K^-0.5 (the delta rules)
-FEATURES = ("raw", "elu1", "l2")
+# feature map and normaliser); l2, L2-normalised with scale K^-0.5 (the delta rules); softmax_pair, [softmax(x),
+# softmax(-x)] with scale 1 and twice the key dim (hedgehog's learned feature map)
+FEATURES = ("raw", "elu1", "l2", "softmax_pair")
 # The decay g of the gated-delta recurrence (harness.mixers.kernels' cases): none; head_const, a constant per
 # head (RetNet's log(1 - 2^(-5-h))); head, data-dependent per head (-exp(A) softplus(x + dt_bias), Mamba2-style);
-# channel, data-dependent per key channel (logsigmoid(x) / 16)
-GATES = (None, "head_const", "head", "channel")
+# channel, data-dependent per key channel (logsigmoid(x) / 16); ssd, Mamba2's -A dt per head with dt folded into k
+GATES = (None, "head_const", "head", "channel", "ssd")
 TOLERANCE_KEYS = ("out", "state", "grad", "gate_grad")
 
 
@@ -33,8 +34,8 @@ class KernelCase:
                                  "(gated_delta_product), or kernels.MLSTM_KERNEL (mlstm)."})
     recurrence: str = field(default="gated_delta", metadata={"help": "gated_delta (docs/RECURRENCES.md), "
                                                              "gated_delta_product or mlstm."})
-    features: str = field(default="raw", metadata={"help": "How q and k reach the recurrence: raw, elu1 or l2."})
-    gate: Optional[str] = field(default=None, metadata={"help": "The decay g: None, head_const, head or channel."})
+    features: str = field(default="raw", metadata={"help": "How q and k reach the recurrence: raw, elu1, l2 or softmax_pair."})
+    gate: Optional[str] = field(default=None, metadata={"help": "The decay g: None, head_const, head, channel or ssd."})
     beta: bool = field(default=False, metadata={"help": "Whether the recurrence takes the delta rule's beta."})
     alternative_routes: tuple[str, ...] = field(
         default=(), metadata={"help": "Other fla routes of the same recurrence, measured beside the default one "

@@ -55,7 +55,10 @@ OTHER_INITS = ([(n, {"qkv_activation": "silu"}) for n in _having("qkv_activation
                   ("kda", {"decay_group_size": 16}), ("kda", {"decay_group_size": 0})]
                # gated DeltaProduct: more steps with beta in (0, 2), and extra steps copied from the teacher
                + [("deltaproduct", {"num_householder": 3, "negative_eigenvalues": True}),
-                  ("deltaproduct", {"householder_kv_init": "copy"})])
+                  ("deltaproduct", {"householder_kv_init": "copy"})]
+               # Mamba2's D = 1, and hedgehog's random or smaller feature maps
+               + [("mamba2", {"d_init": "one"}), ("hedgehog", {"feature_init": "random"}),
+                  ("hedgehog", {"feature_dim": 32})])
 
 
 @pytest.mark.parametrize("name, options", OTHER_INITS)
