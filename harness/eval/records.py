@@ -18,8 +18,8 @@ def append_record(path: Path, record: dict) -> None:
 
 
 def resume_lines(path: Path, header: dict, overwrite: bool = False) -> tuple[dict, list[str]]:
-    """(saved header, the record lines after it) of the records file `path`, split as str.splitlines splits. A last
-    line cut short by a crash is cut off the file first. A file that is missing or empty (or deleted first, with
+    """(saved header, the record lines after it) of the records file `path`, split at each newline. A last line cut
+    short by a crash is cut off the file first. A file that is missing or empty (or deleted first, with
     `overwrite`) gets `header` written and gives (header, [])."""
     if overwrite and path.exists():
         path.unlink()
@@ -28,7 +28,7 @@ def resume_lines(path: Path, header: dict, overwrite: bool = False) -> tuple[dic
         raw = raw[: raw.rfind(b"\n") + 1]
         with open(path, "r+b") as f:
             f.truncate(len(raw))
-    lines = raw.decode("utf-8").splitlines()
+    lines = raw.decode("utf-8").split("\n")[:-1]  # not splitlines(): a record may hold U+2028 and the like
     if not lines:
         path.write_text("")
         append_record(path, {"header": header})
