@@ -69,6 +69,34 @@ def tiny_job(root: Path, out: Path, *overrides: str, total: int = 40_960) -> Job
     ])
 
 
+NO_BUILT_IN_TASKS = ("eval.enabled=true", "eval.tasks=[]", "eval.niah.lengths=[]", "eval.perplexity_tokens=0",
+                     "eval.copy=null")  # the copy probe runs by default
+
+
+def student_run(root: Path, out: Path, *overrides: str, seed: int = 0) -> Path:
+    """OUT as stage 3 leaves it for tiny_job(root, out, *overrides): OUT/student holding a gated_deltanet student of
+    the tiny teacher (its mixer weights drawn after torch.manual_seed(seed)) and the teacher's tokenizer, and
+    OUT/eval.yaml."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from harness.eval.spec import write_eval_spec
+    from harness.student import build_student
+
+    job = tiny_job(root, out, *overrides)
+    teacher = AutoModelForCausalLM.from_pretrained(job.teacher.source)
+    torch.manual_seed(seed)
+    build_student(teacher, "gated_deltanet", chunk_size=16).save_pretrained(out / "student")
+    AutoTokenizer.from_pretrained(job.teacher.source).save_pretrained(out / "student")
+    write_eval_spec(job, out / "student")
+    return out
+
+
+def eval_run(root: Path, name: str, seed: int, *overrides: str) -> Path:
+    """student_run at ROOT/NAME (job name NAME) evaluating only what `overrides` turn on: no built-in task."""
+    return student_run(root, root / name, *NO_BUILT_IN_TASKS, f"name={name}", *overrides, seed=seed)
+
+
 def job_file(root: Path, out: Path, *overrides: str, total: int) -> Path:
     """tiny_job written beside its run directory as OUT.yaml (what `harness` commands take)."""
     job = tiny_job(root / "setting", out, *overrides, total=total)

@@ -12,15 +12,13 @@ import json
 from pathlib import Path
 
 import pytest
-import torch
 from omegaconf import OmegaConf
 
 from harness.cli import main as harness_main
 from harness.config import ConfigError
 from harness.eval import job as eval_job
-from harness.eval.spec import EvalSpec, load_eval_spec, spec_from_job, write_eval_spec
-from harness.student import build_student
-from tests.pipeline import tiny_job
+from harness.eval.spec import EvalSpec, load_eval_spec, spec_from_job
+from tests.pipeline import student_run
 
 TASKS = ["piqa", "arc_easy"]
 
@@ -28,21 +26,11 @@ TASKS = ["piqa", "arc_easy"]
 @pytest.fixture(scope="module")
 def run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A run directory holding a tiny student and its job, as stage 3 leaves it (eval.yaml included)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     root = tmp_path_factory.mktemp("eval_job")
-    out = root / "run"
-    job = tiny_job(root, out, "eval.enabled=true", "eval.chat_samples=true", f"eval.tasks=[{','.join(TASKS)}]",
-                   "eval.limit=4", "eval.batch_size=2", "eval.niah.lengths=[256]", "eval.niah.depths=[0.0,1.0]",
-                   "eval.niah.kinds=[passkey]", "eval.niah.samples=1", "eval.perplexity_tokens=128",
-                   "name=tiny-run")
-    teacher = AutoModelForCausalLM.from_pretrained(job.teacher.source)
-    torch.manual_seed(0)
-    student = build_student(teacher, "gated_deltanet", chunk_size=16)
-    student.save_pretrained(out / "student")
-    AutoTokenizer.from_pretrained(job.teacher.source).save_pretrained(out / "student")
-    write_eval_spec(job, out / "student")
-    return out
+    return student_run(root, root / "run", "eval.enabled=true", "eval.chat_samples=true",
+                       f"eval.tasks=[{','.join(TASKS)}]", "eval.limit=4", "eval.batch_size=2", "eval.niah.lengths=[256]",
+                       "eval.niah.depths=[0.0,1.0]", "eval.niah.kinds=[passkey]", "eval.niah.samples=1",
+                       "eval.perplexity_tokens=128", "name=tiny-run", seed=0)
 
 
 def _spec(run: Path, **changes) -> EvalSpec:

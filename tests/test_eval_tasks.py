@@ -24,8 +24,7 @@ from harness.config import POSITIVE, ConfigError, CopyConfig, StateConfig, descr
 from harness.eval import curves, tasks
 from harness.eval.spec import load_eval_spec, write_eval_spec
 from harness.eval.tasks import Score, ScoredTask, TaskResults
-from harness.student import build_student
-from tests.pipeline import tiny_job
+from tests.pipeline import eval_run, tiny_job
 
 TOY_FILE = "toy_examples.jsonl"
 
@@ -76,21 +75,6 @@ def toy():
     tasks.unregister_task("toy")
 
 
-def _run(root: Path, name: str, seed: int) -> Path:
-    """A run directory with a tiny student (mixer weights drawn with `seed`) and its eval.yaml: the toy task only."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    out = root / name
-    job = tiny_job(root, out, "eval.enabled=true", "eval.tasks=[]", "eval.niah.lengths=[]", "eval.perplexity_tokens=0",
-                   "eval.copy=null", f"name={name}")  # the copy probe runs by default: only the toy task here
-    teacher = AutoModelForCausalLM.from_pretrained(job.teacher.source)
-    torch.manual_seed(seed)
-    build_student(teacher, "gated_deltanet", chunk_size=16).save_pretrained(out / "student")
-    AutoTokenizer.from_pretrained(job.teacher.source).save_pretrained(out / "student")
-    write_eval_spec(job, out / "student")
-    return out
-
-
 def test_the_registry_lists_the_built_in_tasks():
     assert tasks.task_names()[:7] == ("benchmarks", "niah", "perplexity", "chat_samples", "copy", "state", "ifeval")
     assert [t.name for t in tasks.tasks_in_run_order()][:7] == ["perplexity", "niah", "copy", "chat_samples", "ifeval",
@@ -103,7 +87,7 @@ def test_the_registry_lists_the_built_in_tasks():
 
 
 def test_a_toy_task_runs_is_reported_and_paired(toy, tmp_path, capsys):
-    a, b = _run(tmp_path, "run-a", 0), _run(tmp_path, "run-b", 1)
+    a, b = eval_run(tmp_path, "run-a", 0), eval_run(tmp_path, "run-b", 1)
     assert "toy:\n  examples: 6\n  offset: 3\n" in (a / "eval.yaml").read_text()  # its section of the spec
     for run in (a, b):
         assert harness_main(["eval", str(run / "eval.yaml")]) == 0
@@ -133,7 +117,7 @@ def test_a_toy_task_runs_is_reported_and_paired(toy, tmp_path, capsys):
 
 
 def test_toy_settings_are_checked_and_a_null_section_skips_the_task(toy, tmp_path):
-    run = _run(tmp_path, "run-a", 0)
+    run = eval_run(tmp_path, "run-a", 0)
     spec = load_eval_spec(run / "eval.yaml", ["toy.examples=2"])
     assert spec.toy.examples == 2 and tasks.get_task("toy").wanted(spec)
     assert not tasks.get_task("toy").wanted(load_eval_spec(run / "eval.yaml", ["toy=null"]))
@@ -142,7 +126,7 @@ def test_toy_settings_are_checked_and_a_null_section_skips_the_task(toy, tmp_pat
 
 
 def test_an_unknown_task_in_a_spec_is_one_paragraph_naming_the_tasks(toy, tmp_path):
-    run = _run(tmp_path, "run-a", 0)
+    run = eval_run(tmp_path, "run-a", 0)
     bad = tmp_path / "bad.yaml"
     bad.write_text((run / "eval.yaml").read_text().replace("toy:", "toyy:"))
     for path, overrides in ((bad, []), (run / "eval.yaml", ["toyy.examples=2"])):
@@ -176,7 +160,7 @@ def test_sides_and_unshared_teacher_results_go_where_they_belong(toy, tmp_path):
     tasks.register_task(OwnTeacherToy())
     tasks.register_task(StudentToy())
     try:
-        run = _run(tmp_path, "run-a", 0)
+        run = eval_run(tmp_path, "run-a", 0)
         spec = load_eval_spec(run / "eval.yaml", [f"teacher_cache={tmp_path / 'cache'}", "toy.examples=2",
                                                   "own.examples=3", "alone.examples=4"])
         report = run_eval_spec(spec, progress=False)
@@ -196,7 +180,7 @@ def test_the_copy_and_state_probes_run_in_the_evaluation_job_and_are_reported_an
     and curves along stage 3."""
     probes = ["copy={lengths: [16, 32], sequences: 3, induction: true}",
               "state={length: 256, sequences: 1, positions: [16, 256], samples: 2, distances: [32], kinds: [passkey]}"]
-    runs = [_run(tmp_path, name, seed) for name, seed in (("run-a", 0), ("run-b", 1))]
+    runs = [eval_run(tmp_path, name, seed) for name, seed in (("run-a", 0), ("run-b", 1))]
     for run in runs:
         assert harness_main(["eval", str(run / "eval.yaml"), *probes]) == 0
     out = runs[0] / "eval"

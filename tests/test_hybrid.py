@@ -17,11 +17,11 @@ from harness.decoding import GraphedStep, graph_blocker, graphable, greedy_decod
 from harness.flops import model_flops_per_token
 from harness.launch.slurm import SlurmOptions, plan_jobs
 from harness.mixers import MixerState
+from harness.mixers.contract import padded, real
 from harness.stages.align import check_group
 from harness.stages.common import job_layer_groups, kept_attention_layers, layer_groups
 from harness.student import AttentionBlock, RecurrentCache, StudentBlock, count_parameters
 from tests.pipeline import tiny_job
-from tests.test_padding import padded, real
 from tests.test_run import harness_cli
 from tests.tiny import TINY_FAMILIES, tiny_llama
 

@@ -10,10 +10,8 @@ three prompts with a few new tokens each (plain prompts: the tiny tokenizer has 
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
-import torch
 
 from harness.cli import main as harness_main
 from harness.config import ConfigError
@@ -23,8 +21,7 @@ from harness.eval.spec import load_eval_spec, write_eval_spec
 from harness.eval.tasks.ifeval import (INSTRUCTION_LOOSE, INSTRUCTION_STRICT, PROMPT_LOOSE, PROMPT_STRICT,
                                        RECORDS_FILE, results_of, score)
 from harness.eval.verifiable import OFFLINE_ONLY, check_instructions, conflicting, follow, instruction_ids
-from harness.student import build_student
-from tests.pipeline import tiny_job
+from tests.pipeline import eval_run, tiny_job
 
 LANGUAGE_SAMPLES = {
     "fr": "Ceci est une réponse écrite entièrement en français pour vérifier la langue du texte et rien d'autre.",
@@ -172,21 +169,6 @@ def test_instruction_level_counts_instructions_not_prompts():
 # ---------------------------------------------------------------------------------------------- the job
 
 
-def _run(root: Path, name: str, seed: int, *overrides: str) -> Path:
-    """A run folder with a tiny student (mixer weights drawn with `seed`) and its eval.yaml: ifeval only."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    out = root / name
-    job = tiny_job(root, out, "eval.enabled=true", "eval.tasks=[]", "eval.niah.lengths=[]", "eval.perplexity_tokens=0",
-                   "eval.copy=null", f"name={name}", *overrides)
-    teacher = AutoModelForCausalLM.from_pretrained(job.teacher.source)
-    torch.manual_seed(seed)
-    build_student(teacher, "gated_deltanet", chunk_size=16).save_pretrained(out / "student")
-    AutoTokenizer.from_pretrained(job.teacher.source).save_pretrained(out / "student")
-    write_eval_spec(job, out / "student")
-    return out
-
-
 def test_ifeval_is_off_by_default_and_a_job_turns_it_on(tmp_path):
     from omegaconf import OmegaConf
 
@@ -211,7 +193,7 @@ def test_ifeval_is_off_by_default_and_a_job_turns_it_on(tmp_path):
 def test_ifeval_runs_in_the_evaluation_job_resumes_and_is_reported_and_paired(tmp_path):
     """Run A with its teacher, run B without (the comparison takes A's): two prompts, three new tokens each."""
     setting = "ifeval={prompts: 2, max_new_tokens: 3}"
-    runs = [_run(tmp_path, "run-a", 0), _run(tmp_path, "run-b", 1, "eval.teacher=false")]
+    runs = [eval_run(tmp_path, "run-a", 0), eval_run(tmp_path, "run-b", 1, "eval.teacher=false")]
     for run in runs:
         assert harness_main(["eval", str(run / "eval.yaml"), setting]) == 0
     out = runs[0] / "eval"

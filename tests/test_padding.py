@@ -11,10 +11,10 @@ from transformers import GenerationConfig
 
 import harness
 from harness.mixers import MIXERS, MixerState, dispatch, kernels, recurrence
+from harness.mixers.contract import PAD, padded, real
 from harness.mixers.ops import l2norm
 from tests.tiny import tiny_llama
 
-PAD = 0
 LENGTHS = (5, 13, 22)  # chunk_size 8: the shortest row starts after two whole chunks of padding
 ATOL = 1e-5
 
@@ -38,21 +38,6 @@ def student(teacher, mixer, rope=False):
         if hasattr(layer.mixer, "qkv_conv"):
             layer.mixer.qkv_conv.reset_parameters("random")
     return model
-
-
-def padded(prompts, side: str):
-    """A batch of the prompts padded with PAD on `side`, and its mask."""
-    width = max(len(p) for p in prompts)
-    ids = torch.full((len(prompts), width), PAD)
-    mask = torch.zeros_like(ids)
-    for row, p in enumerate(prompts):
-        span = slice(width - len(p), width) if side == "left" else slice(0, len(p))
-        ids[row, span], mask[row, span] = p, 1
-    return ids, mask
-
-
-def real(row_logits, n: int, side: str):
-    return row_logits[-n:] if side == "left" else row_logits[:n]
 
 
 # every mixer without RoPE; with RoPE a sample (a per-channel gate, a delta rule with its convolution, the mLSTM),

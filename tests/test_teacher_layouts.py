@@ -18,6 +18,7 @@ from transformers import AutoModelForCausalLM, GenerationConfig
 import harness
 from harness.attention import KVState
 from harness.layouts import LayerRope
+from harness.mixers.contract import padded, real
 from harness.student import HarnessForCausalLM, copy_teacher_weights, rope_for, student_config
 from harness.teacher import (
     AttentionLayout,
@@ -28,7 +29,6 @@ from harness.teacher import (
     load_teacher,
 )
 from harness.transfer import AttentionProbe, MixerProbe
-from tests.test_padding import padded, real
 from tests.tiny import TINY_FAMILIES, tiny_gemma2, tiny_gemma3, tiny_llama, tiny_smollm3
 
 NEW = ("gemma", "gemma2", "gemma3_text", "smollm3")

@@ -16,7 +16,7 @@ import re
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
@@ -167,8 +167,33 @@ def build_store(spec: SourceSpec, data: Any, tokenizer: Any, eos: tuple[str, int
     if streaming:
         fp = {**fp, "streaming": True, "seed": seed, "shuffle_buffer": data.shuffle_buffer}
     key = cache_key(fp, tokenizer, eos[1])
-    tokens_dir = root / "data" / "tokens"
-    name = f"{spec.slug()}-{key}"
+
+    def write(tmp: Path) -> None:
+        writer = new_writer(tmp, tokenizer)
+        ds, text_field = load_documents(spec, data, cache_dir=root, streaming=streaming)
+        extra = {}
+        if streaming:
+            extra["exhausted"] = _tokenise_file_stream(ds, spec, data, tokenizer, text_field, eos[1], writer,
+                                                       target_tokens=target_tokens, seed=seed)
+        else:
+            num_proc = data.num_proc or default_num_proc()
+            tokenise_dataset(ds, tokenizer, text_field, eos[1], writer, work_dir=tmp, num_proc=num_proc,
+                             desc=spec.describe())
+        writer.close(store_meta(key, fp, tokenizer, eos, extra))
+        if writer.n_docs == 0:
+            raise DataError(f"{spec.describe()} holds no text: every document in field '{text_field}' is empty "
+                            "(an empty corpus).")
+        for leftover in tmp.glob("tokenised*.arrow"):  # map's intermediate output; tokens.bin replaces it
+            leftover.unlink()
+
+    return cached_store(root / "data" / "tokens", f"{spec.slug()}-{key}", streaming, target_tokens, write)
+
+
+def cached_store(tokens_dir: Path, name: str, streaming: bool, target_tokens: int | None,
+                 write: Callable[[Path], None]) -> TokenStore:
+    """The store `name` in `tokens_dir` (for a stream any `name`-<tokens> folder holding `target_tokens`, or all its
+    source), else the one `write(folder)` fills, built into `name` (a stream's: `name`-<target_tokens>) under a lock
+    that concurrent callers wait on, to find it there."""
     found = _find_store(tokens_dir, name, streaming, target_tokens)
     if found is not None:
         return found
@@ -178,22 +203,7 @@ def build_store(spec: SourceSpec, data: Any, tokenizer: Any, eos: tuple[str, int
             return found
         dest = tokens_dir / (f"{name}-{target_tokens}" if streaming else name)
         with building(dest) as tmp:
-            writer = new_writer(tmp, tokenizer)
-            ds, text_field = load_documents(spec, data, cache_dir=root, streaming=streaming)
-            extra = {}
-            if streaming:
-                extra["exhausted"] = _tokenise_file_stream(ds, spec, data, tokenizer, text_field, eos[1], writer,
-                                                           target_tokens=target_tokens, seed=seed)
-            else:
-                num_proc = data.num_proc or default_num_proc()
-                tokenise_dataset(ds, tokenizer, text_field, eos[1], writer, work_dir=tmp, num_proc=num_proc,
-                                 desc=spec.describe())
-            writer.close(store_meta(key, fp, tokenizer, eos, extra))
-            if writer.n_docs == 0:
-                raise DataError(f"{spec.describe()} holds no text: every document in field '{text_field}' is empty "
-                                "(an empty corpus).")
-            for leftover in tmp.glob("tokenised*.arrow"):  # map's intermediate output; tokens.bin replaces it
-                leftover.unlink()
+            write(tmp)
     return TokenStore.open(dest)
 
 

@@ -46,7 +46,7 @@ from harness.data.mix_schedule import GENERATOR_PREFIX, MixEntry, MixSchedule, p
 from harness.data.order import EpochOrder
 from harness.data.packing import PackedSplit, cu_seqlens
 from harness.data.sources import SourceSpec, parse_source
-from harness.data.store import TokenStore, building
+from harness.data.store import TokenStore
 from harness.data.tokenise import BATCH_DOCS, cache_key, encode_documents, new_writer, store_meta
 
 def source_needs(job: Any, schedule: MixSchedule) -> np.ndarray:
@@ -319,26 +319,18 @@ def generator_store(gen: Generator, tokenizer: Any, eos: tuple[str, int], *, roo
     """The cached store of `gen`'s documents 0, 1, ... holding at least `target_tokens` tokens. Folder:
     <root>/data/tokens/generator-NAME-<key>-<tokens asked>, key = hash(gen.fingerprint(), tokenizer, eos id); any
     folder of the key with enough tokens serves (its tokens start with those of fewer documents)."""
-    from harness.data.corpus import _find_store
-    from harness.files import file_lock
+    from harness.data.corpus import cached_store
 
     fp = gen.fingerprint()
     key = cache_key(fp, tokenizer, eos[1])
-    tokens_dir, name = root / "data" / "tokens", f"generator-{gen.name}-{key}"
-    found = _find_store(tokens_dir, name, True, target_tokens)
-    if found is not None:
-        return found
-    with file_lock(tokens_dir / f"{name}.lock"):
-        found = _find_store(tokens_dir, name, True, target_tokens)
-        if found is not None:
-            return found
-        dest = tokens_dir / f"{name}-{target_tokens}"
-        with building(dest) as tmp:
-            writer = new_writer(tmp, tokenizer)
-            documents = write_documents(gen, tokenizer, eos[1], writer, target_tokens)
-            writer.close(store_meta(key, fp, tokenizer, eos, {"generator": gen.name, "options": gen.options_dict(),
-                                                              "documents": documents, "exhausted": False}))
-    return TokenStore.open(dest)
+
+    def write(tmp: Path) -> None:
+        writer = new_writer(tmp, tokenizer)
+        documents = write_documents(gen, tokenizer, eos[1], writer, target_tokens)
+        writer.close(store_meta(key, fp, tokenizer, eos, {"generator": gen.name, "options": gen.options_dict(),
+                                                          "documents": documents, "exhausted": False}))
+
+    return cached_store(root / "data" / "tokens", f"generator-{gen.name}-{key}", True, target_tokens, write)
 
 
 def write_documents(gen: Generator, tokenizer: Any, eos_id: int, writer: Any, target_tokens: int) -> int:

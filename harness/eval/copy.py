@@ -100,6 +100,7 @@ from torch import nn
 
 from harness.config import CopyConfig, CopyError
 from harness.eval.niah import position_limit
+from harness.eval.records import append_record, changed_settings, resume_lines
 from harness.eval.recovery import paired_bootstrap, percentile_interval
 from harness.files import atomic_write_text
 
@@ -370,39 +371,19 @@ def load_records(path: Path, header: dict, overwrite: bool = False) -> dict[tupl
     """Finished records in `path` by (length, index), after checking its header; a new file gets `header` written.
     A last line cut short by a crash is dropped; a different header raises CopyError naming what changed, unless
     `overwrite` (then the file starts over)."""
-    if overwrite and path.exists():
-        path.unlink()
-    raw = path.read_bytes() if path.exists() else b""
-    if raw and not raw.endswith(b"\n"):  # a write interrupted mid-line
-        raw = raw[: raw.rfind(b"\n") + 1]
-        with open(path, "r+b") as f:
-            f.truncate(len(raw))
-    lines = raw.decode("utf-8").splitlines()
-    if not lines:
-        path.write_text("")
-        _append(path, {"header": header})
-        return {}
-    saved = json.loads(lines[0]).get("header", {})
-    changed = {k: (saved.get(k), v) for k, v in header.items() if saved.get(k) != v}
-    if changed:
-        detail = ", ".join(f"{k}: saved {old!r}, now {new!r}" for k, (old, new) in changed.items())
+    saved, lines = resume_lines(path, header, overwrite)
+    detail = changed_settings(saved, header)
+    if detail:
         raise CopyError(f"{path} was written with other copy-probe settings ({detail}). Use another output folder, "
                         "delete the file, or overwrite to start over.")
     records = {}
-    for n, line in enumerate(lines[1:], start=2):
+    for n, line in enumerate(lines, start=2):
         try:
             record = json.loads(line)
         except json.JSONDecodeError as err:
             raise CopyError(f"{path} line {n} is not JSON ({err}); delete the file to start over.") from None
         records[(int(record["length"]), int(record["index"]))] = record
     return records
-
-
-def _append(path: Path, record: dict) -> None:
-    with open(path, "a", encoding="utf-8") as f:
-        f.write(json.dumps(record) + "\n")
-        f.flush()
-        os.fsync(f.fileno())
 
 
 def wants_induction(cfg: CopyConfig, length: int) -> bool:
@@ -580,7 +561,7 @@ def evaluate_copy(model: Any, tokenizer: Any, cfg: CopyConfig, out_dir: str | os
         for length in cfg.lengths:
             indices = [i for n, i in todo if n == length]
             for record in score_length(model, cfg, length, indices, rng, prefix, probes, device):
-                _append(out / SEQUENCES_FILE, record)
+                append_record(out / SEQUENCES_FILE, record)
                 records[(length, record["index"])] = record
                 bar.update()
     result = summarise(records, cfg, header, rng, probes, {"notes": _notes(cfg, probes)}, position_limit(model))

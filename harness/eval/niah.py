@@ -113,6 +113,7 @@ from tqdm.auto import tqdm
 from harness.config_choices import Haystack, NeedleKind, NiahPrompt
 from harness.decoding import candidate_logprobs, check_batch_size, greedy_ids_batch, length_batches, stop_token_ids
 from harness.eval.niah_summary import TIE_TOLERANCE, plot_heatmap, summarise, write_csv, write_json
+from harness.eval.records import append_record, changed_settings, resume_lines
 from harness.failpoints import failpoint
 
 KINDS = NeedleKind.values()  # one definition with the job config's eval.niah.kinds
@@ -631,41 +632,19 @@ def load_records(path: Path, header: dict, overwrite: bool = False) -> dict[tupl
     A last line cut short by a crash is dropped. A header that differs from `header` raises ValueError
     naming the settings that changed, unless `overwrite` (then the file starts over).
     """
-    if overwrite and path.exists():
-        path.unlink()
-    if not path.exists():
-        _append(path, {"header": header})
-        return {}
-    raw = path.read_bytes()
-    if not raw.endswith(b"\n"):  # a write interrupted mid-line
-        raw = raw[: raw.rfind(b"\n") + 1]
-        with open(path, "r+b") as f:
-            f.truncate(len(raw))
-    lines = raw.decode("utf-8").splitlines()
-    if not lines:
-        _append(path, {"header": header})
-        return {}
-    saved = json.loads(lines[0]).get("header", {})
-    changed = {k: (saved.get(k), header[k]) for k in header if saved.get(k) != header[k]}
-    if changed:
-        detail = ", ".join(f"{k}: saved {old!r}, now {new!r}" for k, (old, new) in changed.items())
+    saved, lines = resume_lines(path, header, overwrite)
+    detail = changed_settings(saved, header)
+    if detail:
         raise ValueError(f"{path} was written with other NIAH settings ({detail}). Use another out_dir, delete "
                          "the file, or pass overwrite=True to start over.")
     records = {}
-    for n, line in enumerate(lines[1:], start=2):
+    for n, line in enumerate(lines, start=2):
         try:
             record = json.loads(line)
         except json.JSONDecodeError as err:
             raise ValueError(f"{path} line {n} is not JSON ({err}); delete the file to start over") from err
         records[_key(record)] = record
     return records
-
-
-def _append(path: Path, record: dict) -> None:
-    with open(path, "a", encoding="utf-8") as f:
-        f.write(json.dumps(record, ensure_ascii=False) + "\n")
-        f.flush()
-        os.fsync(f.fileno())
 
 
 def sample_record(sample: NiahSample, output: str) -> dict:
@@ -717,7 +696,7 @@ def run_niah(model: Any, tokenizer: Any, grid: NiahGrid, out_dir: str | os.PathL
               disable=not progress, dynamic_ncols=True) as bar:
         for batch in length_batches([k[1] for k in todo], generation_batch_size):
             for key, record in evaluate_samples(model, tokenizer, grid, [todo[i] for i in batch], records, device):
-                _append(out / CELLS_FILE, record)
+                append_record(out / CELLS_FILE, record)
                 failpoint("niah.sample_saved")  # tests/test_faults.py stops the evaluation here
                 records[key] = record
                 bar.update()

@@ -73,6 +73,7 @@ from harness.decoding import check_batch_size
 from harness.eval.niah import (NiahGrid, NiahSample, generate_answers, haystack_tokens, is_complete, is_correct,
                                likelihood_record, make_distractors, make_needle, prompt_frame, resolve_prompt_mode,
                                run_header, snap_window)
+from harness.eval.records import append_record, changed_settings, resume_lines
 from harness.eval.recovery import Z_95, paired_bootstrap, percentile_interval
 from harness.files import atomic_write_text
 
@@ -337,34 +338,16 @@ def records_header(tokenizer: Any, cfg: StateConfig, label: str) -> dict:
 def load_records(path: Path, header: dict, overwrite: bool = False) -> dict[tuple, dict]:
     """Finished retrieval samples in `path` by (kind, distance, index), after checking its header; a new file gets
     `header`. A last line cut short by a crash is dropped; another header is a ConfigError unless `overwrite`."""
-    if overwrite and path.exists():
-        path.unlink()
-    raw = path.read_bytes() if path.exists() else b""
-    whole = raw[: raw.rfind(b"\n") + 1]
-    if whole != raw:  # a write interrupted mid-line
-        path.write_bytes(whole)
-    lines = whole.decode("utf-8").splitlines()
-    if not lines:
-        path.write_text(json.dumps({"header": header}) + "\n", encoding="utf-8")
-        return {}
-    saved = json.loads(lines[0]).get("header", {})
-    changed = {k: (saved.get(k), v) for k, v in header.items() if saved.get(k) != v}
-    if changed:
-        detail = ", ".join(f"{k}: saved {old!r}, now {new!r}" for k, (old, new) in changed.items())
+    saved, lines = resume_lines(path, header, overwrite)
+    detail = changed_settings(saved, header)
+    if detail:
         raise ConfigError(f"{path} was written with other settings ({detail}). Use another output folder, delete the "
                           "file, or pass --overwrite to start over.")
     records = {}
-    for line in lines[1:]:
+    for line in lines:
         record = json.loads(line)
         records[(record["kind"], int(record["distance"]), int(record["index"]))] = record
     return records
-
-
-def _append(path: Path, record: dict) -> None:
-    with open(path, "a", encoding="utf-8") as f:
-        f.write(json.dumps(record, ensure_ascii=False) + "\n")
-        f.flush()
-        os.fsync(f.fileno())
 
 
 def evaluate_retrieval(model: Any, tokenizer: Any, cfg: StateConfig, out: Path, *, device: Any, label: str,
@@ -385,7 +368,7 @@ def evaluate_retrieval(model: Any, tokenizer: Any, cfg: StateConfig, out: Path, 
             for key in batch:
                 record = records.get(key) or sample_record(samples[key], answers[key])
                 record = {**record, **likelihood_record(model, tokenizer, samples[key], device)}
-                _append(out / RECORDS_FILE, record)
+                append_record(out / RECORDS_FILE, record)
                 records[key] = record
                 bar.update()
     return summarise_retrieval([records[k] for k in keys], cfg)

@@ -83,13 +83,14 @@ class Subject:
         return model
 
 
-def tiny_teacher(hidden: int = 64, heads: int = 4, kv_heads: int = 2, layers: int = 2, vocab: int = 97,
-                 seed: int = 0) -> LlamaForCausalLM:
-    """A random float32 Llama with grouped KV heads, and distinct K/V rows per head (a wrong head mapping shows)."""
+def tiny_teacher(num_layers: int = 2, hidden: int = 64, heads: int = 4, kv_heads: int = 2, vocab: int = 97,
+                 tie: bool = True, seed: int = 0) -> LlamaForCausalLM:
+    """A random float32 Llama with grouped KV heads, and distinct K/V rows per head (a wrong head mapping shows);
+    its embeddings tied to the head unless `tie` is off. The tests' tiny Llama too (tests/tiny.py)."""
     torch.manual_seed(seed)
     config = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden,
-                         num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
-                         max_position_embeddings=512, tie_word_embeddings=True, attn_implementation="sdpa",
+                         num_hidden_layers=num_layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
+                         max_position_embeddings=512, tie_word_embeddings=tie, attn_implementation="sdpa",
                          bos_token_id=1, eos_token_id=2)
     model = LlamaForCausalLM(config).eval()
     with torch.no_grad():
@@ -172,7 +173,7 @@ def kernel_matches_reference(subject: Subject) -> Outcome:
     reason = kernel_unavailable_reason("all")
     if reason is not None:
         return Outcome("kernel_matches_reference", SKIP, f"needs CUDA and the kernels: {reason}")
-    teacher = tiny_teacher(hidden=576, heads=9, kv_heads=3, layers=1, seed=subject.seed)
+    teacher = tiny_teacher(num_layers=1, hidden=576, heads=9, kv_heads=3, seed=subject.seed)
     kernel_student = subject.student(teacher, backend="kernel")
     reference_student = subject.student(teacher, backend="reference")
     reference_student.load_state_dict(kernel_student.state_dict())
@@ -274,6 +275,7 @@ def padding_left_and_right(subject: Subject) -> Outcome:
 
 
 def padded(prompts: list[torch.Tensor], side: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """A batch of the prompts padded with PAD on `side` ('left' or 'right'), and its mask."""
     width = max(len(p) for p in prompts)
     ids = torch.full((len(prompts), width), PAD)
     mask = torch.zeros_like(ids)
@@ -284,6 +286,7 @@ def padded(prompts: list[torch.Tensor], side: str) -> tuple[torch.Tensor, torch.
 
 
 def real(row_logits: torch.Tensor, n: int, side: str) -> torch.Tensor:
+    """The last (left padding) or first (right padding) `n` positions of a padded row: its real tokens'."""
     return row_logits[-n:] if side == "left" else row_logits[:n]
 
 

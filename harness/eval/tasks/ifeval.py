@@ -23,13 +23,13 @@ of the recovery table. Drawn along stage 3 as ifeval_prompt_level_strict and ife
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 from typing import Any, Optional
 
 import numpy as np
 
 from harness.config import ConfigError, IfevalConfig
+from harness.eval.records import append_record, changed_settings
 from harness.eval.tasks.base import Score, ScoredTask, TaskResults
 from harness.files import atomic_write_text
 
@@ -70,7 +70,7 @@ class IfevalTask(ScoredTask):
         todo = [p for p in prompts if p.id not in records]
         for record in answer(model, tokenizer, todo, mode, settings.max_new_tokens, device,
                              spec.generation_batch_size, label if progress else None):
-            _append(out / RECORDS_FILE, record)
+            append_record(out / RECORDS_FILE, record)
             records[record["id"]] = record
         result = summary([records[p.id] for p in prompts], header)
         atomic_write_text(out / JSON_FILE, json.dumps(result, indent=1) + "\n")
@@ -169,9 +169,8 @@ def load_records(path: Path, header: dict) -> dict[str, dict]:
     if saved is None:
         path.write_text(json.dumps({"header": header}) + "\n")
         return {}
-    changed = {k: (saved.get(k), v) for k, v in header.items() if saved.get(k) != v}
-    if changed:
-        detail = ", ".join(f"{k}: saved {old!r}, now {new!r}" for k, (old, new) in changed.items())
+    detail = changed_settings(saved, header)
+    if detail:
         raise ConfigError(f"{path} holds answers made otherwise ({detail}). Use another output folder or delete the "
                           "file to start over.")
     return {r["id"]: r for r in records}
@@ -189,10 +188,3 @@ def _read_records(path: Path, repair: bool = False) -> tuple[Optional[dict], lis
     if not lines[0]:
         return None, []
     return json.loads(lines[0]).get("header", {}), [json.loads(line) for line in lines[1:] if line.strip()]
-
-
-def _append(path: Path, record: dict) -> None:
-    with open(path, "a", encoding="utf-8") as f:
-        f.write(json.dumps(record, ensure_ascii=False) + "\n")
-        f.flush()
-        os.fsync(f.fileno())
