@@ -24,6 +24,7 @@ from harness.config import ConfigError, load_job
 from harness.data.chat import (IGNORE_INDEX, TemplateError, encode_conversation, plan_chat_steps, prepare_chat_data,
                                render)
 from harness.data.errors import DataError
+from harness.mixers import MIXERS
 from harness.losses import distill_loss, lm_loss
 from harness.mixers import MIXERS
 from harness.stages.common import load_job_teacher
@@ -442,7 +443,7 @@ def test_post_training_jobs_distil_exactly_as_the_runs_they_tune():
     pairs += [(p, REPO / "jobs/study" / p.name.replace("study-", "").replace("-sft", ""))
               for p in sorted((REPO / "jobs/sft").glob("study-*-sft.yaml"))]
     instruct = sorted((REPO / "jobs/sft").glob("study-*-instruct.yaml"))
-    assert len(pairs) == len(instruct) + 1 == 22
+    assert len(pairs) == len(instruct) + 1 == 3 * len(MIXERS.builtins) + 1  # three scales x every built-in mixer
     for sft_path, base_path in pairs:
         tuned, base = load_job(sft_path), load_job(base_path)
         for key in ("name", "output_dir", "teacher", "student", "data", "budget", "deepspeed", "run"):
