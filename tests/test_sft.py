@@ -24,7 +24,6 @@ from harness.config import ConfigError, load_job
 from harness.data.chat import (IGNORE_INDEX, TemplateError, encode_conversation, plan_chat_steps, prepare_chat_data,
                                render)
 from harness.data.errors import DataError
-from harness.mixers import MIXERS
 from harness.losses import distill_loss, lm_loss
 from harness.mixers import MIXERS
 from harness.stages.common import load_job_teacher
