@@ -475,3 +475,28 @@ def test_read_examples_checks_header_and_counts(tmp_path):
     assert (lm_eval_tasks.known_chance("piqa"), lm_eval_tasks.known_chance("mmlu_anatomy"),
             lm_eval_tasks.known_chance("gsm8k")) == (0.5, 0.25, 0.0)
     assert lm_eval_tasks.known_chance("arc_easy") is None  # 3 to 5 choices: only per-example results know
+
+
+def test_lm_evals_bootstrap_runs_in_process_under_the_harness(monkeypatch):
+    """LAMBADA's perplexity stderr is bootstrapped by lm-eval; under `bootstrap_in_process` no process pool is
+    forked (a forked pool hung a benchmark run), and the user's own DISABLE_MULTIPROC is left as it was."""
+    import math
+    import multiprocessing
+    import os
+
+    from lm_eval.api.metrics import bootstrap_stderr, perplexity
+
+    def no_pool(*args, **kwargs):
+        raise AssertionError("lm-eval forked a multiprocessing pool")
+
+    monkeypatch.setattr(multiprocessing, "Pool", no_pool)
+    monkeypatch.delenv("DISABLE_MULTIPROC", raising=False)
+    with pytest.raises(AssertionError, match="forked"):
+        bootstrap_stderr(perplexity, [-1.0, -2.0, -3.0], iters=1000)
+    with lm_eval_tasks.bootstrap_in_process():
+        stderr = bootstrap_stderr(perplexity, [-1.0, -2.0, -3.0], iters=1000)
+    assert math.isfinite(stderr) and stderr > 0 and "DISABLE_MULTIPROC" not in os.environ
+    monkeypatch.setenv("DISABLE_MULTIPROC", "yes")
+    with lm_eval_tasks.bootstrap_in_process():
+        assert os.environ["DISABLE_MULTIPROC"] == "yes"
+    assert os.environ["DISABLE_MULTIPROC"] == "yes"

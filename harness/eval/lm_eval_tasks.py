@@ -362,7 +362,7 @@ def evaluate_task(lm: Any, name: str, manager: Any, *, limit: int | None, offlin
     import lm_eval
 
     task = build_offline_task(name, manager, cache_dir) if offline else name
-    with _progress(progress):
+    with _progress(progress), bootstrap_in_process():
         return lm_eval.simple_evaluate(model=lm, tasks=[task], limit=limit, task_manager=manager,
                                        bootstrap_iters=BOOTSTRAP_ITERS, log_samples=True)
 
@@ -562,3 +562,19 @@ def _progress(progress: bool) -> Iterator[None]:
         yield
     finally:
         logger.setLevel(level)
+
+
+@contextlib.contextmanager
+def bootstrap_in_process() -> Iterator[None]:
+    """lm-eval's bootstrap of non-mean metrics (LAMBADA's perplexity stderr) in this process, not in a forked
+    `multiprocessing.Pool`: a fork of a process that runs torch's and tqdm's threads can deadlock in the child
+    (a benchmark test hung 900 s in the pool's join on a loaded 2-core machine). lm-eval's own switch is the
+    environment variable DISABLE_MULTIPROC; a value the user set is kept."""
+    if os.environ.get("DISABLE_MULTIPROC") is not None:
+        yield
+        return
+    os.environ["DISABLE_MULTIPROC"] = "1"
+    try:
+        yield
+    finally:
+        os.environ.pop("DISABLE_MULTIPROC", None)
