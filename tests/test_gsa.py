@@ -191,3 +191,13 @@ def test_the_bench_case_compares_the_kernel_with_the_reference(on_cpu):
     assert set(errs) == {"o", "state_k", "state_v", "dq", "dk", "dv", "ds", "dg", "dhk0", "dhv0"}
     assert bench.failures(errs, "gsa") == {}, errs
     assert bench.selected_route(x, "auto") == kernels.GSA_KERNEL
+
+
+def test_harness_eval_state_reads_the_value_slots():
+    from harness.eval.state import state_measures
+
+    _, _, _, _, _, (hk, hv) = inputs(B=2, H=3, K=8, V=6, M=5)
+    measures = state_measures("gsa", (hk, hv))
+    torch.testing.assert_close(measures["norm"], torch.linalg.matrix_norm(hv.double()))
+    torch.testing.assert_close(measures["key_slots_norm"], torch.linalg.matrix_norm(hk.double()))
+    assert measures["rank"].shape == (2, 3)
