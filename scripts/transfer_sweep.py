@@ -48,6 +48,10 @@ VARIANTS = {
     # MambaInLlama's init (random conv with SiLU, random z, D = 1, no fitted scale); LoLCATs' released configs
     "mamba2": [AUTHORS["conv"] + ",d_init=one", "d_init=one", "", "qkv_activation=silu,d_init=one"],
     "hedgehog": ["feature_init=random,output_scale=none", "feature_init=random", ""],
+    # fla-org/hybrid-distillation's GSA student (fla's layer: SiLU on q, k, v and the read, scale 1, no gate bias),
+    # the slots' decays all alike (fla's init) with the harness's other choices, the defaults (spread decays)
+    "gsa": ["qkv_activation=silu,output_activation=silu,qk_scale=one,slot_decay_init=uniform,output_scale=none",
+            "slot_decay_init=uniform", ""],
 }
 
 

@@ -34,6 +34,12 @@ def _record_kernels(monkeypatch) -> list[str]:
     monkeypatch.setattr(kernels, "kernel_gated_delta", gated_delta)
     monkeypatch.setattr(kernels, "kernel_gated_delta_product", product)
     monkeypatch.setattr(kernels, "kernel_mlstm", mlstm)
+
+    def gsa(q, k, v, s, g, *, scale, initial_state=None):
+        taken.append(kernels.GSA_KERNEL)
+        return recurrence.chunk_gsa(q, k, v, s, g, scale=scale, initial_state=initial_state)
+
+    monkeypatch.setattr(kernels, "kernel_gsa", gsa)
     monkeypatch.setattr(kernels, "_gated_bwd_blocked", lambda: False)
     monkeypatch.delenv("HARNESS_FLA_ROUTES", raising=False)
     return taken

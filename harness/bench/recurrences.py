@@ -61,8 +61,9 @@ def kernel_cases() -> dict[str, KernelCase]:
 # small. Behind the layer's per-head norm the kernel stays within 2x the bf16 floor (tests/gpu/test_mixer_layers.py,
 # docs/KERNELS.md), so those limits document the raw kernel, not a defect.
 TOL = {"out": 1e-2, "state": 1e-2, "grad": 2e-2, "gate_grad": 4e-2}
-GATE_NAMES = ("g", "beta", "i", "f")
+GATE_NAMES = ("g", "beta", "i", "f", "s")
 PRODUCT_STEPS = 2  # Householder steps per token of a gated_delta_product case (the deltaproduct mixer's default)
+GSA_SLOTS = 64  # slots per head of a gsa case (the gsa mixer's default num_slots)
 
 
 def tol_for(name: str, case: Optional[str] = None) -> float:
@@ -86,7 +87,9 @@ def make_inputs(case: str, B: int, T: int, H: int, K: int, V: int, *, device="cu
     x ~ N(0, 0.5^2)); channel: g = logsigmoid(N(0, 1)) / 16 (GLA); head_const: g = log(1 - 2^(-5-h)) as an
     expanded constant (RetNet); ssd: k scaled by dt and g = -A dt (Mamba2's A ~ U(1, 16), dt as Gated DeltaNet's;
     scale 1); features softmax_pair: q, k = [softmax(x), softmax(-x)] of x ~ N(0, 1) `[..., K]`, so the key dim
-    is 2K (scale 1, hedgehog's feature map); mLSTM i = 15 tanh((2 N - 3) / 15), f = 15 tanh((N + 4.5) / 15)."""
+    is 2K (scale 1, hedgehog's feature map); mLSTM i = 15 tanh((2 N - 3) / 15), f = 15 tanh((N + 4.5) / 15);
+    gate slot (gsa): g = logsigmoid(N(0, 1)) / 8 and s = 1 - exp(g) `[B, T, H, GSA_SLOTS]`, two leaves as the
+    kernel takes them, and states (hk `[B, H, K, M]`, hv `[B, H, M, V]`)."""
     spec = kernel_cases()[case]
     gen = torch.Generator(device="cpu").manual_seed(seed)
     if spec.features == "softmax_pair":
@@ -127,6 +130,9 @@ def make_inputs(case: str, B: int, T: int, H: int, K: int, V: int, *, device="cu
         x["scale"] = 1.0
     elif spec.gate == "channel":
         x["g"] = leaf(F.logsigmoid(randn(B, T, H, K)) / 16, torch.float32)
+    elif spec.gate == "slot":
+        g = F.logsigmoid(randn(B, T, H, GSA_SLOTS)) / 8
+        x["g"], x["s"] = leaf(g, torch.float32), leaf(-torch.expm1(g), dtype)
     if spec.beta:
         x["beta"] = leaf(torch.sigmoid(randn(B, T, *steps, H)), torch.float32)
     if spec.recurrence == "mlstm":
@@ -134,24 +140,28 @@ def make_inputs(case: str, B: int, T: int, H: int, K: int, V: int, *, device="cu
         x["f"] = leaf(15 * torch.tanh((randn(B, T, H) + 4.5) / 15), torch.float32)
     x["h0"] = None
     if with_state:
-        if spec.recurrence == "mlstm":
+        if spec.recurrence == "gsa":
+            x["h0"] = (leaf(randn(B, H, K, GSA_SLOTS), torch.float32), leaf(randn(B, H, GSA_SLOTS, V), torch.float32))
+        elif spec.recurrence == "mlstm":
             x["h0"] = (leaf(randn(B, H, K, V), torch.float32), leaf(randn(B, H, K), torch.float32),
                        leaf(randn(B, H), torch.float32))
         else:
             x["h0"] = leaf(randn(B, H, K, V), torch.float32)
     # cotangents for the backward pass: on the output and on the final state (C only for the mLSTM)
     x["do"] = randn(B, T, H, V)
-    x["dS"] = randn(B, H, K, V)
+    x["dS"] = (randn(B, H, K, GSA_SLOTS), randn(B, H, GSA_SLOTS, V)) if spec.recurrence == "gsa" else randn(B, H, K, V)
     return x
 
 
 def grad_inputs(x: dict) -> dict:
     """name -> tensor for every input that takes a gradient."""
-    out = {n: x[n] for n in ("q", "k", "v", "g", "beta", "i", "f") if isinstance(x.get(n), torch.Tensor)
+    out = {n: x[n] for n in ("q", "k", "v", "g", "beta", "i", "f", "s") if isinstance(x.get(n), torch.Tensor)
            and x[n].requires_grad}
     h0 = x.get("h0")
     if isinstance(h0, torch.Tensor):
         out["h0"] = h0
+    elif h0 is not None and x["recurrence"] == "gsa":
+        out["hk0"], out["hv0"] = h0
     elif h0 is not None:
         out["C0"] = h0[0]  # the kernel's backward gives n0 and m0 zero gradients (documented)
     return out
@@ -178,6 +188,8 @@ def run_kernel(x: dict, variant: str = "auto"):
         h, (c, n, m) = kernels.kernel_mlstm(x["q"], x["k"], x["v"], x["i"], x["f"], scale=x["scale"],
                                             initial_state=x["h0"])
         return h, (c, n, m)
+    if x["recurrence"] == "gsa":
+        return kernels.kernel_gsa(x["q"], x["k"], x["v"], x["s"], x["g"], scale=x["scale"], initial_state=x["h0"])
     args = (x["q"], x["k"], x["v"], x["g"], x["beta"])
     if x["recurrence"] == "gated_delta_product":
         o, s = kernels.kernel_gated_delta_product(*args, scale=x["scale"], initial_state=x["h0"],
@@ -195,6 +207,8 @@ def run_reference(x: dict):
         h, (c, n, m) = recurrence.chunk_mlstm(x["q"], x["k"], x["v"], x["i"], x["f"], scale=x["scale"],
                                               initial_state=x["h0"])
         return h, (c, n, m)
+    if x["recurrence"] == "gsa":
+        return recurrence.chunk_gsa(x["q"], x["k"], x["v"], x["s"], x["g"], scale=x["scale"], initial_state=x["h0"])
     run = recurrence.chunk_gated_delta_product if x["recurrence"] == "gated_delta_product" \
         else recurrence.chunk_gated_delta
     o, s = run(x["q"], x["k"], x["v"], x["g"], x["beta"], scale=x["scale"], initial_state=x["h0"])
@@ -205,9 +219,11 @@ def loss_of(x: dict, out, states) -> torch.Tensor:
     """Gated delta: <o, do> + <S_final, dS> (exercises the final-state gradient too).
     mLSTM: <LayerNorm_head(h), do>, as the layer uses h: mlstm_kernels' backward drops the normaliser's
     gradient, which is exact only behind such a scale-invariant norm, and it does not support gradients
-    into the final state (kernel_mlstm refuses them)."""
+    into the final state (kernel_mlstm refuses them). gsa: <o, do> + <hk, dS_k> + <hv, dS_v>."""
     if x["recurrence"] == "mlstm":
         return (F.layer_norm(out.float(), (out.shape[-1],), eps=1e-6) * x["do"]).sum()
+    if x["recurrence"] == "gsa":
+        return (out.float() * x["do"]).sum() + sum((a.float() * b).sum() for a, b in zip(states, x["dS"]))
     return (out.float() * x["do"]).sum() + (states[0].float() * x["dS"]).sum()
 
 
@@ -238,7 +254,8 @@ def compare(x: dict, variant: str = "auto") -> dict:
     out_r, st_r, gr_r = forward_backward(run_reference, ref)
     name = "h" if x["recurrence"] == "mlstm" else "o"
     errs = {name: rel_err(out_k, out_r)}
-    state_names = ("state_C", "state_n", "state_m") if x["recurrence"] == "mlstm" else ("state",)
+    state_names = {"mlstm": ("state_C", "state_n", "state_m"), "gsa": ("state_k", "state_v")}.get(x["recurrence"],
+                                                                                                ("state",))
     for n, a, b in zip(state_names, st_k, st_r):
         errs[n] = rel_err(a, b)
     for n in gr_k:
@@ -288,6 +305,8 @@ def time_case(x: dict, variant: str, reps: int) -> dict:
 def selected_route(x: dict, variant: str) -> str:
     if x["recurrence"] == "mlstm":
         return kernels.MLSTM_KERNEL
+    if x["recurrence"] == "gsa":
+        return kernels.GSA_KERNEL
     if variant != "auto":
         return variant
     if x["recurrence"] == "gated_delta_product":

@@ -28,7 +28,8 @@ a state that has saturated (a decayed or delta-rule state at its fixed point). W
 and Hedgehog S = sum phi(k_t) v_t^T (the value its normaliser divides by is z = sum phi(k_t), reported as
 `normaliser_norm`); for the mLSTM the de-stabilised C_t (the stored C times exp(m_t): the true sum of gated writes,
 comparable across positions), beside the stored one's norm (`stored_norm`), the de-stabilised normaliser n_t and the
-stabiliser m_t. A hybrid's kept softmax-attention layers are listed as such, without measures; a mixer's sliding window cache
+stabiliser m_t; for gated slot attention its value slots hv (`[M, V]` per head), beside its key slots' norm
+(`key_slots_norm`). A hybrid's kept softmax-attention layers are listed as such, without measures; a mixer's sliding window cache
 (`options.window`) is not part of the recurrent state and is not measured.
 
 Retrieval against distance (students and teachers). For each needle kind, distance d and sample i, a prompt of
@@ -102,6 +103,8 @@ STATE_OF = {
               "head",
     "hedgehog": "S_p = sum_{t<=p} phi(k_t) v_t^T, phi the learned Hedgehog feature map (2F rows; no decay); "
                 "normaliser_norm: ||z_p||, z_p = sum phi(k_t), the normaliser's state",
+    "gsa": "hv_p = Diag(alpha_p) hv_{p-1} + s_p v_p^T, the M value slots of gated slot attention (M x V per head); "
+           "key_slots_norm: ||hk_p||, its key slots hk_p = hk_{p-1} Diag(alpha_p) + k_p s_p^T (K x M)",
     "mlstm": "C_p de-stabilised: the stored C_p times exp(m_p), i.e. sum_t exp(i_t + sum_{t<s<=p} logsigmoid(f_s)) "
              "k_t v_t^T; stored_norm: ||C_p|| as the recurrence carries it (scaled by exp(-m_p)); normaliser_norm: "
              "||n_p|| de-stabilised; stabiliser: m_p",
@@ -165,6 +168,9 @@ def state_measures(mixer: str, recurrent: Any) -> dict[str, torch.Tensor]:
         S, z = recurrent
         matrix = S.detach().to("cpu", torch.float64)
         extra = {} if z is None else {"normaliser_norm": z.detach().to("cpu", torch.float64).norm(dim=-1)}
+    elif mixer == "gsa":
+        hk, hv = (t.detach().to("cpu", torch.float64) for t in recurrent)
+        matrix, extra = hv, {"key_slots_norm": frobenius(hk)}
     elif isinstance(recurrent, torch.Tensor) and recurrent.dim() == 4:
         matrix, extra = recurrent.detach().to("cpu", torch.float64), {}
     else:

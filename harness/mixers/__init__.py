@@ -12,6 +12,7 @@ from harness.mixers.deltanet import DeltaNet
 from harness.mixers.deltaproduct import DeltaProduct
 from harness.mixers.gated_deltanet import GatedDeltaNet
 from harness.mixers.gla import GLA
+from harness.mixers.gsa import GSA
 from harness.mixers.hedgehog import Hedgehog
 from harness.mixers.kda import KDA
 from harness.mixers.kernel_case import KernelCase
@@ -23,7 +24,7 @@ from harness.mixers.retnet import RetNet
 
 MIXERS: MixerRegistry = MixerRegistry(
     cls for cls in (LinearAttention, RetNet, GLA, DeltaNet, GatedDeltaNet, KDA, MLSTM, DeltaProduct, Mamba2,
-                    Hedgehog)
+                    Hedgehog, GSA)
 )
 
 

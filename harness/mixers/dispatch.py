@@ -3,7 +3,7 @@ GPU kernel on the kernel backend (harness.mixers.kernels), else the PyTorch chun
 (harness.mixers.recurrence). docs/RECURRENCES.md is the contract all three follow.
 
 Each mixer calls the function named after its recurrence (linear_attention, retention, ssd, gated_linear_attention,
-delta_rule, gated_delta_rule, kimi_delta_rule, gated_delta_product, mlstm_cell); its docstring names the kernel that
+delta_rule, gated_delta_rule, kimi_delta_rule, gated_delta_product, gated_slot_attention, mlstm_cell); its docstring names the kernel that
 runs on the kernel backend (for the gated-delta family: the route `kernels.select_gated_delta_route` takes for the
 mixer's (g, beta) case) and the reference. The seven gated-delta functions are `run_gated_delta` under the name of
 their case; gated_delta_product holds several steps per token.
@@ -182,6 +182,25 @@ def gated_delta_product(q, k, v, g, beta, *, scale: float, prior, backend: str, 
         return o.unsqueeze(1), state
     return recurrence.chunk_gated_delta_product(q, k, v, g, beta, scale=scale, initial_state=prior,
                                                 chunk_size=chunk_size)
+
+
+def gated_slot_attention(q, k, v, s, g, *, scale: float, prior, backend: str, chunk_size: int, mask=None):
+    """Gated slot attention, two passes through M slots per head: hk = hk Diag(exp g_t) + k_t s_t^T,
+    p_t = softmax(scale hk^T q_t), hv = Diag(exp g_t) hv + s_t v_t^T, o_t = hv^T p_t; s, g `[B, T, H, M]`
+    -> (o `[B, T, H, V]`, (hk, hv)). A padded token writes nothing (s = 0) and decays nothing (g = 0).
+
+    kernel: fla chunk_gsa (kernels.kernel_gsa)
+    reference: recurrence.chunk_gsa; one decoding token: recurrence.step_gsa
+    """
+    if mask is not None:
+        s = torch.where(_per_token(mask, s), s, 0.0)
+        g = torch.where(_per_token(mask, g), g, 0.0)
+    if _is_decoding_step(q, prior):
+        o, state = recurrence.step_gsa(q[:, 0], k[:, 0], v[:, 0], s[:, 0], g[:, 0], scale=scale, state=prior)
+        return o.unsqueeze(1), state
+    if backend == "kernel":
+        return kernels.kernel_gsa(q, k, v, s, g, scale=scale, initial_state=prior)
+    return recurrence.chunk_gsa(q, k, v, s, g, scale=scale, initial_state=prior, chunk_size=chunk_size)
 
 
 def mlstm_cell(q, k, v, i, f, *, scale: float, prior, backend: str, chunk_size: int, eps: float, mask=None):

@@ -1,5 +1,6 @@
 """GPU kernel path of the recurrences in docs/RECURRENCES.md: fla.ops for the gated-delta family (gated
-DeltaProduct included), mlstm_kernels for the mLSTM. CUDA only; the PyTorch reference (harness.mixers.recurrence) is the oracle.
+DeltaProduct included) and gated slot attention, mlstm_kernels for the mLSTM. CUDA only; the PyTorch reference
+(harness.mixers.recurrence) is the oracle.
 
 Nothing here imports fla, triton or mlstm_kernels at module import time: this module is imported on CPU
 machines (CI) where triton does not exist. The kernel libraries are imported inside the functions.
@@ -484,6 +485,56 @@ def kernel_gated_delta_product(q, k, v, g, beta, *, scale: float, initial_state=
 
 
 # ----------------------------------------------------------------------------------------------------------
+# gated slot attention -> fla.ops.gsa
+
+GSA_KERNEL = "chunk_gsa"  # its one route
+
+
+def _check_gsa(q, k, v, s, g, initial_state) -> None:
+    if q.dim() != 4 or q.shape != k.shape:
+        raise ValueError(f"q and k must both be [B, T, H, K]; got {tuple(q.shape)} and {tuple(k.shape)}")
+    B, T, H, K = q.shape
+    if v.dim() != 4 or tuple(v.shape[:3]) != (B, T, H):
+        raise ValueError(f"v must be [B, T, H, V] = [{B}, {T}, {H}, V]; got {tuple(v.shape)}")
+    if s.dim() != 4 or tuple(s.shape[:3]) != (B, T, H) or s.shape != g.shape:
+        raise ValueError(f"s and g must both be [B, T, H, M] = [{B}, {T}, {H}, M]; got {tuple(s.shape)} and "
+                         f"{tuple(g.shape)}")
+    if T == 0:
+        raise ValueError("empty sequence (T == 0)")
+    if initial_state is not None:
+        want = ((B, H, K, s.shape[-1]), (B, H, s.shape[-1], v.shape[-1]))
+        got = tuple(tuple(t.shape) for t in initial_state)
+        if len(got) != 2 or got != want:
+            raise ValueError(f"initial_state must be (hk, hv) of shapes {[list(w) for w in want]}; got {got}")
+
+
+def _fla_chunk_gsa():
+    """fla's chunk_gsa (imported on call: triton exists on GPU machines only)."""
+    from fla.ops.gsa import chunk_gsa
+
+    return chunk_gsa
+
+
+def kernel_gsa(q, k, v, s, g, *, scale: float, initial_state=None, output_final_state: bool = True):
+    """Gated slot attention (docs/RECURRENCES.md) through fla's chunk_gsa -> (o `[B, T, H, V]`, (hk `[B, H, K, M]`,
+    hv `[B, H, M, V]`) float32, or None when output_final_state is False).
+
+    q, k `[B, T, H, K]`, v `[B, T, H, V]`, s (slot write strengths) and g (per-slot log decay <= 0) `[B, T, H, M]`,
+    initial_state None | (hk, hv). q, k, v and s go in 16 bits as `kernel_gated_delta`'s (o in v's dtype), g and the
+    states in float32. Gradients flow to every input and the initial state, also through the final state. Raises
+    KernelUnavailable off CUDA or without fla/triton.
+    """
+    _check_gsa(q, k, v, s, g, initial_state)
+    _require("fla", q, k, v, s, g, *(initial_state or ()), fn="kernel_gsa")
+    out_dtype, dt = v.dtype, _compute_dtype(v)
+    q, k, v, s = (t.to(dt).contiguous() for t in (q, k, v, s))
+    h0 = None if initial_state is None else tuple(t.to(torch.float32).contiguous() for t in initial_state)
+    o, final = _fla_chunk_gsa()(q, k, v, s, g.to(torch.float32).contiguous(), scale=float(scale), initial_state=h0,
+                                output_final_state=output_final_state)
+    return o.to(out_dtype), (tuple(final) if output_final_state else None)
+
+
+# ----------------------------------------------------------------------------------------------------------
 # mLSTM -> mlstm_kernels chunkwise--triton_limit_chunk
 
 MLSTM_KERNEL = "chunkwise--triton_limit_chunk"
@@ -596,8 +647,8 @@ def _mlstm_padded(kernel, q, k, v, i, f, *, scale, state, eps, chunk_size, dtype
 
 
 __all__ = [
-    "BACKENDS", "GATED_DELTA_CASES", "KernelUnavailable", "MLSTM_KERNEL", "PRODUCT_ROUTES", "ROUTES",
-    "gated_delta_case", "kernel_environment", "kernel_gated_delta", "kernel_gated_delta_product", "kernel_mlstm",
-    "kernel_unavailable_reason", "kernels_available", "resolve_backend", "run_gated_delta_route",
+    "BACKENDS", "GATED_DELTA_CASES", "GSA_KERNEL", "KernelUnavailable", "MLSTM_KERNEL", "PRODUCT_ROUTES", "ROUTES",
+    "gated_delta_case", "kernel_environment", "kernel_gated_delta", "kernel_gated_delta_product", "kernel_gsa",
+    "kernel_mlstm", "kernel_unavailable_reason", "kernels_available", "resolve_backend", "run_gated_delta_route",
     "select_gated_delta_product_route", "select_gated_delta_route",
 ]

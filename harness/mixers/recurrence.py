@@ -1,5 +1,5 @@
 """Pure-PyTorch reference recurrences (docs/RECURRENCES.md): the gated delta family (and gated DeltaProduct, its
-several steps per token) and mLSTM.
+several steps per token), mLSTM and gated slot attention (GSA).
 
 Each recurrence has three forms with one meaning:
 - ``chunk_*``: chunkwise-parallel (training): a matrix form inside each chunk, the state passed between chunks;
@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 MLSTMState = tuple[Tensor, Tensor, Tensor]
+GSAState = tuple[Tensor, Tensor]  # (hk [B, H, K, M], hv [B, H, M, V])
 _Fn = TypeVar("_Fn", bound=Callable)
 
 # Per-channel decays need a [c, c, K] tensor for each diagonal block of the intra-chunk scores; this is c.
@@ -42,6 +43,9 @@ __all__ = [
     "chunk_mlstm",
     "step_mlstm",
     "recurrent_mlstm",
+    "chunk_gsa",
+    "step_gsa",
+    "recurrent_gsa",
 ]
 
 
@@ -526,4 +530,143 @@ def recurrent_mlstm(
     for qt, kt, vt, it, ft in zip(*(x.unbind(1) for x in (q, k, v, i, f))):
         h, state = step_mlstm(qt, kt, vt, it, ft, scale=scale, state=state, eps=eps)
         outs.append(h)
+    return torch.stack(outs, 1) if outs else v.new_zeros(v.shape), state
+
+
+# ------------------------------------------------------------------------------------ gated slot attention
+def _slot_decayed_sum(a: Tensor, s: Tensor, gc: Tensor) -> Tensor:
+    """Per chunk, ``o_tm = sum_{j <= t} a_tj exp(gc_tm - gc_jm) s_jm``: scores ``a`` ``[..., C, C]`` spread over slots
+    with a decay per slot (gc, the within-chunk cumulative log decay, and s: ``[..., C, M]``) -> ``[..., C, M]``.
+
+    In sub-chunks of ``c`` tokens, every exponent <= 0 (as ``_channel_scores``): a diagonal ``c x c`` block pairwise
+    (``[..., c, c, M]``); the columns before a row sub-chunk through its first token r,
+    exp(gc_t - gc_j) = exp(gc_t - gc_r) exp(gc_r - gc_j), one matmul. Entries of ``a`` above the diagonal are ignored.
+    """
+    size = a.shape[-1]
+    c = math.gcd(size, SUB_CHUNK)
+    n = size // c
+    s4, g4 = s.unflatten(-2, (n, c)), gc.unflatten(-2, (n, c))  # [..., n, c, M]
+    rows = a.unflatten(-2, (n, c))  # [..., n, c, C]
+    diag_a = rows.unflatten(-1, (n, c)).diagonal(dim1=-4, dim2=-2).movedim(-1, -3)  # [..., n, c(i), c(j)]
+    pair = (g4.unsqueeze(-2) - g4.unsqueeze(-3)).masked_fill(~_causal(c, False, a.device)[:, :, None], -math.inf)
+    out = torch.einsum("...bij,...bijm,...bjm->...bim", diag_a, pair.exp(), s4)
+    if n > 1:
+        ref = g4[..., :1, :]  # [..., n, 1, M]: each row sub-chunk's first token
+        before = torch.arange(size, device=a.device) < torch.arange(0, size, c, device=a.device)[:, None]  # [n, C]
+        sdec = s.unsqueeze(-3) * (ref - gc.unsqueeze(-3)).masked_fill(~before[:, :, None], -math.inf).exp()
+        out = out + (rows @ sdec) * (g4 - ref).exp()  # [..., n, c, C] @ [..., n, C, M]
+    return out.flatten(-3, -2)
+
+
+def _slot_scores(q: Tensor, k: Tensor, s: Tensor, gc: Tensor, state: Tensor) -> tuple[Tensor, Tensor]:
+    """GSA's first pass over the chunks: the keys written into the slots, decayed per slot,
+    hk = hk Diag(exp g_t) + k_t s_t^T, read as ok_t = hk^T q_t (q already scaled).
+
+    q, k ``[B, H, N, C, K]``; s, gc ``[B, H, N, C, M]``; state ``[B, H, K, M]``. Returns ok ``[B, H, N, C, M]`` and the
+    final state."""
+    last = gc[..., -1:, :]  # [B, H, N, 1, M]
+    writes = k.transpose(-1, -2) @ (s * (last - gc).exp())  # each chunk's own writes at its end [B, H, N, K, M]
+    entering = []
+    for write, decay in zip(writes.unbind(2), last.exp().unbind(2)):
+        entering.append(state)
+        state = state * decay + write
+    inter = (q @ torch.stack(entering, 2)) * gc.exp()
+    return inter + _slot_decayed_sum(q @ k.transpose(-1, -2), s, gc), state
+
+
+def _gsa_initial(state: Optional[GSAState], batch: int, heads: int, dk: int, slots: int, dv: int,
+                 ref: Tensor) -> GSAState:
+    """Float32 (hk, hv); zeros when ``state`` is None."""
+    if state is None:
+        return ref.new_zeros(batch, heads, dk, slots), ref.new_zeros(batch, heads, slots, dv)
+    hk, hv = state
+    return hk.float(), hv.float()
+
+
+@_float32
+def chunk_gsa(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    s: Tensor,
+    g: Tensor,
+    *,
+    scale: float,
+    initial_state: Optional[GSAState] = None,
+    chunk_size: int = 64,
+) -> tuple[Tensor, GSAState]:
+    """Chunkwise-parallel gated slot attention (Zhang et al. 2024; training form); equals ``recurrent_gsa``.
+
+    Per token, M slots per head with a log decay g_t (<= 0) and a write strength s_t per slot (the layer's
+    s = 1 - exp(g)): hk = hk Diag(exp g_t) + k_t s_t^T; p_t = softmax(scale * hk^T q_t) over the slots;
+    hv = Diag(exp g_t) hv + s_t v_t^T; o_t = hv^T p_t. The second pass is ``chunk_gated_delta`` with q = p, k = s
+    and a per-channel decay g, scale 1.
+
+    Args:
+        q, k: ``[B, T, H, K]``; v: ``[B, T, H, V]``; s, g: ``[B, T, H, M]``; any float dtype.
+        initial_state: None (zeros) | (hk ``[B, H, K, M]``, hv ``[B, H, M, V]``).
+        chunk_size: tokens per chunk; T need not be a multiple.
+
+    Returns:
+        o ``[B, T, H, V]`` of v's dtype, final (hk, hv) float32.
+    """
+    _check_chunk(chunk_size)
+    (batch, length, heads, dk), slots = q.shape, s.shape[-1]
+    hk, hv = _gsa_initial(initial_state, batch, heads, dk, slots, v.shape[-1], q.float())
+    qc, kc, sc = (_to_chunks(x, chunk_size) for x in (q, k, s))  # padding s = 0, g = 0: no write, no decay
+    gc = _to_chunks(g, chunk_size).cumsum(3)
+    ok, hk = _slot_scores(qc * scale, kc, sc, gc, hk)
+    p = _from_chunks(ok, length, torch.float32).softmax(-1)
+    o, hv = chunk_gated_delta(p, s, v, g, None, scale=1.0, initial_state=hv, chunk_size=chunk_size)
+    return o, (hk, hv)
+
+
+@_float32
+def step_gsa(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    s: Tensor,
+    g: Tensor,
+    *,
+    scale: float,
+    state: Optional[GSAState],
+) -> tuple[Tensor, GSAState]:
+    """One token of gated slot attention (fla's ``fused_recurrent_gsa`` inference step).
+
+    Args:
+        q, k: ``[B, H, K]``; v: ``[B, H, V]``; s, g: ``[B, H, M]``.
+        state: None (zeros) | (hk ``[B, H, K, M]``, hv ``[B, H, M, V]``).
+
+    Returns:
+        o ``[B, H, V]`` of v's dtype, new (hk, hv) float32.
+    """
+    dtype = v.dtype
+    q, k, v, s, g = (x.float() for x in (q, k, v, s, g))
+    hk, hv = _gsa_initial(state, *k.shape, s.shape[-1], v.shape[-1], q)
+    decay = g.exp()
+    hk = hk * decay.unsqueeze(-2) + k.unsqueeze(-1) * s.unsqueeze(-2)
+    p = (scale * (q.unsqueeze(-2) @ hk).squeeze(-2)).softmax(-1)
+    hv = hv * decay.unsqueeze(-1) + s.unsqueeze(-1) * v.unsqueeze(-2)
+    return (p.unsqueeze(-2) @ hv).squeeze(-2).to(dtype), (hk, hv)
+
+
+def recurrent_gsa(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    s: Tensor,
+    g: Tensor,
+    *,
+    scale: float,
+    initial_state: Optional[GSAState] = None,
+    chunk_size: int = 64,
+) -> tuple[Tensor, GSAState]:
+    """``step_gsa`` looped over T: the oracle. Same arguments and results as ``chunk_gsa``; ``chunk_size`` is
+    ignored."""
+    state = _gsa_initial(initial_state, q.shape[0], q.shape[2], q.shape[3], s.shape[-1], v.shape[-1], q.float())
+    outs = []
+    for qt, kt, vt, st, gt in zip(*(x.unbind(1) for x in (q, k, v, s, g))):
+        o, state = step_gsa(qt, kt, vt, st, gt, scale=scale, state=state)
+        outs.append(o)
     return torch.stack(outs, 1) if outs else v.new_zeros(v.shape), state

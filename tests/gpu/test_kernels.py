@@ -70,7 +70,7 @@ def test_state_passing_matches_one_pass(case):
 
     def part(sl, h0):
         y = dict(x, h0=h0)
-        for n in ("q", "k", "v", "g", "beta", "i", "f"):
+        for n in ("q", "k", "v", "g", "beta", "i", "f", "s"):
             if isinstance(x.get(n), torch.Tensor):
                 y[n] = x[n][:, sl]
         return R.run_kernel(y)
@@ -78,7 +78,7 @@ def test_state_passing_matches_one_pass(case):
     with torch.no_grad():
         full_out, full_state = R.run_kernel(x)
         out1, state1 = part(slice(0, cut), None)
-        out2, state2 = part(slice(cut, None), state1 if x["recurrence"] == "mlstm" else state1[0])
+        out2, state2 = part(slice(cut, None), state1 if x["recurrence"] in ("mlstm", "gsa") else state1[0])
     errs = {"o": R.rel_err(torch.cat([out1, out2], 1), full_out)}
     for n, a, b in zip(("C", "n", "m"), state2, full_state):
         errs[f"state_{n}"] = R.rel_err(a, b)
