@@ -8,20 +8,23 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Mapping, Optional
 
-from harness.mixers.kernels import MLSTM_KERNEL, PRODUCT_ROUTES, ROUTES
+from harness.mixers.kernels import DPLR_ROUTES, MLSTM_KERNEL, PRODUCT_ROUTES, ROUTES
 
 # gated_delta_product: the gated delta rule with several Householder steps per token (keys, values and beta with a
-# step axis, `harness.bench.recurrences.PRODUCT_STEPS` of them in the bench)
-RECURRENCES = ("gated_delta", "gated_delta_product", "mlstm")
-_ROUTES_OF = {"gated_delta": ROUTES, "gated_delta_product": PRODUCT_ROUTES, "mlstm": (MLSTM_KERNEL,)}
+# step axis, `harness.bench.recurrences.PRODUCT_STEPS` of them in the bench); dplr_delta: the delta rule with a
+# diagonal-plus-low-rank transition (RWKV-7's: its own a and b beside k, and a per-channel decay)
+RECURRENCES = ("gated_delta", "gated_delta_product", "dplr_delta", "mlstm")
+_ROUTES_OF = {"gated_delta": ROUTES, "gated_delta_product": PRODUCT_ROUTES, "dplr_delta": DPLR_ROUTES,
+              "mlstm": (MLSTM_KERNEL,)}
 # How q and k reach the recurrence: raw ~N(0, 1) with scale K^-0.5; elu1, elu + 1 with scale 1 (linear attention's
 # feature map and normaliser); l2, L2-normalised with scale K^-0.5 (the delta rules); softmax_pair, [softmax(x),
 # softmax(-x)] with scale 1 and twice the key dim (hedgehog's learned feature map)
 FEATURES = ("raw", "elu1", "l2", "softmax_pair")
 # The decay g of the gated-delta recurrence (harness.mixers.kernels' cases): none; head_const, a constant per
 # head (RetNet's log(1 - 2^(-5-h))); head, data-dependent per head (-exp(A) softplus(x + dt_bias), Mamba2-style);
-# channel, data-dependent per key channel (logsigmoid(x) / 16); ssd, Mamba2's -A dt per head with dt folded into k
-GATES = (None, "head_const", "head", "channel", "ssd")
+# channel, data-dependent per key channel (logsigmoid(x) / 16); ssd, Mamba2's -A dt per head with dt folded into k;
+# rwkv7, RWKV-7's per-channel -exp(-0.5) sigmoid(x), so every decay lies in [exp(-exp(-0.5)), 1)
+GATES = (None, "head_const", "head", "channel", "ssd", "rwkv7")
 TOLERANCE_KEYS = ("out", "state", "grad", "gate_grad")
 
 
@@ -31,11 +34,13 @@ class KernelCase:
 
     route: str = field(metadata={"help": "The kernel its recurrence takes by default: an fla route of "
                                  "harness.mixers.kernels.ROUTES (gated_delta), of kernels.PRODUCT_ROUTES "
-                                 "(gated_delta_product), or kernels.MLSTM_KERNEL (mlstm)."})
+                                 "(gated_delta_product), of kernels.DPLR_ROUTES (dplr_delta), or kernels.MLSTM_KERNEL "
+                                 "(mlstm)."})
     recurrence: str = field(default="gated_delta", metadata={"help": "gated_delta (docs/RECURRENCES.md), "
-                                                             "gated_delta_product or mlstm."})
+                                                             "gated_delta_product, dplr_delta or mlstm."})
     features: str = field(default="raw", metadata={"help": "How q and k reach the recurrence: raw, elu1, l2 or softmax_pair."})
-    gate: Optional[str] = field(default=None, metadata={"help": "The decay g: None, head_const, head, channel or ssd."})
+    gate: Optional[str] = field(default=None, metadata={"help": "The decay g: None, head_const, head, channel, ssd "
+                                                        "or rwkv7."})
     beta: bool = field(default=False, metadata={"help": "Whether the recurrence takes the delta rule's beta."})
     alternative_routes: tuple[str, ...] = field(
         default=(), metadata={"help": "Other fla routes of the same recurrence, measured beside the default one "
