@@ -31,8 +31,13 @@ def _record_kernels(monkeypatch) -> list[str]:
         taken.append(kernels.select_gated_delta_product_route(q, k, v, g, beta, initial_state))
         return recurrence.chunk_gated_delta_product(q, k, v, g, beta, scale=scale, initial_state=initial_state)
 
+    def dplr(q, k, v, a, b, g, *, scale, initial_state=None, lower_bound=None):
+        taken.append(kernels.DPLR_ROUTES[0])
+        return recurrence.chunk_dplr_delta(q, k, v, a, b, g, scale=scale, initial_state=initial_state)
+
     monkeypatch.setattr(kernels, "kernel_gated_delta", gated_delta)
     monkeypatch.setattr(kernels, "kernel_gated_delta_product", product)
+    monkeypatch.setattr(kernels, "kernel_dplr_delta", dplr)
     monkeypatch.setattr(kernels, "kernel_mlstm", mlstm)
 
     def gsa(q, k, v, s, g, *, scale, initial_state=None):

@@ -77,7 +77,8 @@ def test_an_open_gate_passes_the_normalised_recurrence_output_through(name):
     x = torch.randn(2, 11, SHAPE.hidden_size)
     q, k, v, _ = m.project_qkv(x, None, False)
     o, _ = m._mix(x, q, k, v, None, "reference")
-    norm = F.layer_norm if name == "mlstm" else F.rms_norm
+    centred = name == "mlstm" or getattr(m.o_norm, "centred", False)  # a LayerNorm per head (mLSTM's, RWKV-7's)
+    norm = F.layer_norm if centred else F.rms_norm
     eps = 1e-6 if name == "mlstm" else m.o_norm.eps
     expected = norm(o.float(), (SHAPE.head_dim,), eps=eps).flatten(2)
     heads, _ = m.heads_output(x)

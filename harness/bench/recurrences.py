@@ -62,6 +62,7 @@ def kernel_cases() -> dict[str, KernelCase]:
 # docs/KERNELS.md), so those limits document the raw kernel, not a defect.
 TOL = {"out": 1e-2, "state": 1e-2, "grad": 2e-2, "gate_grad": 4e-2}
 GATE_NAMES = ("g", "beta", "i", "f", "s")
+DPLR_DECAY_FLOOR = -math.exp(-0.5)  # a gate rwkv7 case's g >= this (RWKV-7's bound, fla's lower_bound)
 PRODUCT_STEPS = 2  # Householder steps per token of a gated_delta_product case (the deltaproduct mixer's default)
 GSA_SLOTS = 64  # slots per head of a gsa case (the gsa mixer's default num_slots)
 
@@ -89,7 +90,9 @@ def make_inputs(case: str, B: int, T: int, H: int, K: int, V: int, *, device="cu
     scale 1); features softmax_pair: q, k = [softmax(x), softmax(-x)] of x ~ N(0, 1) `[..., K]`, so the key dim
     is 2K (scale 1, hedgehog's feature map); mLSTM i = 15 tanh((2 N - 3) / 15), f = 15 tanh((N + 4.5) / 15);
     gate slot (gsa): g = logsigmoid(N(0, 1)) / 8 and s = 1 - exp(g) `[B, T, H, GSA_SLOTS]`, two leaves as the
-    kernel takes them, and states (hk `[B, H, K, M]`, hv `[B, H, M, V]`)."""
+    kernel takes them, and states (hk `[B, H, K, M]`, hv `[B, H, M, V]`);
+    dplr_delta (RWKV-7): a = -kk, b = kk * sigmoid(N(0, 1)) per channel, kk L2-normalised N(0, 1), and gate rwkv7:
+    g = -exp(-0.5) sigmoid(N(0, 1)) per channel."""
     spec = kernel_cases()[case]
     gen = torch.Generator(device="cpu").manual_seed(seed)
     if spec.features == "softmax_pair":
@@ -133,8 +136,13 @@ def make_inputs(case: str, B: int, T: int, H: int, K: int, V: int, *, device="cu
     elif spec.gate == "slot":
         g = F.logsigmoid(randn(B, T, H, GSA_SLOTS)) / 8
         x["g"], x["s"] = leaf(g, torch.float32), leaf(-torch.expm1(g), dtype)
+    elif spec.gate == "rwkv7":
+        x["g"] = leaf(DPLR_DECAY_FLOOR * torch.sigmoid(randn(B, T, H, K)), torch.float32)
     if spec.beta:
         x["beta"] = leaf(torch.sigmoid(randn(B, T, *steps, H)), torch.float32)
+    if spec.recurrence == "dplr_delta":
+        removal = F.normalize(randn(B, T, H, K), dim=-1)
+        x["a"], x["b"] = leaf(-removal, dtype), leaf(removal * torch.sigmoid(randn(B, T, H, K)), dtype)
     if spec.recurrence == "mlstm":
         x["i"] = leaf(15 * torch.tanh((2 * randn(B, T, H) - 3) / 15), torch.float32)
         x["f"] = leaf(15 * torch.tanh((randn(B, T, H) + 4.5) / 15), torch.float32)
@@ -155,7 +163,7 @@ def make_inputs(case: str, B: int, T: int, H: int, K: int, V: int, *, device="cu
 
 def grad_inputs(x: dict) -> dict:
     """name -> tensor for every input that takes a gradient."""
-    out = {n: x[n] for n in ("q", "k", "v", "g", "beta", "i", "f", "s") if isinstance(x.get(n), torch.Tensor)
+    out = {n: x[n] for n in ("q", "k", "v", "a", "b", "g", "beta", "i", "f", "s") if isinstance(x.get(n), torch.Tensor)
            and x[n].requires_grad}
     h0 = x.get("h0")
     if isinstance(h0, torch.Tensor):
@@ -190,6 +198,11 @@ def run_kernel(x: dict, variant: str = "auto"):
         return h, (c, n, m)
     if x["recurrence"] == "gsa":
         return kernels.kernel_gsa(x["q"], x["k"], x["v"], x["s"], x["g"], scale=x["scale"], initial_state=x["h0"])
+    if x["recurrence"] == "dplr_delta":
+        floor = DPLR_DECAY_FLOOR if kernel_cases()[x["case"]].gate == "rwkv7" else None
+        o, s = kernels.kernel_dplr_delta(x["q"], x["k"], x["v"], x["a"], x["b"], x["g"], scale=x["scale"],
+                                         initial_state=x["h0"], lower_bound=floor)
+        return o, (s,)
     args = (x["q"], x["k"], x["v"], x["g"], x["beta"])
     if x["recurrence"] == "gated_delta_product":
         o, s = kernels.kernel_gated_delta_product(*args, scale=x["scale"], initial_state=x["h0"],
@@ -209,6 +222,10 @@ def run_reference(x: dict):
         return h, (c, n, m)
     if x["recurrence"] == "gsa":
         return recurrence.chunk_gsa(x["q"], x["k"], x["v"], x["s"], x["g"], scale=x["scale"], initial_state=x["h0"])
+    if x["recurrence"] == "dplr_delta":
+        o, s = recurrence.chunk_dplr_delta(x["q"], x["k"], x["v"], x["a"], x["b"], x["g"], scale=x["scale"],
+                                           initial_state=x["h0"])
+        return o, (s,)
     run = recurrence.chunk_gated_delta_product if x["recurrence"] == "gated_delta_product" \
         else recurrence.chunk_gated_delta
     o, s = run(x["q"], x["k"], x["v"], x["g"], x["beta"], scale=x["scale"], initial_state=x["h0"])
@@ -309,6 +326,8 @@ def selected_route(x: dict, variant: str) -> str:
         return kernels.GSA_KERNEL
     if variant != "auto":
         return variant
+    if x["recurrence"] == "dplr_delta":
+        return kernels.DPLR_ROUTES[0]
     if x["recurrence"] == "gated_delta_product":
         return kernels.select_gated_delta_product_route(x["q"], x["k"], x["v"], x["g"], x["beta"], x["h0"])
     return kernels.select_gated_delta_route(x["q"], x["k"], x["v"], x["g"], x["beta"], x["h0"])

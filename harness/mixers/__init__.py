@@ -21,10 +21,11 @@ from harness.mixers.mamba2 import Mamba2
 from harness.mixers.mlstm import MLSTM
 from harness.mixers.registry import MixerRegistry
 from harness.mixers.retnet import RetNet
+from harness.mixers.rwkv7 import RWKV7
 
 MIXERS: MixerRegistry = MixerRegistry(
     cls for cls in (LinearAttention, RetNet, GLA, DeltaNet, GatedDeltaNet, KDA, MLSTM, DeltaProduct, Mamba2,
-                    Hedgehog, GSA)
+                    Hedgehog, GSA, RWKV7)
 )
 
 

@@ -3,16 +3,16 @@ GPU kernel on the kernel backend (harness.mixers.kernels), else the PyTorch chun
 (harness.mixers.recurrence). docs/RECURRENCES.md is the contract all three follow.
 
 Each mixer calls the function named after its recurrence (linear_attention, retention, ssd, gated_linear_attention,
-delta_rule, gated_delta_rule, kimi_delta_rule, gated_delta_product, gated_slot_attention, mlstm_cell); its docstring names the kernel that
-runs on the kernel backend (for the gated-delta family: the route `kernels.select_gated_delta_route` takes for the
-mixer's (g, beta) case) and the reference. The seven gated-delta functions are `run_gated_delta` under the name of
-their case; gated_delta_product holds several steps per token.
+delta_rule, gated_delta_rule, kimi_delta_rule, gated_delta_product, dplr_delta, gated_slot_attention, mlstm_cell);
+its docstring names the kernel that runs on the kernel backend (for the gated-delta family: the route
+`kernels.select_gated_delta_route` takes for the mixer's (g, beta) case) and the reference. The seven gated-delta
+functions are `run_gated_delta` under the name of their case; gated_delta_product holds several steps per token.
 
 Padded batches: `mask` (bool `[B, T]`, False at padding, or None for none) makes every padded token leave the state
-exactly as it found it: no write (k = 0 and beta = 0; for mLSTM an input gate of -inf) and no decay (log decay 0;
-for mLSTM a forget gate of log 1 = 0, which also keeps the stabiliser m). Outputs at padded positions are
-meaningless. Both backends: the masked inputs go to the same recurrence, so fla's chunk kernels (and
-mlstm_kernels') compute exactly what the reference does. On the kernel backend the mLSTM gates are the finite
+exactly as it found it: no write (k = 0 and beta = 0; for RWKV-7's rule k = b = 0; for mLSTM an input gate of -inf)
+and no decay (log decay 0; for mLSTM a forget gate of log 1 = 0, which also keeps the stabiliser m). Outputs at
+padded positions are meaningless. Both backends: the masked inputs go to the same recurrence, so fla's chunk kernels
+(and mlstm_kernels') compute exactly what the reference does. On the kernel backend the mLSTM gates are the finite
 +-kernels.MLSTM_PAD_GATE (the values the kernel wrapper pads a sequence's end with) rather than +-inf, and a
 masked RetNet decay is a per-token g (fla's simple_gla, not the constant-per-head g_gamma route). fla's
 variable-length `cu_seqlens` layout (packed, no padded tokens computed at all) is not used.
@@ -21,6 +21,7 @@ variable-length `cu_seqlens` layout (packed, no padded tokens computed at all) i
 from __future__ import annotations
 
 import math
+from typing import Optional
 
 import torch
 
@@ -201,6 +202,27 @@ def gated_slot_attention(q, k, v, s, g, *, scale: float, prior, backend: str, ch
     if backend == "kernel":
         return kernels.kernel_gsa(q, k, v, s, g, scale=scale, initial_state=prior)
     return recurrence.chunk_gsa(q, k, v, s, g, scale=scale, initial_state=prior, chunk_size=chunk_size)
+
+
+def dplr_delta(q, k, v, a, b, g, *, scale: float, prior, backend: str, chunk_size: int, mask=None,
+               decay_floor: Optional[float] = None):
+    """The delta rule with a diagonal-plus-low-rank transition (RWKV-7's), S_t = Diag(exp g_t) S_{t-1} +
+    b_t a_t^T S_{t-1} + k_t v_t^T; q, k, a, b, g `[B, T, H, K]`, v `[B, T, H, V]`. A padded token writes nothing
+    (k = b = 0) and does not decay (g = 0). decay_floor: a bound the caller guarantees, g >= decay_floor (< 0), which
+    lets fla's kernel use its 64-token chunks (RWKV-7: -exp(-0.5)).
+
+    kernel: fla chunk_rwkv7 (kernels.kernel_dplr_delta)
+    reference: recurrence.chunk_dplr_delta; one decoding token: recurrence.step_dplr_delta
+    """
+    if mask is not None:
+        keep = _per_token(mask, k)
+        k, b, g = (torch.where(keep, t, 0.0) for t in (k, b, g))
+    if _is_decoding_step(q, prior):
+        o, state = recurrence.step_dplr_delta(*(t[:, 0] for t in (q, k, v, a, b, g)), scale=scale, state=prior)
+        return o.unsqueeze(1), state
+    if backend == "kernel":
+        return kernels.kernel_dplr_delta(q, k, v, a, b, g, scale=scale, initial_state=prior, lower_bound=decay_floor)
+    return recurrence.chunk_dplr_delta(q, k, v, a, b, g, scale=scale, initial_state=prior, chunk_size=chunk_size)
 
 
 def mlstm_cell(q, k, v, i, f, *, scale: float, prior, backend: str, chunk_size: int, eps: float, mask=None):

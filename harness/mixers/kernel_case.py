@@ -8,14 +8,15 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Mapping, Optional
 
-from harness.mixers.kernels import GSA_KERNEL, MLSTM_KERNEL, PRODUCT_ROUTES, ROUTES
+from harness.mixers.kernels import DPLR_ROUTES, GSA_KERNEL, MLSTM_KERNEL, PRODUCT_ROUTES, ROUTES
 
 # gated_delta_product: the gated delta rule with several Householder steps per token (keys, values and beta with a
-# step axis, `harness.bench.recurrences.PRODUCT_STEPS` of them in the bench); gsa: gated slot attention (its slots
-# `harness.bench.recurrences.GSA_SLOTS` in the bench, gate slot)
-RECURRENCES = ("gated_delta", "gated_delta_product", "mlstm", "gsa")
-_ROUTES_OF = {"gated_delta": ROUTES, "gated_delta_product": PRODUCT_ROUTES, "mlstm": (MLSTM_KERNEL,),
-              "gsa": (GSA_KERNEL,)}
+# step axis, `harness.bench.recurrences.PRODUCT_STEPS` of them in the bench); dplr_delta: the delta rule with a
+# diagonal-plus-low-rank transition (RWKV-7's: its own a and b beside k, and a per-channel decay); gsa: gated slot
+# attention (its slots `harness.bench.recurrences.GSA_SLOTS` in the bench, gate slot)
+RECURRENCES = ("gated_delta", "gated_delta_product", "dplr_delta", "mlstm", "gsa")
+_ROUTES_OF = {"gated_delta": ROUTES, "gated_delta_product": PRODUCT_ROUTES, "dplr_delta": DPLR_ROUTES,
+              "mlstm": (MLSTM_KERNEL,), "gsa": (GSA_KERNEL,)}
 # How q and k reach the recurrence: raw ~N(0, 1) with scale K^-0.5; elu1, elu + 1 with scale 1 (linear attention's
 # feature map and normaliser); l2, L2-normalised with scale K^-0.5 (the delta rules); softmax_pair, [softmax(x),
 # softmax(-x)] with scale 1 and twice the key dim (hedgehog's learned feature map)
@@ -23,8 +24,9 @@ FEATURES = ("raw", "elu1", "l2", "softmax_pair")
 # The decay g of the gated-delta recurrence (harness.mixers.kernels' cases): none; head_const, a constant per
 # head (RetNet's log(1 - 2^(-5-h))); head, data-dependent per head (-exp(A) softplus(x + dt_bias), Mamba2-style);
 # channel, data-dependent per key channel (logsigmoid(x) / 16); ssd, Mamba2's -A dt per head with dt folded into k;
-# slot, gated slot attention's per-slot log decay logsigmoid(x) / 8 and write strength s = 1 - exp(g)
-GATES = (None, "head_const", "head", "channel", "ssd", "slot")
+# slot, gated slot attention's per-slot log decay logsigmoid(x) / 8 and write strength s = 1 - exp(g);
+# rwkv7, RWKV-7's per-channel -exp(-0.5) sigmoid(x), so every decay lies in [exp(-exp(-0.5)), 1)
+GATES = (None, "head_const", "head", "channel", "ssd", "slot", "rwkv7")
 TOLERANCE_KEYS = ("out", "state", "grad", "gate_grad")
 
 
@@ -34,12 +36,14 @@ class KernelCase:
 
     route: str = field(metadata={"help": "The kernel its recurrence takes by default: an fla route of "
                                  "harness.mixers.kernels.ROUTES (gated_delta), of kernels.PRODUCT_ROUTES "
-                                 "(gated_delta_product), kernels.MLSTM_KERNEL (mlstm) or kernels.GSA_KERNEL (gsa)."})
+                                 "(gated_delta_product), of kernels.DPLR_ROUTES (dplr_delta), kernels.MLSTM_KERNEL "
+                                 "(mlstm) or kernels.GSA_KERNEL (gsa)."})
     recurrence: str = field(default="gated_delta", metadata={"help": "gated_delta (docs/RECURRENCES.md), "
-                                                             "gated_delta_product, mlstm or gsa."})
-    features: str = field(default="raw", metadata={"help": "How q and k reach the recurrence: raw, elu1, l2 or softmax_pair."})
-    gate: Optional[str] = field(default=None, metadata={"help": "The decay g: None, head_const, head, channel, ssd "
-                                                        "or slot (gsa's)."})
+                                                             "gated_delta_product, dplr_delta, mlstm or gsa."})
+    features: str = field(default="raw", metadata={"help": "How q and k reach the recurrence: raw, elu1, l2 or "
+                                                   "softmax_pair."})
+    gate: Optional[str] = field(default=None, metadata={"help": "The decay g: None, head_const, head, channel, ssd, "
+                                                        "slot (gsa's) or rwkv7."})
     beta: bool = field(default=False, metadata={"help": "Whether the recurrence takes the delta rule's beta."})
     alternative_routes: tuple[str, ...] = field(
         default=(), metadata={"help": "Other fla routes of the same recurrence, measured beside the default one "

@@ -1,6 +1,6 @@
 """GPU kernel path of the recurrences in docs/RECURRENCES.md: fla.ops for the gated-delta family (gated
-DeltaProduct included) and gated slot attention, mlstm_kernels for the mLSTM. CUDA only; the PyTorch reference
-(harness.mixers.recurrence) is the oracle.
+DeltaProduct included), RWKV-7's DPLR delta rule and gated slot attention, mlstm_kernels for the mLSTM. CUDA only;
+the PyTorch reference (harness.mixers.recurrence) is the oracle.
 
 Nothing here imports fla, triton or mlstm_kernels at module import time: this module is imported on CPU
 machines (CI) where triton does not exist. The kernel libraries are imported inside the functions.
@@ -534,6 +534,52 @@ def kernel_gsa(q, k, v, s, g, *, scale: float, initial_state=None, output_final_
     return o.to(out_dtype), (tuple(final) if output_final_state else None)
 
 
+# the DPLR delta rule (RWKV-7) -> fla.ops.rwkv7
+
+DPLR_ROUTES = ("rwkv7",)  # fla's chunk_rwkv7 (its generalized delta rule, chunk_dplr_delta_rule)
+
+
+def _check_dplr_delta(q, k, v, a, b, g, initial_state) -> None:
+    if q.dim() != 4 or any(tuple(t.shape) != tuple(q.shape) for t in (k, a, b, g)):
+        raise ValueError(f"q, k, a, b and g must all be [B, T, H, K]; got {[tuple(t.shape) for t in (q, k, a, b, g)]}")
+    B, T, H, K = q.shape
+    if v.dim() != 4 or tuple(v.shape[:3]) != (B, T, H):
+        raise ValueError(f"v must be [B, T, H, V] = [{B}, {T}, {H}, V]; got {tuple(v.shape)}")
+    if T == 0:
+        raise ValueError("empty sequence (T == 0)")
+    if initial_state is not None and tuple(initial_state.shape) != (B, H, K, v.shape[-1]):
+        raise ValueError(f"initial_state must be [B, H, K, V] = {[B, H, K, v.shape[-1]]}; "
+                         f"got {tuple(initial_state.shape)}")
+
+
+def _fla_rwkv7():
+    """fla's chunk_rwkv7 (imported on call: triton exists on GPU machines only)."""
+    from fla.ops.rwkv7 import chunk_rwkv7
+
+    return chunk_rwkv7
+
+
+def kernel_dplr_delta(q, k, v, a, b, g, *, scale: float, initial_state=None, output_final_state: bool = True,
+                      lower_bound: Optional[float] = None):
+    """The DPLR delta rule (docs/RECURRENCES.md) through fla's chunk_rwkv7 -> (o `[B, T, H, V]`, final
+    `[B, H, K, V]` float32, None unless output_final_state).
+
+    q, k, a, b, g `[B, T, H, K]` (g the natural-log decay <= 0), v `[B, T, H, V]`, initial_state None |
+    `[B, H, K, V]`. lower_bound: the caller's guarantee g >= lower_bound (< 0), fla's `lower_bound`, which lets it
+    take 64-token chunks on its tensor-core scheme (16 without). q, k, v, a, b run in v's 16-bit dtype (bf16 for a
+    float32 v), g in float32; gradients flow to all of them and to initial_state. Raises KernelUnavailable off CUDA
+    or without fla/triton.
+    """
+    _check_dplr_delta(q, k, v, a, b, g, initial_state)
+    _require("fla", q, k, v, a, b, g, initial_state, fn="kernel_dplr_delta")
+    out_dtype, dt = v.dtype, _compute_dtype(v)
+    q, k, v, a, b = (t.to(dt).contiguous() for t in (q, k, v, a, b))
+    h0 = None if initial_state is None else initial_state.to(torch.float32).contiguous()
+    o, ht = _fla_rwkv7()(q, g.to(torch.float32).contiguous(), k, v, a, b, scale=float(scale), initial_state=h0,
+                         output_final_state=output_final_state, lower_bound=lower_bound)
+    return o.to(out_dtype), ht
+
+
 # ----------------------------------------------------------------------------------------------------------
 # mLSTM -> mlstm_kernels chunkwise--triton_limit_chunk
 
@@ -647,8 +693,9 @@ def _mlstm_padded(kernel, q, k, v, i, f, *, scale, state, eps, chunk_size, dtype
 
 
 __all__ = [
-    "BACKENDS", "GATED_DELTA_CASES", "GSA_KERNEL", "KernelUnavailable", "MLSTM_KERNEL", "PRODUCT_ROUTES", "ROUTES",
-    "gated_delta_case", "kernel_environment", "kernel_gated_delta", "kernel_gated_delta_product", "kernel_gsa",
-    "kernel_mlstm", "kernel_unavailable_reason", "kernels_available", "resolve_backend", "run_gated_delta_route",
+    "BACKENDS", "DPLR_ROUTES", "GATED_DELTA_CASES", "GSA_KERNEL", "KernelUnavailable", "MLSTM_KERNEL", "PRODUCT_ROUTES",
+    "ROUTES", "gated_delta_case", "kernel_dplr_delta", "kernel_environment", "kernel_gated_delta",
+    "kernel_gated_delta_product", "kernel_gsa", "kernel_mlstm", "kernel_unavailable_reason", "kernels_available",
+    "resolve_backend", "run_gated_delta_route",
     "select_gated_delta_product_route", "select_gated_delta_route",
 ]

@@ -1,5 +1,6 @@
 """Pure-PyTorch reference recurrences (docs/RECURRENCES.md): the gated delta family (and gated DeltaProduct, its
-several steps per token), mLSTM and gated slot attention (GSA).
+several steps per token), the delta rule with a diagonal-plus-low-rank transition (RWKV-7's), mLSTM and gated
+slot attention (GSA).
 
 Each recurrence has three forms with one meaning:
 - ``chunk_*``: chunkwise-parallel (training): a matrix form inside each chunk, the state passed between chunks;
@@ -40,6 +41,9 @@ __all__ = [
     "chunk_gated_delta_product",
     "step_gated_delta_product",
     "recurrent_gated_delta_product",
+    "chunk_dplr_delta",
+    "step_dplr_delta",
+    "recurrent_dplr_delta",
     "chunk_mlstm",
     "step_mlstm",
     "recurrent_mlstm",
@@ -86,43 +90,45 @@ def _check_chunk(chunk_size: int) -> None:
 
 
 # ------------------------------------------------------------------------------------ gated delta family
-def _scores(a: Tensor, b: Tensor, gc: Optional[Tensor], strict: bool) -> Tensor:
-    """Decayed causal scores ``s_ij = sum_d a_id b_jd exp(gc_id - gc_jd)`` for j <= i (j < i if strict), else 0.
+def _scores(a: Tensor, b: Tensor, gc: Optional[Tensor], strict: bool, row_gc: Optional[Tensor] = None) -> Tensor:
+    """Decayed causal scores ``s_ij = sum_d a_id b_jd exp(rc_id - gc_jd)`` for j <= i (j < i if strict), else 0.
 
-    a, b: ``[..., C, K]``; gc (within-chunk cumulative log decay): None | ``[..., C]`` | ``[..., C, K]``.
-    Returns ``[..., C, C]``.
+    a, b: ``[..., C, K]``; gc (within-chunk cumulative log decay): None | ``[..., C]`` | ``[..., C, K]``; row_gc
+    (rc): the rows' own cumulative log decay, gc's shape (None: gc), such that every rc_i - gc_j of the causal part
+    is <= 0 (the DPLR rule's exclusive cumsum for its rows, with strict). Returns ``[..., C, C]``.
     """
+    row_gc = gc if row_gc is None else row_gc
     if gc is not None and gc.dim() == a.dim():
-        return _channel_scores(a, b, gc, strict)
+        return _channel_scores(a, b, gc, strict, row_gc)
     mask = _causal(a.shape[-2], strict, a.device)
     s = a @ b.transpose(-1, -2)
     if gc is not None:
         # Exponentiate only the causal part: above the diagonal gc_i - gc_j is positive and may overflow.
-        s = s * (gc.unsqueeze(-1) - gc.unsqueeze(-2)).masked_fill(~mask, -math.inf).exp()
+        s = s * (row_gc.unsqueeze(-1) - gc.unsqueeze(-2)).masked_fill(~mask, -math.inf).exp()
     return s.masked_fill(~mask, 0.0)
 
 
-def _channel_scores(a: Tensor, b: Tensor, gc: Tensor, strict: bool) -> Tensor:
+def _channel_scores(a: Tensor, b: Tensor, gc: Tensor, strict: bool, row_gc: Tensor) -> Tensor:
     """``_scores`` with per-channel decay, in sub-chunks of ``c`` tokens to bound memory.
 
     Diagonal ``c x c`` blocks are built pairwise (``[..., c, c, K]``); a block below the diagonal factors
-    through the first token r of its row sub-chunk: exp(gc_i - gc_j) = exp(gc_i - gc_r) exp(gc_r - gc_j),
+    through the first token r of its row sub-chunk: exp(rc_i - gc_j) = exp(rc_i - rc_r) exp(rc_r - gc_j),
     both factors <= 1, so it is one matmul. Peak memory ~ (c + C / c) * K floats per token instead of C * K.
     """
     size = a.shape[-2]
     c = math.gcd(size, SUB_CHUNK)
     m = size // c
-    a4, b4, g4 = (x.unflatten(-2, (m, c)) for x in (a, b, gc))  # [..., M, c, K]
-    pair = g4.unsqueeze(-2) - g4.unsqueeze(-3)  # [..., M, c(i), c(j), K]
+    a4, b4, g4, r4 = (x.unflatten(-2, (m, c)) for x in (a, b, gc, row_gc))  # [..., M, c, K]
+    pair = r4.unsqueeze(-2) - g4.unsqueeze(-3)  # [..., M, c(i), c(j), K]
     pair = pair.masked_fill(~_causal(c, strict, a.device)[:, :, None], -math.inf).exp()
     diag = ((pair * b4.unsqueeze(-3)) @ a4.unsqueeze(-1)).squeeze(-1)  # [..., M, c, c]
     eye = torch.eye(m, dtype=a.dtype, device=a.device)[:, None, :, None]
     full = diag.unsqueeze(-2) * eye  # [..., M, c, M, c], the diagonal blocks in place
     if m > 1:
-        ref = g4[..., :1, :]  # [..., M, 1, K]
+        ref = r4[..., :1, :]  # [..., M, 1, K]
         before = torch.arange(size, device=a.device) < torch.arange(0, size, c, device=a.device)[:, None]
         kdec = (ref - gc.unsqueeze(-3)).masked_fill(~before[:, :, None], -math.inf).exp()  # [..., M, C, K]
-        off = (a4 * (g4 - ref).exp()) @ (b.unsqueeze(-3) * kdec).transpose(-1, -2)  # [..., M, c, C]
+        off = (a4 * (r4 - ref).exp()) @ (b.unsqueeze(-3) * kdec).transpose(-1, -2)  # [..., M, c, C]
         full = full + off.unflatten(-1, (m, c))
     return full.reshape(*a.shape[:-2], size, size)
 
@@ -385,6 +391,123 @@ def recurrent_gated_delta_product(
         o, state = step_gated_delta_product(qt, kt, vt, gt, bt, scale=scale, state=state)
         outs.append(o)
     return torch.stack(outs, 1) if outs else v.new_zeros(v[:, :, 0].shape), state.float()
+
+
+# ------------------------------------------------------------------------- DPLR delta rule (RWKV-7)
+def _dplr_pseudo_values(a: Tensor, b: Tensor, k: Tensor, v: Tensor, gc: Tensor, ge: Tensor) -> tuple[Tensor, Tensor]:
+    """Per chunk, what the low-rank term reads, ``u_i = S_{i-1}^T a_i = U_i + W_i S0`` (S0: the state entering the
+    chunk): u depends on u_j (j < i) through (I - A_ab) u = A_ak v + (a * exp(ge)) S0, with
+    A_xy_ij = a_i^T Diag(exp(ge_i - gc_j)) y_j strictly lower (ge: the exclusive cumulative log decay, the decay
+    from the chunk's start to token i - 1). One unit-triangular solve gives U ``[..., C, V]`` and W ``[..., C, K]``."""
+    a_ab = _scores(a, b, gc, strict=True, row_gc=ge)
+    a_ak = _scores(a, k, gc, strict=True, row_gc=ge)
+    rhs = torch.cat([a_ak @ v, a * ge.exp()], dim=-1)
+    sol = torch.linalg.solve_triangular(-a_ab, rhs, upper=False, unitriangular=True)
+    return sol.split([v.shape[-1], k.shape[-1]], dim=-1)
+
+
+@_float32
+def chunk_dplr_delta(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    a: Tensor,
+    b: Tensor,
+    g: Tensor,
+    *,
+    scale: float,
+    initial_state: Optional[Tensor] = None,
+    chunk_size: int = 64,
+) -> tuple[Tensor, Tensor]:
+    """Chunkwise-parallel delta rule with a diagonal-plus-low-rank transition (training form); equals
+    ``recurrent_dplr_delta``.
+
+    Per token: S = Diag(exp g_t) S_{t-1} + b_t (a_t^T S_{t-1}) + k_t v_t^T (the low-rank term reads the state
+    before the decay, as fla's ``dplr_recurrence``); o_t = scale * S_t^T q_t. RWKV-7 is a = -kk, b = kk * iclr.
+
+    Args:
+        q, k, a, b: ``[B, T, H, K]``; v: ``[B, T, H, V]``; any float dtype.
+        g: log decay <= 0, ``[B, T, H, K]`` (per key channel).
+        initial_state: None (zeros) | ``[B, H, K, V]``.
+        chunk_size: tokens per chunk; T need not be a multiple.
+
+    Returns:
+        o ``[B, T, H, V]`` of v's dtype, final state ``[B, H, K, V]`` float32.
+    """
+    _check_chunk(chunk_size)
+    (batch, length, heads, dk), dtype = q.shape, v.dtype
+    q, k, v, a, b = (_to_chunks(x, chunk_size) for x in (q, k, v, a, b))  # padding k = b = 0: no write
+    q = q * scale
+    gc = _to_chunks(g, chunk_size).cumsum(3)  # padding g = 0: no decay
+    ge = gc - _to_chunks(g, chunk_size)
+    state = q.new_zeros(batch, heads, dk, v.shape[-1]) if initial_state is None else initial_state.float()
+
+    u_part, w_part = _dplr_pseudo_values(a, b, k, v, gc, ge)
+    last = gc[..., -1:, :]  # [B, H, N, 1, K]
+    to_end = (last - gc).exp()
+    states, written = [], []
+    for un, wn, kn, bn, vn, dn in zip(u_part.unbind(2), w_part.unbind(2), (k * to_end).unbind(2),
+                                      (b * to_end).unbind(2), v.unbind(2), last.exp().transpose(-1, -2).unbind(2)):
+        un = un + wn @ state
+        states.append(state)
+        written.append(un)
+        state = dn * state + kn.transpose(-1, -2) @ vn + bn.transpose(-1, -2) @ un
+    u = torch.stack(written, 2)
+    o = (q * gc.exp()) @ torch.stack(states, 2) + _scores(q, k, gc, strict=False) @ v \
+        + _scores(q, b, gc, strict=False) @ u
+    return _from_chunks(o, length, dtype), state
+
+
+@_float32
+def step_dplr_delta(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    a: Tensor,
+    b: Tensor,
+    g: Tensor,
+    *,
+    scale: float,
+    state: Optional[Tensor],
+) -> tuple[Tensor, Tensor]:
+    """One token of the DPLR delta rule: S = Diag(exp g) S + b (a^T S) + k v^T; o = scale * S^T q.
+
+    Args:
+        q, k, a, b, g: ``[B, H, K]``; v: ``[B, H, V]``; state: None (zeros) | ``[B, H, K, V]``.
+
+    Returns:
+        o ``[B, H, V]`` of v's dtype, new state ``[B, H, K, V]`` float32.
+    """
+    dtype = v.dtype
+    q, k, v, a, b, g = (t.float() for t in (q, k, v, a, b, g))
+    state = q.new_zeros(*k.shape, v.shape[-1]) if state is None else state.float()
+    read = a.unsqueeze(-2) @ state  # [B, H, 1, V]: a^T S, before the decay
+    state = state * g.exp().unsqueeze(-1) + b.unsqueeze(-1) * read + k.unsqueeze(-1) * v.unsqueeze(-2)
+    o = scale * (q.unsqueeze(-2) @ state).squeeze(-2)
+    return o.to(dtype), state
+
+
+def recurrent_dplr_delta(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    a: Tensor,
+    b: Tensor,
+    g: Tensor,
+    *,
+    scale: float,
+    initial_state: Optional[Tensor] = None,
+    chunk_size: int = 64,
+) -> tuple[Tensor, Tensor]:
+    """``step_dplr_delta`` looped over T: the oracle. Same arguments and results as ``chunk_dplr_delta``;
+    ``chunk_size`` is ignored."""
+    batch, length, heads, dk = q.shape
+    state = q.new_zeros(batch, heads, dk, v.shape[-1], dtype=torch.float32) if initial_state is None else initial_state
+    outs = []
+    for qt, kt, vt, at, bt, gt in zip(*(x.unbind(1) for x in (q, k, v, a, b, g))):
+        o, state = step_dplr_delta(qt, kt, vt, at, bt, gt, scale=scale, state=state)
+        outs.append(o)
+    return torch.stack(outs, 1) if outs else v.new_zeros(v.shape), state.float()
 
 
 # -------------------------------------------------------------------------------------------------- mLSTM

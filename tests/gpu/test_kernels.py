@@ -70,7 +70,7 @@ def test_state_passing_matches_one_pass(case):
 
     def part(sl, h0):
         y = dict(x, h0=h0)
-        for n in ("q", "k", "v", "g", "beta", "i", "f", "s"):
+        for n in ("q", "k", "v", "a", "b", "g", "beta", "i", "f", "s"):
             if isinstance(x.get(n), torch.Tensor):
                 y[n] = x[n][:, sl]
         return R.run_kernel(y)
