@@ -52,6 +52,10 @@ VARIANTS = {
     # the slots' decays all alike (fla's init) with the harness's other choices, the defaults (spread decays)
     "gsa": ["qkv_activation=silu,output_activation=silu,qk_scale=one,slot_decay_init=uniform,output_scale=none",
             "slot_decay_init=uniform", ""],
+    # RADLADS' init (its gate, no fitted scale, a0 = 0: a = 1/2), a = 1/2 alone, the defaults (a ~0.12), a nearly off
+    # (~0.018), RWKV-7's (fla's) decay schedule under a = 1/2 and the default, RoPE (RADLADS')
+    "rwkv7": ["gate_init=random,output_scale=none,iclr_bias=0", "iclr_bias=0", "", "iclr_bias=-4",
+              "decay_init=rwkv7,iclr_bias=0", "decay_init=rwkv7", "rope=true,iclr_bias=0"],
 }
 
 

@@ -231,6 +231,9 @@ def cached_generate_equals_full_forwards(subject: Subject) -> Outcome:
     one token per step) gives the tokens of 6 full forwards, and the logits it chose each token by are the full
     forward's within 1e-4."""
     student = subject.student()
+    # no end of sequence: transformers fills the config's eos_token_id=None from the model's own (the tiny teacher's
+    # 2), and min_new_tokens would then forbid token 2 to generate but not to the full forwards
+    student.generation_config.eos_token_id = None
     prompt = token_ids(1, 11, subject.seed, student.config.vocab_size)
     new, start = 6, prompt.shape[1]
     with torch.no_grad():

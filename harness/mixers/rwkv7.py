@@ -9,13 +9,13 @@ kk_t = l2norm(k_t * k_k) per head, and the written key k~_t = k_t (1 + (a_t - 1)
 and the gate LoRA_g(x_t) = sigmoid(x_t G1) G2 before o_proj. r, k, v, o are the teacher's q, k, v, o (what RADLADS
 copies; K and V expanded over the query heads).
 
-What RADLADS' conversion keeps of RWKV-7 (its public training code, `TMix_qwen3rwkv7`): no token shift (every
-projection reads x_t itself), no bonus term (r_k is allocated there but never used), the value residual, the
-GroupNorm and the low-rank gate. This mixer drops the value residual too: RWKV-7's "v first" lerps every layer's v
-towards layer 0's (by sigmoid(1) = 0.73 at RADLADS' init), which a mixer cannot do on its own (it sees only its
-layer's input; stages 1 and 2 train each layer apart from the others, on the teacher's activations), and which
-at step 0 would replace most of every layer's copied values by another layer's (docs/TRANSFER.md). The GroupNorm
-has no bias, so that the layer reads its values only through v (with v = 0 it outputs 0).
+What RADLADS' conversion keeps of RWKV-7 (its training code's `TMix_qwen3rwkv7`; docs/TRANSFER.md): no token
+shift (every projection reads x_t itself), no bonus term (r_k is allocated there but never used), the value
+residual, the GroupNorm and the low-rank gate. This mixer drops the value residual too: RWKV-7's "v first" lerps
+every layer's v towards layer 0's (by sigmoid(1) = 0.73 at RADLADS' init), which a mixer cannot do on its own (it
+sees only its layer's input; stages 1 and 2 train each layer apart from the others, on the teacher's activations),
+and which at step 0 would replace most of every layer's copied values by another layer's. The GroupNorm has no
+bias, so that the layer reads its values only through v (with v = 0 it outputs 0).
 """
 
 from __future__ import annotations
@@ -43,8 +43,8 @@ class RWKV7Options(GateOptions):
     gate_init: str = field(
         default="open", metadata={"help": "The gate sigmoid(x G1) G2 starts constant (G1 = 0) either way; open: G2's "
                                   "rows each sum to 2, so the gate is 1 and the mixer passes its normalised recurrence "
-                                  "output to the copied o_proj at step 0; random: G2 orthogonal with gain 0.1 (RWKV-7's "
-                                  "and RADLADS' init), a small constant of random sign per channel."})
+                                  "output to the copied o_proj at step 0; random: G2 orthogonal with gain 0.1 "
+                                  "(RWKV-7's and RADLADS' init), a small constant of random sign per channel."})
     decay_init: str = field(
         default="radlads", metadata={"help": "The decay's bias w0 over the H x K channels, from the slowest (channel "
                                      "0) to the fastest, the layer's depth d = l / (L - 1) shaping the spread: "
@@ -52,9 +52,10 @@ class RWKV7Options(GateOptions):
                                      "token); rwkv7, RWKV-7's and fla's, -5.5 + 6 (n / (N - 1))^(1 + d^0.3) plus a "
                                      "zigzag of +-2.5 within each head (down to 0.56). docs/TRANSFER.md."})
     iclr_bias: float = field(
-        default=0.0, metadata={"help": "a0, the in-context learning rate's bias: a = sigmoid(a0 + LoRA(x)) is how much "
-                               "of the removal key's direction each token replaces; 0 (RADLADS): a = 1/2 at step 0, "
-                               "-4: 0.018, nearly a decayed linear attention."})
+        default=-2.0, metadata={"help": "a0, the in-context learning rate's bias: a = sigmoid(a0 + LoRA(x)) is how "
+                                "much of the removal key's direction each token replaces; -2: a = 0.12 at step 0 (it "
+                                "ended stage 1 lowest, docs/TRANSFER.md); 0: 1/2 (RADLADS' and RWKV-7's); -4: 0.018, "
+                                "nearly a decayed linear attention."})
 
     def __post_init__(self) -> None:
         super().__post_init__()
