@@ -50,6 +50,12 @@ def test_effective_rank_of_rank_one_identity_and_zero():
     assert effective_rank(two).item() == pytest.approx(np.exp(-(0.75 * np.log(0.75) + 0.25 * np.log(0.25))))
 
 
+def test_every_built_in_mixer_says_what_its_state_is():
+    """state.json's "what" comes from STATE_OF; a built-in mixer without an entry would fall back to a vague phrase,
+    and an entry for no built-in mixer is stale."""
+    assert set(state_mod.STATE_OF) == set(MIXERS.builtins)
+
+
 def hand_linear_attn_states(student, ids: torch.Tensor, p: int) -> dict[int, tuple[np.ndarray, np.ndarray]]:
     """Per layer, (S_p [H, K, V], z_p [H, K]) from the layer's own projections: the mixer's input x captured in a plain
     forward, k = phi(k_proj x), v = v_proj x per head, S_p = sum_{t<p} k_t v_t^T and z_p = sum_{t<p} k_t, in float64."""

@@ -24,8 +24,9 @@ values themselves; and per layer the norm's growth exponent over the last doubli
 log(norm(p_b) / norm(p_a)) / log(p_b / p_a) with p_b = the last position and p_a the largest position <= p_b / 2:
 about 1 for a sum of aligned writes (linear attention's elu+1 keys are all positive), 1/2 for a random walk, 0 for
 a state that has saturated (a decayed or delta-rule state at its fixed point). What the state is, per mixer
-(`STATE_OF`): S of the gated-delta recurrence (docs/RECURRENCES.md) for six mixers and Mamba2; for linear attention
-and Hedgehog S = sum phi(k_t) v_t^T (the value its normaliser divides by is z = sum phi(k_t), reported as
+(`STATE_OF`): S of the gated-delta recurrence (docs/RECURRENCES.md) for RetNet, GLA, DeltaNet, Gated DeltaNet,
+KDA and Mamba2, of Gated DeltaProduct's n Householder steps per token and of RWKV-7's DPLR delta rule; for linear
+attention and Hedgehog S = sum phi(k_t) v_t^T (the value its normaliser divides by is z = sum phi(k_t), reported as
 `normaliser_norm`); for the mLSTM the de-stabilised C_t (the stored C times exp(m_t): the true sum of gated writes,
 comparable across positions), beside the stored one's norm (`stored_norm`), the de-stabilised normaliser n_t and the
 stabiliser m_t; for gated slot attention its value slots hv (`[M, V]` per head), beside its key slots' norm
@@ -105,6 +106,11 @@ STATE_OF = {
                 "normaliser_norm: ||z_p||, z_p = sum phi(k_t), the normaliser's state",
     "gsa": "hv_p = Diag(alpha_p) hv_{p-1} + s_p v_p^T, the M value slots of gated slot attention (M x V per head); "
            "key_slots_norm: ||hk_p||, its key slots hk_p = hk_{p-1} Diag(alpha_p) + k_p s_p^T (K x M)",
+    "deltaproduct": "S_p = exp(g_p) S_{p-1}, then for j = 1..n S_p = (I - b_pj k_pj k_pj^T) S_p + b_pj k_pj v_pj^T: "
+                    "n Householder steps per token after one decay per head, k L2-normalised",
+    "rwkv7": "S_p = Diag(exp g_p) S_{p-1} + b_p a_p^T S_{p-1} + k_p v_p^T (RWKV-7's DPLR delta rule): a_p = -kk_p and "
+             "b_p = kk_p * iclr_p (kk the L2-normalised removal key, iclr the in-context learning rate), k the written "
+             "key, a data-dependent decay per key channel",
     "mlstm": "C_p de-stabilised: the stored C_p times exp(m_p), i.e. sum_t exp(i_t + sum_{t<s<=p} logsigmoid(f_s)) "
              "k_t v_t^T; stored_norm: ||C_p|| as the recurrence carries it (scaled by exp(-m_p)); normaliser_norm: "
              "||n_p|| de-stabilised; stabiliser: m_p",

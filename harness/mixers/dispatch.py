@@ -21,6 +21,7 @@ variable-length `cu_seqlens` layout (packed, no padded tokens computed at all) i
 from __future__ import annotations
 
 import math
+from functools import partial
 from typing import Optional
 
 import torch
@@ -37,6 +38,26 @@ def _is_decoding_step(q, prior) -> bool:
 def _per_token(mask, x):
     """mask `[B, T]` shaped to broadcast against x `[B, T, ...]`."""
     return mask.reshape(*mask.shape, *(1,) * (x.dim() - 2))
+
+
+def _route(inputs, *, scale: float, prior, backend: str, chunk_size: int, step, kernel, chunk,
+           normalize_qk: bool = False):
+    """(o `[B, T, H, V]`, state) of one recurrence on `inputs` (q, k, then the rest; None for an absent gate).
+
+    Off a decoding step, the kernel backend runs `kernel(*inputs, scale, initial_state=prior)` (a caller that
+    normalises q, k passes normalize_qk to its kernel itself: fla does it inside). Otherwise q and k are
+    L2-normalised first when normalize_qk; then one decoding token (`_is_decoding_step`) runs
+    `step(*inputs at that token, scale, state=prior)`, its output given the token axis back, and anything else the
+    chunkwise `chunk(*inputs, scale, initial_state=prior, chunk_size)`."""
+    decoding = _is_decoding_step(inputs[0], prior)
+    if backend == "kernel" and not decoding:
+        return kernel(*inputs, scale=scale, initial_state=prior)
+    if normalize_qk:
+        inputs = (l2norm(inputs[0]), l2norm(inputs[1]), *inputs[2:])
+    if decoding:
+        o, state = step(*(None if t is None else t[:, 0] for t in inputs), scale=scale, state=prior)
+        return o.unsqueeze(1), state
+    return chunk(*inputs, scale=scale, initial_state=prior, chunk_size=chunk_size)
 
 
 def _hold_gated_delta(mask, k, g, beta):
@@ -65,18 +86,9 @@ def run_gated_delta(q, k, v, g, beta, *, scale: float, prior, backend: str, chun
     mask: None, or bool `[B, T]` False at padded tokens, which leave the state untouched (either backend)."""
     if mask is not None:
         k, g, beta = _hold_gated_delta(mask, k, g, beta)
-    if backend == "kernel" and not _is_decoding_step(q, prior):
-        return kernels.kernel_gated_delta(q, k, v, g, beta, scale=scale, initial_state=prior,
-                                          normalize_qk=normalize_qk)
-    if normalize_qk:
-        q, k = l2norm(q), l2norm(k)
-    if _is_decoding_step(q, prior):
-        o, state = recurrence.step_gated_delta(
-            q[:, 0], k[:, 0], v[:, 0], None if g is None else g[:, 0], None if beta is None else beta[:, 0],
-            scale=scale, state=prior,
-        )
-        return o.unsqueeze(1), state
-    return recurrence.chunk_gated_delta(q, k, v, g, beta, scale=scale, initial_state=prior, chunk_size=chunk_size)
+    return _route((q, k, v, g, beta), scale=scale, prior=prior, backend=backend, chunk_size=chunk_size,
+                  step=recurrence.step_gated_delta, chunk=recurrence.chunk_gated_delta,
+                  kernel=partial(kernels.kernel_gated_delta, normalize_qk=normalize_qk), normalize_qk=normalize_qk)
 
 
 def linear_attention(q, k, v, *, scale: float, prior, backend: str, chunk_size: int, mask=None):
@@ -172,17 +184,10 @@ def gated_delta_product(q, k, v, g, beta, *, scale: float, prior, backend: str, 
     """
     if mask is not None:
         k, g, beta = _hold_gated_delta(mask, k, g, beta)
-    if backend == "kernel" and not _is_decoding_step(q, prior):
-        return kernels.kernel_gated_delta_product(q, k, v, g, beta, scale=scale, initial_state=prior,
-                                                  normalize_qk=normalize_qk)
-    if normalize_qk:
-        q, k = l2norm(q), l2norm(k)
-    if _is_decoding_step(q, prior):
-        o, state = recurrence.step_gated_delta_product(q[:, 0], k[:, 0], v[:, 0], None if g is None else g[:, 0],
-                                                       beta[:, 0], scale=scale, state=prior)
-        return o.unsqueeze(1), state
-    return recurrence.chunk_gated_delta_product(q, k, v, g, beta, scale=scale, initial_state=prior,
-                                                chunk_size=chunk_size)
+    return _route((q, k, v, g, beta), scale=scale, prior=prior, backend=backend, chunk_size=chunk_size,
+                  step=recurrence.step_gated_delta_product, chunk=recurrence.chunk_gated_delta_product,
+                  kernel=partial(kernels.kernel_gated_delta_product, normalize_qk=normalize_qk),
+                  normalize_qk=normalize_qk)
 
 
 def gated_slot_attention(q, k, v, s, g, *, scale: float, prior, backend: str, chunk_size: int, mask=None):
@@ -196,12 +201,8 @@ def gated_slot_attention(q, k, v, s, g, *, scale: float, prior, backend: str, ch
     if mask is not None:
         s = torch.where(_per_token(mask, s), s, 0.0)
         g = torch.where(_per_token(mask, g), g, 0.0)
-    if _is_decoding_step(q, prior):
-        o, state = recurrence.step_gsa(q[:, 0], k[:, 0], v[:, 0], s[:, 0], g[:, 0], scale=scale, state=prior)
-        return o.unsqueeze(1), state
-    if backend == "kernel":
-        return kernels.kernel_gsa(q, k, v, s, g, scale=scale, initial_state=prior)
-    return recurrence.chunk_gsa(q, k, v, s, g, scale=scale, initial_state=prior, chunk_size=chunk_size)
+    return _route((q, k, v, s, g), scale=scale, prior=prior, backend=backend, chunk_size=chunk_size,
+                  step=recurrence.step_gsa, kernel=kernels.kernel_gsa, chunk=recurrence.chunk_gsa)
 
 
 def dplr_delta(q, k, v, a, b, g, *, scale: float, prior, backend: str, chunk_size: int, mask=None,
@@ -217,12 +218,9 @@ def dplr_delta(q, k, v, a, b, g, *, scale: float, prior, backend: str, chunk_siz
     if mask is not None:
         keep = _per_token(mask, k)
         k, b, g = (torch.where(keep, t, 0.0) for t in (k, b, g))
-    if _is_decoding_step(q, prior):
-        o, state = recurrence.step_dplr_delta(*(t[:, 0] for t in (q, k, v, a, b, g)), scale=scale, state=prior)
-        return o.unsqueeze(1), state
-    if backend == "kernel":
-        return kernels.kernel_dplr_delta(q, k, v, a, b, g, scale=scale, initial_state=prior, lower_bound=decay_floor)
-    return recurrence.chunk_dplr_delta(q, k, v, a, b, g, scale=scale, initial_state=prior, chunk_size=chunk_size)
+    return _route((q, k, v, a, b, g), scale=scale, prior=prior, backend=backend, chunk_size=chunk_size,
+                  step=recurrence.step_dplr_delta, chunk=recurrence.chunk_dplr_delta,
+                  kernel=partial(kernels.kernel_dplr_delta, lower_bound=decay_floor))
 
 
 def mlstm_cell(q, k, v, i, f, *, scale: float, prior, backend: str, chunk_size: int, eps: float, mask=None):
@@ -234,10 +232,6 @@ def mlstm_cell(q, k, v, i, f, *, scale: float, prior, backend: str, chunk_size: 
     """
     if mask is not None:
         k, i, f = _hold_mlstm(mask, k, i, f, kernels.MLSTM_PAD_GATE if backend == "kernel" else math.inf)
-    if _is_decoding_step(q, prior):
-        h, state = recurrence.step_mlstm(q[:, 0], k[:, 0], v[:, 0], i[:, 0], f[:, 0], scale=scale, state=prior,
-                                         eps=eps)
-        return h.unsqueeze(1), state
-    if backend == "kernel":
-        return kernels.kernel_mlstm(q, k, v, i, f, scale=scale, initial_state=prior, eps=eps)
-    return recurrence.chunk_mlstm(q, k, v, i, f, scale=scale, initial_state=prior, chunk_size=chunk_size, eps=eps)
+    return _route((q, k, v, i, f), scale=scale, prior=prior, backend=backend, chunk_size=chunk_size,
+                  step=partial(recurrence.step_mlstm, eps=eps), kernel=partial(kernels.kernel_mlstm, eps=eps),
+                  chunk=partial(recurrence.chunk_mlstm, eps=eps))

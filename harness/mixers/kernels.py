@@ -157,6 +157,21 @@ def resolve_backend(requested: str, device) -> str:
 # ----------------------------------------------------------------------------------------------------------
 # shared helpers
 
+def _check_values(v: torch.Tensor, **lead: int) -> None:
+    """v is `[*lead, V]` (lead: the named leading sizes, B, T, ... in order) and the sequence is not empty."""
+    if v.dim() != len(lead) + 1 or tuple(v.shape[:len(lead)]) != tuple(lead.values()):
+        raise ValueError(f"v must be [{', '.join(lead)}, V] = [{', '.join(map(str, lead.values()))}, V]; "
+                         f"got {tuple(v.shape)}")
+    if lead["T"] == 0:
+        raise ValueError("empty sequence (T == 0)")
+
+
+def _check_state(initial_state: Optional[torch.Tensor], B: int, H: int, K: int, V: int) -> None:
+    """initial_state is None or `[B, H, K, V]`."""
+    if initial_state is not None and tuple(initial_state.shape) != (B, H, K, V):
+        raise ValueError(f"initial_state must be [B, H, K, V] = {[B, H, K, V]}; got {tuple(initial_state.shape)}")
+
+
 def _compute_dtype(v: torch.Tensor) -> torch.dtype:
     return v.dtype if v.dtype in (torch.bfloat16, torch.float16) else torch.bfloat16
 
@@ -304,17 +319,12 @@ def _check_gated_delta(q, k, v, g, beta, initial_state) -> None:
     if q.dim() != 4 or q.shape != k.shape:
         raise ValueError(f"q and k must both be [B, T, H, K]; got {tuple(q.shape)} and {tuple(k.shape)}")
     B, T, H, K = q.shape
-    if v.dim() != 4 or tuple(v.shape[:3]) != (B, T, H):
-        raise ValueError(f"v must be [B, T, H, V] = [{B}, {T}, {H}, V]; got {tuple(v.shape)}")
-    if T == 0:
-        raise ValueError("empty sequence (T == 0)")
+    _check_values(v, B=B, T=T, H=H)
     if g is not None and tuple(g.shape) not in ((B, T, H), (B, T, H, K)):
         raise ValueError(f"g must be [B, T, H] or [B, T, H, K] = {[B, T, H, K]}; got {tuple(g.shape)}")
     if beta is not None and tuple(beta.shape) != (B, T, H):
         raise ValueError(f"beta must be [B, T, H] = {[B, T, H]}; got {tuple(beta.shape)}")
-    if initial_state is not None and tuple(initial_state.shape) != (B, H, K, v.shape[-1]):
-        raise ValueError(f"initial_state must be [B, H, K, V] = {[B, H, K, v.shape[-1]]}; "
-                         f"got {tuple(initial_state.shape)}")
+    _check_state(initial_state, B, H, K, v.shape[-1])
     if (beta is not None or (g is not None and g.dim() == 4)) and K > 256:
         raise ValueError(f"fla's delta-rule / kda / gla kernels support K <= 256; got K={K}")
 
@@ -417,17 +427,12 @@ def _check_gated_delta_product(q, k, v, g, beta, initial_state) -> None:
     if q.dim() != 4 or k.dim() != 5 or tuple(k.shape[:2]) + tuple(k.shape[3:]) != tuple(q.shape):
         raise ValueError(f"q must be [B, T, H, K] and k [B, T, n, H, K]; got {tuple(q.shape)} and {tuple(k.shape)}")
     B, T, n, H, K = k.shape
-    if v.dim() != 5 or tuple(v.shape[:4]) != (B, T, n, H):
-        raise ValueError(f"v must be [B, T, n, H, V] = [{B}, {T}, {n}, {H}, V]; got {tuple(v.shape)}")
+    _check_values(v, B=B, T=T, n=n, H=H)
     if g is not None and tuple(g.shape) != (B, T, H):
         raise ValueError(f"g must be [B, T, H] = {[B, T, H]}; got {tuple(g.shape)}")
     if tuple(beta.shape) != (B, T, n, H):
         raise ValueError(f"beta must be [B, T, n, H] = {[B, T, n, H]}; got {tuple(beta.shape)}")
-    if T == 0:
-        raise ValueError("empty sequence (T == 0)")
-    if initial_state is not None and tuple(initial_state.shape) != (B, H, K, v.shape[-1]):
-        raise ValueError(f"initial_state must be [B, H, K, V] = {[B, H, K, v.shape[-1]]}; "
-                         f"got {tuple(initial_state.shape)}")
+    _check_state(initial_state, B, H, K, v.shape[-1])
     if K > 256:
         raise ValueError(f"fla's delta-rule kernels support K <= 256; got K={K}")
 
@@ -494,13 +499,10 @@ def _check_gsa(q, k, v, s, g, initial_state) -> None:
     if q.dim() != 4 or q.shape != k.shape:
         raise ValueError(f"q and k must both be [B, T, H, K]; got {tuple(q.shape)} and {tuple(k.shape)}")
     B, T, H, K = q.shape
-    if v.dim() != 4 or tuple(v.shape[:3]) != (B, T, H):
-        raise ValueError(f"v must be [B, T, H, V] = [{B}, {T}, {H}, V]; got {tuple(v.shape)}")
+    _check_values(v, B=B, T=T, H=H)
     if s.dim() != 4 or tuple(s.shape[:3]) != (B, T, H) or s.shape != g.shape:
         raise ValueError(f"s and g must both be [B, T, H, M] = [{B}, {T}, {H}, M]; got {tuple(s.shape)} and "
                          f"{tuple(g.shape)}")
-    if T == 0:
-        raise ValueError("empty sequence (T == 0)")
     if initial_state is not None:
         want = ((B, H, K, s.shape[-1]), (B, H, s.shape[-1], v.shape[-1]))
         got = tuple(tuple(t.shape) for t in initial_state)
@@ -543,13 +545,8 @@ def _check_dplr_delta(q, k, v, a, b, g, initial_state) -> None:
     if q.dim() != 4 or any(tuple(t.shape) != tuple(q.shape) for t in (k, a, b, g)):
         raise ValueError(f"q, k, a, b and g must all be [B, T, H, K]; got {[tuple(t.shape) for t in (q, k, a, b, g)]}")
     B, T, H, K = q.shape
-    if v.dim() != 4 or tuple(v.shape[:3]) != (B, T, H):
-        raise ValueError(f"v must be [B, T, H, V] = [{B}, {T}, {H}, V]; got {tuple(v.shape)}")
-    if T == 0:
-        raise ValueError("empty sequence (T == 0)")
-    if initial_state is not None and tuple(initial_state.shape) != (B, H, K, v.shape[-1]):
-        raise ValueError(f"initial_state must be [B, H, K, V] = {[B, H, K, v.shape[-1]]}; "
-                         f"got {tuple(initial_state.shape)}")
+    _check_values(v, B=B, T=T, H=H)
+    _check_state(initial_state, B, H, K, v.shape[-1])
 
 
 def _fla_rwkv7():
@@ -614,12 +611,9 @@ def kernel_mlstm(q, k, v, i, f, *, scale: float, initial_state=None, output_fina
         raise ValueError(f"q and k must both be [B, T, H, K]; got {tuple(q.shape)} and {tuple(k.shape)}")
     B, T, H, K = q.shape
     V = v.shape[-1]
-    if v.dim() != 4 or tuple(v.shape[:3]) != (B, T, H):
-        raise ValueError(f"v must be [B, T, H, V] = [{B}, {T}, {H}, V]; got {tuple(v.shape)}")
+    _check_values(v, B=B, T=T, H=H)
     if tuple(i.shape) != (B, T, H) or tuple(f.shape) != (B, T, H):
         raise ValueError(f"i and f must be [B, T, H] = {[B, T, H]}; got {tuple(i.shape)} and {tuple(f.shape)}")
-    if T == 0:
-        raise ValueError("empty sequence (T == 0)")
     if chunk_size < 16 or chunk_size & (chunk_size - 1):
         raise ValueError(f"chunk_size must be a power of 2 >= 16; got {chunk_size}")
     state = tuple(initial_state) if initial_state is not None else None
