@@ -1,9 +1,11 @@
-"""The copy probe (harness/eval/copy.py): copy accuracy on repeated random tokens and per-layer induction scores.
+"""The copy probe (harness/eval/copy.py): copy accuracy on repeated random tokens and per-layer induction and
+previous-token scores.
 
 Test doubles: an oracle that copies by construction (its logits put the maximum on the token that followed the
 previous occurrence of the current token, teacher-forced) and a model that ignores the context (logits from the
-current token alone). Induction scores are checked on hand-made attention and mixing patterns, and end to end on
-the tiny pipeline teacher and a hybrid student built from it, through `harness eval copy`.
+current token alone). Induction and previous-token scores are checked on hand-made attention and mixing patterns
+(against their values worked out by hand), and end to end on the tiny pipeline teacher (against transformers' own
+attention weights) and a hybrid student built from it, through `harness eval copy`.
 """
 
 from __future__ import annotations
@@ -20,7 +22,8 @@ from harness.cli import main as harness_main
 from harness.config import ConfigError
 from harness.eval.copy import (SEQUENCES_FILE, CopyConfig, CopyError, Layout, LayerProbe, TokenRange, check_range,
                                draw_sequences, evaluate_copy, induction_chance, induction_scores, induction_summary,
-                               markdown, sequence_induction, token_range)
+                               is_complete, markdown, previous_token_chance, previous_token_scores, run_header,
+                               sequence_head_scores, summarise, token_range)
 
 VOCAB = 500
 
@@ -169,6 +172,32 @@ def test_the_induction_score_reads_the_mass_on_the_token_after_the_previous_occu
     assert induction_scores(mixer, layout).tolist() == pytest.approx([0.75])
 
 
+def test_the_previous_token_score_reads_the_mass_on_the_token_before():
+    layout = Layout(prefix=1, length=12, gap=3)
+    queries = range(layout.first + 1, layout.total)  # t = 2 .. 28: both copies and the gap, not the first token
+    chance = previous_token_chance(layout)
+    assert chance == pytest.approx(sum(1 / (t + 1) for t in queries) / len(queries), rel=1e-12)
+    scores = {name: previous_token_scores(m, layout) for name, m in _patterns(layout).items()}
+    assert scores["previous"].tolist() == [1.0, 1.0]
+    assert scores["uniform"].tolist() == pytest.approx([chance] * 2, rel=1e-5)
+    # the induction pattern: uniform rows but in the second copy, where 0.2 of the row is spread evenly
+    by_hand = sum((0.2 if t >= layout.second else 1.0) / (t + 1) for t in queries) / len(queries)
+    assert scores["induction"].tolist() == pytest.approx([by_hand] * 2, rel=1e-5) and by_hand < chance
+    p = _patterns(layout, heads=1)
+    mixed = 0.6 * p["previous"] + 0.4 * p["uniform"]
+    assert previous_token_scores(mixed, layout).tolist() == pytest.approx([0.6 + 0.4 * chance], rel=1e-5)
+    # a mixer's signed weights, no prefix (queries from t = 1): the share of the row's absolute weight on t - 1
+    bare = Layout(prefix=0, length=12, gap=3)
+    t = bare.total
+    mixer = torch.triu(torch.full((1, t, t), 5.0), 1)  # above the diagonal: ignored
+    rows = torch.arange(1, t)
+    mixer[0, rows, rows - 1] = -3.0
+    mixer[0, rows, rows] = 0.5
+    mixer[0, rows, 0] += 0.5  # row 1: its t - 1 = 0 holds -2.5 of 3.0; every later row 3.0 of 4.0
+    expected = [2.5 / 3.0] + [0.75] * (t - 2)
+    assert previous_token_scores(mixer, bare).tolist() == pytest.approx([sum(expected) / len(expected)], rel=1e-6)
+
+
 class _Fixed:
     """A probe whose mixing is a fixed matrix (a layer of a hand-made model)."""
 
@@ -180,19 +209,58 @@ class _Fixed:
         return self.matrix[None]
 
 
-def test_the_layer_with_the_induction_head_scores_highest():
-    layout = Layout(prefix=0, length=10, gap=0)
+def _three_layers(layout: Layout) -> tuple[list[LayerProbe], list[dict]]:
+    """Probes of a hand-made model (layer 0: previous-token heads; 1: uniform; 2: one induction head among uniform
+    ones) and the scores of two sequences."""
     p = _patterns(layout, heads=3)
     heads = p["uniform"].clone()
-    heads[1] = p["induction"][1]  # one induction head among uniform ones
+    heads[1] = p["induction"][1]
     probes = [LayerProbe("attention", "softmax", _Fixed(m)) for m in (p["previous"], p["uniform"], heads)]
     inputs = {i: torch.zeros(2, layout.total, 4) for i in range(3)}
-    rows = [{"induction": sequence_induction(probes, inputs, r, layout)} for r in range(2)]
+    return probes, [sequence_head_scores(probes, inputs, r, layout) for r in range(2)]
+
+
+def test_the_layer_with_the_induction_head_scores_highest():
+    layout = Layout(prefix=0, length=10, gap=0)
+    probes, rows = _three_layers(layout)
     summary = induction_summary(rows, probes, layout)
     layers = summary["layers"]
     assert max(layers, key=lambda e: e["max"])["layer"] == 2 and layers[2]["max_head"] == 1
     assert layers[2]["max"] > 0.8 and layers[0]["max"] == 0.0
     assert layers[1]["mean"] == pytest.approx(summary["chance"], rel=1e-4)
+
+
+def test_the_layer_with_the_previous_token_head_scores_highest():
+    layout = Layout(prefix=0, length=10, gap=0)
+    probes, rows = _three_layers(layout)
+    previous = induction_summary(rows, probes, layout)["previous_token"]
+    layers = previous["layers"]
+    assert previous["queries"] == 19 and previous["sequences"] == 2
+    assert previous["chance"] == pytest.approx(previous_token_chance(layout))
+    assert max(layers, key=lambda e: e["max"])["layer"] == 0 and layers[0]["mean"] == layers[0]["max"] == 1.0
+    assert layers[1]["mean"] == pytest.approx(previous["chance"], rel=1e-4)
+    assert layers[2]["max"] == pytest.approx(previous["chance"], rel=1e-4)  # the uniform heads; the induction one less
+    assert layers[2]["heads"][1] < layers[2]["heads"][0]
+
+
+def test_records_written_before_the_previous_token_score_still_summarise_and_are_scored_again():
+    layout = Layout(prefix=1, length=10, gap=0)
+    probes, scores = _three_layers(layout)
+    cfg = CopyConfig(lengths=[10], sequences=2, induction=True, token_low=2, token_high=400)
+    rng = TokenRange(2, 400, ())
+    header = run_header(cfg, "old", rng, [1], VOCAB, "float32")
+    new = {(10, i): {"length": 10, "index": i, "hits": "0111111111", "nll_after_first": 0.5, **scores[i]}
+           for i in range(2)}
+    old = {key: {k: v for k, v in r.items() if k != "previous_token"} for key, r in new.items()}
+    results = {name: summarise(records, cfg, header, rng, probes, {}) for name, records in (("old", old), ("new", new))}
+    entry = {name: result["induction"]["10"] for name, result in results.items()}
+    assert "previous_token" not in entry["old"] and entry["new"]["previous_token"]["layers"][0]["max"] == 1.0
+    assert entry["old"] == {k: v for k, v in entry["new"].items() if k != "previous_token"}
+    assert "previous-token" not in markdown(results["old"]) and "| 0 | attention |" in markdown(results["old"])
+    assert "L=10 previous-token max (head)" in markdown(results["new"]) and "| 1.000 (0) |" in markdown(results["new"])
+    # a rerun with the layers readable scores an old record again; without readable layers it is complete
+    assert not is_complete(old[(10, 0)], cfg, 10, readable=True) and is_complete(new[(10, 0)], cfg, 10, readable=True)
+    assert is_complete(old[(10, 0)], cfg, 10, readable=False)
 
 
 def test_bad_settings_are_one_paragraph_errors():
@@ -249,12 +317,16 @@ def test_teacher_and_student_run_end_to_end_through_the_cli(models, tmp_path, ca
         assert result["settings"]["token_range"] == [0, 320] and result["settings"]["special_ids_skipped"] == [0]
         assert all(0.0 <= e["copy_acc"] <= 1.0 for e in result["lengths"].values())
         assert any("not for [24]" in note for note in result["notes"])
+    assert printed.count("L=8 previous-token max (head)") == 2
     t_layers, s_layers = teacher["induction"]["8"]["layers"], student["induction"]["8"]["layers"]
+    t_previous, s_previous = (r["induction"]["8"]["previous_token"]["layers"] for r in (teacher, student))
     assert [e["kind"] for e in t_layers] == ["attention"] * 4
     assert [e["kind"] for e in s_layers] == ["attention", "mixer", "mixer", "mixer"]
-    assert all(0.0 <= h <= 1.0 for e in s_layers for h in e["heads"]) and len(s_layers[1]["heads"]) == 4
+    assert all(0.0 <= h <= 1.0 for layers in (s_layers, s_previous) for e in layers for h in e["heads"])
+    assert len(s_layers[1]["heads"]) == len(s_previous[1]["heads"]) == 4
     # the kept layer 0 reads the same input as the teacher's layer 0 (the embeddings): the same attention
     assert s_layers[0]["heads"] == pytest.approx(t_layers[0]["heads"], abs=1e-5)
+    assert s_previous[0]["heads"] == pytest.approx(t_previous[0]["heads"], abs=1e-5)
     # both saw the same prompts: the per-sequence records pair up
     records = {who: (tmp_path / who / SEQUENCES_FILE).read_text().splitlines()[1:] for who in ("teacher", "student")}
     shas = {who: [json.loads(line)["sequence_sha"] for line in lines] for who, lines in records.items()}
@@ -263,7 +335,7 @@ def test_teacher_and_student_run_end_to_end_through_the_cli(models, tmp_path, ca
 
 def test_the_teachers_induction_scores_are_those_of_its_own_attention_weights(models, tmp_path):
     """The probe recomputes each layer's attention from the layer's input; transformers' eager attention returns the
-    weights it used: the scores of both agree."""
+    weights it used: the induction and previous-token scores of both agree."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from harness.eval.copy import prompts, tokenizer_prefix
@@ -278,9 +350,12 @@ def test_the_teachers_induction_scores_are_those_of_its_own_attention_weights(mo
     with torch.no_grad():
         attentions = model(ids, output_attentions=True).attentions  # per layer [B, H, T, T]
     layout = Layout(len(prefix), 12, 2)
+    entry, t = result["induction"]["12"], torch.arange(layout.first + 1, layout.total)
     for layer, weights in enumerate(attentions):
         expected = torch.stack([induction_scores(w, layout) for w in weights]).mean(0)
-        assert result["induction"]["12"]["layers"][layer]["heads"] == pytest.approx(expected.tolist(), abs=1e-5)
+        assert entry["layers"][layer]["heads"] == pytest.approx(expected.tolist(), abs=1e-5)
+        on_previous = weights[:, :, t, t - 1].mean((0, 2))  # the probability on t - 1, per head
+        assert entry["previous_token"]["layers"][layer]["heads"] == pytest.approx(on_previous.tolist(), abs=1e-5)
 
 
 def test_the_cli_names_a_bad_token_range(models, tmp_path, capsys):

@@ -119,8 +119,9 @@ class CopyConfig:
     seed: int = described(0, "Seeds the sequences (torch's CPU generator): the same seed draws the same ids.")
     induction: bool = described(
         False, "Also compute each layer's induction score (attention mass, or share of a mixer's absolute mixing "
-        "weight, on the token after the previous occurrence of the query's token), for lengths up to "
-        "induction_max_length.",
+        "weight, on the token after the previous occurrence of the query's token) and, from the same mixing weights, "
+        "its previous-token score (the same on the token before the query: the circuit's other half), for lengths "
+        "up to induction_max_length.",
     )
     induction_max_length: int = described(
         512, "Induction scores only for lengths up to this: a layer's mixing matrices are (2L + gap)^2 per head and "

@@ -142,14 +142,15 @@ def add_parsers(sub: Any) -> None:
     state.set_defaults(handler=cmd_eval_state)
 
     cp = ev_sub.add_parser("copy", help="In-context copying: copy accuracy on repeated random tokens, induction "
-                           "per layer.",
+                           "and previous-token scores per layer.",
                            description="Random token sequences shown twice (with --gap random tokens between the "
                            "copies): teacher-forced greedy accuracy on the second copy (copy_acc; copy_acc_after_first "
                            "without its first token), per length with 95% bootstrap intervals over sequences, and "
                            "with --induction each layer's induction score (attention mass, or share of a mixer's "
                            "absolute mixing weight, on the token after the previous occurrence of the query's "
-                           "token). Writes copy.json and copy_sequences.jsonl (resumable); harness/eval/copy.py "
-                           "defines the measures.",
+                           "token) and previous-token score (the same on the token before the query). Writes "
+                           "copy.json and copy_sequences.jsonl (resumable); harness/eval/copy.py defines the "
+                           "measures.",
                            epilog="examples:\n  harness eval copy smollm2-135m-instruct-gguf --lengths 64 --induction "
                            "--out /tmp/copy-teacher\n  harness eval copy runs/quickstart/student --lengths "
                            "64,256,1024,2048 --gap 16 --out /tmp/copy-student",
@@ -162,8 +163,9 @@ def add_parsers(sub: Any) -> None:
                     help="Token ids drawn from [LOW, HIGH), HIGH clipped to the vocabulary (default 1000:20000: no "
                     "special or byte tokens).")
     cp.add_argument("--seed", type=int, default=0, help="Seeds the sequences.")
-    cp.add_argument("--induction", action="store_true", help="Also each layer's induction score (lengths up to "
-                    "--induction-max-length).")
+    cp.add_argument("--induction", action="store_true", help="Also each layer's induction score and, from the same "
+                    "mixing weights, its previous-token score (mass on t-1, the circuit's other half), for lengths up "
+                    "to --induction-max-length.")
     cp.add_argument("--induction-max-length", type=int, default=512, help="Longest length scored for induction "
                     "(mixing matrices are T x T per head).")
     cp.add_argument("--batch-size", type=int, default=4, help="Prompts per forward pass.")

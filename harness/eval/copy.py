@@ -1,4 +1,5 @@
-"""In-context copying: greedy copy accuracy on repeated random token sequences, and each layer's induction score.
+"""In-context copying: greedy copy accuracy on repeated random token sequences, and each layer's induction and
+previous-token scores.
 
 NIAH asks a model to find one fact in prose; this probe measures the mechanism underneath, on text with no
 meaning at all. A sequence of `length` random token ids is shown twice; a model that copies predicts every token
@@ -65,19 +66,27 @@ sequences. Per layer: `mean` (over heads) and `max` (over heads, and `max_head`,
 the same queries of 1 / (t + 1), the score of a row spread evenly over its t + 1 causal keys. A head that copies
 puts most of its mass on the target (score near 1); a previous-token or local head scores near 0.
 
+Previous-token score (the other half of an induction circuit: a head in an earlier layer that attends to t - 1, so
+that the induction head can match on the token before): from the same mixing matrices, score = |A[t, t - 1]| /
+sum_{s <= t} |A[t, s]| (the probability on t - 1 for softmax rows), averaged over the queries t = P+1 .. P+2L+gap-1
+(both copies and the filler between them, but for the first copy's first token, whose predecessor is the prefix or
+nothing); per layer `mean`, `max`, `max_head` and `chance` (1 / (t + 1) over these queries) as for induction.
+
 Outputs in `out_dir`:
     copy_sequences.jsonl  a header line (the settings a record depends on: COPY_FORMAT, label, seed, gap, the
                           token range used, the prefix ids, the vocabulary size, the model dtype), then one line
                           per (length, sequence): "hits" (a 0/1 string over the L second-copy tokens),
                           "nll_after_first", "sequence_sha" (of the prompt's ids: equal across models, for paired
-                          comparisons), and
-                          with induction "induction" (per layer, per head, the sequence's mean score). A rerun keeps
-                          every record already there (a last line cut short by a crash is dropped) and computes
-                          the rest, and induction for records without it; a different header is an error
-                          (overwrite=True starts over). Records are keyed on (length, index): other lengths or more
-                          sequences reuse the overlap.
+                          comparisons), and with induction "induction" and "previous_token" (per layer, per head,
+                          the sequence's mean score). A rerun keeps every record already there (a last line cut
+                          short by a crash is dropped) and computes the rest, and both scores for a record that lacks
+                          either (one written before the previous-token score existed is scored again); a different
+                          header is an error (overwrite=True starts over). Records are keyed on (length, index):
+                          other lengths or more sequences reuse the overlap.
     copy.json             `summarise`: the settings, the definitions above in words, per length the accuracies
-                          with intervals, and per length <= the cap the per-layer induction scores.
+                          with intervals, and per length <= the cap the per-layer induction scores (key
+                          "induction"), the previous-token scores beside them ("previous_token" in that entry; left
+                          out when summarising records that lack them).
 """
 
 from __future__ import annotations
@@ -254,22 +263,51 @@ def induction_queries(layout: Layout) -> tuple[torch.Tensor, torch.Tensor]:
     return layout.second + i, layout.first + i + 1
 
 
+def previous_token_queries(layout: Layout) -> tuple[torch.Tensor, torch.Tensor]:
+    """(query positions, their targets) `[2L + gap - 1]` each: t = first + 1 .. total - 1 (both copies and the gap
+    between them, the first copy's first token left out), target = t - 1."""
+    queries = torch.arange(layout.first + 1, layout.total)
+    return queries, queries - 1
+
+
+HEAD_SCORES = {"induction": induction_queries, "previous_token": previous_token_queries}  # record key -> queries
+
+
 def induction_chance(layout: Layout) -> float:
     """The mean over the induction queries t of 1 / (t + 1): a row spread evenly over its causal keys."""
-    queries, _ = induction_queries(layout)
+    return _chance(induction_queries(layout)[0])
+
+
+def previous_token_chance(layout: Layout) -> float:
+    """The mean over the previous-token queries t of 1 / (t + 1): a row spread evenly over its causal keys."""
+    return _chance(previous_token_queries(layout)[0])
+
+
+def _chance(queries: torch.Tensor) -> float:
     return float((1.0 / (queries.double() + 1)).mean())
 
 
 def induction_scores(mixing: torch.Tensor, layout: Layout) -> torch.Tensor:
     """Per head, the mean over the induction queries of |A[t, target]| / sum_{s <= t} |A[t, s]| (module docstring),
     for mixing weights `[H, T, T]` (query rows, key columns); `[H]`. Entries above the diagonal are ignored."""
-    queries, targets = induction_queries(layout)
-    rows = mixing[:, queries.to(mixing.device)].abs().double()  # [H, Q, T]
+    return target_share(mixing, *induction_queries(layout))
+
+
+def previous_token_scores(mixing: torch.Tensor, layout: Layout) -> torch.Tensor:
+    """Per head, the mean over the previous-token queries of |A[t, t - 1]| / sum_{s <= t} |A[t, s]| (module
+    docstring), for mixing weights `[H, T, T]`; `[H]`. Entries above the diagonal are ignored."""
+    return target_share(mixing, *previous_token_queries(layout))
+
+
+def target_share(mixing: torch.Tensor, queries: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Per head, the mean over `queries` of |A[t, target]| / sum_{s <= t} |A[t, s]| (0 for a row of zeros), for
+    mixing weights `[H, T, T]` and each query's target `[Q]`; `[H]` in float32 on the CPU."""
+    queries, targets = queries.to(mixing.device), targets.to(mixing.device)
+    rows = mixing[:, queries].abs().double()  # [H, Q, T]
     keys = torch.arange(mixing.shape[-1], device=mixing.device)
-    causal = keys[None, :] <= queries.to(mixing.device)[:, None]  # [Q, T]
-    rows = rows.masked_fill(~causal, 0.0)
+    rows = rows.masked_fill(keys[None, :] > queries[:, None], 0.0)
     total = rows.sum(-1)
-    on_target = rows.gather(-1, targets.to(mixing.device).view(1, -1, 1).expand(rows.shape[0], -1, 1))[..., 0]
+    on_target = rows.gather(-1, targets.view(1, -1, 1).expand(rows.shape[0], -1, 1))[..., 0]
     share = torch.where(total > 0, on_target / total.clamp_min(1e-300), torch.zeros_like(total))
     return share.mean(-1).float().cpu()
 
@@ -345,15 +383,17 @@ def layer_inputs(model: Any) -> Iterator[dict[int, torch.Tensor]]:
 
 
 @torch.no_grad()
-def sequence_induction(probes: list[LayerProbe], inputs: dict[int, torch.Tensor], row: int,
-                       layout: Layout) -> list[list[float]]:
-    """Per layer, per head, the induction score of batch row `row` (`induction_scores` on each layer's mixing)."""
-    out = []
+def sequence_head_scores(probes: list[LayerProbe], inputs: dict[int, torch.Tensor], row: int,
+                         layout: Layout) -> dict[str, list[list[float]]]:
+    """Per score of HEAD_SCORES ("induction", "previous_token"), per layer, per head, the score of batch row `row`;
+    both from the one mixing matrix computed per layer."""
+    out: dict[str, list[list[float]]] = {key: [] for key in HEAD_SCORES}
     for index, layer in enumerate(probes):
         x = inputs[index][row:row + 1].float()
         positions = torch.arange(x.shape[1], device=x.device)[None]
         mixing = layer.probe.mixing(x, positions)[0]
-        out.append([round(float(v), 6) for v in induction_scores(mixing, layout)])
+        for key, queries in HEAD_SCORES.items():
+            out[key].append([round(float(v), 6) for v in target_share(mixing, *queries(layout))])
     return out
 
 
@@ -391,10 +431,11 @@ def wants_induction(cfg: CopyConfig, length: int) -> bool:
 
 
 def is_complete(record: Optional[dict], cfg: CopyConfig, length: int, readable: bool) -> bool:
-    """Whether a saved record has what `cfg` asks: the copy fields, and induction where asked and readable."""
+    """Whether a saved record has what `cfg` asks: the copy fields, and every score of HEAD_SCORES where induction is
+    asked and the layers are readable (a record written before the previous-token score existed is scored again)."""
     if record is None or "hits" not in record:
         return False
-    return not (readable and wants_induction(cfg, length)) or "induction" in record
+    return not (readable and wants_induction(cfg, length)) or all(key in record for key in HEAD_SCORES)
 
 
 def _sha(ids: torch.Tensor) -> str:
@@ -439,17 +480,26 @@ def length_summary(rows: list[dict], length: int, cfg: CopyConfig, rng: TokenRan
 
 
 def induction_summary(rows: list[dict], probes: list[LayerProbe], layout: Layout) -> dict:
-    """copy.json's induction entry of one length: per layer the heads' scores (mean over sequences), their mean
-    and max, and the chance level."""
-    scores = np.asarray([r["induction"] for r in rows], dtype=float)  # [sequences, layers, heads]
+    """copy.json's induction entry of one length: per layer the heads' induction scores (mean over sequences), their
+    mean and max, and the chance level; under "previous_token" the same for the previous-token score, left out when
+    a record lacks it (one written before the score existed)."""
+    entry = _score_summary(rows, "induction", probes, induction_queries(layout)[0])
+    if all("previous_token" in r for r in rows):
+        entry["previous_token"] = _score_summary(rows, "previous_token", probes, previous_token_queries(layout)[0])
+    return entry
+
+
+def _score_summary(rows: list[dict], key: str, probes: list[LayerProbe], queries: torch.Tensor) -> dict:
+    """The records' `key` scores per layer: each head's mean over sequences, the heads' mean and max; the chance
+    level and the number of `queries`."""
+    scores = np.asarray([r[key] for r in rows], dtype=float)  # [sequences, layers, heads]
     layers = []
     for index, layer in enumerate(probes):
         heads = scores[:, index].mean(0)
         layers.append({"layer": index, "kind": layer.kind, "name": layer.name, "mean": float(heads.mean()),
                        "max": float(heads.max()), "max_head": int(heads.argmax()),
                        "heads": [round(float(h), 6) for h in heads]})
-    return {"chance": induction_chance(layout), "queries": layout.length - 1, "sequences": len(rows),
-            "layers": layers}
+    return {"chance": _chance(queries), "queries": len(queries), "sequences": len(rows), "layers": layers}
 
 
 DEFINITIONS = {
@@ -466,6 +516,10 @@ DEFINITIONS = {
                  "A = attention probabilities (softmax layers) or a mixer's effective mixing weights "
                  "(harness.transfer.MixerProbe); per layer the mean and max over heads; induction chance = mean over "
                  "the queries of 1/(t+1)",
+    "previous_token": "per head, mean over queries t from the first copy's second token to the end of the second "
+                      "copy (the gap between the copies included) of |A[t, t-1]| / sum_{s<=t} |A[t, s]|, A as for "
+                      "induction; per layer the mean and max over heads (copy.json: induction[length].previous_token); "
+                      "previous-token chance = mean over those queries of 1/(t+1)",
 }
 
 
@@ -510,15 +564,24 @@ def markdown(result: dict) -> str:
 
 def _induction_table(induction: dict) -> str:
     lengths = list(induction)
-    chance = ", ".join(f"{n}: {induction[n]['chance']:.3f}" for n in lengths)
-    lines = [f"Induction score per layer (mean over heads / max head); chance {chance}", "",
-             "| layer | kind | " + " | ".join(f"L={n} mean | L={n} max (head)" for n in lengths) + " |",
-             "|---|---|" + "---|---|" * len(lengths)]
+    previous = {n: induction[n].get("previous_token") for n in lengths}
+    title = "Induction score per layer (mean over heads / max head); chance " + ", ".join(
+        f"{n}: {induction[n]['chance']:.3f}" for n in lengths)
+    if any(previous.values()):
+        title += "; previous-token score (on t-1, max head); chance " + ", ".join(
+            f"{n}: {p['chance']:.3f}" for n, p in previous.items() if p)
+    header = [f"L={n} mean | L={n} max (head)" + (f" | L={n} previous-token max (head)" if previous[n] else "")
+              for n in lengths]
+    columns = sum(3 if previous[n] else 2 for n in lengths)
+    lines = [title, "", "| layer | kind | " + " | ".join(header) + " |", "|---|---|" + "---|" * columns]
     for index, first in enumerate(induction[lengths[0]]["layers"]):
         cells = []
         for n in lengths:
             e = induction[n]["layers"][index]
             cells.append(f"{e['mean']:.3f} | {e['max']:.3f} ({e['max_head']})")
+            if previous[n]:
+                p = previous[n]["layers"][index]
+                cells.append(f"{p['max']:.3f} ({p['max_head']})")
         kind = first["name"] if first["kind"] == "mixer" else "attention"
         lines.append(f"| {index} | {kind} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
@@ -594,7 +657,7 @@ def score_batch(model: Any, ids: torch.Tensor, sequences: torch.Tensor, indices:
         record = {"length": layout.length, "index": index, "sequence_sha": _sha(ids[row].cpu()),
                   **copy_record(logits[row], sequences[row])}
         if probes is not None:
-            record["induction"] = sequence_induction(probes, inputs, row, layout)
+            record.update(sequence_head_scores(probes, inputs, row, layout))
         yield record
 
 

@@ -9,7 +9,8 @@ evaluations along stage 3 (harness.eval.during).
     niah.py          needle in a haystack (harness.eval.niah): exact match and likelihood by length
     perplexity.py    held-out perplexity (harness.eval.perplexity)
     chat_samples.py  greedy answers to fixed chat prompts (harness.eval.chat_samples)
-    copy_probe.py    copy accuracy on random tokens shown twice, induction per layer (harness.eval.copy)
+    copy_probe.py    copy accuracy on random tokens shown twice, induction and previous-token scores per layer
+                     (harness.eval.copy)
     state_probe.py   recurrent state along the context, retrieval against distance (harness.eval.state)
     ifeval.py        instruction following: IFEval-style prompts scored by if-verifiable (off unless asked)
 

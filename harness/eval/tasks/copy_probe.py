@@ -1,5 +1,6 @@
 """The copy probe as an evaluation task (harness.eval.copy does the work): teacher-forced greedy copy accuracy on
-random token sequences shown twice, per length, and each layer's induction score, for student and teacher.
+random token sequences shown twice, per length, and each layer's induction and previous-token scores, for student
+and teacher.
 
 Settings: the spec's section `copy:`, from the job's eval.copy (harness.config.CopyConfig; by default with the
 induction scores on, for the lengths up to 512; null: off). Results: copy.json and copy_sequences.jsonl per model
