@@ -19,7 +19,9 @@
 # `start` + `watch` (detached lanes): no preemption and resume at each call's end. The device tool leaves a process
 # session of its own running when the call returns, so the lanes go on while the next call comes (it must come
 # within the machine's 30 s, as for `lanes`) and stage 3 loses nothing at the boundary; `watch` returns as soon as
-# every lane has finished (LANES_FINISHED), else WATCH_FOR seconds (default 570) into its call, archiving as `lanes`.
+# every lane has finished (LANES_FINISHED), else WATCH_FOR seconds (default 570) into its call, archiving as `lanes`;
+# while it waits it also archives every ARCHIVE_EVERY seconds (default 60), so that a call the device tool cuts off at
+# its limit (the session's device time running out before WATCH_FOR) still brings back what had run by then.
 # SEED (default .cache/study-seed, if the setup call carries it) is copied into RUNS by `setup`, e.g. a teacher's cached
 # evaluation: a path carried in one call and not the next is removed on the machine, so runs must not be carried.
 # RUNS (default runs/study-small) is where the runs go and what comes back; OVERRIDES (default none) are job
@@ -129,7 +131,7 @@ archive() {  # the reports, metrics and logs of every run so far (no checkpoints
   local top=${S#runs/}
   (cd runs && find "$top" -regex "$top/[^/]*/\(student\|merged\|student-sft\)" -prune \
      -o \( -name checkpoints -o -name tb -o -name snapshots \) -prune -o -type f ! -name '*.safetensors' -print \
-     | tar -cJf "$OUT/$top.tar.xz" -T -)
+     | tar -cJf "$OUT/$top.tar.xz.part" -T -) && mv "$OUT/$top.tar.xz.part" "$OUT/$top.tar.xz"  # never half an archive
   ls -l "$OUT"
 }
 
@@ -156,10 +158,12 @@ start() {  # the lanes in a new process session: the device tool leaves it runni
   echo "lanes started (pid $!): $S/lanes.out"
 }
 
-watch() {  # wait for the detached lanes (at most WATCH_FOR seconds into this process), then archive
-  local until=${WATCH_FOR:-570}
+watch() {  # wait for the detached lanes (at most WATCH_FOR seconds into this process), archiving as it waits
+  local until=${WATCH_FOR:-570} every=${ARCHIVE_EVERY:-60} last=$SECONDS
   while [ ! -f "$S/LANES_FINISHED" ] && [ "$SECONDS" -lt "$until" ]; do
     if ! kill -0 "$(cat "$S/lanes.pid" 2>/dev/null)" 2>/dev/null; then echo "lanes not running"; break; fi
+    # a call cut off by the device tool's limit (the session's device time running out) still brings back $OUT
+    if [ $((SECONDS - last)) -ge "$every" ]; then archive >/dev/null 2>&1; last=$SECONDS; fi
     sleep 1
   done
   [ -f "$S/LANES_FINISHED" ] && echo "all lanes finished" || echo "lanes still running at ${SECONDS}s"

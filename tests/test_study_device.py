@@ -132,3 +132,21 @@ def test_a_fresh_machine_is_refused_until_setup_joins_the_pieces_and_copies_the_
     (dev / "carry/study-payload.part-0").write_bytes(b"x")
     (dev / "carry/study-payload.sha256").write_text("0" * 64 + "  study-payload.tar.xz\n")
     assert script(tree, env, "setup").returncode == 4
+
+
+def test_a_watch_cut_off_by_the_call_limit_still_leaves_an_archive(machine):
+    """The device tool kills a call at its limit (less than WATCH_FOR when the session's device time runs out) and
+    brings back whatever $OUT holds: `watch` archives as it waits, so the runs so far come back."""
+    tree, env = machine
+    env = dict(env, LANES="0:a b", FAKE_RUN_S="2")
+    assert script(tree, env, "start").returncode == 0
+    watch = subprocess.Popen(["bash", "scripts/study_small_device.sh", "watch"], cwd=tree, start_new_session=True,
+                             env=dict(env, WATCH_FOR="600", ARCHIVE_EVERY="1"), stdout=subprocess.DEVNULL)
+    deadline = time.monotonic() + 60
+    while not (tree / "runs/s/smollm2-135m-a/DONE").exists() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    time.sleep(2.5)  # at least one archive after job a finished
+    os.killpg(watch.pid, 9)  # what the device tool does at the call's limit
+    watch.wait()
+    assert "s/smollm2-135m-a/eval/report.json" in archived(env)
+    script(tree, env, "watch", WATCH_FOR="60")  # let the lanes end before the tmp dir goes
