@@ -6,28 +6,16 @@ test_student, ...) cover the layer's chunked form, decoding state and padding wi
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import pytest
 import torch
 
 import harness
 from harness.mixers import MixerShape, dispatch, kernels, mixer_class, mixer_options, recurrence
 from harness.mixers.ops import apply_rope, l2norm
+from tests.fla_naive import assert_runs_match, fla_naive
 from tests.tiny import tiny_llama
 
 SHAPE = MixerShape(hidden_size=32, num_heads=4, num_kv_heads=2, head_dim=8)
-
-
-def fla_naive():
-    """fla's naive gated DeltaProduct, loaded from its file (importing fla itself needs triton)."""
-    spec = importlib.util.find_spec("fla")
-    path = Path(next(iter(spec.submodule_search_locations))) / "ops" / "gated_delta_product" / "naive.py"
-    loader = importlib.util.spec_from_file_location("_fla_naive_gated_delta_product", path)
-    module = importlib.util.module_from_spec(loader)
-    loader.loader.exec_module(module)
-    return module.naive_recurrent_gated_delta_product
 
 
 def inputs(B=2, T=13, n=2, H=3, K=8, seed=0, gated=True, beta_max=1.0):
@@ -62,12 +50,8 @@ def test_chunked_equals_the_step_oracle_with_gradients(n, gated):
         qq, kk, vv, bb, hh, *gg = leaves
         o, s = fn(qq, kk, vv, gg[0] if gated else None, bb, scale=0.4, initial_state=hh, chunk_size=4)
         grads = torch.autograd.grad((o * torch.linspace(-1, 1, o.shape[-1])).sum() + s.square().sum(), leaves)
-        results.append((o, s, grads))
-    (o1, s1, g1), (o2, s2, g2) = results
-    torch.testing.assert_close(o1, o2, rtol=1e-4, atol=1e-5)
-    torch.testing.assert_close(s1, s2, rtol=1e-4, atol=1e-5)
-    for a, b in zip(g1, g2):
-        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+        results.append(((o, s), grads))
+    assert_runs_match(*results)
 
 
 @pytest.mark.parametrize("n", [2, 3])
@@ -75,7 +59,7 @@ def test_the_reference_is_flas_naive_gated_delta_product(n):
     """fla's layout: the steps interleaved `[B, T n, ...]`, step j of token t at row t n + j; beta in (0, 2)."""
     q, k, v, g, beta, h0 = inputs(n=n, beta_max=2.0)
     o, s = recurrence.chunk_gated_delta_product(q, k, v, g, beta, scale=0.4, initial_state=h0, chunk_size=4)
-    o_fla, s_fla = fla_naive()(q, k.flatten(1, 2), v.flatten(1, 2), g, beta.flatten(1, 2), 0.4,
+    o_fla, s_fla = fla_naive("gated_delta_product").naive_recurrent_gated_delta_product(q, k.flatten(1, 2), v.flatten(1, 2), g, beta.flatten(1, 2), 0.4,
                                initial_state=h0.clone(), output_final_state=True, num_householder=n)
     torch.testing.assert_close(o, o_fla, rtol=1e-4, atol=1e-5)
     torch.testing.assert_close(s, s_fla, rtol=1e-4, atol=1e-5)
@@ -206,7 +190,7 @@ def on_cpu(monkeypatch):
         calls.append(("gated_delta_product", num_householder))
         if use_qk_l2norm_in_kernel:
             q, k = l2norm(q), l2norm(k)
-        return fla_naive()(q, k, v, g, beta, scale, initial_state=initial_state,
+        return fla_naive("gated_delta_product").naive_recurrent_gated_delta_product(q, k, v, g, beta, scale, initial_state=initial_state,
                            output_final_state=output_final_state, num_householder=num_householder)
 
     monkeypatch.setattr(kernels, "_require", lambda *a, **kw: None)

@@ -7,9 +7,6 @@ defaults."""
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import pytest
 import torch
 import torch.nn.functional as F
@@ -19,21 +16,12 @@ from harness.bench import recurrences as bench
 from harness.mixers import KernelCase, MixerShape, dispatch, kernels, mixer_class, mixer_options, recurrence
 from harness.mixers.gsa import SPREAD_MEMORY
 from harness.plain_engine import decays
+from tests.fla_naive import assert_runs_match, fla_naive
 from tests.tiny import tiny_llama
 
 SHAPE = MixerShape(hidden_size=32, num_heads=4, num_kv_heads=2, head_dim=8)
 FLA_LAYER = {"qkv_activation": "silu", "output_activation": "silu", "qk_scale": "one",  # fla's GatedSlotAttention
              "slot_decay_init": "uniform"}
-
-
-def fla_naive():
-    """fla's naive_recurrent_gsa, loaded from its file (importing fla itself needs triton)."""
-    spec = importlib.util.find_spec("fla")
-    path = Path(next(iter(spec.submodule_search_locations))) / "ops" / "gsa" / "naive.py"
-    loader = importlib.util.spec_from_file_location("_fla_naive_gsa", path)
-    module = importlib.util.module_from_spec(loader)
-    loader.loader.exec_module(module)
-    return module.naive_recurrent_gsa
 
 
 def inputs(B=2, T=13, H=3, K=8, V=6, M=5, seed=0, strength=1.0):
@@ -64,13 +52,10 @@ def test_chunked_equals_the_step_oracle_with_gradients(chunk, strength):
         qq, kk, vv, ss, gg, h1, h2 = leaves
         o, (sk, sv) = fn(qq, kk, vv, ss, gg, scale=0.4, initial_state=(h1, h2), chunk_size=chunk)
         loss = (o * torch.linspace(-1, 1, o.shape[-1])).sum() + sk.square().sum() + sv.sin().sum()
-        results.append((o, sk, sv, torch.autograd.grad(loss, leaves)))
-    (*out1, g1), (*out2, g2) = results
-    assert all(torch.isfinite(t).all() for t in out1 + list(g1))
-    for a, b in zip(out1, out2):
-        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
-    for a, b in zip(g1, g2):
-        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+        results.append(((o, sk, sv), torch.autograd.grad(loss, leaves)))
+    (out1, g1), _ = results
+    assert all(torch.isfinite(t).all() for t in out1 + g1)
+    assert_runs_match(*results)
 
 
 @pytest.mark.parametrize("with_state", [False, True])
@@ -78,12 +63,12 @@ def test_the_reference_is_flas_naive_gsa(with_state):
     q, k, v, s, g, h0 = inputs(T=21)
     h0 = h0 if with_state else None
     o, state = recurrence.chunk_gsa(q, k, v, s, g, scale=0.4, initial_state=h0, chunk_size=16)
-    o_fla, state_fla = fla_naive()(q, k, v, s, g, scale=0.4, initial_state=h0, output_final_state=True)
+    o_fla, state_fla = fla_naive("gsa").naive_recurrent_gsa(q, k, v, s, g, scale=0.4, initial_state=h0, output_final_state=True)
     torch.testing.assert_close(o, o_fla, rtol=1e-4, atol=1e-5)
     for a, b in zip(state, state_fla):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
     o1, state1 = recurrence.step_gsa(q[:, 0], k[:, 0], v[:, 0], s[:, 0], g[:, 0], scale=0.4, state=h0)
-    o1_fla, state1_fla = fla_naive()(q[:, :1], k[:, :1], v[:, :1], s[:, :1], g[:, :1], scale=0.4, initial_state=h0,
+    o1_fla, state1_fla = fla_naive("gsa").naive_recurrent_gsa(q[:, :1], k[:, :1], v[:, :1], s[:, :1], g[:, :1], scale=0.4, initial_state=h0,
                                      output_final_state=True)
     torch.testing.assert_close(o1, o1_fla[:, 0], rtol=1e-5, atol=1e-6)
     for a, b in zip(state1, state1_fla):
@@ -106,7 +91,7 @@ def test_the_layer_is_flas_gated_slot_attention_written_out():
         act = F.silu if options else (lambda t: t)
         q, k, v = (act(proj(x)).unflatten(-1, (4, 8)) for proj in (m.q_proj, m.k_proj, m.v_proj))
         f = F.logsigmoid(m.f_proj(x).unflatten(-1, (4, 64))) / 8
-        o, _ = fla_naive()(q, k, v, 1 - f.exp(), f, scale=1.0 if options else 8 ** -0.5)
+        o, _ = fla_naive("gsa").naive_recurrent_gsa(q, k, v, 1 - f.exp(), f, scale=1.0 if options else 8 ** -0.5)
         o = F.rms_norm(act(o).flatten(2), (32,), m.o_norm.weight, eps=1e-5)
         torch.testing.assert_close(m(x)[0], m.o_proj(o), rtol=1e-5, atol=1e-5)
 
@@ -158,7 +143,7 @@ def on_cpu(monkeypatch):
 
     def fla_chunk_gsa(q, k, v, s, g, *, scale, initial_state, output_final_state):
         calls.append((q.dtype, s.dtype, g.dtype))
-        return fla_naive()(q, k, v, s, g, scale=scale, initial_state=initial_state,
+        return fla_naive("gsa").naive_recurrent_gsa(q, k, v, s, g, scale=scale, initial_state=initial_state,
                            output_final_state=output_final_state)
 
     monkeypatch.setattr(kernels, "_require", lambda *a, **kw: None)

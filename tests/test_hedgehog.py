@@ -9,7 +9,7 @@ import torch
 
 from harness.mixers import MixerShape, mixer_class, mixer_options
 from harness.mixers.hedgehog import hedgehog_features
-from tests.test_recurrence import _fla_naive
+from tests.fla_naive import fla_naive
 
 SHAPE = MixerShape(hidden_size=24, num_heads=3, num_kv_heads=1, head_dim=8)
 
@@ -58,7 +58,7 @@ def test_the_layer_is_fla_naive_normalised_linear_attention_on_the_features(feat
         heads, state = layer.heads_output(u, use_cache=True)
         q, k, v, _ = layer.project_qkv(u, None, False)
         fq, fk = hedgehog_features(q, layer.feature_q), hedgehog_features(k, layer.feature_k)
-        want, _ = _fla_naive("linear_attn").naive_recurrent_linear_attn(fq, fk, v, scale=1.0, normalize=True)
+        want, _ = fla_naive("linear_attn").naive_recurrent_linear_attn(fq, fk, v, scale=1.0, normalize=True)
     torch.testing.assert_close(heads, want.flatten(2), rtol=1e-4, atol=1e-5)
     S, z = state.recurrent
     features = 2 * (feature_dim or SHAPE.head_dim)

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 from harness.mixers import MixerShape, dispatch, mixer_class, mixer_options
 from harness.mixers.mamba2 import GateThenRMSNorm
-from tests.test_recurrence import _fla_naive
+from tests.fla_naive import fla_naive
 
 SHAPE = MixerShape(hidden_size=24, num_heads=3, num_kv_heads=1, head_dim=4)
 
@@ -77,7 +77,7 @@ def test_its_recurrence_is_fla_simple_gla_with_dt_folded_into_b():
     h0 = torch.randn(B, H, K, V, generator=gen)
     kdt = k * dt[..., None]
     o, s = dispatch.ssd(q, kdt, v, g, scale=1.0, prior=h0, backend="reference", chunk_size=16)
-    naive = _fla_naive("simple_gla")
+    naive = fla_naive("simple_gla")
     o_ref, s_ref = naive.naive_recurrent_simple_gla(q, kdt, v, g, scale=1.0, initial_state=h0)
     torch.testing.assert_close(o, o_ref, rtol=1e-4, atol=1e-5)
     torch.testing.assert_close(s, s_ref, rtol=1e-4, atol=1e-5)

@@ -8,9 +8,6 @@
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import pytest
 import torch
 import torch.nn.functional as F
@@ -23,6 +20,7 @@ from harness.mixers.recurrence import (
     step_gated_delta,
     step_mlstm,
 )
+from tests.fla_naive import fla_naive
 
 B, H, K, V = 2, 3, 16, 12  # K != V catches transposed states
 SCALE = K**-0.5
@@ -239,18 +237,6 @@ def test_autocast_does_not_lower_precision(case: str) -> None:
     assert_close(o_step, o_ref[:, 0])
 
 
-def _fla_naive(module: str):
-    """fla's naive reference module, loaded from its file (importing fla itself needs triton)."""
-    spec = importlib.util.find_spec("fla")  # fla-core is a pinned dependency: its absence is a failure
-    assert spec is not None and spec.submodule_search_locations, "fla-core is not installed"
-    path = Path(next(iter(spec.submodule_search_locations))) / "ops" / module / "naive.py"
-    assert path.exists(), f"{path} missing"
-    loader = importlib.util.spec_from_file_location(f"_fla_naive_{module}", path)
-    mod = importlib.util.module_from_spec(loader)
-    loader.loader.exec_module(mod)
-    return mod
-
-
 @pytest.mark.parametrize("case", CASES)
 def test_fla_naive_references(case: str) -> None:
     """Our (g, beta) map onto fla's ops as the kernel wrapper will use them (fla's naive forms, fp32)."""
@@ -258,22 +244,22 @@ def test_fla_naive_references(case: str) -> None:
     q, k, v, g, beta = inputs.values()
     o, s = chunk_gated_delta(**inputs, scale=SCALE, initial_state=h0, chunk_size=32)
     if case == "linear_attn":
-        ref = _fla_naive("linear_attn").naive_recurrent_linear_attn(
+        ref = fla_naive("linear_attn").naive_recurrent_linear_attn(
             q, k, v, scale=SCALE, initial_state=h0, output_final_state=True, normalize=False)
     elif case == "retnet":
-        ref = _fla_naive("simple_gla").naive_recurrent_simple_gla(q, k, v, g, scale=SCALE, initial_state=h0)
+        ref = fla_naive("simple_gla").naive_recurrent_simple_gla(q, k, v, g, scale=SCALE, initial_state=h0)
     elif case == "gla":  # scale fixed at K^-0.5 there
-        ref = _fla_naive("gla").naive_recurrent_gla(q, k, v, g, initial_state=h0, output_final_state=True)
+        ref = fla_naive("gla").naive_recurrent_gla(q, k, v, g, initial_state=h0, output_final_state=True)
     elif case in ("deltanet", "gated_deltanet"):  # deltanet: gated with g = 0
         gd = torch.zeros(B, 64, H) if g is None else g
-        mod = _fla_naive("gated_delta_rule")
+        mod = fla_naive("gated_delta_rule")
         ref = mod.naive_recurrent_gated_delta_rule(q, k, v, beta, gd, scale=SCALE, initial_state=h0,
                                                    output_final_state=True)
         chunk_ref = mod.naive_chunk_gated_delta_rule(q, k, v, gd, beta, chunk_size=16, scale=SCALE,
                                                      initial_state=h0, output_final_state=True)
         assert_close(o, chunk_ref[0], tol=1e-4)
     else:
-        mod = _fla_naive("kda")
+        mod = fla_naive("kda")
         ref = mod.naive_recurrent_kda(q, k, v, g, beta, scale=SCALE, initial_state=h0, output_final_state=True)
         chunk_ref = mod.naive_chunk_kda(q, k, v, g, beta, scale=SCALE, initial_state=h0, output_final_state=True,
                                         chunk_size=16)

@@ -6,9 +6,7 @@ test_decoding, test_student, test_mixer_contract, ...) cover the layer's chunked
 
 from __future__ import annotations
 
-import importlib.util
 import math
-from pathlib import Path
 
 import pytest
 import torch
@@ -17,20 +15,10 @@ import torch.nn.functional as F
 import harness
 from harness.mixers import MixerShape, dispatch, kernels, mixer_class, mixer_options, recurrence
 from harness.plain_engine import decays
+from tests.fla_naive import assert_runs_match, fla_naive
 from tests.tiny import tiny_llama
 
 SHAPE = MixerShape(hidden_size=32, num_heads=4, num_kv_heads=2, head_dim=8)
-
-
-def fla_dplr_recurrence():
-    """fla's naive DPLR recurrence (`[B, H, T, D]`, q scaled by K^-0.5), loaded from its file (importing fla needs
-    triton)."""
-    spec = importlib.util.find_spec("fla")
-    path = Path(next(iter(spec.submodule_search_locations))) / "ops" / "generalized_delta_rule" / "dplr" / "naive.py"
-    loader = importlib.util.spec_from_file_location("_fla_naive_dplr", path)
-    module = importlib.util.module_from_spec(loader)
-    loader.loader.exec_module(module)
-    return module.dplr_recurrence
 
 
 def inputs(B=2, T=21, H=3, K=8, V=6, seed=0, decay=1.0):
@@ -72,12 +60,8 @@ def test_chunked_equals_the_step_oracle_with_gradients(decay):
         q, k, v, a, b, g, h0 = leaves
         o, s = fn(q, k, v, a, b, g, scale=0.4, initial_state=h0, chunk_size=8)
         grads = torch.autograd.grad((o * torch.linspace(-1, 1, o.shape[-1])).sum() + s.square().sum(), leaves)
-        results.append((o, s, grads))
-    (o1, s1, g1), (o2, s2, g2) = results
-    torch.testing.assert_close(o1, o2, rtol=1e-4, atol=1e-5)
-    torch.testing.assert_close(s1, s2, rtol=1e-4, atol=1e-5)
-    for x, y in zip(g1, g2):
-        torch.testing.assert_close(x, y, rtol=1e-4, atol=1e-4)
+        results.append(((o, s), grads))
+    assert_runs_match(*results)
 
 
 def test_the_reference_is_flas_naive_dplr_recurrence():
@@ -85,7 +69,7 @@ def test_the_reference_is_flas_naive_dplr_recurrence():
     q, k, v, a, b, g, h0 = inputs(T=19)
     o, s = recurrence.chunk_dplr_delta(q, k, v, a, b, g, scale=8**-0.5, initial_state=h0, chunk_size=8)
     heads_first = lambda t: t.transpose(1, 2)  # noqa: E731
-    o_fla, s_fla = fla_dplr_recurrence()(*(heads_first(t) for t in (q, k, v, a, b, g)), initial_state=h0.clone())
+    o_fla, s_fla = fla_naive("generalized_delta_rule/dplr").dplr_recurrence(*(heads_first(t) for t in (q, k, v, a, b, g)), initial_state=h0.clone())
     torch.testing.assert_close(o, heads_first(o_fla), rtol=1e-4, atol=1e-5)
     torch.testing.assert_close(s, s_fla, rtol=1e-4, atol=1e-5)
 
@@ -194,7 +178,7 @@ def on_cpu(monkeypatch):
         calls.append((r.dtype, w.dtype, lower_bound))
         heads_first = lambda t: t.float().transpose(1, 2)  # noqa: E731
         r = r.float() * scale * r.shape[-1] ** 0.5  # the naive form scales by K^-0.5 itself
-        o, s = fla_dplr_recurrence()(*(heads_first(t) for t in (r, k, v, a, b, w)), initial_state=initial_state)
+        o, s = fla_naive("generalized_delta_rule/dplr").dplr_recurrence(*(heads_first(t) for t in (r, k, v, a, b, w)), initial_state=initial_state)
         return o.transpose(1, 2).to(v.dtype), s
 
     monkeypatch.setattr(kernels, "_require", lambda *a, **kw: None)
