@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-import yaml
+from harness.config import load_job
 
 
 def harness(*args: str) -> None:
@@ -73,10 +73,10 @@ def measure(job: str, layer: int, tokens: int, seed: int, work: Path, device: st
 
 def data_of(job: str) -> str:
     """The job's data in one line: its source, or its mix's sources and weights."""
-    data = yaml.safe_load(Path(job).read_text())["data"]
-    if data.get("mix"):
-        return " + ".join(f"{m['weight']} {m['source']}" for m in data["mix"])
-    return str(data.get("source"))
+    data = load_job(job).data
+    if data.mix:
+        return " + ".join(f"{m.weight} {m.source}" for m in data.mix)
+    return data.source
 
 
 def markdown(rows: list[dict[str, Any]], command: str) -> str:
