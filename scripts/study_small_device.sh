@@ -5,13 +5,15 @@
 #   bash scripts/study_small_device.sh lanes    # every run call: resumes what the last call left, then archives
 #   bash scripts/study_small_device.sh start    # or: the lanes in a process session of their own, which runs on
 #   bash scripts/study_small_device.sh watch    #   between calls; each call then waits for them and archives
+#   bash scripts/study_small_device.sh stop     # ends detached lanes (and their GPU tests), e.g. to start a fixed job
 #
 # `lanes` runs LANES (default: four lanes, two per GPU: stage 3 keeps one job's GPU busy only about half the time,
 # and greedy NIAH decoding at batch 1 is bound by the host) until STOP_AT seconds, when it touches
 # $HARNESS_PREEMPT_FILE so every stage checkpoints and exits; whatever still runs at KILL_AT is killed. Then it
 # writes the reports, metrics and logs of every run so far (no checkpoints or weights) to $OUT/study-small.tar.xz.
 # GPU_TESTS="pytest arguments" also runs those GPU tests on the last GPU beside the lanes (log: RUNS/gpu_tests.log,
-# copied to $OUT).
+# copied to $OUT); the lanes' end does not wait for them (`watch` says when they still run). `start` fails (exit 5)
+# while lanes it started earlier still run, so that `start && watch` never waits on lanes it did not start.
 # HARNESS_DECODE_GRAPHS=0 makes the evaluations decode eagerly (harness/decoding.py).
 # A job with `student.attention_layers: auto:K` (a hybrid) is ranked first, once: `harness transfer --rank-layers`
 # with RANK_ARGS (default "--sequences 8 --seq-len 2048"), into the run's ranking/ (it comes back with the results),
@@ -105,14 +107,13 @@ environment() {  # the installed bundle and the payload's cache; every lane inhe
   mkdir -p "$S"
 }
 
-run_lanes() {  # every lane at once (and GPU_TESTS beside them) until all end or KILL_AT seconds pass
+run_lanes() {  # every lane at once (and GPU_TESTS beside them) until the lanes end or KILL_AT seconds pass
   local specs=("${DEFAULT_LANES[@]}") pids=() i=0 spec limit=${KILL_AT:-}
   [ -n "${LANES:-}" ] && IFS=';' read -r -a specs <<<"$LANES"
-  if [ -n "${GPU_TESTS:-}" ]; then
+  if [ -n "${GPU_TESTS:-}" ]; then  # not waited for here: the lanes' end is what `watch` waits for
     # shellcheck disable=SC2086 # GPU_TESTS is a list of pytest arguments
     CUDA_VISIBLE_DEVICES=$(nvidia-smi -L | tail -n 1 | cut -d: -f1 | tr -dc 0-9) \
       ${limit:+timeout $((limit - SECONDS))} python3 -m pytest -q $GPU_TESTS >"$S/gpu_tests.log" 2>&1 &
-    pids+=($!)
   fi
   for spec in "${specs[@]}"; do
     ${limit:+timeout $((limit - SECONDS))} bash -c "lane ${spec%%:*} ${spec#*:}" >>"$S/lane$i.log" 2>&1 &
@@ -144,18 +145,29 @@ lanes() {  # one call's share: preempt at STOP_AT (checkpoints), kill at KILL_AT
   local stopper=$!
   run_lanes
   kill $stopper 2>/dev/null
+  wait  # the GPU tests, bounded by KILL_AT
   archive
 }
 
 start() {  # the lanes in a new process session: the device tool leaves it running when the call returns
   environment
-  if [ -f "$S/lanes.pid" ] && kill -0 "$(cat "$S/lanes.pid")" 2>/dev/null; then
-    echo "lanes already running (pid $(cat "$S/lanes.pid"))"; return
+  if [ ! -f "$S/LANES_FINISHED" ] && [ -f "$S/lanes.pid" ] && kill -0 "$(cat "$S/lanes.pid")" 2>/dev/null; then
+    # a failure, so that `start && watch` does not wait on lanes that were not started by this call
+    echo "lanes already running (pid $(cat "$S/lanes.pid")): \`watch\` them, or \`stop\` them and start again"
+    return 5
   fi
   rm -f "$S/LANES_FINISHED" "$D/stop"
   KILL_AT='' setsid nohup bash "$0" run-lanes >"$S/lanes.out" 2>&1 </dev/null &
   echo $! >"$S/lanes.pid"
   echo "lanes started (pid $!): $S/lanes.out"
+}
+
+stop() {  # end the detached lanes and GPU tests (their whole process session); finished stages stay finished
+  local pid
+  pid=$(cat "$S/lanes.pid" 2>/dev/null) && kill -0 "$pid" 2>/dev/null || { echo "no lanes running"; return 0; }
+  kill -- -"$pid" 2>/dev/null
+  for _ in $(seq 50); do kill -0 "$pid" 2>/dev/null || break; sleep 0.2; done
+  echo "stopped the lanes (process session $pid)"
 }
 
 watch() {  # wait for the detached lanes (at most WATCH_FOR seconds into this process), archiving as it waits
@@ -167,6 +179,7 @@ watch() {  # wait for the detached lanes (at most WATCH_FOR seconds into this pr
     sleep 1
   done
   [ -f "$S/LANES_FINISHED" ] && echo "all lanes finished" || echo "lanes still running at ${SECONDS}s"
+  pgrep -s "$(cat "$S/lanes.pid" 2>/dev/null || echo 0)" -f "pytest" >/dev/null 2>&1 && echo "GPU tests still running"
   archive
 }
 
@@ -175,6 +188,7 @@ case "${1:-}" in
   lanes) lanes ;;
   start) start ;;
   watch) environment && watch ;;
-  run-lanes) environment && run_lanes; touch "$S/LANES_FINISHED" ;;  # what `start` runs, detached
-  *) echo "usage: $0 setup|lanes|start|watch (see docs/STUDY.md)"; exit 2 ;;
+  stop) stop ;;
+  run-lanes) environment && run_lanes; touch "$S/LANES_FINISHED"; wait ;;  # what `start` runs, detached
+  *) echo "usage: $0 setup|lanes|start|watch|stop (see docs/STUDY.md)"; exit 2 ;;
 esac

@@ -15,6 +15,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 FAKE_PYTHON = """#!/bin/bash
 # harness stand-in: `-m harness.cli run JOB ... output_dir=D` writes D/eval/report.json after a pause
+case " $* " in *" -m pytest "*) sleep "${FAKE_TESTS_S:-0}"; echo "fake GPU tests passed"; exit 0;; esac
 for a; do case $a in output_dir=*) d=${a#output_dir=};; esac; done
 [ -n "$d" ] || { echo "fake python3 $*"; exit 0; }  # `-c ...` and `data prepare` in setup
 mkdir -p "$d/eval" "$d/checkpoints"; echo "$@" >>"$d/calls"
@@ -42,6 +43,8 @@ def machine(tmp_path):
     bin_dir.mkdir()
     (bin_dir / "python3").write_text(FAKE_PYTHON)
     (bin_dir / "python3").chmod(0o755)
+    (bin_dir / "nvidia-smi").write_text("#!/bin/bash\necho 'GPU 0: fake'\n")
+    (bin_dir / "nvidia-smi").chmod(0o755)
     (tmp_path / "dev/hc").mkdir(parents=True)
     (tmp_path / "dev/hc/.ready").touch()
     env = dict(os.environ, PATH=f"{bin_dir}:{os.environ['PATH']}", OUT=str(tmp_path / "out"), RUNS="runs/s",
@@ -150,3 +153,29 @@ def test_a_watch_cut_off_by_the_call_limit_still_leaves_an_archive(machine):
     watch.wait()
     assert "s/smollm2-135m-a/eval/report.json" in archived(env)
     script(tree, env, "watch", WATCH_FOR="60")  # let the lanes end before the tmp dir goes
+
+
+def test_start_refuses_while_lanes_run_stop_ends_them_and_gpu_tests_do_not_hold_the_watch(machine):
+    """A second `start` fails (so `start && watch` never waits on lanes it did not start), `stop` ends the lanes'
+    whole process session, and lanes that end while GPU_TESTS still run end the watch at once."""
+    tree, env = machine
+    slow = dict(env, LANES="0:a", FAKE_RUN_S="60")
+    assert script(tree, slow, "start").returncode == 0
+    again = script(tree, slow, "start")
+    assert again.returncode == 5 and "lanes already running" in again.stdout
+    pid = int((tree / "runs/s/lanes.pid").read_text())
+    stopped = script(tree, slow, "stop")
+    assert "stopped the lanes" in stopped.stdout, stopped.stdout + stopped.stderr
+    with pytest.raises(ProcessLookupError):
+        os.kill(pid, 0)
+    assert not (tree / "runs/s/smollm2-135m-a/DONE").exists()
+    quick = dict(env, LANES="0:b", FAKE_RUN_S="1", GPU_TESTS="tests/gpu", FAKE_TESTS_S="60")
+    assert script(tree, quick, "start").returncode == 0
+    t0 = time.monotonic()
+    done = script(tree, quick, "watch", WATCH_FOR="90")
+    assert "all lanes finished" in done.stdout and "GPU tests still running" in done.stdout, done.stdout
+    assert time.monotonic() - t0 < 30  # the lane's end, not the tests', ended the watch
+    assert (tree / "runs/s/smollm2-135m-b/DONE").exists()
+    assert script(tree, quick, "start", LANES="0:c", FAKE_RUN_S="1").returncode == 0  # tests alone do not block it
+    script(tree, quick, "watch", WATCH_FOR="60")
+    script(tree, quick, "stop")  # the fake tests end with the tmp dir's lanes
