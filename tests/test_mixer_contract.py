@@ -18,7 +18,7 @@ import harness
 from harness.cli import main
 from harness.config import ConfigError, load_job
 from harness.mixers import MIXERS, mixer_class, register_mixer
-from harness.mixers.contract import FAIL, PASS, PROPERTIES, run_contract
+from harness.mixers.contract import FAIL, PASS, PROPERTIES, kernel_errors, run_contract
 from harness.mixers.registry import MixerRegistry
 from harness.plain_engine import param_groups
 
@@ -174,3 +174,20 @@ def test_no_weight_decay_marks_reach_the_optimizer_groups_after_from_pretrained(
             for local in marked:
                 assert id(by_name[f"model.layers.{layer}.mixer.{local}"]) in plain, (name, local)
         assert id(by_name["model.layers.0.mixer.q_proj.weight"]) in decay
+
+
+def test_kernel_errors_hold_output_and_input_gradient_to_the_floor_and_parameter_gradients_to_a_bound():
+    """The bf16 part of kernel_matches_reference on made-up runs: relative errors are ||kernel - ref|| / ||ref||."""
+    ref = {"output": torch.ones(8), "dx": torch.ones(8), "dA_log": torch.ones(8)}
+
+    def runs(kernel_err, floor_err):
+        return {"reference": ref, "kernel": {k: v * (1 + kernel_err[k]) for k, v in ref.items()},
+                "floor": {k: v * (1 + floor_err) for k, v in ref.items()}}
+
+    fine = runs({"output": 0.02, "dx": 0.02, "dA_log": 0.3}, floor_err=0.01)
+    assert kernel_errors(fine, params_within=0.5) == []
+    assert kernel_errors(fine) == ["bf16 dA_log: kernel 3.0e-01 vs bf16 floor 1.0e-02"]  # no fp32 run: the floor
+    assert kernel_errors(runs({"output": 0.02, "dx": 0.02, "dA_log": 0.6}, 0.01), params_within=0.5) == [
+        "bf16 dA_log: kernel 6.0e-01 (limit 0.5)"]
+    assert kernel_errors(runs({"output": 0.03, "dx": 0.02, "dA_log": 0.1}, 0.01), params_within=0.5) == [
+        "bf16 output: kernel 3.0e-02 vs bf16 floor 1.0e-02"]

@@ -5,8 +5,8 @@ compared. A property that raises fails with the error. A few seconds per mixer o
 
 - chunked_equals_step: the layer's reference backend over a whole sequence == one token at a time carrying the
   state (outputs and every parameter's gradient);
-- kernel_matches_reference: on CUDA, the kernel backend in bf16 against the reference in fp32, no farther than the
-  reference run in bf16 (the bf16 floor) allows (SKIP without CUDA);
+- kernel_matches_reference: on CUDA, the kernel backend in fp32 equals the reference in fp32, and in bf16 it is no
+  farther from it than the reference run in bf16 (the bf16 floor) allows (SKIP without CUDA);
 - zeroed_values_give_the_teacher: with the teacher's v_proj zeroed (and a mixer's own further value projections,
   `Mixer.value_projections`), the student's logits are the teacher's (every attention and every mixer outputs 0, so
   what is left is the rest of the network, which the student copies);
@@ -47,6 +47,7 @@ PROMPT_LENGTHS = (5, 13, 22)
 LOGIT_ATOL = 1e-5  # float32 students of a float32 teacher; the built-in mixers measure <= 2e-6
 STEP_RTOL, STEP_ATOL, GRAD_RTOL = 1e-4, 1e-5, 1e-4
 KERNEL_FLOOR_FACTOR, KERNEL_FLOOR_SLACK = 2.0, 2e-3  # as tests/gpu/test_mixer_layers.py
+KERNEL_FP32_RTOL, KERNEL_BF16_PARAM_RTOL = 2e-2, 0.5
 
 
 @dataclass
@@ -166,10 +167,16 @@ def positions(rope: Any, t: int) -> Any:
 
 
 def kernel_matches_reference(subject: Subject) -> Outcome:
-    """On CUDA, at SmolLM2-135M's head layout (hidden 576, 9 heads of 64, 3 KV heads), x `[2, 512, 576]`: the layer's
-    kernel backend in bf16 against its reference backend in fp32 (same weights), relative errors no larger than
-    2 x those of the same reference run in bf16 + 2e-3 (the bf16 floor), for the output, the input's gradient and
-    every parameter's gradient. SKIP without CUDA or without the kernel libraries."""
+    """On CUDA, at SmolLM2-135M's head layout (hidden 576, 9 heads of 64, 3 KV heads), x `[2, 512, 576]`, against the
+    layer's reference backend in fp32 (same weights):
+    - the kernel backend in fp32 computes the same function: output, input gradient and every parameter's gradient
+      within 2e-2 relative (the kernels' products may run in TF32);
+    - in bf16, the output and the input's gradient no farther than 2 x the same reference run in bf16 + 2e-3 (the
+      bf16 floor), and every parameter's gradient within 0.5 relative: a decay gate's gradient sums many cancelling
+      terms, which the kernels form from bf16 products (2026-12-05, H100: dA_log of kda 0.25 and mamba2 0.27, mlstm's
+      forget gate 0.15, where the floor was 0.04-0.11).
+    A kernel that does not take fp32 inputs is held to the bf16 floor for every parameter's gradient instead. SKIP
+    without CUDA or without the kernel libraries."""
     reason = kernel_unavailable_reason("all")
     if reason is not None:
         return Outcome("kernel_matches_reference", SKIP, f"needs CUDA and the kernels: {reason}")
@@ -177,20 +184,46 @@ def kernel_matches_reference(subject: Subject) -> Outcome:
     kernel_student = subject.student(teacher, backend="kernel")
     reference_student = subject.student(teacher, backend="reference")
     reference_student.load_state_dict(kernel_student.state_dict())
-    floor_student = copy.deepcopy(reference_student)
     x = torch.randn(2, 512, 576, generator=torch.Generator().manual_seed(subject.seed + 2))
-    runs = {}
-    for label, model, dtype in (("kernel", kernel_student, torch.bfloat16), ("reference", reference_student,
-                                torch.float32), ("floor", floor_student, torch.bfloat16)):
-        runs[label] = _layer_run(model.to("cuda", dtype), x.to("cuda", dtype))
-    errors = {what: (relative(runs["kernel"][what], ref), relative(runs["floor"][what], ref))
-              for what, ref in runs["reference"].items()}
-    problems = [f"{what}: kernel {k:.1e} vs bf16 floor {f:.1e}" for what, (k, f) in errors.items()
-                if k > KERNEL_FLOOR_FACTOR * f + KERNEL_FLOOR_SLACK]
-    worst = max(errors, key=lambda w: errors[w][0])
-    numbers = (f"output {errors['output'][0]:.1e} (floor {errors['output'][1]:.1e}); worst {worst} "
-               f"{errors[worst][0]:.1e} (floor {errors[worst][1]:.1e})")
-    return _outcome("kernel_matches_reference", problems, numbers)
+    runs = {label: _layer_run(copy.deepcopy(model).to("cuda", dtype), x.to("cuda", dtype)) for label, model, dtype in
+            (("kernel", kernel_student, torch.bfloat16), ("reference", reference_student, torch.float32),
+             ("floor", reference_student, torch.bfloat16))}
+    try:
+        runs["kernel_fp32"] = _layer_run(copy.deepcopy(kernel_student).to("cuda", torch.float32), x.to("cuda"))
+        fp32_note = None
+    except Exception as error:  # noqa: BLE001 - a kernel without fp32 support: the bf16 floor decides alone
+        fp32_note = f"kernel in fp32 not run ({type(error).__name__}: {str(error).splitlines()[0][:120]})"
+    reference, numbers = runs["reference"], []
+    if fp32_note is None:
+        fp32 = {what: relative(runs["kernel_fp32"][what], ref) for what, ref in reference.items()}
+        worst32 = max(fp32, key=fp32.get)
+        numbers.append(f"fp32: worst {worst32} {fp32[worst32]:.1e}")
+        problems = [f"fp32 {what}: kernel {e:.1e} vs reference (limit {KERNEL_FP32_RTOL:.0e})"
+                    for what, e in fp32.items() if e > KERNEL_FP32_RTOL]
+        problems += kernel_errors(runs, params_within=KERNEL_BF16_PARAM_RTOL)
+    else:
+        numbers.append(fp32_note)
+        problems = kernel_errors(runs)
+    bf16 = {what: (relative(runs["kernel"][what], ref), relative(runs["floor"][what], ref))
+            for what, ref in reference.items()}
+    worst = max(bf16, key=lambda w: bf16[w][0])
+    numbers.insert(0, f"bf16: output {bf16['output'][0]:.1e} (floor {bf16['output'][1]:.1e}); worst {worst} "
+                      f"{bf16[worst][0]:.1e} (floor {bf16[worst][1]:.1e})")
+    return _outcome("kernel_matches_reference", problems, "; ".join(numbers))
+
+
+def kernel_errors(runs: dict[str, dict[str, torch.Tensor]], params_within: Optional[float] = None) -> list[str]:
+    """The bf16 kernel's errors beyond the bf16 floor: for every compared tensor, or, with params_within, for the
+    output and the input's gradient, the parameters' gradients held to that relative error instead."""
+    problems = []
+    for what, ref in runs["reference"].items():
+        kernel, floor = relative(runs["kernel"][what], ref), relative(runs["floor"][what], ref)
+        if params_within is not None and what not in ("output", "dx"):
+            if kernel > params_within:
+                problems.append(f"bf16 {what}: kernel {kernel:.1e} (limit {params_within})")
+        elif kernel > KERNEL_FLOOR_FACTOR * floor + KERNEL_FLOOR_SLACK:
+            problems.append(f"bf16 {what}: kernel {kernel:.1e} vs bf16 floor {floor:.1e}")
+    return problems
 
 
 def _layer_run(student: HarnessForCausalLM, x: torch.Tensor) -> dict[str, torch.Tensor]:
