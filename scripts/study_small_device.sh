@@ -88,8 +88,10 @@ lane() {  # lane GPU JOB[/TAG]...: the jobs one after another on one GPU; a fail
       CUDA_VISIBLE_DEVICES=$gpu python3 -m harness.cli transfer "$file" --rank-layers ${RANK_ARGS:---sequences 8 \
         --seq-len 2048} ${OVERRIDES:-} $extra name="$n" output_dir="$S/$n" || { echo "lane $gpu: $n: ranking failed"; continue; }
     fi
+    # the evaluations along stage 3 share the lane's GPU (HARNESS_EVAL_GPU): on the host's CPU, where harness puts
+    # them by default, one took over 5 min for its perplexity alone and was unfinished when the lease ended
     # shellcheck disable=SC2086 # OVERRIDES and extra are lists of key=value words
-    if CUDA_VISIBLE_DEVICES=$gpu python3 -m harness.cli run "$file" ${OVERRIDES:-} \
+    if CUDA_VISIBLE_DEVICES=$gpu HARNESS_EVAL_GPU=${HARNESS_EVAL_GPU-$gpu} python3 -m harness.cli run "$file" ${OVERRIDES:-} \
          $extra name="$n" output_dir="$S/$n"; then
       touch "$S/$n/DONE"
     else

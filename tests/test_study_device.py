@@ -18,7 +18,7 @@ FAKE_PYTHON = """#!/bin/bash
 case " $* " in *" -m pytest "*) sleep "${FAKE_TESTS_S:-0}"; echo "fake GPU tests passed"; exit 0;; esac
 for a; do case $a in output_dir=*) d=${a#output_dir=};; esac; done
 [ -n "$d" ] || { echo "fake python3 $*"; exit 0; }  # `-c ...` and `data prepare` in setup
-mkdir -p "$d/eval" "$d/checkpoints"; echo "$@" >>"$d/calls"
+mkdir -p "$d/eval" "$d/checkpoints"; echo "$@" >>"$d/calls"; echo "${HARNESS_EVAL_GPU-unset}" >"$d/eval_gpu"
 for _ in $(seq $((${FAKE_RUN_S:-1} * 10))); do  # a stage checkpoints and exits 85 on a preemption request
   [ -e "$HARNESS_PREEMPT_FILE" ] && exit 85; sleep 0.1
 done
@@ -77,6 +77,7 @@ def test_detached_lanes_outlive_start_and_watch_waits_for_them(machine):
     assert time.monotonic() - t0 < 30  # returned when the lanes ended, not at WATCH_FOR
     for job in ("a", "b", "c"):
         assert (tree / f"runs/s/smollm2-135m-{job}/DONE").exists()
+        assert (tree / f"runs/s/smollm2-135m-{job}/eval_gpu").read_text().strip() == "0"  # the lane's GPU
     names = archived(env)
     assert "s/smollm2-135m-b/eval/report.json" in names and "s/smollm2-135m-c/DONE" in names
     assert not any("checkpoints" in n or n.endswith(".safetensors") for n in names)
