@@ -179,3 +179,103 @@ def test_a_windowed_student_saves_and_loads_with_its_window(tmp_path):
     ids = torch.randint(3, 97, (1, 11), generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
         torch.testing.assert_close(loaded(ids).logits, student(ids).logits, rtol=0, atol=0)
+
+
+# ------------------------------------------------------------------------------------------ which path computes it
+# The routing only: fla's kernel itself is checked against the blockwise form on a GPU (tests/gpu/test_window_gpu.py).
+
+from harness.mixers import kernels  # noqa: E402
+from harness.mixers import window as window_module  # noqa: E402
+
+MARK = 2.0  # what the stand-in kernel outputs everywhere: no blockwise output is constant
+
+
+@pytest.fixture
+def kernel_calls(monkeypatch):
+    """kernels.kernel_window_attention replaced by a recorder that outputs MARK; the list of what it was given."""
+    calls = []
+
+    def record(q, k, v, window, *, scale):
+        calls.append({"q": q, "k": k, "v": v, "window": window, "scale": scale})
+        return torch.full_like(q, MARK)
+
+    monkeypatch.setattr(kernels, "kernel_window_attention", record)
+    return calls
+
+
+@pytest.fixture
+def on_cuda(monkeypatch):
+    """The routing sees every tensor as a CUDA tensor."""
+    monkeypatch.setattr(window_module, "_on_cuda", lambda t: True)
+
+
+def blockwise_cases():
+    """name -> (whether tensors count as CUDA, window_attention's arguments): each a case the kernel does not take."""
+    q, k, v = qkv(length=12)
+    mask = torch.ones(2, 12, dtype=torch.bool)
+    mask[1, :4] = False
+    _, prior = window_attention(q[:, :5], k[:, :5], v[:, :5], 4, scale=0.3, want_cache=True)
+    wide = qkv(batch=1, length=5, heads=1, dim=kernels.WINDOW_KERNEL_MAX_HEAD_DIM + 32)
+    plain = {"q": q, "k": k, "v": v, "window": 4, "scale": 0.3, "backend": "kernel"}
+    return {
+        "cpu": (False, plain),
+        "reference backend": (True, {**plain, "backend": "reference"}),
+        "padding": (True, {**plain, "mask": mask}),
+        "a cache before": (True, {**plain, "q": q[:, 5:], "k": k[:, 5:], "v": v[:, 5:], "prior": prior}),
+        "softcap": (True, {**plain, "softcap": 5.0}),
+        "float64": (True, {**plain, "q": q.double(), "k": k.double(), "v": v.double()}),
+        "head_dim over the kernel's": (True, {**plain, "q": wide[0], "k": wide[1], "v": wide[2]}),
+    }
+
+
+@pytest.mark.parametrize("case", list(blockwise_cases()))
+def test_the_cases_the_kernel_does_not_take_stay_blockwise(case, kernel_calls, monkeypatch):
+    cuda, args = blockwise_cases()[case]
+    if cuda:
+        monkeypatch.setattr(window_module, "_on_cuda", lambda t: True)
+    args = dict(args)
+    q, k, v, window = args.pop("q"), args.pop("k"), args.pop("v"), args.pop("window")
+    out, _ = window_attention(q, k, v, window, **args)
+    assert kernel_calls == []
+    blockwise, _ = window_attention(q, k, v, window, **{**args, "backend": "reference"})
+    assert torch.equal(out, blockwise)
+
+
+@pytest.mark.parametrize("mask", [None, "all real"])
+def test_a_whole_unpadded_sequence_on_the_kernel_backend_goes_to_the_kernel(mask, kernel_calls, on_cuda):
+    """Rotated q and k (RoPE before the call), v as given, the window and the scale; the output in q's dtype; the
+    cache as the blockwise path makes it."""
+    q, k, v = (t.to(torch.bfloat16) for t in qkv(length=10))
+    rotate = rope_of(8)
+    mask = None if mask is None else torch.ones(2, 10, dtype=torch.bool)
+    out, cache = window_attention(q, k, v, 4, scale=0.3, rotate=rotate, mask=mask, want_cache=True, backend="kernel")
+    (call,) = kernel_calls
+    positions = torch.arange(10)
+    assert torch.equal(call["q"], rotate(q, positions)) and torch.equal(call["k"], rotate(k, positions))
+    assert torch.equal(call["v"], v) and call["window"] == 4 and call["scale"] == 0.3
+    assert out.dtype == torch.bfloat16 and torch.equal(out, torch.full_like(out, MARK))
+    _, expected = window_attention(q, k, v, 4, scale=0.3, rotate=rotate, want_cache=True, backend="reference")
+    for got, want in zip(cache, expected):
+        assert torch.equal(got, want)
+
+
+def test_an_unresolved_backend_is_refused_by_value():
+    q, k, v = qkv(length=4)
+    with pytest.raises(ValueError, match="backend='auto' is not one of kernel, reference"):
+        window_attention(q, k, v, 2, scale=1.0, backend="auto")
+
+
+def test_a_mixer_hands_its_resolved_backend_to_the_window(kernel_calls, on_cuda, monkeypatch):
+    """On the reference backend the window stays blockwise; where the mixer resolves to the kernel backend, its
+    window goes to the kernel (the recurrence stood in for: no fla on this machine)."""
+    from harness.mixers import MixerShape, mixer_class, mixer_options
+
+    shape = MixerShape(hidden_size=32, num_heads=4, num_kv_heads=2, head_dim=8)
+    layer = mixer_class("linear_attn")(shape, mixer_options("linear_attn", {"window": 4, "backend": "reference"}))
+    x = torch.randn(2, 9, 32, generator=torch.Generator().manual_seed(3))
+    layer(x)
+    assert kernel_calls == []
+    monkeypatch.setattr(layer, "backend_for", lambda x: "kernel")
+    monkeypatch.setattr(layer, "_mix", lambda x, q, k, v, prior, backend, mask=None: (torch.zeros_like(v), None))
+    layer(x)
+    assert len(kernel_calls) == 1 and kernel_calls[0]["window"] == 4

@@ -227,17 +227,20 @@ class Mixer(nn.Module):
             if rope is not None:
                 q, k = apply_rope(q, k, *rope)
         prior = state.recurrent if state is not None else None
-        o, recurrent = self._mix(x, q, k, v, prior, self.backend_for(x), mask=mask)
+        backend = self.backend_for(x)
+        o, recurrent = self._mix(x, q, k, v, prior, backend, mask=mask)
         heads = self._output(x, o).to(x.dtype)
         window = None
         if self.options.window:
-            local, window = self._window(projected, mask, state.window if state is not None else None, use_cache)
+            local, window = self._window(projected, mask, state.window if state is not None else None, use_cache,
+                                         backend)
             heads = local.to(x.dtype) + heads * self.window_gain.to(x.dtype)[:, None]
         return heads.flatten(2), (MixerState(recurrent, conv_state, window) if use_cache else None)
 
-    def _window(self, projected, mask, prior: Optional[WindowCache], use_cache: bool):
+    def _window(self, projected, mask, prior: Optional[WindowCache], use_cache: bool, backend: str):
         """The sliding-window softmax attention `[B, T, H, D]` over the teacher's q, k (RoPE'd here), v, with the
-        teacher's scale and soft-capping, and its new cache if use_cache."""
+        teacher's scale and soft-capping, and its new cache if use_cache; on the resolved `backend` (fla's kernel
+        where harness.mixers.window says it applies)."""
         q, k, v = (self._heads(t) for t in projected)
         rotate = None
         if self.window_rotary is not None:
@@ -248,7 +251,8 @@ class Mixer(nn.Module):
                 return rotate_half_rope(t, cos, sin)
 
         return window_attention(q, k, v, self.options.window, scale=self.shape.attention_scale, mask=mask,
-                                prior=prior, want_cache=use_cache, rotate=rotate, softcap=self.shape.softcap)
+                                prior=prior, want_cache=use_cache, rotate=rotate, softcap=self.shape.softcap,
+                                backend=backend)
 
     def project_qkv(self, x, state: Optional[MixerState], use_cache: bool, mask: Optional[torch.Tensor] = None,
                     projected: Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = None):

@@ -1,6 +1,7 @@
 """GPU kernel path of the recurrences in docs/RECURRENCES.md: fla.ops for the gated-delta family (gated
-DeltaProduct included), RWKV-7's DPLR delta rule and gated slot attention, mlstm_kernels for the mLSTM. CUDA only;
-the PyTorch reference (harness.mixers.recurrence) is the oracle.
+DeltaProduct included), RWKV-7's DPLR delta rule and gated slot attention, mlstm_kernels for the mLSTM; and of
+the sliding window of `options.window` (fla's parallel_attn). CUDA only; the PyTorch references
+(harness.mixers.recurrence, harness.mixers.window) are the oracles.
 
 Nothing here imports fla, triton or mlstm_kernels at module import time: this module is imported on CPU
 machines (CI) where triton does not exist. The kernel libraries are imported inside the functions.
@@ -418,6 +419,33 @@ def kernel_gated_delta(q, k, v, g=None, beta=None, *, scale: float, initial_stat
                                "usable nvcc) or triton >= 3.7.1 lifts it; or set HARNESS_FLA_ROUTES to another route "
                                "(see harness.mixers.kernels), or use backend='reference'.") from exc
         raise
+
+
+# ----------------------------------------------------------------------------------------------------------
+# sliding-window softmax attention (options.window) -> fla.ops.attn
+
+WINDOW_KERNEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+WINDOW_KERNEL_MAX_HEAD_DIM = 256  # parallel_attn holds a whole head of q and k in one block (its NK == 1 assert)
+
+
+def kernel_window_attention(q, k, v, window: int, *, scale: float) -> torch.Tensor:
+    """Causal sliding-window softmax attention through fla's parallel_attn (flash-style: no score matrix is kept):
+    query t attends to keys t - window + 1 .. t. q `[B, T, HQ, D]`, k and v `[B, T, H, D]` with HQ divisible by H
+    (GQA), cast to q's dtype (bf16, fp16 or fp32; fp32 dots may round to TF32, Triton's default); the output in
+    q's dtype. fla dispatches the call to its TileLang backend where that is usable on Hopper, else to Triton.
+    Raises KernelUnavailable off CUDA or without fla/triton."""
+    _require("fla", q, k, v, fn="kernel_window_attention")
+    if q.dtype not in WINDOW_KERNEL_DTYPES:
+        raise ValueError(f"kernel_window_attention: q.dtype={q.dtype} is not one of {WINDOW_KERNEL_DTYPES}")
+    if q.shape[-1] > WINDOW_KERNEL_MAX_HEAD_DIM:
+        raise ValueError(f"kernel_window_attention: head_dim={q.shape[-1]} is over parallel_attn's "
+                         f"{WINDOW_KERNEL_MAX_HEAD_DIM}")
+    if window < 1:
+        raise ValueError(f"kernel_window_attention: window={window} must be >= 1")
+    from fla.ops.attn.parallel import parallel_attn
+
+    o = parallel_attn(q, k.to(q.dtype), v.to(q.dtype), scale=scale, window_size=window)
+    return o.to(q.dtype)
 
 
 # ----------------------------------------------------------------------------------------------------------

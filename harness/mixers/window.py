@@ -10,6 +10,11 @@ every call rotates its keys and queries by their place in the window it sees, an
 
 Padding: a masked token is no key for anyone. Padding sits before a row's first token (left) or after its last
 (right), so the distance in positions between two real tokens is their distance in the row.
+
+Which path computes it: on the kernel backend, for CUDA tensors of a whole unpadded sequence (no cache before it,
+no padding, no soft-capping), fla's flash-style parallel_attn (`kernels.kernel_window_attention`: the training
+case); everything else (the reference backend, CPU, padding, decoding with a cache, Gemma 2's soft-capping) the
+blockwise PyTorch form here, which is the reference.
 """
 
 from __future__ import annotations
@@ -19,6 +24,9 @@ from typing import Callable, NamedTuple, Optional
 
 import torch
 
+from harness.mixers import kernels
+
+RESOLVED_BACKENDS = ("kernel", "reference")
 Rotate = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (x [B, L, H, D], positions [L]) -> x rotated
 
 
@@ -34,14 +42,20 @@ class WindowCache(NamedTuple):
 def window_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int, *, scale: float,
                      mask: Optional[torch.Tensor] = None, prior: Optional[WindowCache] = None,
                      want_cache: bool = False, rotate: Optional[Rotate] = None, softcap: Optional[float] = None,
-                     ) -> tuple[torch.Tensor, Optional[WindowCache]]:
+                     backend: str = "reference") -> tuple[torch.Tensor, Optional[WindowCache]]:
     """q, k, v `[B, T, H, D]` (K/V heads already expanded, q and k before RoPE) -> (o `[B, T, H, D]` in q's dtype, the
     cache after the last token if `want_cache`). mask: bool `[B, T]`, False at padding. prior: the cache of the tokens
     before these, whose keys count as the earliest of the window. rotate: RoPE, applied here to the keys (cached and
     new) at positions 0.. and to the queries at theirs; None for none. softcap: the scores' tanh soft-capping,
-    cap * tanh(s / cap) (Gemma 2's attn_logit_softcapping), None for none. Softmax in float32."""
+    cap * tanh(s / cap) (Gemma 2's attn_logit_softcapping), None for none. backend: the resolved backend
+    ('kernel' or 'reference', `kernels.resolve_backend`); on 'kernel' fla's kernel computes the cases it takes
+    (`_kernel_takes`), else the blockwise form, softmax in float32."""
     if window < 1:
         raise ValueError(f"window={window} must be >= 1")
+    if backend not in RESOLVED_BACKENDS:
+        raise ValueError(f"backend={backend!r} is not one of {', '.join(RESOLVED_BACKENDS)} (a resolved backend: "
+                         "see harness.mixers.kernels.resolve_backend)")
+    on_kernel = _kernel_takes(q, backend, mask=mask, prior=prior, softcap=softcap)
     batch, length, heads, dim = q.shape
     valid = torch.ones(batch, length, dtype=torch.bool, device=q.device) if mask is None else mask.bool()
     if prior is not None:  # the cached keys come first: the window of the first new tokens reaches into them
@@ -52,7 +66,22 @@ def window_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: 
     if rotate is not None:
         positions = torch.arange(k.shape[1], device=q.device)
         q, k = rotate(q, positions[past:]), rotate(k, positions)
+    if on_kernel:
+        return kernels.kernel_window_attention(q, k, v, window, scale=scale).to(q.dtype), cache
     return _blockwise(q, k, v, valid, window, scale, past, softcap).to(q.dtype), cache
+
+
+def _on_cuda(t: torch.Tensor) -> bool:
+    return t.is_cuda
+
+
+def _kernel_takes(q, backend: str, *, mask, prior, softcap) -> bool:
+    """Whether fla's parallel_attn computes this window: the kernel backend, CUDA tensors in a dtype it takes and a
+    head_dim it holds, no cache before these tokens, no soft-capping, and no padding (mask None or all True; the
+    check of a mask's values, a host sync, comes last)."""
+    return (backend == "kernel" and prior is None and softcap is None and _on_cuda(q)
+            and q.dtype in kernels.WINDOW_KERNEL_DTYPES and q.shape[-1] <= kernels.WINDOW_KERNEL_MAX_HEAD_DIM
+            and (mask is None or bool(mask.all())))
 
 
 def _blockwise(q, k, v, valid, window: int, scale: float, past: int, softcap: Optional[float] = None) -> torch.Tensor:
