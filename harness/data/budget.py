@@ -162,8 +162,8 @@ class BudgetReport:
     def _format_sources(self) -> list[str]:
         """The mix's per-source table: weight, exact share, sequences per stage, tokens, what it holds, passes."""
         names = [s.stage for s in self.stages]
-        lines = [f"# data mix: sequences per source and stage (each stage: every source within one sequence of its "
-                 f"share at every point)",
+        lines = ["# data mix: sequences per source and stage (each stage: every source within one sequence of its "
+                 "share at every point)",
                  f"  {'source':<28}{'weight':>8}{'share':>9}" + "".join(f"{n:>14}" for n in names)
                  + f"{'tokens':>15}{'holds':>12}{'passes':>8}"]
         for s in self.sources:

@@ -242,17 +242,15 @@ class Mixer(nn.Module):
         teacher's scale and soft-capping, and its new cache if use_cache; on the resolved `backend` (fla's kernel
         where harness.mixers.window says it applies)."""
         q, k, v = (self._heads(t) for t in projected)
-        rotate = None
-        if self.window_rotary is not None:
-            rotary = self.window_rotary
-
-            def rotate(t: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-                cos, sin = rotary(t, positions[None])
-                return rotate_half_rope(t, cos, sin)
-
+        rotate = self._rotate_for_window if self.window_rotary is not None else None
         return window_attention(q, k, v, self.options.window, scale=self.shape.attention_scale, mask=mask,
                                 prior=prior, want_cache=use_cache, rotate=rotate, softcap=self.shape.softcap,
                                 backend=backend)
+
+    def _rotate_for_window(self, t: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """The teacher's RoPE (`window_rotary`) on t `[B, L, H, D]` at positions `[L]`."""
+        cos, sin = self.window_rotary(t, positions[None])
+        return rotate_half_rope(t, cos, sin)
 
     def project_qkv(self, x, state: Optional[MixerState], use_cache: bool, mask: Optional[torch.Tensor] = None,
                     projected: Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = None):
