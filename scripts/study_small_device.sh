@@ -14,6 +14,7 @@
 # GPU_TESTS="pytest arguments" also runs those GPU tests on the last GPU beside the lanes (log: RUNS/gpu_tests.log,
 # copied to $OUT); the lanes' end does not wait for them (`watch` says when they still run). `start` fails (exit 5)
 # while lanes it started earlier still run, so that `start && watch` never waits on lanes it did not start.
+# GPU_TESTS is split on spaces: a quoted filter goes through PYTEST_ADDOPTS, e.g. PYTEST_ADDOPTS="-k 'kda or mlstm'".
 # HARNESS_DECODE_GRAPHS=0 makes the evaluations decode eagerly (harness/decoding.py).
 # A job with `student.attention_layers: auto:K` (a hybrid) is ranked first, once: `harness transfer --rank-layers`
 # with RANK_ARGS (default "--sequences 8 --seq-len 2048"), into the run's ranking/ (it comes back with the results),
