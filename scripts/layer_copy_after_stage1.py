@@ -51,13 +51,16 @@ def last_stage1_loss(run: Path, layer: int) -> float | None:
     return losses[-1] if losses else None
 
 
-def measure(job: str, layer: int, tokens: int, seed: int, work: Path, device: str, sequences: int) -> dict[str, Any]:
+def measure(job: str, layer: int, tokens: int, seed: int, work: Path, device: str, sequences: int,
+            allow_repeat: bool = False) -> dict[str, Any]:
     """Train (tokens > 0) and score one run; tokens == 0 scores the layer at its initialisation."""
     run = work / f"{Path(job).stem}-L{layer}-t{tokens}-s{seed}"
     common = [f"output_dir={run}", f"run.device={device}", f"seed={seed}"]
     started = time.time()
     if tokens > 0:
-        harness("stage", "align-mixer", job, "--layers", str(layer), f"stages.align_mixer.tokens={tokens}", *common)
+        repeat = ["data.allow_repeat=true"] if allow_repeat else []
+        harness("stage", "align-mixer", job, "--layers", str(layer), f"stages.align_mixer.tokens={tokens}", *repeat,
+                *common)
     trained = time.time() - started
     harness("transfer", "--rank-layers", job, "--rank-by", "copy", "--layers", str(layer), "--seq-len", "128",
             "--sequences", str(sequences), *common)
@@ -101,9 +104,14 @@ def main() -> None:
     p.add_argument("--device", default="cpu", help="run.device for every command (default cpu).")
     p.add_argument("--work", type=Path, default=Path("runs/layer-copy"), help="Folder for the runs.")
     p.add_argument("--out", type=Path, required=True, help="Writes OUT.json and OUT.md.")
+    p.add_argument("--allow-repeat", action="store_true",
+                   help="data.allow_repeat=true for the training: a stage-1 budget above the job's own makes its plan\n"
+                        "read past the data in stage 3, which this script never runs (stage 1 reads the first\n"
+                        "sequences either way). It is part of a run's settings: runs made without it are refused\n"
+                        "with it, so give the budgets that need it a call of their own.")
     a = p.parse_args()
     rows = [measure(a.job[0], a.layer, 0, 0, a.work, a.device, a.sequences)]
-    rows += [measure(job, a.layer, t, s, a.work, a.device, a.sequences)
+    rows += [measure(job, a.layer, t, s, a.work, a.device, a.sequences, a.allow_repeat)
              for job in a.job for t in a.tokens if t > 0 for s in a.seeds]
     command = " ".join(["python", "scripts/layer_copy_after_stage1.py", *sys.argv[1:]])
     a.out.parent.mkdir(parents=True, exist_ok=True)
