@@ -175,6 +175,10 @@ STUDY_50M_EXTRA = {  # name suffix -> (seed, options, recipe, what it is, more s
     "hybrid2-kl": (0, {}, OURS_50M, "a hybrid, 2 of 30 layers kept as softmax attention (auto:2:kl)",
                    "\n  attention_layers: auto:2:kl   # the 2 costliest by end-to-end KL "
                    "(RUN/ranking/layer_ranking.json)"),
+    # issue 52: the gate-granularity sweep between Gated DeltaNet (one decay gate per head, the plain job) and KDA's
+    # recurrence (one per key channel), as the paper authors' release sweeps it (docs/RECURRENCES.md)
+    "decay16": (0, {"decay_group_size": "16"}, OURS_50M, "one decay gate per 16 key channels (4 per head)", ""),
+    "decay1": (0, {"decay_group_size": "1"}, OURS_50M, "one decay gate per key channel (KDA's granularity)", ""),
 }
 
 

@@ -84,8 +84,8 @@ def _as_dict(job) -> dict:
 
 
 def test_the_50m_study_is_one_recipe_and_matches_its_generator():
-    """jobs/study-small-50m/: the seven mixers, gated_deltanet's second seed, its authors'-init ablation and its
-    hybrids (2 layers kept, by either ranking measure), one
+    """jobs/study-small-50m/: the seven mixers, gated_deltanet's second seed, its authors'-init ablation, its
+    hybrids (2 layers kept, by either ranking measure) and its decay-gate granularity sweep, one
     recipe at >= 50M tokens on the mixed corpus; the files are what scripts/make_study_jobs.py writes."""
     from harness.transfer import authors_options
 
@@ -95,8 +95,12 @@ def test_the_50m_study_is_one_recipe_and_matches_its_generator():
     assert {p.name: p.read_text() for p in folder.glob("*.yaml")} == expected
     base = "smollm2-135m-gated_deltanet-50m"
     assert set(expected) == {f"smollm2-135m-{m}-50m.yaml" for m in MIXERS} | {
-        f"{base}-seed2.yaml", f"{base}-authors-init.yaml", f"{base}-hybrid2.yaml", f"{base}-hybrid2-kl.yaml"}
+        f"{base}-seed2.yaml", f"{base}-authors-init.yaml", f"{base}-hybrid2.yaml", f"{base}-hybrid2-kl.yaml",
+        f"{base}-decay16.yaml", f"{base}-decay1.yaml"}
     jobs = {name: load_job(folder / name) for name in expected}
+    # the gate-granularity sweep (issue 52): the plain job (unset: one gate per head), 16 key channels, one
+    assert [jobs[f"{base}{s}.yaml"].student.options.get("decay_group_size") for s in ("", "-decay16", "-decay1")] == [
+        None, 16, 1]
 
     def recipe(job):
         d = _as_dict(job)
