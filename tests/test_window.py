@@ -279,3 +279,24 @@ def test_a_mixer_hands_its_resolved_backend_to_the_window(kernel_calls, on_cuda,
     monkeypatch.setattr(layer, "_mix", lambda x, q, k, v, prior, backend, mask=None: (torch.zeros_like(v), None))
     layer(x)
     assert len(kernel_calls) == 1 and kernel_calls[0]["window"] == 4
+
+
+def test_window_backend_blockwise_keeps_the_window_off_the_kernel(kernel_calls, on_cuda, monkeypatch):
+    """`window_backend: blockwise` sends the window to the PyTorch form even where the mixer runs on the kernel
+    backend (the fallback a lease takes if the kernel's window disagrees with the blockwise form)."""
+    from harness.mixers import MixerShape, mixer_class, mixer_options
+
+    shape = MixerShape(hidden_size=32, num_heads=4, num_kv_heads=2, head_dim=8)
+    options = mixer_options("linear_attn", {"window": 4, "window_backend": "blockwise"})
+    layer = mixer_class("linear_attn")(shape, options)
+    monkeypatch.setattr(layer, "backend_for", lambda x: "kernel")
+    monkeypatch.setattr(layer, "_mix", lambda x, q, k, v, prior, backend, mask=None: (torch.zeros_like(v), None))
+    layer(torch.randn(2, 9, 32, generator=torch.Generator().manual_seed(3)))
+    assert kernel_calls == []
+
+
+def test_a_bad_window_backend_is_refused_by_value():
+    from harness.mixers import mixer_options
+
+    with pytest.raises(ValueError, match="window_backend='flash' is not one of auto, blockwise"):
+        mixer_options("gla", {"window": 4, "window_backend": "flash"})

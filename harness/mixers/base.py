@@ -21,7 +21,7 @@ from harness.layouts import layer_rope, norm_class
 from harness.mixers.kernel_case import KernelCase
 from harness.mixers.kernels import resolve_backend
 from harness.mixers.ops import apply_rope, expand_kv, l2norm, rotate_half_rope
-from harness.mixers.window import WindowCache, window_attention
+from harness.mixers.window import WINDOW_BACKENDS, WindowCache, window_attention
 
 
 @dataclass
@@ -108,6 +108,11 @@ class MixerOptions:
     backend: str = field(
         default="auto", metadata={"help": "auto (kernel on CUDA, else reference), kernel or reference."}
     )
+    window_backend: str = field(
+        default="auto", metadata={"help": "With a window: auto (fla's parallel_attn kernel where the mixer's backend "
+                                  "is the kernel and the rows are unpadded, else the PyTorch blockwise form) or "
+                                  "blockwise (always the PyTorch form, softmax in float32: slower, and what the "
+                                  "kernel is checked against in tests/gpu/test_window_gpu.py)."})
     output_scale: str = field(
         default="fit", metadata={"help": "How stage 1 sets the scale of the heads' output before it trains: fit "
                                  "(on its first batch, each channel of o_proj's input gets the least-squares scale "
@@ -117,6 +122,7 @@ class MixerOptions:
 
     def __post_init__(self) -> None:
         self.check_choice("backend", ("auto", "kernel", "reference"))
+        self.check_choice("window_backend", WINDOW_BACKENDS)
         if self.chunk_size < 1:
             raise ValueError(f"chunk_size={self.chunk_size} must be >= 1")
         self.check_choice("output_scale", OUTPUT_SCALES)
@@ -245,7 +251,7 @@ class Mixer(nn.Module):
         rotate = self._rotate_for_window if self.window_rotary is not None else None
         return window_attention(q, k, v, self.options.window, scale=self.shape.attention_scale, mask=mask,
                                 prior=prior, want_cache=use_cache, rotate=rotate, softcap=self.shape.softcap,
-                                backend=backend)
+                                backend="reference" if self.options.window_backend == "blockwise" else backend)
 
     def _rotate_for_window(self, t: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """The teacher's RoPE (`window_rotary`) on t `[B, L, H, D]` at positions `[L]`."""

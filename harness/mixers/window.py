@@ -13,8 +13,8 @@ Padding: a masked token is no key for anyone. Padding sits before a row's first 
 
 Which path computes it: on the kernel backend, for CUDA tensors of a whole unpadded sequence (no cache before it,
 no padding, no soft-capping), fla's flash-style parallel_attn (`kernels.kernel_window_attention`: the training
-case); everything else (the reference backend, CPU, padding, decoding with a cache, Gemma 2's soft-capping) the
-blockwise PyTorch form here, which is the reference.
+case); everything else (the reference backend, CPU, padding, decoding with a cache, Gemma 2's soft-capping, and a
+mixer whose `window_backend` is blockwise) the blockwise PyTorch form here, which is the reference.
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ import torch
 from harness.mixers import kernels
 
 RESOLVED_BACKENDS = ("kernel", "reference")
+WINDOW_BACKENDS = ("auto", "blockwise")  # a mixer's `window_backend` option: auto routes as below; blockwise never
 Rotate = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (x [B, L, H, D], positions [L]) -> x rotated
 
 
