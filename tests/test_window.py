@@ -211,11 +211,11 @@ def on_cuda(monkeypatch):
 
 def blockwise_cases():
     """name -> (whether tensors count as CUDA, window_attention's arguments): each a case the kernel does not take."""
-    q, k, v = qkv(length=12)
+    q, k, v = (t.to(torch.bfloat16) for t in qkv(length=12))  # a dtype the kernel takes: each case has one reason
     mask = torch.ones(2, 12, dtype=torch.bool)
     mask[1, :4] = False
     _, prior = window_attention(q[:, :5], k[:, :5], v[:, :5], 4, scale=0.3, want_cache=True)
-    wide = qkv(batch=1, length=5, heads=1, dim=kernels.WINDOW_KERNEL_MAX_HEAD_DIM + 32)
+    wide = [t.to(torch.bfloat16) for t in qkv(batch=1, length=5, heads=1, dim=kernels.WINDOW_KERNEL_MAX_HEAD_DIM + 32)]
     plain = {"q": q, "k": k, "v": v, "window": 4, "scale": 0.3, "backend": "kernel"}
     return {
         "cpu": (False, plain),
@@ -224,6 +224,7 @@ def blockwise_cases():
         "a cache before": (True, {**plain, "q": q[:, 5:], "k": k[:, 5:], "v": v[:, 5:], "prior": prior}),
         "softcap": (True, {**plain, "softcap": 5.0}),
         "float64": (True, {**plain, "q": q.double(), "k": k.double(), "v": v.double()}),
+        "float32": (True, {**plain, "q": q.float(), "k": k.float(), "v": v.float()}),
         "head_dim over the kernel's": (True, {**plain, "q": wide[0], "k": wide[1], "v": wide[2]}),
     }
 
@@ -271,8 +272,9 @@ def test_a_mixer_hands_its_resolved_backend_to_the_window(kernel_calls, on_cuda,
     from harness.mixers import MixerShape, mixer_class, mixer_options
 
     shape = MixerShape(hidden_size=32, num_heads=4, num_kv_heads=2, head_dim=8)
-    layer = mixer_class("linear_attn")(shape, mixer_options("linear_attn", {"window": 4, "backend": "reference"}))
-    x = torch.randn(2, 9, 32, generator=torch.Generator().manual_seed(3))
+    options = mixer_options("linear_attn", {"window": 4, "backend": "reference"})
+    layer = mixer_class("linear_attn")(shape, options).to(torch.bfloat16)  # a dtype the window's kernel takes
+    x = torch.randn(2, 9, 32, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
     layer(x)
     assert kernel_calls == []
     monkeypatch.setattr(layer, "backend_for", lambda x: "kernel")
@@ -288,10 +290,10 @@ def test_window_backend_blockwise_keeps_the_window_off_the_kernel(kernel_calls, 
 
     shape = MixerShape(hidden_size=32, num_heads=4, num_kv_heads=2, head_dim=8)
     options = mixer_options("linear_attn", {"window": 4, "window_backend": "blockwise"})
-    layer = mixer_class("linear_attn")(shape, options)
+    layer = mixer_class("linear_attn")(shape, options).to(torch.bfloat16)
     monkeypatch.setattr(layer, "backend_for", lambda x: "kernel")
     monkeypatch.setattr(layer, "_mix", lambda x, q, k, v, prior, backend, mask=None: (torch.zeros_like(v), None))
-    layer(torch.randn(2, 9, 32, generator=torch.Generator().manual_seed(3)))
+    layer(torch.randn(2, 9, 32, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16))
     assert kernel_calls == []
 
 

@@ -424,15 +424,16 @@ def kernel_gated_delta(q, k, v, g=None, beta=None, *, scale: float, initial_stat
 # ----------------------------------------------------------------------------------------------------------
 # sliding-window softmax attention (options.window) -> fla.ops.attn
 
-WINDOW_KERNEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+# Not float32: on Hopper fla sends parallel_attn to its TileLang backend, which fails to compile float32 inputs
+# ("Layout infer conflict between b_s and b_p", H100, 2026-12-05); float32 windows take the blockwise form.
+WINDOW_KERNEL_DTYPES = (torch.bfloat16, torch.float16)
 WINDOW_KERNEL_MAX_HEAD_DIM = 256  # parallel_attn holds a whole head of q and k in one block (its NK == 1 assert)
 
 
 def kernel_window_attention(q, k, v, window: int, *, scale: float) -> torch.Tensor:
     """Causal sliding-window softmax attention through fla's parallel_attn (flash-style: no score matrix is kept):
     query t attends to keys t - window + 1 .. t. q `[B, T, HQ, D]`, k and v `[B, T, H, D]` with HQ divisible by H
-    (GQA), cast to q's dtype (bf16, fp16 or fp32; fp32 dots may round to TF32, Triton's default); the output in
-    q's dtype. fla dispatches the call to its TileLang backend where that is usable on Hopper, else to Triton.
+    (GQA), cast to q's dtype (bf16 or fp16: WINDOW_KERNEL_DTYPES); the output in q's dtype. fla dispatches the call to its TileLang backend where that is usable on Hopper, else to Triton.
     Raises KernelUnavailable off CUDA or without fla/triton."""
     _require("fla", q, k, v, fn="kernel_window_attention")
     if q.dtype not in WINDOW_KERNEL_DTYPES:
