@@ -18,7 +18,8 @@ import harness
 from harness.cli import main
 from harness.config import ConfigError, load_job
 from harness.mixers import MIXERS, mixer_class, register_mixer
-from harness.mixers.contract import FAIL, PASS, PROPERTIES, kernel_errors, run_contract
+from harness.mixers.contract import (FAIL, KERNEL_FLOOR_LIMIT, PASS, PROPERTIES, Subject, bf16_floor, kernel_errors,
+                                     run_contract)
 from harness.mixers.registry import MixerRegistry
 from harness.plain_engine import param_groups
 
@@ -176,18 +177,35 @@ def test_no_weight_decay_marks_reach_the_optimizer_groups_after_from_pretrained(
         assert id(by_name["model.layers.0.mixer.q_proj.weight"]) in decay
 
 
-def test_kernel_errors_hold_output_and_input_gradient_to_the_floor_and_parameter_gradients_to_a_bound():
-    """The bf16 part of kernel_matches_reference on made-up runs: relative errors are ||kernel - ref|| / ||ref||."""
+def test_kernel_errors_hold_every_tensor_to_twice_the_bf16_floor_plus_the_slack():
+    """kernel_matches_reference's rule on made-up runs (relative errors ||kernel - ref|| / ||ref||): a tensor fails
+    once its error passes 2 x the reference's own bf16 error + 0.03, and the message names both."""
     ref = {"output": torch.ones(8), "dx": torch.ones(8), "dA_log": torch.ones(8)}
 
     def runs(kernel_err, floor_err):
         return {"reference": ref, "kernel": {k: v * (1 + kernel_err[k]) for k, v in ref.items()},
                 "floor": {k: v * (1 + floor_err) for k, v in ref.items()}}
 
-    fine = runs({"output": 0.02, "dx": 0.02, "dA_log": 0.3}, floor_err=0.01)
-    assert kernel_errors(fine, params_within=0.5) == []
-    assert kernel_errors(fine) == ["bf16 dA_log: kernel 3.0e-01 vs bf16 floor 1.0e-02"]  # no fp32 run: the floor
-    assert kernel_errors(runs({"output": 0.02, "dx": 0.02, "dA_log": 0.6}, 0.01), params_within=0.5) == [
-        "bf16 dA_log: kernel 6.0e-01 (limit 0.5)"]
-    assert kernel_errors(runs({"output": 0.03, "dx": 0.02, "dA_log": 0.1}, 0.01), params_within=0.5) == [
-        "bf16 output: kernel 3.0e-02 vs bf16 floor 1.0e-02"]
+    assert kernel_errors(runs({"output": 0.02, "dx": 0.04, "dA_log": 0.049}, floor_err=0.01)) == []
+    assert kernel_errors(runs({"output": 0.02, "dx": 0.02, "dA_log": 0.06}, floor_err=0.01)) == [
+        "dA_log: kernel 6.0e-02 vs bf16 floor 1.0e-02 (limit 2 x floor + 0.03)"]
+    assert kernel_errors(runs({"output": 0.3, "dx": 0.02, "dA_log": 0.02}, floor_err=0.1)) == [
+        "output: kernel 3.0e-01 vs bf16 floor 1.0e-01 (limit 2 x floor + 0.03)"]
+
+
+ILL_CONDITIONED = {  # mixers whose reference is far from itself in bf16 at every input scale tried (x 0.1-0.5)
+    "hedgehog": "its learned feature maps' gradients (dfeature_k, dk_proj) are 0.14-0.54 off in bf16, so the "
+                "property's limit there (2 x floor + 0.03) checks little of them",
+}
+
+
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.xfail(reason=ILL_CONDITIONED[n], strict=True))
+                                  if n in ILL_CONDITIONED else n for n in MIXERS])
+def test_the_kernel_property_compares_at_inputs_where_bf16_is_a_small_error(name):
+    """At kernel_matches_reference's inputs the reference's own bf16 run stays within KERNEL_FLOOR_LIMIT of its fp32
+    run for every compared tensor of a registered mixer (CPU): the property's limit (2 x floor + 0.03) is then
+    <= 0.23, below what a wrong kernel wiring does. At the inputs it used before (x ~ N(0, 1), offsets 0.2),
+    mlstm's and mamba2's floors were 0.45 and 1.3 (docs/results/contract-h100-2026-12-05/README.md)."""
+    floors = bf16_floor(Subject(name))
+    assert floors["output"] > 0, "the bf16 run equals the fp32 one: the comparison is not in bf16"
+    assert max(floors.values()) < KERNEL_FLOOR_LIMIT, {k: f"{v:.1e}" for k, v in floors.items() if v >= 1e-2}

@@ -107,9 +107,8 @@ def test_each_query_sees_exactly_its_window(dtype, window, kernel_calls):
 def test_a_gated_deltanet_layer_with_a_window_matches_its_reference_backend(kernel_calls):
     """The mixer contract's GPU property (harness.mixers.contract.kernel_matches_reference: SmolLM2-135M's head
     layout, 9 query heads over 3 KV heads, x [2, 512, 576], the teacher's RoPE on the window, window_gain moved off
-    0 so that window and recurrence both count): the kernel backend within the property's bounds. The window's
-    kernel runs once, in the bf16 kernel student's forward: the fp32 kernel student's window, like the reference
-    students', takes the blockwise form."""
+    0 so that window and recurrence both count): the kernel backend in bf16 within the property's bounds. The
+    window's kernel runs once, in the kernel student's forward; the reference students' windows are blockwise."""
     from harness.mixers.contract import PASS, SKIP, run_contract
 
     (outcome,) = run_contract("gated_deltanet", {"window": 16}, only=["kernel_matches_reference"])
