@@ -3,7 +3,8 @@
 harness.mixers.contract.kernel_matches_reference compares a kernel student with the reference student in fp32, and
 with the reference run in bf16 (the "bf16 floor"). On an H100 (2026-12-05, docs/results/contract-h100-2026-12-05),
 at the inputs it then used (x ~ N(0, 1), new parameters 0.2 off their init: this script's defaults; the property
-now uses --scale 0.1 --std 0.05, which this script's --sweep chose) kda, mlstm and mamba2 failed, and some floors were 0.45 (mlstm dk_proj) and 1.3 (mamba2 dD). This script runs the
+now uses --scale 0.1 --std 0.05, which this script's --sweep chose) kda, mlstm and mamba2 failed, and some floors
+were 0.45 (mlstm dk_proj) and 1.3 (mamba2 dD). This script runs the
 SAME reference student (the contract's Subject, tiny_teacher, weights and x; its `_layer_run` and `relative`) on
 CPU in float64, float32 and bfloat16, and three emulations of the kernel backend's "fp32" run, whose q, k, v are
 bf16: harness.mixers.kernels._compute_dtype maps float32 to bfloat16 for every fla route and for mlstm_kernels, so
@@ -269,7 +270,7 @@ def main() -> None:
             setting = f"seed {args.seed}, T={args.length}, x*{args.scale}, std {args.std}"
             table(f"{name} ({setting}; {time.time() - start:.0f} s)", errs)
             gate = gate_identity(student, x, name)
-            print(f"gate gradient by the kernels' identity, dq and dk rounded to bf16: "
+            print("gate gradient by the kernels' identity, dq and dk rounded to bf16: "
                   + ", ".join(f"{w} {e:.2e}" for w, e in gate.items()))
             if name == "mlstm":
                 for label, numbers in mlstm_conventions(student, x).items():

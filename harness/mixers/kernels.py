@@ -433,7 +433,8 @@ WINDOW_KERNEL_MAX_HEAD_DIM = 256  # parallel_attn holds a whole head of q and k 
 def kernel_window_attention(q, k, v, window: int, *, scale: float) -> torch.Tensor:
     """Causal sliding-window softmax attention through fla's parallel_attn (flash-style: no score matrix is kept):
     query t attends to keys t - window + 1 .. t. q `[B, T, HQ, D]`, k and v `[B, T, H, D]` with HQ divisible by H
-    (GQA), cast to q's dtype (bf16 or fp16: WINDOW_KERNEL_DTYPES); the output in q's dtype. fla dispatches the call to its TileLang backend where that is usable on Hopper, else to Triton.
+    (GQA), cast to q's dtype (bf16 or fp16: WINDOW_KERNEL_DTYPES); the output in q's dtype. fla dispatches the
+    call to its TileLang backend where that is usable on Hopper, else to Triton.
     Raises KernelUnavailable off CUDA or without fla/triton."""
     _require("fla", q, k, v, fn="kernel_window_attention")
     if q.dtype not in WINDOW_KERNEL_DTYPES:

@@ -11,9 +11,9 @@ every call rotates its keys and queries by their place in the window it sees, an
 Padding: a masked token is no key for anyone. Padding sits before a row's first token (left) or after its last
 (right), so the distance in positions between two real tokens is their distance in the row.
 
-Which path computes it: on the kernel backend, for bf16 or fp16 CUDA tensors of a whole unpadded sequence (no cache
-before it, no padding, no soft-capping), fla's flash-style parallel_attn (`kernels.kernel_window_attention`: the training
-case); everything else (the reference backend, CPU, padding, decoding with a cache, Gemma 2's soft-capping, and a
+Which path computes it: on the kernel backend, for bf16 or fp16 CUDA tensors of a whole unpadded sequence (no
+cache before it, no padding, no soft-capping), fla's flash-style parallel_attn (`kernels.kernel_window_attention`:
+the training case); everything else (the reference backend, CPU, padding, decoding with a cache, Gemma 2's soft-capping, and a
 mixer whose `window_backend` is blockwise) the blockwise PyTorch form here, which is the reference.
 """
 
