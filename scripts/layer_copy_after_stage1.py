@@ -52,8 +52,8 @@ def last_stage1_loss(run: Path, layer: int) -> float | None:
 
 
 def measure(job: str, layer: int, tokens: int, seed: int, work: Path, device: str, sequences: int,
-            allow_repeat: bool = False) -> dict[str, Any]:
-    """Train (tokens > 0) and score one run; tokens == 0 scores the layer at its initialisation."""
+            allow_repeat: bool = False, lengths: tuple[int, ...] = (64,)) -> list[dict[str, Any]]:
+    """Train (tokens > 0) and score one run at each copy length; tokens == 0 scores the layer at its initialisation."""
     run = work / f"{Path(job).stem}-L{layer}-t{tokens}-s{seed}"
     common = [f"output_dir={run}", f"run.device={device}", f"seed={seed}"]
     started = time.time()
@@ -62,16 +62,19 @@ def measure(job: str, layer: int, tokens: int, seed: int, work: Path, device: st
         harness("stage", "align-mixer", job, "--layers", str(layer), f"stages.align_mixer.tokens={tokens}", *repeat,
                 *common)
     trained = time.time() - started
-    harness("transfer", "--rank-layers", job, "--rank-by", "copy", "--layers", str(layer), "--seq-len", "128",
-            "--sequences", str(sequences), *common)
-    part = copy_part(run, layer)
-    teacher = part["data"]["teacher_copy_acc"]
-    row = {"job": job, "data": data_of(job), "layer": layer, "tokens": tokens, "seed": seed,
-           "weights": part["layers"][str(layer)]["weights"], "teacher_copy_acc": teacher,
-           "copy_acc": teacher - part["layers"][str(layer)]["cost"], "stage1_last_loss": last_stage1_loss(run, layer),
-           "train_seconds": round(trained, 1)}
-    print(json.dumps(row), flush=True)
-    return row
+    rows = []
+    for length in lengths:  # the probe copies seq_len // 2 tokens; each length overwrites the part, read at once
+        harness("transfer", "--rank-layers", job, "--rank-by", "copy", "--layers", str(layer), "--seq-len",
+                str(2 * length), "--sequences", str(sequences), *common)
+        part = copy_part(run, layer)
+        teacher = part["data"]["teacher_copy_acc"]
+        row = {"job": job, "data": data_of(job), "layer": layer, "tokens": tokens, "seed": seed,
+               "weights": part["layers"][str(layer)]["weights"], "copy_length": length,
+               "teacher_copy_acc": teacher, "copy_acc": teacher - part["layers"][str(layer)]["cost"],
+               "stage1_last_loss": last_stage1_loss(run, layer), "train_seconds": round(trained, 1)}
+        print(json.dumps(row), flush=True)
+        rows.append(row)
+    return rows
 
 
 def data_of(job: str) -> str:
@@ -83,14 +86,17 @@ def data_of(job: str) -> str:
 
 
 def markdown(rows: list[dict[str, Any]], command: str) -> str:
-    teacher = rows[0]["teacher_copy_acc"]
+    teacher = {r["copy_length"]: r["teacher_copy_acc"] for r in rows}
+    said = ", ".join(f"{100 * acc:.1f}% at {length} tokens" for length, acc in sorted(teacher.items()))
     out = [f"# Copy accuracy with only layer {rows[0]['layer']} linearized, after stage 1 of that layer alone", "",
            f"Command: `{command}`", f"Machine: {platform.node()} ({platform.machine()}, CPU), {time.strftime('%Y-%m-%d')}",
-           "", f"Teacher copy accuracy on the same prompts: {100 * teacher:.1f}%.", "",
-           "| data | stage-1 tokens | seed | weights | last stage-1 loss | copy accuracy |", "|---|---|---|---|---|---|"]
+           "", f"Teacher copy accuracy on the same prompts: {said}.", "",
+           "| data | stage-1 tokens | seed | weights | last stage-1 loss | copy length | copy accuracy |",
+           "|---|---|---|---|---|---|---|"]
     for r in rows:
         loss = "-" if r["stage1_last_loss"] is None else f"{r['stage1_last_loss']:.3f}"
-        out.append(f"| {r['data']} | {r['tokens']:,} | {r['seed']} | {r['weights']} | {loss} | {100 * r['copy_acc']:.1f}% |")
+        out.append(f"| {r['data']} | {r['tokens']:,} | {r['seed']} | {r['weights']} | {loss} | {r['copy_length']} | "
+                   f"{100 * r['copy_acc']:.1f}% |")
     return "\n".join(out) + "\n"
 
 
@@ -100,7 +106,10 @@ def main() -> None:
     p.add_argument("--layer", type=int, required=True, help="The layer to linearize and train (0-based).")
     p.add_argument("--tokens", type=int, nargs="+", required=True, help="Stage-1 token budgets (0: at init).")
     p.add_argument("--seeds", type=int, nargs="+", default=[0], help="Seeds (the data order; the init is copied).")
-    p.add_argument("--sequences", type=int, default=32, help="Copy prompts (64 tokens shown twice; default 32).")
+    p.add_argument("--sequences", type=int, default=32, help="Copy prompts per length (default 32).")
+    p.add_argument("--copy-lengths", type=int, nargs="+", default=[64],
+                   help="Tokens in each copy (each shown twice; default 64). Several lengths score the same trained\n"
+                        "layer at each: how its copying falls as the state must hold more (the teacher's beside it).")
     p.add_argument("--device", default="cpu", help="run.device for every command (default cpu).")
     p.add_argument("--work", type=Path, default=Path("runs/layer-copy"), help="Folder for the runs.")
     p.add_argument("--out", type=Path, required=True, help="Writes OUT.json and OUT.md.")
@@ -110,9 +119,12 @@ def main() -> None:
                         "sequences either way). It is part of a run's settings: runs made without it are refused\n"
                         "with it, so give the budgets that need it a call of their own.")
     a = p.parse_args()
-    rows = [measure(a.job[0], a.layer, 0, 0, a.work, a.device, a.sequences)]
-    rows += [measure(job, a.layer, t, s, a.work, a.device, a.sequences, a.allow_repeat)
-             for job in a.job for t in a.tokens if t > 0 for s in a.seeds]
+    if min(a.copy_lengths) < 4:
+        p.error(f"--copy-lengths {min(a.copy_lengths)}: a copy needs at least 4 tokens")
+    lengths = tuple(a.copy_lengths)
+    rows = measure(a.job[0], a.layer, 0, 0, a.work, a.device, a.sequences, lengths=lengths)
+    rows += [row for job in a.job for t in a.tokens if t > 0 for s in a.seeds
+             for row in measure(job, a.layer, t, s, a.work, a.device, a.sequences, a.allow_repeat, lengths)]
     command = " ".join(["python", "scripts/layer_copy_after_stage1.py", *sys.argv[1:]])
     a.out.parent.mkdir(parents=True, exist_ok=True)
     a.out.with_suffix(".json").write_text(json.dumps({"command": command, "machine": platform.node(), "rows": rows},
