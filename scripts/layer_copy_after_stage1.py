@@ -9,6 +9,9 @@ teacher itself. Each (job, budget, seed) trains in its own run folder under --wo
         --job jobs/retrieval-135m/smollm2-135m-gated_deltanet-50m-recall10.yaml \
         --layer 16 --tokens 327680 1310720 --seeds 0 1 --device cpu --out docs/results/retrieval-135m/layer16-stage1-copy
 
+`--copy-lengths 16 32 64 128 256` scores every run at each copy length (docs/results/retrieval-135m/README.md,
+"Copying against the copy's length"); the default is 64.
+
 Stage 1 trains on the job's own data (`data.source` or `data.mix`) at its seq_len and learning rate; only the
 token budget (stages.align_mixer.tokens), the seed and the run folder are overridden. On 2 CPU cores at 135M one
 layer trains at ~650 tokens/s (the teacher's forward up to that layer is most of the cost).
