@@ -65,16 +65,16 @@ def measure(job: str, layer: int, tokens: int, seed: int, work: Path, device: st
         harness("stage", "align-mixer", job, "--layers", str(layer), f"stages.align_mixer.tokens={tokens}", *repeat,
                 *common)
     trained = time.time() - started
-    rows = []
+    rows, data, stage1_loss = [], data_of(job), last_stage1_loss(run, layer)
     for length in lengths:  # the probe copies seq_len // 2 tokens; each length overwrites the part, read at once
         harness("transfer", "--rank-layers", job, "--rank-by", "copy", "--layers", str(layer), "--seq-len",
                 str(2 * length), "--sequences", str(sequences), *common)
         part = copy_part(run, layer)
         teacher = part["data"]["teacher_copy_acc"]
-        row = {"job": job, "data": data_of(job), "layer": layer, "tokens": tokens, "seed": seed,
+        row = {"job": job, "data": data, "layer": layer, "tokens": tokens, "seed": seed,
                "weights": part["layers"][str(layer)]["weights"], "copy_length": length,
                "teacher_copy_acc": teacher, "copy_acc": teacher - part["layers"][str(layer)]["cost"],
-               "stage1_last_loss": last_stage1_loss(run, layer), "train_seconds": round(trained, 1)}
+               "stage1_last_loss": stage1_loss, "train_seconds": round(trained, 1)}
         print(json.dumps(row), flush=True)
         rows.append(row)
     return rows
