@@ -1,0 +1,78 @@
+"""scripts/copy_with_layers_kept.py (the copy probe with a set of layers linearized at once) against the layer
+ranking it extends: one layer replaced and nothing kept is the ranking's copy cost; every layer kept is the teacher;
+replacing layers one by one through the script's own stack puts every teacher attention back afterwards.
+
+The tiny teacher copies almost nothing (a random model), so the first test reads, instead of the copy accuracy, a
+fingerprint of the model's logits on the probe's prompts: a value that moves with every layer replaced."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+from harness.ranking import rank_layers
+from tests.pipeline import make_setting, tiny_job
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def script():
+    spec = importlib.util.spec_from_file_location("copy_with_layers_kept", REPO / "scripts" / "copy_with_layers_kept.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def job(tmp_path_factory):
+    root = tmp_path_factory.mktemp("kept")
+    make_setting(root / "setting")
+    return tiny_job(root / "setting", root / "run", "data.validation_tokens=512")
+
+
+def logits_fingerprint(self, model) -> float:
+    """Stands in for CopyProbe.accuracy: the sum of the model's logits on the copy prompts."""
+    import torch
+
+    with torch.no_grad():
+        return float(model(input_ids=self.ids, use_cache=False).logits.double().sum())
+
+
+def test_one_layer_replaced_is_the_rankings_copy_cost_and_all_kept_is_the_teacher(job, monkeypatch):
+    from harness.ranking import CopyProbe
+
+    monkeypatch.setattr(CopyProbe, "accuracy", logits_fingerprint)
+    s = script()
+    result = s.copy_with_kept(job, [0, 1], [[0], [], [0, 1], [1]], sequences=8, seq_len=32)
+    ranking = rank_layers(job, measure="copy", layers=[0, 1], sequences=8, seq_len=32, progress=False)
+    teacher = ranking["data"]["teacher_copy_acc"]
+    assert result["teacher_copy_acc"] == pytest.approx(teacher)
+    only_1, both, none, only_0 = (r["copy_acc"] for r in result["rows"])
+    assert only_1 == pytest.approx(teacher - ranking["layers"]["1"]["cost"], rel=1e-6)
+    assert only_0 == pytest.approx(teacher - ranking["layers"]["0"]["cost"], rel=1e-6)
+    assert none == pytest.approx(teacher, rel=1e-9)
+    assert len({round(v, 3) for v in (teacher, only_0, only_1, both)}) == 4  # each set is its own model
+    assert [r["replaced"] for r in result["rows"]] == [[1], [0, 1], [], [0]]
+    # the two layers at once is its own measurement: the model was restored between configurations
+    assert both == pytest.approx(s.copy_with_kept(job, [0, 1], [[]], sequences=8, seq_len=32)["rows"][0]["copy_acc"])
+
+
+def test_the_command_writes_both_files_and_names_bad_layers(job, tmp_path, capsys):
+    s = script()
+    assert s.parse_layers("0-2,16,18") == [0, 1, 2, 16, 18] and s.parse_layers("none") == []
+    with pytest.raises(Exception, match="not a list of layers"):
+        s.parse_layers("a-b")
+    with pytest.raises(SystemExit, match=r"layers \[7\] are outside"):
+        s.copy_with_kept(job, [0, 7], [[]], sequences=8, seq_len=32)
+    from harness.config.loading import to_yaml
+
+    job_file = tmp_path / "job.yaml"
+    job_file.write_text(to_yaml(job))
+    out = tmp_path / "kept"
+    assert s.main([str(job_file), "--linearize", "0-1", "--keep", "none", "--keep", "1", "--seq-len", "32",
+                   "--out", str(out)]) == 0
+    data = json.loads(Path(f"{out}.json").read_text())
+    assert [r["keep"] for r in data["rows"]] == [[], [1]] and "| 1 | 1 |" in Path(f"{out}.md").read_text()
