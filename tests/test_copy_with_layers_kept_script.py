@@ -20,7 +20,8 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def script():
-    spec = importlib.util.spec_from_file_location("copy_with_layers_kept", REPO / "scripts" / "copy_with_layers_kept.py")
+    path = REPO / "scripts" / "copy_with_layers_kept.py"
+    spec = importlib.util.spec_from_file_location("copy_with_layers_kept", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
