@@ -1,10 +1,10 @@
-"""Which softmax layers must a hybrid keep for the teacher's copying to survive? The teacher with a SET of layers
+r"""Which softmax layers must a hybrid keep for the teacher's copying to survive? The teacher with a SET of layers
 linearized at once, all but the kept ones, scored on the copy probe: `harness transfer --rank-layers --rank-by copy`
 replaces one layer at a time and cannot see how the layers of the copy circuit interact.
 
     .venv/bin/python scripts/copy_with_layers_kept.py jobs/study-small-50m/smollm2-135m-gated_deltanet-50m.yaml \
         --linearize 0-2,16-20,23 --keep none --keep 16,18 --keep 17,18 --keep 18,23 \
-        --seq-len 128 --sequences 8 --out docs/results/retrieval-135m/copy-kept-sets run.device=cpu \
+        --seq-len 128 --sequences 8 --out docs/results/retrieval-135m/copy-kept/circuit-window16 run.device=cpu \
         data.source=embedded data.allow_repeat=true student.options.window=16
 
 Each --keep is one configuration: the layers of --linearize minus the kept ones are replaced by their mixers, as
