@@ -14,7 +14,7 @@ import pytest
 from harness.cli import main as harness_main
 from harness.eval import paired, recovery
 from harness.eval.lm_eval_tasks import EXAMPLES_FILE
-from harness.eval.report import build_report, eval_dirs, rebase
+from harness.eval.report import build_report, eval_dirs, paired_markdown, rebase
 
 LIMIT = 12
 # per task: per-example scores of the teacher and choices per example (12 examples: the teacher's interval stays
@@ -216,12 +216,26 @@ def test_pairs_scored_on_different_examples_are_refused(tmp_path, changes, named
     assert named in str(err.value)
 
 
-def test_pairs_with_different_tasks_are_refused(tmp_path):
+def test_what_only_one_run_has_is_left_unpaired_and_named(tmp_path):
+    """A run evaluated before a task existed (or whose evaluation was cut short) pairs on what both runs have: the
+    shared task gets the same difference as between two runs that both have only it; the rest is named, not
+    refused."""
     runs = tmp_path / "runs"
     a = _loaded(make_run(runs, "run-a", STUDENT_A, NIAH_A))
-    b = _loaded(make_run(runs, "run-b", {"piqa": STUDENT_B["piqa"]}, NIAH_B))
-    with pytest.raises(paired.PairError, match=r"benchmark tasks \(run-a: piqa, lambada_openai; run-b: piqa\)"):
-        paired.paired_report(a, b)
+    b_run = make_run(runs, "run-b", {"piqa": STUDENT_B["piqa"]}, NIAH_B)
+    (b_run / "eval" / "student" / "niah_cells.jsonl").unlink()
+    result = paired.paired_report(a, _loaded(b_run))
+    assert result["unpaired"] == ["benchmarks lambada_openai (only run-a has them)",
+                                  "Needle in a haystack (only run-a has complete results; run-b has none)"]
+    rows = _rows(result)
+    assert not any(m.startswith("NIAH") for m in rows) and not any("lambada" in m for m in rows)
+    only_piqa = _loaded(make_run(runs, "run-a-piqa", {"piqa": STUDENT_A["piqa"]}, NIAH_A))
+    reference = _rows(paired.paired_report(only_piqa, _loaded(b_run)))
+    for metric in ("piqa (acc)", "piqa normalised recovery"):
+        assert rows[metric]["diff"] == pytest.approx(reference[metric]["diff"]) and rows[metric]["ci"] is not None
+        assert rows[metric]["ci"] == pytest.approx(reference[metric]["ci"])
+    text = "\n".join(paired_markdown([result]))
+    assert "Not paired (only one run was scored on them): benchmarks lambada_openai (only run-a has them); " in text
 
 
 def test_pair_names_and_unknown_names(two_runs):

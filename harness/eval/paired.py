@@ -19,16 +19,18 @@ then each registered task's own rows (harness.eval.tasks: EvalTask.paired_rows, 
                                difference without an interval
 and last stage 3's validation CE and KL, aggregates too.
 
-A pair is refused (PairError) unless both runs were scored on the same examples: the same tasks, limit and
-documents of the recovery table, and what each task checks (EvalTask.example_differences: for NIAH the same
-grid, seed, haystack, prompt mode and tokenizer).
+A pair is refused (PairError) unless both runs were scored on the same examples in what both have: the limit and
+documents of the recovery table's shared tasks, and what each task checks (EvalTask.example_differences: for NIAH
+the same grid, seed, haystack, prompt mode and tokenizer). What only one run has (a task added after the other
+was evaluated, an evaluation cut short) is left out and named in the pair's "unpaired" (EvalTask.unpaired).
 
     parse_pairs("A:B,C:D") / baseline_pairs(name, runs)   -> [(A, B), ...] as given
     load_run(path, report)                               -> RunResults (result folders via report.eval_dirs;
                                                             each task's data: EvalTask.pairing)
     resolve_pairs(specs, runs)                           -> [(run A, run B)], unknown names refused
     difference(a, b, stream=...)                         -> one metric's B - A with its paired interval
-    paired_report(a, b)                                  -> {"a", "b", "rows", ...}; PairError if examples differ
+    paired_report(a, b)                                  -> {"a", "b", "rows", "unpaired", ...}; PairError if the
+                                                            examples both have differ
     paired_markdown(pairs)                               -> the "Paired differences" section of comparison.md
     side_by_side(a, b, out)                              -> two evaluations compared in out/, with B - A (the
                                                             post-trained student's against the distilled one's)
@@ -146,17 +148,22 @@ def resolve_pairs(specs: Sequence[tuple[str, str]], runs: Sequence[RunResults]) 
 
 
 def example_differences(a: RunResults, b: RunResults) -> list[str]:
-    """What differs between the examples the two runs were scored on ([] when they are the same)."""
+    """What differs between the examples the two runs were scored on, in what both have ([] when the same)."""
     found = []
-    tasks_a, tasks_b = scored_tasks(a), scored_tasks(b)
-    if set(tasks_a) != set(tasks_b):
-        found.append(f"benchmark tasks ({a.label}: {', '.join(tasks_a) or 'none'}; "
-                     f"{b.label}: {', '.join(tasks_b) or 'none'})")
-    if a.report.get("limit") != b.report.get("limit"):
+    shared = [t for t in scored_tasks(a) if t in scored_tasks(b)]
+    if shared and a.report.get("limit") != b.report.get("limit"):
         found.append(f"benchmark limit ({a.report.get('limit')} against {b.report.get('limit')})")
-    for task in (t for t in tasks_a if t in tasks_b):
+    for task in shared:
         found += _task_difference(task, a, b)
     return found + [what for task in tasks() for what in task.example_differences(a, b)]
+
+
+def unpaired(a: RunResults, b: RunResults) -> list[str]:
+    """What only one of the two runs was scored on (a task added after the other's evaluation, an evaluation cut
+    short): left out of the differences and named beside them."""
+    only = [(x, [t for t in scored_tasks(x) if t not in scored_tasks(y)]) for x, y in ((a, b), (b, a))]
+    found = [f"benchmarks {', '.join(names)} (only {x.label} has them)" for x, names in only if names]
+    return found + [what for task in tasks() for what in task.unpaired(a, b)]
 
 
 def scored_tasks(run: RunResults) -> list[str]:
@@ -293,7 +300,7 @@ def paired_report(a: RunResults, b: RunResults, samples: int = BOOTSTRAP_SAMPLES
     if differ:
         raise PairError(f"{b.label} - {a.label}: the runs were not scored on the same examples; they differ in "
                         + "; ".join(differ) + ".")
-    return {"a": a.label, "b": b.label,
+    return {"a": a.label, "b": b.label, "unpaired": unpaired(a, b),
             "dirs": {"a": {"student": str(a.student_dir), "teacher": _str(a.teacher_dir)},
                      "b": {"student": str(b.student_dir), "teacher": _str(b.teacher_dir)}},
             "shared_teacher": _same(a.teacher_dir, b.teacher_dir),

@@ -366,6 +366,8 @@ def paired_markdown(pairs: Sequence[dict]) -> list[str]:
                          f"{_paired_value(row['a'], row['unit'])} | {_paired_value(row['b'], row['unit'])} | {_paired_diff(row)} | "
                          f"{_excludes_zero(row)} |")
         lines.append("")
+        if pair.get("unpaired"):
+            lines += ["Not paired (only one run was scored on them): " + "; ".join(pair["unpaired"]) + ".", ""]
     return lines
 
 

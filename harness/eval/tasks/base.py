@@ -227,8 +227,17 @@ class EvalTask:
         return None
 
     def example_differences(self, a: Any, b: Any) -> list[str]:
-        """What differs between the examples two runs (harness.eval.paired.RunResults) were scored on; [] if none."""
+        """What differs between the examples two runs (harness.eval.paired.RunResults) were both scored on; [] if
+        none, or if only one has results (`unpaired` names that)."""
         return []
+
+    def unpaired(self, a: Any, b: Any) -> list[str]:
+        """Its results when only one of two runs has them (what `pairing` read), which no row can pair."""
+        mine, theirs = a.data.get(self.name), b.data.get(self.name)
+        if (mine is None) == (theirs is None):
+            return []
+        has, lacks = (a, b) if mine is not None else (b, a)
+        return [f"{self.title or self.name} (only {has.label} has complete results; {lacks.label} has none)"]
 
     def paired_rows(self, a: Any, b: Any, samples: int, seed: int) -> list[dict]:
         """Rows of B - A: {"metric", "unit", **harness.eval.recovery.paired_row(...)} (or `difference`)."""
@@ -334,9 +343,6 @@ class ScoredTask(EvalTask):
 
     def example_differences(self, a: Any, b: Any) -> list[str]:
         mine, theirs = a.data.get(self.name), b.data.get(self.name)
-        if (mine is None) != (theirs is None):
-            has, lacks = (a, b) if mine is not None else (b, a)
-            return [f"{self.title or self.name} results ({has.label} has them, {lacks.label} has none)"]
         if mine is None or theirs is None:
             return []
         keys = sorted(set(mine.settings) | set(theirs.settings))

@@ -289,11 +289,8 @@ def read_niah_prompts(folder: Path) -> Optional[NiahPrompts]:
 
 def niah_differences(label_a: str, a: Optional[NiahPrompts], label_b: str, b: Optional[NiahPrompts]) -> list[str]:
     """What differs between two runs' NIAH prompts ([] when they are the same prompts)."""
-    if (a is None) != (b is None):
-        has, lacks = (label_a, label_b) if a is not None else (label_b, label_a)
-        return [f"NIAH prompts ({has} has them, {lacks} has none complete)"]
     if a is None or b is None:
-        return []
+        return []  # only one run has them: EvalTask.unpaired names that
     found = [f"NIAH {k} ({a.grid.get(k)} against {b.grid.get(k)})"
              for k in sorted(set(a.grid) | set(b.grid)) if a.grid.get(k) != b.grid.get(k)]
     found += [f"NIAH {k} ({a.settings[k]} against {b.settings[k]})"
