@@ -166,3 +166,29 @@ def test_every_mixer_and_scale_has_a_paper_recipe_job():
     names = {p.name for p in PAPER_JOBS}
     assert {f"smollm2-{s}-{m}-3b-paper.yaml" for s in ("135m", "360m", "1.7b") for m in MIXERS} <= names
     assert "smollm2-135m-gated_deltanet-50m-paper.yaml" in names
+
+
+def _flat(d: dict) -> dict:
+    """A job's sections one level deep: {"name": ..., "budget.split": ..., ...}."""
+    return {f"{k}.{sub}" if isinstance(v, dict) else k: (v[sub] if isinstance(v, dict) else v)
+            for k, v in d.items() for sub in (v if isinstance(v, dict) else [None])}
+
+
+def test_the_long_budget_jobs_are_the_50m_study_at_twice_its_tokens():
+    """jobs/long-budget-135m/ (issue 50 item 4): what scripts/make_study_jobs.py writes; each is its mixer's 50M
+    study job but for the total (stages 1 and 2 plan the study's tokens, stage 3 the rest), the corpus read about
+    twice, the evaluation along stage 3 and where its runs go."""
+    root, gen = Path(__file__).resolve().parents[1], _generator()
+    folder = root / "jobs" / "long-budget-135m"
+    expected = gen.long_budget_jobs()
+    assert {p.name: p.read_text() for p in folder.glob("*.yaml")} == expected
+    assert set(expected) == {f"smollm2-135m-{m}-100m.yaml" for m in ("gated_deltanet", "gla", "linear_attn", "kda")}
+    for name in expected:
+        long = load_job(folder / name)
+        study = load_job(root / "jobs" / "study-small-50m" / name.replace("-100m", "-50m"))
+        a, b = _flat(_as_dict(long)), _flat(_as_dict(study))
+        assert {k for k in a if a[k] != b[k]} == {"name", "output_dir", "budget.split", "budget.total_tokens",
+                                                  "data.allow_repeat", "eval.every_tokens", "eval.teacher_cache"}
+        plan, study_plan = plan_stages(long), plan_stages(study)
+        assert [p.tokens for p in plan[:2]] == [p.tokens for p in study_plan[:2]]
+        assert plan[2].tokens >= 2 * study_plan[2].tokens and long.eval.every_tokens == 25_000_000
