@@ -193,16 +193,23 @@ def options_yaml(options: dict[str, str]) -> str:
     return "\n  options: {" + ", ".join(f"{k}: {v}" for k, v in options.items()) + "}"
 
 
+def one_job_per_mixer(mixers: list[str], tokens: str, budget: dict) -> dict[str, str]:
+    """File name -> text of smollm2-135m-MIXER-TOKENS for each mixer: our recipe (OURS_50M) at `budget` (STUDY_50M's
+    keys), seed 0, no options."""
+    jobs = {}
+    for mixer in mixers:
+        name = f"smollm2-135m-{mixer}-{tokens}"
+        jobs[f"{name}.yaml"] = STUDY_50M_TEMPLATE.format(
+            title=f"SmolLM2-135M-Instruct teacher, {mixer} student, {tokens.upper()} tokens", name=name, seed=0,
+            mixer=mixer, options="", **OURS_50M, **budget)
+    return jobs
+
+
 def study_50m_jobs() -> dict[str, str]:
     """File name -> text of the 50M-token small study: the seven mixers, then gated_deltanet's second seed, its
     authors'-init ablation and its hybrids with two softmax-attention layers kept (issue 28), chosen by either
     ranking measure."""
-    jobs = {}
-    for mixer in MIXERS:
-        name = f"smollm2-135m-{mixer}-50m"
-        jobs[f"{name}.yaml"] = STUDY_50M_TEMPLATE.format(
-            title=f"SmolLM2-135M-Instruct teacher, {mixer} student, 50M tokens", name=name, seed=0, mixer=mixer,
-            options="", **OURS_50M, **STUDY_50M)
+    jobs = one_job_per_mixer(MIXERS, "50m", STUDY_50M)
     for suffix, (seed, options, recipe, what, student) in STUDY_50M_EXTRA.items():
         name = f"smollm2-135m-gated_deltanet-50m-{suffix}"
         jobs[f"{name}.yaml"] = STUDY_50M_TEMPLATE.format(
@@ -234,13 +241,7 @@ LONG_BUDGET = dict(
 
 def long_budget_jobs() -> dict[str, str]:
     """File name -> text of the long-budget axis: the 50M study's job of each mixer at 100M tokens."""
-    jobs = {}
-    for mixer in LONG_BUDGET_MIXERS:
-        name = f"smollm2-135m-{mixer}-100m"
-        jobs[f"{name}.yaml"] = STUDY_50M_TEMPLATE.format(
-            title=f"SmolLM2-135M-Instruct teacher, {mixer} student, 100M tokens", name=name, seed=0, mixer=mixer,
-            options="", **OURS_50M, **LONG_BUDGET)
-    return jobs
+    return one_job_per_mixer(LONG_BUDGET_MIXERS, "100m", LONG_BUDGET)
 
 
 def small_jobs() -> dict[str, str]:
