@@ -132,10 +132,13 @@ archive() {  # the reports, metrics and logs of every run so far (no checkpoints
   [ -f "$S/gpu_tests.log" ] && cp "$S/gpu_tests.log" "$OUT/"
   ls "$S"/*/DONE 2>/dev/null
   for t in "$S"/*/logs/timings.jsonl; do [ -f "$t" ] && echo "$t: $(tr '\n' ' ' <"$t" | cut -c1-400)"; done
-  local top=${S#runs/}
+  local top=${S#runs/} rc=0
   (cd runs && find "$top" -regex "$top/[^/]*/\(student\|merged\|student-sft\)" -prune \
      -o \( -name checkpoints -o -name tb -o -name snapshots \) -prune -o -type f ! -name '*.safetensors' -print \
-     | tar -cJf "$OUT/$top.tar.xz.part" -T -) && mv "$OUT/$top.tar.xz.part" "$OUT/$top.tar.xz"  # never half an archive
+     | tar -cJf "$OUT/$top.tar.xz.part" -T -) || rc=$?
+  # never half an archive; but GNU tar exits 1 when a file changed while it was read (a log or result still being
+  # written by the lanes), and that archive is whole: keeping the older one would drop every result since
+  if [ "$rc" -le 1 ]; then mv "$OUT/$top.tar.xz.part" "$OUT/$top.tar.xz"; else rm -f "$OUT/$top.tar.xz.part"; fi
   ls -l "$OUT"
 }
 

@@ -180,3 +180,26 @@ def test_start_refuses_while_lanes_run_stop_ends_them_and_gpu_tests_do_not_hold_
     assert script(tree, quick, "start", LANES="0:c", FAKE_RUN_S="1").returncode == 0  # tests alone do not block it
     script(tree, quick, "watch", WATCH_FOR="60")
     script(tree, quick, "stop")  # the fake tests end with the tmp dir's lanes
+
+
+def test_an_archive_of_files_changed_while_read_replaces_the_last_one_and_a_failed_one_does_not(machine, tmp_path):
+    """GNU tar exits 1 when a file changed as it was read (a log the lanes still write): that archive is whole and
+    must replace the older one, or every result since the older one stays behind; exit 2 (fatal) keeps the older
+    one. Either way no .part file is left in $OUT for the call to bring back."""
+    tree, env = machine
+    real_tar = shutil.which("tar")
+    (tmp_path / "bin/tar").write_text(f'#!/bin/bash\n"{real_tar}" "$@" || exit $?\nexit ${{FAKE_TAR_RC:-1}}\n')
+    (tmp_path / "bin/tar").chmod(0o755)
+    run = tree / "runs/s/smollm2-135m-a/eval"
+    run.mkdir(parents=True)
+    (run / "report.json").write_text("{}")
+    assert script(tree, env, "watch", WATCH_FOR="0").returncode == 0
+    assert "s/smollm2-135m-a/eval/report.json" in archived(env)
+    (run / "niah.json").write_text("{}")
+    script(tree, env, "watch", WATCH_FOR="0")
+    assert "s/smollm2-135m-a/eval/niah.json" in archived(env)
+    (run / "copy.json").write_text("{}")
+    script(tree, env, "watch", WATCH_FOR="0", FAKE_TAR_RC="2")
+    names = archived(env)
+    assert "s/smollm2-135m-a/eval/niah.json" in names and "s/smollm2-135m-a/eval/copy.json" not in names
+    assert sorted(p.name for p in Path(env["OUT"]).iterdir()) == ["s.tar.xz"]
