@@ -132,13 +132,19 @@ class CopyProbe:
         return cls(prompts(rows, tokenizer_prefix(tokenizer), length).to(device), rows[:, :length], length)
 
     @torch.no_grad()
-    def accuracy(self, model: nn.Module) -> float:
-        """The fraction of the second copies' tokens after their first that the model predicts (argmax)."""
+    def measure(self, model: nn.Module) -> dict[str, float]:
+        """copy_acc: the fraction of the second copies' tokens after their first that the model predicts (argmax);
+        nll_after_first: their mean negative log-likelihood (nats), which still moves where the accuracy is 0."""
         from harness.eval.copy import copy_record, forward_logits
 
         logits = forward_logits(model, self.ids, self.length + 1)
-        hits = [copy_record(logits[i], self.rows[i])["hits"][1:] for i in range(self.rows.shape[0])]
-        return sum(h.count("1") for h in hits) / sum(len(h) for h in hits)
+        records = [copy_record(logits[i], self.rows[i]) for i in range(self.rows.shape[0])]
+        hits = [r["hits"][1:] for r in records]
+        return {"copy_acc": sum(h.count("1") for h in hits) / sum(len(h) for h in hits),
+                "nll_after_first": sum(r["nll_after_first"] for r in records) / len(records)}
+
+    def accuracy(self, model: nn.Module) -> float:
+        return self.measure(model)["copy_acc"]
 
 
 # ------------------------------------------------------------------------------------------ measuring

@@ -43,57 +43,130 @@ def parse_layers(text: str) -> list[int]:
     return sorted(set(out))
 
 
+class KeptSets:
+    """The teacher, the mixers of `linearize` and the copy prompts, built once; `score(keep)` measures one kept set:
+    the teacher with `linearize` minus `keep` replaced by their mixers at once, put back afterwards."""
+
+    def __init__(self, job: Any, linearize: Sequence[int], *, sequences: int = 8, seq_len: int = 128,
+                 device: Optional[torch.device] = None):
+        from harness.data import prepare_job_corpus
+        from harness.ranking import CopyProbe, start_mixers
+        from harness.stages.align import first_batch, stage_autocast
+        from harness.stages.common import load_job_teacher, num_student_layers, resolve_device
+        from harness.student import rope_for, student_config
+
+        device = device or resolve_device(job)
+        n_layers = num_student_layers(job)
+        bad = [l for l in linearize if not 0 <= l < n_layers]
+        if bad:
+            raise SystemExit(f"layers {bad} are outside the teacher's 0-{n_layers - 1}.")
+        teacher = load_job_teacher(job, device)
+        self.job, self.model, self.linearize = job, teacher.model, sorted(set(linearize))
+        corpus = prepare_job_corpus(job, teacher.tokenizer, max_positions=self.model.config.max_position_embeddings)
+        config = student_config(self.model.config, job.student.mixer, dict(job.student.options))
+        self.mixers = start_mixers(job, self.model, config, self.linearize, first_batch(job, corpus).to(device),
+                                   device)
+        self.rope, self.autocast = rope_for(config, device), (lambda: stage_autocast(job, device))
+        self.probe = CopyProbe.for_model(self.model, teacher.tokenizer, sequences, seq_len, device)
+        with torch.no_grad():
+            self.teacher = self.probe.measure(self.model)
+
+    @torch.no_grad()
+    def score(self, keep: Sequence[int]) -> dict[str, Any]:
+        from harness.ranking import MixerAsAttention, replaced_attention
+
+        bad = sorted(set(keep) - set(self.linearize))
+        if bad:
+            raise SystemExit(f"kept layers {bad} are not among the linearized {self.linearize}.")
+        replaced = [l for l in self.linearize if l not in set(keep)]
+        with contextlib.ExitStack() as stack:
+            for l in replaced:
+                mixer, _ = self.mixers[l]
+                mixer.eval()
+                stack.enter_context(replaced_attention(self.model, l, MixerAsAttention(mixer, self.rope,
+                                                                                       self.autocast())))
+            scores = self.probe.measure(self.model)
+        return {"keep": sorted(keep), "replaced": replaced, **scores,
+                "weights": sorted({self.mixers[l][1] for l in replaced})}
+
+    def header(self) -> dict[str, Any]:
+        return {"job": self.job.name, "mixer": self.job.student.mixer, "options": dict(self.job.student.options),
+                "linearize": self.linearize, "copy_length": self.probe.length,
+                "sequences": int(self.probe.rows.shape[0]), "teacher_copy_acc": self.teacher["copy_acc"],
+                "teacher_nll_after_first": self.teacher["nll_after_first"]}
+
+
 def copy_with_kept(job: Any, linearize: Sequence[int], keeps: Sequence[Sequence[int]], *, sequences: int = 8,
                    seq_len: int = 128, device: Optional[torch.device] = None) -> dict[str, Any]:
     """The teacher's copy accuracy and, for each kept set, that of the teacher with `linearize` minus the kept set
     replaced by their mixers at once."""
-    from harness.data import prepare_job_corpus
-    from harness.ranking import CopyProbe, MixerAsAttention, replaced_attention, start_mixers
-    from harness.stages.align import first_batch, stage_autocast
-    from harness.stages.common import load_job_teacher, num_student_layers, resolve_device
-    from harness.student import rope_for, student_config
+    sets = KeptSets(job, linearize, sequences=sequences, seq_len=seq_len, device=device)
+    return {**sets.header(), "rows": [sets.score(keep) for keep in keeps]}
 
-    device = device or resolve_device(job)
-    n_layers = num_student_layers(job)
-    bad = [l for l in list(linearize) + [k for keep in keeps for k in keep] if not 0 <= l < n_layers]
-    if bad:
-        raise SystemExit(f"layers {bad} are outside the teacher's 0-{n_layers - 1}.")
-    teacher = load_job_teacher(job, device)
-    model = teacher.model
-    corpus = prepare_job_corpus(job, teacher.tokenizer, max_positions=model.config.max_position_embeddings)
-    config = student_config(model.config, job.student.mixer, dict(job.student.options))
-    mixers = start_mixers(job, model, config, sorted(set(linearize)), first_batch(job, corpus).to(device), device)
-    rope, autocast = rope_for(config, device), (lambda: stage_autocast(job, device))
-    probe = CopyProbe.for_model(model, teacher.tokenizer, sequences, seq_len, device)
-    rows = []
-    with torch.no_grad():
-        teacher_acc = probe.accuracy(model)
-        for keep in keeps:
-            replaced = [l for l in sorted(set(linearize)) if l not in set(keep)]
-            with contextlib.ExitStack() as stack:
-                for l in replaced:
-                    mixer, _ = mixers[l]
-                    mixer.eval()
-                    stack.enter_context(replaced_attention(model, l, MixerAsAttention(mixer, rope, autocast())))
-                acc = probe.accuracy(model)
-            rows.append({"keep": list(keep), "replaced": replaced, "copy_acc": acc,
-                         "weights": sorted({mixers[l][1] for l in replaced})})
-    return {"job": job.name, "mixer": job.student.mixer, "options": dict(job.student.options),
-            "linearize": sorted(set(linearize)), "copy_length": probe.length, "sequences": int(probe.rows.shape[0]),
-            "teacher_copy_acc": teacher_acc, "rows": rows}
+
+def greedy_keep(job: Any, linearize: Sequence[int], k: int, *, start: Sequence[int] = (), sequences: int = 8,
+                seq_len: int = 128, device: Optional[torch.device] = None, progress: bool = True) -> dict[str, Any]:
+    """Forward selection of the layers to keep: starting from `start`, each round keeps the one more layer of
+    `linearize` that leaves the lowest copy NLL (ties: higher accuracy, then the lower layer), until k are kept.
+    The NLL, not the accuracy, picks: with most layers linearized every accuracy is 0 and would not tell them apart."""
+    from tqdm.auto import tqdm
+
+    sets = KeptSets(job, linearize, sequences=sequences, seq_len=seq_len, device=device)
+    kept, rounds = sorted(set(start)), []
+    if not 0 < k <= len(sets.linearize) or len(kept) >= k:
+        raise SystemExit(f"--greedy {k}: must be more than the {len(kept)} layers kept at the start and at most "
+                         f"the {len(sets.linearize)} linearized.")
+    total = sum(len(sets.linearize) - n for n in range(len(kept), k))
+    with tqdm(total=total, desc="kept sets", unit="set", disable=not progress) as bar:
+        while len(kept) < k:
+            candidates = []
+            for layer in (l for l in sets.linearize if l not in kept):
+                candidates.append({"layer": layer, **sets.score(kept + [layer])})
+                bar.update()
+            best = min(candidates, key=lambda c: (c["nll_after_first"], -c["copy_acc"], c["layer"]))
+            kept = best["keep"]
+            rounds.append({"chosen": best["layer"], "kept": kept, "candidates": candidates})
+    return {**sets.header(), "start": sorted(set(start)), "rounds": rounds}
+
+
+def _preamble(result: dict[str, Any], command: str, title: str) -> list[str]:
+    return [f"# {title}", "", f"Command: `{command}`", f"Machine: {platform.node()} ({platform.machine()}, CPU), "
+            f"{time.strftime('%Y-%m-%d')}", "",
+            f"Job {result['job']}, mixer {result['mixer']}, options {result['options']}; copies of "
+            f"{result['copy_length']} tokens, {result['sequences']} sequences; linearized unless kept: "
+            f"{result['linearize']}. The teacher: {result['teacher_copy_acc']:.1%} (NLL after the first token "
+            f"{result['teacher_nll_after_first']:.2f} nats).", ""]
+
+
+def _kept(layers: Sequence[int]) -> str:
+    return ", ".join(map(str, layers)) or "none"
 
 
 def markdown(result: dict[str, Any], command: str) -> str:
-    lines = ["# Copy accuracy with a set of layers linearized at once, some kept as attention", "",
-             f"Command: `{command}`", f"Machine: {platform.node()} ({platform.machine()}, CPU), "
-             f"{time.strftime('%Y-%m-%d')}", "",
-             f"Job {result['job']}, mixer {result['mixer']}, options {result['options']}; copies of "
-             f"{result['copy_length']} tokens, {result['sequences']} sequences; linearized unless kept: "
-             f"{result['linearize']}. The teacher: {result['teacher_copy_acc']:.1%}.", "",
-             "| kept as attention | layers replaced | weights | copy accuracy |", "|---|---|---|---|"]
+    lines = _preamble(result, command, "Copy accuracy with a set of layers linearized at once, some kept as attention")
+    lines += ["| kept as attention | layers replaced | weights | copy accuracy | NLL after first |",
+              "|---|---|---|---|---|"]
     for r in result["rows"]:
-        kept = ", ".join(map(str, r["keep"])) or "none"
-        lines.append(f"| {kept} | {len(r['replaced'])} | {'/'.join(r['weights']) or '-'} | {r['copy_acc']:.1%} |")
+        lines.append(f"| {_kept(r['keep'])} | {len(r['replaced'])} | {'/'.join(r['weights']) or '-'} | "
+                     f"{r['copy_acc']:.1%} | {r['nll_after_first']:.2f} |")
+    return "\n".join(lines) + "\n"
+
+
+def greedy_markdown(result: dict[str, Any], command: str, shown: int = 8) -> str:
+    lines = _preamble(result, command, "Which layers to keep, chosen one at a time (forward selection by copy NLL)")
+    lines += [f"Start: {_kept(result['start'])}. Each round keeps the candidate that leaves the lowest NLL.", "",
+              "| round | kept | copy accuracy | NLL after first | runner-up (its NLL) |", "|---|---|---|---|---|"]
+    for i, r in enumerate(result["rounds"], 1):
+        ranked = sorted(r["candidates"], key=lambda c: (c["nll_after_first"], -c["copy_acc"], c["layer"]))
+        best, second = ranked[0], (ranked[1] if len(ranked) > 1 else None)
+        runner = f"{second['layer']} ({second['nll_after_first']:.2f})" if second else "-"
+        lines.append(f"| {i} | {_kept(r['kept'])} | {best['copy_acc']:.1%} | {best['nll_after_first']:.2f} | "
+                     f"{runner} |")
+    for i, r in enumerate(result["rounds"], 1):
+        ranked = sorted(r["candidates"], key=lambda c: (c["nll_after_first"], -c["copy_acc"], c["layer"]))
+        lines += ["", f"Round {i}: the {min(shown, len(ranked))} best of {len(ranked)} candidates (all in the JSON)",
+                  "", "| layer added | copy accuracy | NLL after first |", "|---|---|---|"]
+        lines += [f"| {c['layer']} | {c['copy_acc']:.1%} | {c['nll_after_first']:.2f} |" for c in ranked[:shown]]
     return "\n".join(lines) + "\n"
 
 
@@ -102,21 +175,35 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("job", help="The job file (its student mixer and options, teacher and data).")
     p.add_argument("--linearize", type=parse_layers, required=True,
                    help="Layers replaced by their mixers unless kept, e.g. 0-29 or 0-2,16-20,23.")
-    p.add_argument("--keep", type=parse_layers, action="append", required=True,
-                   help="One configuration's layers kept as the teacher's attention (e.g. 16,18, or none); repeat.")
+    p.add_argument("--keep", type=parse_layers, action="append",
+                   help="One configuration's layers kept as the teacher's attention (e.g. 16,18, or none); repeat. "
+                        "With --greedy: the layers kept at the start (once; default none).")
+    p.add_argument("--greedy", type=int, metavar="K",
+                   help="Instead of scoring the --keep sets, choose K layers to keep one at a time: each round adds "
+                        "the layer whose keeping leaves the lowest copy NLL (forward selection).")
     p.add_argument("--sequences", type=int, default=8, help="Copy prompts (at least 8).")
     p.add_argument("--seq-len", type=int, default=128, help="Prompt length: copies of seq_len // 2 tokens.")
     p.add_argument("--out", type=Path, required=True, help="Writes OUT.json and OUT.md.")
     args, overrides = p.parse_known_args(argv)
     if any("=" not in o for o in overrides):
         p.error(f"unknown arguments {[o for o in overrides if '=' not in o]}: overrides are key=value")
+    if args.greedy is None and not args.keep:
+        p.error("give the kept sets to score (--keep, repeated) or --greedy K")
+    if args.greedy is not None and len(args.keep or []) > 1:
+        p.error("with --greedy, --keep gives the one set kept at the start")
     job = load_job(args.job, overrides)
-    result = copy_with_kept(job, args.linearize, args.keep, sequences=args.sequences, seq_len=args.seq_len)
     command = "python scripts/copy_with_layers_kept.py " + " ".join(sys.argv[1:] if argv is None else argv)
+    if args.greedy is None:
+        result = copy_with_kept(job, args.linearize, args.keep, sequences=args.sequences, seq_len=args.seq_len)
+        text = markdown(result, command)
+    else:
+        result = greedy_keep(job, args.linearize, args.greedy, start=(args.keep or [[]])[0],
+                             sequences=args.sequences, seq_len=args.seq_len)
+        text = greedy_markdown(result, command)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     Path(f"{args.out}.json").write_text(json.dumps({**result, "command": command}, indent=1) + "\n")
-    Path(f"{args.out}.md").write_text(markdown(result, command))
-    print(markdown(result, command))
+    Path(f"{args.out}.md").write_text(text)
+    print(text)
     return 0
 
 

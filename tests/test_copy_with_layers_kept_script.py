@@ -34,18 +34,19 @@ def job(tmp_path_factory):
     return tiny_job(root / "setting", root / "run", "data.validation_tokens=512")
 
 
-def logits_fingerprint(self, model) -> float:
-    """Stands in for CopyProbe.accuracy: the sum of the model's logits on the copy prompts."""
+def logits_fingerprint(self, model) -> dict:
+    """Stands in for CopyProbe.measure: the sum of the model's logits on the copy prompts, as both scores."""
     import torch
 
     with torch.no_grad():
-        return float(model(input_ids=self.ids, use_cache=False).logits.double().sum())
+        value = float(model(input_ids=self.ids, use_cache=False).logits.double().sum())
+    return {"copy_acc": value, "nll_after_first": value}
 
 
 def test_one_layer_replaced_is_the_rankings_copy_cost_and_all_kept_is_the_teacher(job, monkeypatch):
     from harness.ranking import CopyProbe
 
-    monkeypatch.setattr(CopyProbe, "accuracy", logits_fingerprint)
+    monkeypatch.setattr(CopyProbe, "measure", logits_fingerprint)
     s = script()
     result = s.copy_with_kept(job, [0, 1], [[0], [], [0, 1], [1]], sequences=8, seq_len=32)
     ranking = rank_layers(job, measure="copy", layers=[0, 1], sequences=8, seq_len=32, progress=False)
@@ -77,3 +78,37 @@ def test_the_command_writes_both_files_and_names_bad_layers(job, tmp_path, capsy
                    "--out", str(out)]) == 0
     data = json.loads(Path(f"{out}.json").read_text())
     assert [r["keep"] for r in data["rows"]] == [[], [1]] and "| 1 | 1 |" in Path(f"{out}.md").read_text()
+
+
+def test_greedy_keeps_at_each_round_the_layer_that_leaves_the_lowest_nll(job):
+    """Forward selection against the kept sets scored one by one: each round's choice is the candidate with the
+    lowest copy NLL among those `copy_with_kept` gives for the kept set plus one layer (the real copy measure: the
+    tiny teacher's NLL moves with every layer replaced), and a chosen layer is never offered again."""
+    s = script()
+    result = s.greedy_keep(job, [0, 1, 2, 3], 2, start=[3], sequences=8, seq_len=32, progress=False)
+    assert result["start"] == [3] and len(result["rounds"]) == 1  # one layer more than the start: K = 2
+    (only,) = result["rounds"]
+    assert [c["layer"] for c in only["candidates"]] == [0, 1, 2]
+    direct = s.copy_with_kept(job, [0, 1, 2, 3], [[0, 3], [1, 3], [2, 3]], sequences=8, seq_len=32)["rows"]
+    nll = {r["keep"][0]: r["nll_after_first"] for r in direct}
+    assert {c["layer"]: c["nll_after_first"] for c in only["candidates"]} == pytest.approx(nll)
+    assert len({round(v, 6) for v in nll.values()}) == 3  # the candidates differ: the choice means something
+    assert only["chosen"] == min(nll, key=nll.get) and only["kept"] == sorted([3, only["chosen"]])
+    two = s.greedy_keep(job, [0, 1, 2, 3], 2, sequences=8, seq_len=32, progress=False)["rounds"]
+    assert len(two[0]["candidates"]) == 4 and two[0]["chosen"] not in [c["layer"] for c in two[1]["candidates"]]
+    with pytest.raises(SystemExit, match="must be more than the 2 layers kept"):
+        s.greedy_keep(job, [0, 1, 2, 3], 2, start=[0, 1], sequences=8, seq_len=32, progress=False)
+
+
+def test_the_greedy_command_writes_its_rounds(job, tmp_path):
+    from harness.config.loading import to_yaml
+
+    s = script()
+    job_file = tmp_path / "job.yaml"
+    job_file.write_text(to_yaml(job))
+    out = tmp_path / "greedy"
+    assert s.main([str(job_file), "--linearize", "0-3", "--greedy", "1", "--seq-len", "32", "--out", str(out)]) == 0
+    data = json.loads(Path(f"{out}.json").read_text())
+    text = Path(f"{out}.md").read_text()
+    assert len(data["rounds"]) == 1 and f"| 1 | {data['rounds'][0]['chosen']} |" in text
+    assert "Round 1: the 4 best of 4 candidates" in text

@@ -418,3 +418,5 @@ def test_the_copy_probe_of_the_ranking_scores_a_copier_fully_and_a_contextless_m
     probe = CopyProbe.for_model(Oracle(), Tokenizer(), sequences=2, seq_len=64, device=torch.device("cpu"))
     assert probe.rows.shape == (8, 32) and probe.accuracy(Oracle()) == 1.0
     assert probe.accuracy(Contextless()) < 0.05
+    # the NLL, which the kept-set search reads: ~0 for the copier (its logits put 20 on the next token)
+    assert probe.measure(Oracle())["nll_after_first"] < 1e-3 < 1.0 < probe.measure(Contextless())["nll_after_first"]
