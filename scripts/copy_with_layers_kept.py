@@ -121,7 +121,9 @@ def greedy_keep(job: Any, linearize: Sequence[int], k: int, *, start: Sequence[i
         while len(kept) < k:
             candidates = []
             for layer in (l for l in sets.linearize if l not in kept):
-                candidates.append({"layer": layer, **sets.score(kept + [layer])})
+                scored = sets.score(kept + [layer])
+                del scored["replaced"]  # `linearize` minus `keep`: not repeated for every candidate
+                candidates.append({"layer": layer, **scored})
                 bar.update()
             best = min(candidates, key=lambda c: (c["nll_after_first"], -c["copy_acc"], c["layer"]))
             kept = best["keep"]
