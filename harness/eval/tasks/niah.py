@@ -120,7 +120,7 @@ class NiahTask(EvalTask):
         return read_niah_prompts(student_dir)
 
     def example_differences(self, a: Any, b: Any) -> list[str]:
-        return niah_differences(a.label, a.data.get("niah"), b.label, b.data.get("niah"))
+        return niah_differences(a.data.get("niah"), b.data.get("niah"))
 
     def paired_rows(self, a: Any, b: Any, samples: int = BOOTSTRAP_SAMPLES, seed: int = BOOTSTRAP_SEED) -> list[dict]:
         return niah_rows(a.data.get("niah"), b.data.get("niah"), samples, seed)
@@ -287,7 +287,7 @@ def read_niah_prompts(folder: Path) -> Optional[NiahPrompts]:
     return NiahPrompts({k: header.get(k) for k in NIAH_SETTINGS}, grid, {k: records[k] for k in keys})
 
 
-def niah_differences(label_a: str, a: Optional[NiahPrompts], label_b: str, b: Optional[NiahPrompts]) -> list[str]:
+def niah_differences(a: Optional[NiahPrompts], b: Optional[NiahPrompts]) -> list[str]:
     """What differs between two runs' NIAH prompts ([] when they are the same prompts)."""
     if a is None or b is None:
         return []  # only one run has them: EvalTask.unpaired names that
