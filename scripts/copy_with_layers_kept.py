@@ -66,6 +66,8 @@ class KeptSets:
         config = student_config(self.model.config, job.student.mixer, dict(job.student.options))
         self.mixers = start_mixers(job, self.model, config, self.linearize, first_batch(job, corpus).to(device),
                                    device)
+        for mixer, _ in self.mixers.values():
+            mixer.eval()
         self.rope, self.autocast = rope_for(config, device), (lambda: stage_autocast(job, device))
         self.probe = CopyProbe.for_model(self.model, teacher.tokenizer, sequences, seq_len, device)
         with torch.no_grad():
@@ -81,10 +83,8 @@ class KeptSets:
         replaced = [l for l in self.linearize if l not in set(keep)]
         with contextlib.ExitStack() as stack:
             for l in replaced:
-                mixer, _ = self.mixers[l]
-                mixer.eval()
-                stack.enter_context(replaced_attention(self.model, l, MixerAsAttention(mixer, self.rope,
-                                                                                       self.autocast())))
+                mixer = MixerAsAttention(self.mixers[l][0], self.rope, self.autocast())
+                stack.enter_context(replaced_attention(self.model, l, mixer))
             scores = self.probe.measure(self.model)
         return {"keep": sorted(keep), "replaced": replaced, **scores,
                 "weights": sorted({self.mixers[l][1] for l in replaced})}
@@ -102,6 +102,11 @@ def copy_with_kept(job: Any, linearize: Sequence[int], keeps: Sequence[Sequence[
     replaced by their mixers at once."""
     sets = KeptSets(job, linearize, sequences=sequences, seq_len=seq_len, device=device)
     return {**sets.header(), "rows": [sets.score(keep) for keep in keeps]}
+
+
+def ranked(candidates: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One round's candidates, best first: the lowest copy NLL, then the higher accuracy, then the lower layer."""
+    return sorted(candidates, key=lambda c: (c["nll_after_first"], -c["copy_acc"], c["layer"]))
 
 
 def greedy_keep(job: Any, linearize: Sequence[int], k: int, *, start: Sequence[int] = (), sequences: int = 8,
@@ -125,7 +130,7 @@ def greedy_keep(job: Any, linearize: Sequence[int], k: int, *, start: Sequence[i
                 del scored["replaced"]  # `linearize` minus `keep`: not repeated for every candidate
                 candidates.append({"layer": layer, **scored})
                 bar.update()
-            best = min(candidates, key=lambda c: (c["nll_after_first"], -c["copy_acc"], c["layer"]))
+            best = ranked(candidates)[0]
             kept = best["keep"]
             rounds.append({"chosen": best["layer"], "kept": kept, "candidates": candidates})
     return {**sets.header(), "start": sorted(set(start)), "rounds": rounds}
@@ -158,17 +163,15 @@ def greedy_markdown(result: dict[str, Any], command: str, shown: int = 8) -> str
     lines = _preamble(result, command, "Which layers to keep, chosen one at a time (forward selection by copy NLL)")
     lines += [f"Start: {_kept(result['start'])}. Each round keeps the candidate that leaves the lowest NLL.", "",
               "| round | kept | copy accuracy | NLL after first | runner-up (its NLL) |", "|---|---|---|---|---|"]
-    for i, r in enumerate(result["rounds"], 1):
-        ranked = sorted(r["candidates"], key=lambda c: (c["nll_after_first"], -c["copy_acc"], c["layer"]))
-        best, second = ranked[0], (ranked[1] if len(ranked) > 1 else None)
-        runner = f"{second['layer']} ({second['nll_after_first']:.2f})" if second else "-"
-        lines.append(f"| {i} | {_kept(r['kept'])} | {best['copy_acc']:.1%} | {best['nll_after_first']:.2f} | "
-                     f"{runner} |")
-    for i, r in enumerate(result["rounds"], 1):
-        ranked = sorted(r["candidates"], key=lambda c: (c["nll_after_first"], -c["copy_acc"], c["layer"]))
-        lines += ["", f"Round {i}: the {min(shown, len(ranked))} best of {len(ranked)} candidates (all in the JSON)",
+    rounds = [ranked(r["candidates"]) for r in result["rounds"]]
+    for i, (r, order) in enumerate(zip(result["rounds"], rounds), 1):
+        runner = f"{order[1]['layer']} ({order[1]['nll_after_first']:.2f})" if len(order) > 1 else "-"
+        lines.append(f"| {i} | {_kept(r['kept'])} | {order[0]['copy_acc']:.1%} | "
+                     f"{order[0]['nll_after_first']:.2f} | {runner} |")
+    for i, order in enumerate(rounds, 1):
+        lines += ["", f"Round {i}: the {min(shown, len(order))} best of {len(order)} candidates (all in the JSON)",
                   "", "| layer added | copy accuracy | NLL after first |", "|---|---|---|"]
-        lines += [f"| {c['layer']} | {c['copy_acc']:.1%} | {c['nll_after_first']:.2f} |" for c in ranked[:shown]]
+        lines += [f"| {c['layer']} | {c['copy_acc']:.1%} | {c['nll_after_first']:.2f} |" for c in order[:shown]]
     return "\n".join(lines) + "\n"
 
 
