@@ -344,6 +344,27 @@ def test_teachers_at_one_window_are_named_by_folder(two_runs, tmp_path):
     assert [name for name, _ in _teachers(reports)] == ["teacher (runs/teacher)", "teacher (elsewhere/teacher)"]
 
 
+def test_copies_of_one_teacher_cache_make_one_teacher_row(tmp_path):
+    """Runs brought into docs/results/ from different output directories: their teacher folders have one cache
+    name and the same results, so the report shows one teacher (a section only one copy holds, e.g. the copy probe
+    added later, comes from that copy); where the results differ, each row names its whole folder."""
+    from harness.eval.report import _teachers
+
+    first = make_run(tmp_path / "study" / "runs", "run-a", STUDENT_A, NIAH_A)
+    second = make_run(tmp_path / "retrieval" / "runs", "run-b", STUDENT_B, NIAH_B)
+    reports = [json.loads((run / "eval" / "report.json").read_text()) for run in (first, second)]
+    reports[1]["copy"] = {"student": {"scores": {}}, "teacher": {"scores": {"after first": {"value": 0.75}}}}
+    (name, merged), = _teachers(reports)
+    assert name == "teacher" and merged["copy"]["teacher"]["scores"]["after first"]["value"] == 0.75
+    assert merged["niah"]["teacher"] == reports[0]["niah"]["teacher"]
+    reports[1]["perplexity"] = {**reports[1]["perplexity"], "teacher": 11.0}
+    assert [name for name, _ in _teachers(reports)] == [f"teacher ({r['teacher_dir']})" for r in reports]
+    out = tmp_path / "cmp"
+    assert harness_main(["report", str(first), str(second), "--out", str(out)]) == 0
+    text = (out / "comparison.md").read_text()
+    assert text.count("| teacher | 0.8333 |") == 1 and "| teacher (" not in text
+
+
 def test_report_command_refuses_unknown_names(two_runs, tmp_path, capsys):
     a, b = map(str, two_runs)
     assert harness_main(["report", a, b, "--out", str(tmp_path / "cmp"), "--pairs", "run-a:kda"]) == 2

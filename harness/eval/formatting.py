@@ -4,7 +4,7 @@ matplotlib figures.
     fmt(value, pct)              -> '0.4821', '48.2%', '-' for a missing value
     fmt_ci(value, interval, pct) -> '0.512 [0.480, 0.540]', '85.2% [70.1, 99.3]'
     run_name(report)             -> 'LABEL [MIXER]', a run's name in tables and plots
-    teachers(reports)            -> ("teacher", report) per distinct teacher result folder
+    teachers(reports)            -> ("teacher", report) per distinct teacher result (copies of one cache merged)
     heldout_window(report, dir)  -> the length of the windows its held-out text was scored in
     heldout_comparison(a, b)     -> whether two runs' held-out measures may be differenced, and the rows' note
     figure(width, height)        -> a matplotlib Figure without pyplot
@@ -68,15 +68,54 @@ def heldout_comparison(a: dict, a_dir: Optional[Path], b: dict, b_dir: Optional[
                    else NO_INTERVAL)
 
 
+def _teacher_tag(report: dict) -> str:
+    """A teacher result folder named by its cache and its own name, e.g. 'teacher-2048/smollm2-...-6d2644406e52'."""
+    folder = Path(report["teacher_dir"])
+    return str(folder.relative_to(folder.parent.parent))
+
+
+def _teacher_results(report: dict) -> dict:
+    """The teacher's side of a report: per benchmark task, and per section that has one (average, NIAH, ...)."""
+    sides = {("tasks", task): row.get("teacher") for task, row in (report.get("tasks") or {}).items()}
+    sides.update({(key,): section["teacher"] for key, section in report.items()
+                  if key != "tasks" and isinstance(section, dict) and "teacher" in section})
+    return sides
+
+
+def _merged_if_same(a: dict, b: dict) -> Optional[dict]:
+    """One teacher report for two result folders that are copies of one cache (runs moved into docs/results/ from
+    different output directories): the same tag, the same tasks and every result both hold equal; a section only
+    one holds is taken from it. None where they differ."""
+    if _teacher_tag(a) != _teacher_tag(b) or set(a.get("tasks") or {}) != set(b.get("tasks") or {}):
+        return None
+    ours, theirs = _teacher_results(a), _teacher_results(b)
+    if any(ours[k] != theirs[k] for k in ours.keys() & theirs.keys() if None not in (ours[k], theirs[k])):
+        return None
+    merged = dict(a)
+    for key in [k for k in theirs if len(k) == 1 and ours.get(k) is None and theirs[k] is not None]:
+        merged[key[0]] = {**(a.get(key[0]) or {}), "teacher": theirs[key]}
+    return merged
+
+
 def teachers(reports: list[dict]) -> list[tuple[str, dict]]:
-    """(row name, report) for each distinct teacher result folder (its rows are the same in every report that
-    shares it): "teacher", or where there are several, named by their held-out window or their folder."""
-    distinct = list({r.get("teacher_dir"): r for r in reports if r.get("teacher_dir")}.values())
+    """(row name, report) for each distinct teacher result (its rows are the same in every report that shares
+    it; folders holding the same results under the same cache name count once): "teacher", or where there are
+    several, named by their held-out window or their folder."""
+    distinct: list[dict] = []
+    for report in {r.get("teacher_dir"): r for r in reports if r.get("teacher_dir")}.values():
+        for i, kept in enumerate(distinct):
+            if (merged := _merged_if_same(kept, report)) is not None:
+                distinct[i] = merged
+                break
+        else:
+            distinct.append(report)
     if len(distinct) < 2:
         return [("teacher", r) for r in distinct]
     windows = [heldout_window(r) for r in distinct]
     if None in windows or len(set(windows)) < len(windows):
-        tags = [str(Path(r["teacher_dir"]).relative_to(Path(r["teacher_dir"]).parent.parent)) for r in distinct]
+        tags = [_teacher_tag(r) for r in distinct]
+        if len(set(tags)) < len(tags):  # one cache name, different results: the whole folders
+            tags = [str(r["teacher_dir"]) for r in distinct]
     else:
         tags = [f"{w}-token windows" for w in windows]
     return [(f"teacher ({tag})", r) for tag, r in zip(tags, distinct)]
