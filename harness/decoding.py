@@ -14,6 +14,7 @@ in, fixed-size states - so it can be recorded once as a CUDA graph and replayed:
     greedy_ids_batch(model, tokenizer, prompts, max_new_tokens, stop, text_done) -> new ids per prompt (any model)
     greedy_ids(model, tokenizer, ids, max_new_tokens, stop, text_done)           -> new ids of one prompt [1, T]
     candidate_logprobs(model, prompt_ids, candidates)      teacher-forced log p of each candidate continuation
+    candidate_scores(model, prompt_ids, candidates)        the same and the next-token log-probs after the prompt
     stop_token_ids, length_batches, check_batch_size       stop ids, batches by length, a batch size's check
 
 HARNESS_DECODE_GRAPHS=0 in the environment turns the graphs off wherever `graphs` is not given (NIAH, chat samples).
@@ -368,10 +369,18 @@ def _cut_at_end(new: list[int], stop: list[int], tokenizer: Any,
 # ----------------------------------------------------------------------------------- candidate scoring (any causal LM)
 
 
-@torch.no_grad()
 def candidate_logprobs(model: Any, prompt_ids: list[int], candidates: list[list[int]],
                        device: str | torch.device = "cpu") -> list[float]:
-    """log p(candidate | prompt) of each candidate token list, teacher-forced: the sum of its tokens' log-probs.
+    """log p(candidate | prompt) of each candidate token list, teacher-forced (`candidate_scores`)."""
+    return candidate_scores(model, prompt_ids, candidates, device)[0]
+
+
+@torch.no_grad()
+def candidate_scores(model: Any, prompt_ids: list[int], candidates: list[list[int]],
+                     device: str | torch.device = "cpu") -> tuple[list[float], torch.Tensor]:
+    """log p(candidate | prompt) of each candidate token list, teacher-forced: the sum of its tokens' log-probs;
+    and the next-token log-probabilities after the prompt (float32, on the model's device), which the first
+    tokens were scored from.
 
     One forward over the prompt keeps its cache (a teacher's KV cache, a student's RecurrentCache), which is
     repeated once per candidate (`batch_repeat_interleave`); then one batched forward feeds every candidate but
@@ -387,7 +396,7 @@ def candidate_logprobs(model: Any, prompt_ids: list[int], candidates: list[list[
     scores = first[torch.tensor([c[0] for c in candidates], device=first.device)]
     longest = max(len(c) for c in candidates)
     if longest == 1:
-        return scores.tolist()
+        return scores.tolist(), first
     cache = _output_cache(out)
     cache.batch_repeat_interleave(len(candidates))
     ids = torch.tensor([c + c[-1:] * (longest - len(c)) for c in candidates], device=device)
@@ -395,7 +404,7 @@ def candidate_logprobs(model: Any, prompt_ids: list[int], candidates: list[list[
     token_lp = logits.log_softmax(-1).gather(-1, ids[:, 1:, None].to(logits.device))[..., 0]
     lengths = torch.tensor([len(c) for c in candidates], device=token_lp.device)
     real = torch.arange(longest - 1, device=token_lp.device)[None] < (lengths - 1)[:, None]
-    return (scores.to(token_lp.device) + torch.where(real, token_lp, 0.0).sum(1)).tolist()
+    return (scores.to(token_lp.device) + torch.where(real, token_lp, 0.0).sum(1)).tolist(), first
 
 
 def _output_cache(out: Any) -> Any:

@@ -355,6 +355,21 @@ class Reader(Uniform):
         return torch.cat([input_ids, new], dim=1)
 
 
+class ProseFirst(Copier):
+    """The copier with a prose prior: one token (" the") 10 logits above whatever it copies, after any context.
+    It ranks the needle's value first among the candidates (the same prior lowers every one alike) and never
+    starts it: the 2,048-token failures of docs/results/retrieval-135m/ in miniature."""
+
+    def __init__(self, vocab: int, prose_token: int) -> None:
+        super().__init__(vocab)
+        self.prose_token = prose_token
+
+    def render(self, expected: list[list]) -> torch.Tensor:
+        logits = super().render(expected)
+        logits[..., self.prose_token] = 50.0
+        return logits
+
+
 SMALL = dict(lengths=[256, 384], depths=[0.0, 0.5, 1.0], kinds=["passkey", "uuid", "kv"], samples=2)
 
 
@@ -508,6 +523,41 @@ def test_a_copier_scores_100_on_both_scores_with_either_prompt(smollm2_tokenizer
         assert result["likelihood"]["by_depth"] == {"0.0": 1.0, "0.5": 1.0, "1.0": 1.0}
         records = [json.loads(line) for line in open(tmp_path / prompt / "niah_cells.jsonl")][1:]
         assert all(r["logprobs"][0] > -1e-3 > max(r["logprobs"][1:]) for r in records)  # the value, surely
+        assert result["likelihood"]["first_token_top1"] == 1.0 and result["likelihood"]["first_token_gap"] == 0.0
+        assert all(r["first_token_rank"] == 1 and r["value"].startswith(r["first_token_top"].strip())
+                   for r in records)
+
+
+def test_the_first_token_score_tells_a_value_ranked_first_from_one_decoding_starts(smollm2_tokenizer, tmp_path):
+    """A model whose prose prior outweighs its copying ranks every value first among its candidates (likelihood
+    100%), answers none (exact 0%), and the first-token score says why: another token is its first choice, by
+    the prior's 10 nats. A model that ignores the context (all tokens tied) never has the value as a sure start."""
+    tok = smollm2_tokenizer
+    the = tok(" the", add_special_tokens=False).input_ids
+    assert len(the) == 1
+    grid = NiahGrid(**{**SMALL, "kinds": ["passkey", "uuid"]})
+    result = run_niah(ProseFirst(len(tok), the[0]), tok, grid, tmp_path / "prose", label="prose", progress=False)
+    lik = result["likelihood"]
+    assert result["overall"] == 0.0 and lik["overall"] == 1.0
+    assert lik["first_token_top1"] == 0.0 and lik["first_token_top1_by_length"] == {"256": 0.0, "384": 0.0}
+    assert lik["first_token_gap"] == pytest.approx(10.0, abs=1e-3)
+    records = [json.loads(line) for line in open(tmp_path / "prose" / "niah_cells.jsonl")][1:]
+    assert {(r["first_token_rank"], r["first_token_top"]) for r in records} == {(2, " the")}
+    flat = run_niah(Uniform(len(tok)), tok, grid, tmp_path / "uniform", label="uniform", progress=False)
+    assert flat["likelihood"]["first_token_top1"] == 0.0 and flat["likelihood"]["first_token_gap"] == 0.0
+    rows = [json.loads(line) for line in open(tmp_path / "uniform" / "niah_cells.jsonl")][1:]
+    assert {r["first_token_rank"] for r in rows} == {len(tok)}  # every token as likely: ranked behind them all
+
+
+def test_first_token_fields_rank_the_value_over_the_vocabulary(tiny_tok):
+    logprobs = torch.tensor([-3.0, -1.0, -2.0, -1.0, -5.0]).log_softmax(-1)
+    fields = niah.first_token_fields(tiny_tok, logprobs, 2)
+    assert fields["first_token_rank"] == 3 and fields["first_token_gap"] == pytest.approx(1.0)
+    assert fields["first_token_top"] == tiny_tok.decode([1])
+    assert niah.first_token_fields(tiny_tok, logprobs, 1)["first_token_rank"] == 2  # tied with token 3
+    alone = torch.tensor([-3.0, 0.0, -2.0]).log_softmax(-1)
+    assert niah.first_token_fields(tiny_tok, alone, 1) == {"first_token_rank": 1, "first_token_gap": 0.0,
+                                                            "first_token_top": tiny_tok.decode([1])}
 
 
 def test_a_model_that_ignores_the_context_scores_chance_exactly(smollm2_tokenizer, tmp_path):
@@ -551,6 +601,11 @@ def test_records_without_the_likelihood_score_keep_their_answers_and_are_only_sc
                     tmp_path, label="m", progress=False)
     assert fewer.calls == 0 and four["overall"] == first["overall"]
     assert four["likelihood"]["chance"] == 0.2 and four["likelihood"]["overall"] == pytest.approx(0.2)
+    without_first = [lines[0]] + [{k: v for k, v in r.items() if not k.startswith("first_token_")} for r in lines[1:]]
+    path.write_text("".join(json.dumps(r) + "\n" for r in without_first))  # as written before the first-token fields
+    later = Reader(smollm2_tokenizer, "silent")
+    assert run_niah(later, smollm2_tokenizer, grid, tmp_path, label="m", progress=False) == first
+    assert later.calls == 0
 
 
 def test_the_report_shows_both_scores_by_length_and_reads_older_niah_files(smollm2_tokenizer, tmp_path):
@@ -570,6 +625,8 @@ def test_the_report_shows_both_scores_by_length_and_reads_older_niah_files(smoll
     assert "| student | 100.0% | 100.0% | 100.0% | 10.0% | 1 |" in md
     assert "| teacher | 10.0% | 10.0% | 10.0% | 10.0% | 5.5 |" in md
     assert "| teacher | 0.0% | 0.0% | 0.0% |" in md  # its exact match
+    assert "| value's first token is the model's first choice | 256 | 384 | overall |" in md
+    assert "| student | 100.0% | 100.0% | 100.0% |" in md and "| teacher | 0.0% | 0.0% | 0.0% |" in md
     assert "NIAH prompts: plain." in md and "Warning" not in md
     write_report(report, tmp_path / "out")
     assert (tmp_path / "out" / "niah_by_length.png").stat().st_size > 1000

@@ -56,7 +56,7 @@ models (0% everywhere says nothing about the mixer), so each sample also ranks i
 the other words of the kv word list for that key, drawn deterministically from the sample's own seed as the
 true value was drawn, so that a model that does not read the context cannot tell them apart. Each candidate
 is scored as the continuation " VALUE" of the same prompt, by the sum of its tokens' log-probabilities
-(`candidate_logprobs`: one forward over the prompt, its cache repeated per candidate, one batched forward of
+(`candidate_scores`: one forward over the prompt, its cache repeated per candidate, one batched forward of
 the candidates). The distractors have the true value's token count wherever the kind has enough such values
 (passkeys and UUIDs always do with SmolLM2's tokenizer; a kv word of a rare token count may not); else the
 nearest counts fill in and the sum is still not length-normalised (`same_token_count` in niah.json says how
@@ -65,6 +65,11 @@ rank; top1 = 1 if the true value is first, 1 / (1 + tied) when it ties at the to
 all candidates alike gets chance exactly: 1 / (1 + distractors), 10% by default; the chance rank is
 (2 + distractors) / 2. Accuracy = mean top1, reported overall and by length, kind and depth beside exact match.
 
+First token (from the same forward): the rank of the value's first token among the whole vocabulary at the
+answer's start (`first_token_fields`); first-token top-1 = the share of samples where it is the model's most
+likely token. The likelihood score compares the value with other values only; this says whether greedy decoding
+starts the value at all, or starts prose, a restated question or a newline instead.
+
 Position limits: a model whose config has `max_position_embeddings` (a rope teacher; students are recurrent
 and have none) is still scored at longer prompts, with a warning and `beyond_max_positions: true` on those
 cells: how a teacher degrades past its trained length is what a linearised student is compared with.
@@ -72,12 +77,14 @@ cells: how a teacher degrades past its trained length is what a linearised stude
 Outputs in `out_dir`:
     niah_cells.jsonl   a header line (the settings a sample depends on), then one line per finished sample
                        (key, value, model output, correct, needle offset and depth; distractors, logprobs and
-                       candidate_tokens with the true value first, rank, top1). A rerun skips every sample
+                       candidate_tokens with the true value first, rank, top1; first_token_rank, _gap and
+                       _top). A rerun skips every sample
                        already there, so an interrupted evaluation resumes; records are keyed on (kind, length,
                        depth, index), so changing lengths / depths / kinds / samples reuses the overlap, while a
                        change of label, haystack, prompt mode, seed, max_new_tokens or tokenizer is an error
-                       (pass overwrite=True to start over). A record without the likelihood fields (written
-                       before them) or with other distractors keeps its answer and gets only the likelihood.
+                       (pass overwrite=True to start over). A record without the likelihood or first-token
+                       fields (written before them) or with other distractors keeps its answer and gets only
+                       those.
     niah.json          see `harness.eval.niah_summary.summarise` (label, grid, overall, by_length, by_kind,
                        by_depth, likelihood, cells, ...)
     niah.csv           one row per (kind, length, depth) cell, both scores
@@ -111,7 +118,7 @@ import torch
 from tqdm.auto import tqdm
 
 from harness.config_choices import Haystack, NeedleKind, NiahPrompt
-from harness.decoding import candidate_logprobs, check_batch_size, greedy_ids_batch, length_batches, stop_token_ids
+from harness.decoding import candidate_scores, check_batch_size, greedy_ids_batch, length_batches, stop_token_ids
 from harness.eval.niah_summary import TIE_TOLERANCE, plot_heatmap, summarise, write_csv, write_json
 from harness.eval.records import append_record, changed_settings, resume_lines
 from harness.failpoints import failpoint
@@ -593,13 +600,29 @@ def rank_of_true(scores: list[float]) -> tuple[float, float]:
 
 def likelihood_record(model: Any, tokenizer: Any, sample: NiahSample, device: str | torch.device) -> dict:
     """The likelihood fields of one sample's record: its distractors, every candidate's log-prob and token count
-    (the true value first), and the true value's rank and top1 (`rank_of_true`)."""
+    (the true value first), and the true value's rank and top1 (`rank_of_true`); and where the answer starts
+    (`first_token_fields`): whether the value's first token is the model's own first choice."""
     values = [sample.value, *sample.distractors]
     ids = [continuation_ids(tokenizer, v) for v in values]
-    scores = candidate_logprobs(model, sample.input_ids, ids, device)
+    scores, first = candidate_scores(model, sample.input_ids, ids, device)
     rank, top1 = rank_of_true(scores)
     return {"distractors": list(sample.distractors), "logprobs": [round(x, 6) for x in scores],
-            "candidate_tokens": [len(x) for x in ids], "rank": rank, "top1": top1}
+            "candidate_tokens": [len(x) for x in ids], "rank": rank, "top1": top1,
+            **first_token_fields(tokenizer, first, ids[0][0])}
+
+
+def first_token_fields(tokenizer: Any, next_logprobs: torch.Tensor, value_first: int) -> dict:
+    """The answer's first step, teacher-forced: first_token_rank, the rank of the value's first token among the
+    whole vocabulary (1 = the model's most likely next token, what greedy decoding starts with; ties count
+    against it); first_token_gap, how many nats the most likely token is above it (0 at rank 1); first_token_top,
+    the most likely token's text. A value ranked first among its candidates can still lose here to prose. (With
+    SmolLM2's tokenizer a value that starts with a digit starts with a lone space token, the same for every such
+    value: there the score says whether the model starts an answer of that form at all.)"""
+    true = next_logprobs[value_first]
+    top = int(next_logprobs.argmax())
+    others_as_likely = int((next_logprobs >= true).sum()) - 1  # a tie is no sure start: greedy may pick the other
+    return {"first_token_rank": 1 + others_as_likely, "first_token_gap": round(float(next_logprobs[top] - true), 6),
+            "first_token_top": tokenizer.decode([top])}
 
 
 def position_limit(model: Any) -> int | None:
@@ -656,9 +679,11 @@ def sample_record(sample: NiahSample, output: str) -> dict:
 
 
 def is_complete(record: Optional[dict], distractors: tuple[str, ...]) -> bool:
-    """Whether a saved record has both scores, its likelihood against these `distractors` (records written before
-    the likelihood score, or with another number of distractors, lack it: only it is then computed)."""
-    return record is not None and "top1" in record and record.get("distractors") == list(distractors)
+    """Whether a saved record has both scores, its likelihood against these `distractors` and the first-token
+    fields (records written before the likelihood score or the first-token fields, or with another number of
+    distractors, lack them: only they are then computed, the generated answer kept)."""
+    return (record is not None and "top1" in record and "first_token_rank" in record
+            and record.get("distractors") == list(distractors))
 
 
 # ---------------------------------------------------------------------------------------------- run
@@ -670,7 +695,7 @@ def run_niah(model: Any, tokenizer: Any, grid: NiahGrid, out_dir: str | os.PathL
     """Evaluate `model` on every sample of `grid`, resuming from out_dir/niah_cells.jsonl; return niah.json.
 
     `model` is anything with a transformers-style `generate(input_ids=, attention_mask=, generation_config=)`
-    and a forward with a cache (see `candidate_logprobs`): HarnessForCausalLM, LlamaForCausalLM, a test double;
+    and a forward with a cache (see `candidate_scores`): HarnessForCausalLM, LlamaForCausalLM, a test double;
     nn.Modules are put in eval mode on `device`. Writes niah_cells.jsonl (one line per finished sample, flushed),
     then niah.json, niah.csv, niah_heatmap.png and niah_likelihood_heatmap.png. A rerun computes only what
     niah_cells.jsonl lacks: the samples not there, and the likelihood score of records written without it (or

@@ -59,7 +59,30 @@ def likelihood_summary(cells: list[dict], rows: list[dict], grid: NiahGrid) -> d
         summary[f"by_{name}"] = _by(cells, "likelihood_accuracy", name, values)
     for name, values in dims:
         summary[f"mean_rank_by_{name}"] = _by(cells, "mean_rank", name, values)
-    return summary
+    return {**summary, **first_token_summary(rows, grid)}
+
+
+def _first_choice_share(rows: list[dict]) -> float:
+    return _mean([float(r["first_token_rank"] == 1) for r in rows])
+
+
+FIRST_TOKEN_RULE = ("teacher-forced, at the answer's start: first_token_top1 = the share of samples whose value's "
+                    "first token is the model's most likely next token over the whole vocabulary (what greedy "
+                    "decoding starts with); first_token_gap = the mean log-probability (nats) of the most likely "
+                    "token above the value's first token (0 where it is the value's); a value starting with a digit starts "
+                    "with a lone space token in SmolLM2's tokenizer, so there it scores the start of a number")
+
+
+def first_token_summary(rows: list[dict], grid: NiahGrid) -> dict:
+    """The likelihood block's first-token part, overall and by length (None where no record has the fields:
+    results written before them)."""
+    scored = [r for r in rows if "first_token_rank" in r]
+    if not scored:
+        return {"first_token_top1": None, "first_token_top1_by_length": None, "first_token_gap": None}
+    return {"first_token_top1": _first_choice_share(scored),
+            "first_token_top1_by_length": {str(n): _first_choice_share([r for r in scored if r["length"] == n])
+                                           for n in grid.lengths},
+            "first_token_gap": _mean([r["first_token_gap"] for r in scored]), "first_token_scoring": FIRST_TOKEN_RULE}
 
 
 def summarise(records: dict[tuple, dict], grid: NiahGrid, label: str, prompt_mode: str,

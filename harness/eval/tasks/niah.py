@@ -23,7 +23,7 @@ from harness.eval.tasks.base import Column, Curve, EvalTask, Score, TaskResults
 NIAH_FILE, CELLS_FILE = "niah.json", "niah_cells.jsonl"
 NIAH_SETTINGS = ("niah_format", "haystack", "prompt", "seed", "max_new_tokens", "tokenizer")  # the cells' header
 LIKELIHOOD_KEYS = ("overall", "by_length", "by_depth", "mean_rank", "mean_rank_by_length", "chance", "chance_rank",
-                   "candidates")
+                   "candidates", "first_token_top1", "first_token_top1_by_length")
 
 NiahKey = tuple[str, int, float, int]
 
@@ -193,7 +193,25 @@ def niah_likelihood_table(title: str, sides: list[tuple[str, dict]]) -> list[str
     return lines + ["", f"Likelihood: per sample, the needle's value and its distractors ({candidates} candidates; "
                         "other values of its kind, the same for every model) are scored as the answer by their summed "
                         "token log-probability, teacher-forced; accuracy = the true value ranked first (ties shared), "
-                        "chance = 1 / candidates; mean rank 1 = best, chance (candidates + 1) / 2.", ""]
+                        "chance = 1 / candidates; mean rank 1 = best, chance (candidates + 1) / 2.", ""] \
+        + first_token_table(rows, lengths)
+
+
+def first_token_table(rows: list[tuple[str, dict]], lengths: list[int]) -> list[str]:
+    """Beside the likelihood table: per length, the share of prompts whose value's first token is the model's most
+    likely next token; [] when no result has it (written before the first-token fields)."""
+    rows = [(name, lik) for name, lik in rows if lik.get("first_token_top1") is not None]
+    if not rows:
+        return []
+    lines = ["| value's first token is the model's first choice | " + " | ".join(str(n) for n in lengths)
+             + " | overall |", "|" + "---|" * (len(lengths) + 2)]
+    for name, lik in rows:
+        by_length = lik.get("first_token_top1_by_length") or {}
+        cells = [fmt(by_length.get(str(n)), pct=True) for n in lengths] + [fmt(lik["first_token_top1"], pct=True)]
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    return lines + ["", "First token: teacher-forced at the answer's start, the value's first token ranked among the "
+                        "whole vocabulary; where another token is more likely (prose, a restated question, a newline), "
+                        "greedy decoding does not start the value however it ranks among the candidates.", ""]
 
 
 def prompt_note(sides: list[tuple[str, dict]]) -> list[str]:
