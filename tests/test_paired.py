@@ -363,6 +363,14 @@ def test_copies_of_one_teacher_cache_make_one_teacher_row(tmp_path):
     assert harness_main(["report", str(first), str(second), "--out", str(out)]) == 0
     text = (out / "comparison.md").read_text()
     assert text.count("| teacher | 0.8333 |") == 1 and "| teacher (" not in text
+    assert harness_main(["report", str(first), str(second), "--out", str(out), "--pairs", "run-a:run-b"]) == 0
+    assert "result folders differ" not in (out / "comparison.md").read_text()
+    assert paired.paired_report(_loaded(first), _loaded(second))["shared_teacher"] is True
+    third = make_run(tmp_path / "other" / "runs", "run-c", STUDENT_B, NIAH_B)
+    report = json.loads((third / "eval" / "report.json").read_text())
+    report["perplexity"]["teacher"] = 11.0  # a teacher of that cache name scored otherwise
+    (third / "eval" / "report.json").write_text(json.dumps(report))
+    assert paired.paired_report(_loaded(first), _loaded(third))["shared_teacher"] is False
 
 
 def test_report_command_refuses_unknown_names(two_runs, tmp_path, capsys):

@@ -45,7 +45,7 @@ from typing import Any, Optional
 
 import numpy as np
 
-from harness.eval.formatting import NO_INTERVAL, heldout_comparison  # noqa: F401  (NO_INTERVAL: its old home)
+from harness.eval.formatting import NO_INTERVAL, heldout_comparison, teachers  # noqa: F401  (NO_INTERVAL: its old home)
 from harness.eval.recovery import (BOOTSTRAP_SAMPLES, BOOTSTRAP_SEED, LEVEL, difference, normalised_draws,
                                    normalised_recovery, paired_bootstrap)
 from harness.eval.recovery import paired_row as _row
@@ -303,7 +303,7 @@ def paired_report(a: RunResults, b: RunResults, samples: int = BOOTSTRAP_SAMPLES
     return {"a": a.label, "b": b.label, "unpaired": unpaired(a, b),
             "dirs": {"a": {"student": str(a.student_dir), "teacher": _str(a.teacher_dir)},
                      "b": {"student": str(b.student_dir), "teacher": _str(b.teacher_dir)}},
-            "shared_teacher": _same(a.teacher_dir, b.teacher_dir),
+            "shared_teacher": _same(a.teacher_dir, b.teacher_dir) or _one_teacher(a, b),
             "bootstrap": {"samples": samples, "seed": seed, "level": LEVEL, "paired": True},
             "rows": benchmark_rows(a, b, samples, seed)
                     + [row for task in tasks() for row in task.paired_rows(a, b, samples, seed)]
@@ -334,3 +334,8 @@ def _str(path: Optional[Path]) -> Optional[str]:
 
 def _same(x: Optional[Path], y: Optional[Path]) -> bool:
     return x is not None and y is not None and Path(x).resolve() == Path(y).resolve()
+
+
+def _one_teacher(a: RunResults, b: RunResults) -> bool:
+    """Whether two teacher folders are copies of one cache holding the same results (as the report counts them)."""
+    return None not in (a.teacher_dir, b.teacher_dir) and len(teachers([a.report, b.report])) == 1
