@@ -6,6 +6,7 @@
 #   bash scripts/study_small_device.sh start    # or: the lanes in a process session of their own, which runs on
 #   bash scripts/study_small_device.sh watch    #   between calls; each call then waits for them and archives
 #   bash scripts/study_small_device.sh stop     # ends detached lanes (and their GPU tests), e.g. to start a fixed job
+#   bash scripts/study_small_device.sh kernels  # the compiled kernels into $OUT, for a later machine (below)
 #
 # `lanes` runs LANES (default: four lanes, two per GPU: stage 3 keeps one job's GPU busy only about half the time,
 # and greedy NIAH decoding at batch 1 is bound by the host) until STOP_AT seconds, when it touches
@@ -35,6 +36,11 @@
 # gated_deltanet-small/authors): the run is NAME-TAG, with the tag's overrides (tag_overrides below) after OVERRIDES.
 # PREPARE (default: one small-study job) lists the jobs whose corpora `setup` tokenises: one per corpus and seq_len,
 # e.g. PREPARE="jobs/study-small-50m/smollm2-135m-gla-50m.yaml jobs/paper-recipe/smollm2-135m-gated_deltanet-50m-paper.yaml".
+# Compiled kernels: a `watch` that finds every lane finished also writes $OUT/kernel-cache.tar.xz, the Triton and
+# TileLang caches the bundle keeps in .cache/triton and .cache/tilelang (`kernels` writes it on demand), unless it
+# exceeds KERNEL_CACHE_MAX_BYTES (default 16,000,000: a file the device tool returns). Carried beside the payload
+# pieces into /tmp/carry on a later machine (same image, any Hopper GPU), `setup` unpacks it, so that the stages
+# start from compiled kernels instead of compiling them again.
 set -u
 S=${RUNS:-runs/study-small}
 D=${DEVICE_TMP:-/tmp}  # where the pieces arrive (carry/) and the payload unpacks (hc/, evalsite/)
@@ -44,6 +50,7 @@ DEFAULT_LANES=("0:gated_deltanet-small kda-small" "0:deltanet-small gla-small"
 setup() {
   (cd "$D/carry" && cat study-payload.part-* >study-payload.tar.xz && sha256sum -c study-payload.sha256 \
      && tar -C "$D" -xJf study-payload.tar.xz) || exit 4
+  kernels_in
   rm -rf "$D/carry"
   source .devbundle/setup.sh || exit 4
   export HARNESS_CACHE="$D/hc" HF_HUB_OFFLINE=1 PYTHONPATH=$PYTHONPATH:$D/evalsite
@@ -57,6 +64,33 @@ setup() {
   local seed=${SEED:-.cache/study-seed}
   if [ -d "$seed" ]; then mkdir -p "$S" && cp -rn "$seed"/. "$S"/; fi
   touch "$D/hc/.ready"
+}
+
+kernels_in() {  # an earlier lease's compiled kernels, carried beside the pieces; a bad archive only costs the compiles
+  local archive="$D/carry/kernel-cache.tar.xz"
+  [ -f "$archive" ] || return 0
+  mkdir -p .cache
+  if tar -C .cache -xJf "$archive" 2>/dev/null; then
+    echo "kernel cache: $(find .cache/triton .cache/tilelang -type f 2>/dev/null | wc -l) files from $archive"
+  else
+    echo "kernel cache $archive unreadable: the kernels compile afresh"
+  fi
+}
+
+kernels() {  # the Triton and TileLang caches into $OUT/kernel-cache.tar.xz, if a returned file may be that large
+  local dirs=() max=${KERNEL_CACHE_MAX_BYTES:-16000000} size
+  for d in triton tilelang; do [ -d ".cache/$d" ] && dirs+=("$d"); done
+  [ ${#dirs[@]} -gt 0 ] || { echo "no kernel cache in .cache/triton or .cache/tilelang"; return 0; }
+  mkdir -p "$OUT"
+  tar -C .cache -cf - "${dirs[@]}" | xz -T0 -6 >"$OUT/kernel-cache.tar.xz.part" || { rm -f "$OUT/kernel-cache.tar.xz.part"; return 0; }
+  size=$(stat -c %s "$OUT/kernel-cache.tar.xz.part")
+  if [ "$size" -gt "$max" ]; then
+    rm -f "$OUT/kernel-cache.tar.xz.part"
+    echo "kernel cache is $size bytes, over KERNEL_CACHE_MAX_BYTES ($max): not kept"
+  else
+    mv "$OUT/kernel-cache.tar.xz.part" "$OUT/kernel-cache.tar.xz"
+    echo "kernel cache: $OUT/kernel-cache.tar.xz ($size bytes; carry it beside a later lease's pieces)"
+  fi
 }
 
 tag_overrides() {  # the job overrides of a lane tag
@@ -184,7 +218,7 @@ watch() {  # wait for the detached lanes (at most WATCH_FOR seconds into this pr
     if [ $((SECONDS - last)) -ge "$every" ]; then archive >/dev/null 2>&1; last=$SECONDS; fi
     sleep 1
   done
-  [ -f "$S/LANES_FINISHED" ] && echo "all lanes finished" || echo "lanes still running at ${SECONDS}s"
+  if [ -f "$S/LANES_FINISHED" ]; then echo "all lanes finished"; kernels; else echo "lanes still running at ${SECONDS}s"; fi
   pgrep -s "$(cat "$S/lanes.pid" 2>/dev/null || echo 0)" -f "pytest" >/dev/null 2>&1 && echo "GPU tests still running"
   archive
 }
@@ -195,6 +229,7 @@ case "${1:-}" in
   start) start ;;
   watch) environment && watch ;;
   stop) stop ;;
+  kernels) kernels ;;
   run-lanes) environment && run_lanes; touch "$S/LANES_FINISHED"; wait ;;  # what `start` runs, detached
-  *) echo "usage: $0 setup|lanes|start|watch|stop (see docs/STUDY.md)"; exit 2 ;;
+  *) echo "usage: $0 setup|lanes|start|watch|stop|kernels (see docs/STUDY.md)"; exit 2 ;;
 esac

@@ -106,21 +106,63 @@ def test_lanes_preempt_at_stop_at_resume_in_the_next_call_and_name_a_missing_job
     assert "s/smollm2-135m-a/eval/report.json" in archived(env)
 
 
+def carry_payload(tmp_path: Path) -> None:
+    """A payload in dev/carry as study_payload.sh packs it: hc/ and evalsite/, xz, cut into pieces, the sha256."""
+    (tmp_path / "payload/hc").mkdir(parents=True)
+    (tmp_path / "payload/hc/teacher.gguf").write_bytes(os.urandom(200_000))
+    (tmp_path / "payload/evalsite").mkdir()
+    (tmp_path / "dev/carry").mkdir(parents=True)
+    subprocess.run("tar -C payload -cJf dev/carry/study-payload.tar.xz hc evalsite && cd dev/carry && "
+                   "split -b 60000 -d -a 1 study-payload.tar.xz study-payload.part- && "
+                   "sha256sum study-payload.tar.xz >study-payload.sha256 && rm study-payload.tar.xz",
+                   shell=True, cwd=tmp_path, check=True)
+
+
+def test_compiled_kernels_come_back_when_the_lanes_end_and_setup_unpacks_them_on_a_later_machine(machine, tmp_path):
+    """The last `watch` returns the Triton and TileLang caches beside the results (unless over the size a returned
+    file may be); carried into /tmp/carry with the pieces, `setup` puts them back where the bundle looks for them,
+    and an unreadable one only costs the compiles."""
+    tree, env = machine
+    (tree / ".cache/triton/ab12").mkdir(parents=True)
+    (tree / ".cache/triton/ab12/__grp__chunk_fwd.json").write_text('{"child_paths": {}}')
+    (tree / ".cache/tilelang/k1").mkdir(parents=True)
+    (tree / ".cache/tilelang/k1/kernel.cu").write_text("// compiled")
+    env = dict(env, LANES="0:a", FAKE_RUN_S="1")
+    assert script(tree, env, "start").returncode == 0
+    running = script(tree, env, "watch", WATCH_FOR="1")
+    assert "lanes still running" in running.stdout and not (Path(env["OUT"]) / "kernel-cache.tar.xz").exists()
+    done = script(tree, env, "watch", WATCH_FOR="60")
+    assert "all lanes finished" in done.stdout and "kernel cache: " in done.stdout, done.stdout + done.stderr
+    returned = Path(env["OUT"]) / "kernel-cache.tar.xz"
+    with tarfile.open(returned) as tar:
+        assert {"triton/ab12/__grp__chunk_fwd.json", "tilelang/k1/kernel.cu"} <= set(tar.getnames())
+    small = script(tree, dict(env, OUT=str(tmp_path / "out2")), "kernels", KERNEL_CACHE_MAX_BYTES="10")
+    assert "over KERNEL_CACHE_MAX_BYTES (10): not kept" in small.stdout
+    assert not any((tmp_path / "out2").iterdir())
+    # a later machine: the pieces and the kernel cache in /tmp/carry, no caches in the tree
+    shutil.rmtree(tree / ".cache")
+    shutil.rmtree(tmp_path / "dev/hc")
+    carry_payload(tmp_path)
+    shutil.copy(returned, tmp_path / "dev/carry/kernel-cache.tar.xz")
+    out = script(tree, env, "setup", PREPARE="jobs/x/smollm2-135m-a.yaml")
+    assert out.returncode == 0 and "kernel cache: 2 files" in out.stdout, out.stdout + out.stderr
+    assert (tree / ".cache/tilelang/k1/kernel.cu").read_text() == "// compiled"
+    assert (tree / ".cache/triton/ab12/__grp__chunk_fwd.json").is_file()
+    shutil.rmtree(tmp_path / "payload")
+    shutil.rmtree(tmp_path / "dev/hc")
+    carry_payload(tmp_path)
+    (tmp_path / "dev/carry/kernel-cache.tar.xz").write_bytes(b"not an archive")
+    out = script(tree, env, "setup", PREPARE="jobs/x/smollm2-135m-a.yaml")
+    assert out.returncode == 0 and "unreadable: the kernels compile afresh" in out.stdout, out.stdout + out.stderr
+
+
 def test_a_fresh_machine_is_refused_until_setup_joins_the_pieces_and_copies_the_seed(machine, tmp_path):
     tree, env = machine
     dev = tmp_path / "dev"
     shutil.rmtree(dev / "hc")
     refused = script(tree, env, "start")
     assert refused.returncode == 3 and "fresh machine" in refused.stdout
-    # a payload as study_payload.sh packs it: hc/ and evalsite/, xz, cut into pieces, the sha256 beside them
-    (tmp_path / "payload/hc").mkdir(parents=True)
-    (tmp_path / "payload/hc/teacher.gguf").write_bytes(os.urandom(200_000))
-    (tmp_path / "payload/evalsite").mkdir()
-    (dev / "carry").mkdir(parents=True)
-    subprocess.run("tar -C payload -cJf dev/carry/study-payload.tar.xz hc evalsite && cd dev/carry && "
-                   "split -b 60000 -d -a 1 study-payload.tar.xz study-payload.part- && "
-                   "sha256sum study-payload.tar.xz >study-payload.sha256 && rm study-payload.tar.xz",
-                   shell=True, cwd=tmp_path, check=True)
+    carry_payload(tmp_path)
     seed = tree / ".cache/study-seed/teacher-2048"
     seed.mkdir(parents=True)
     (seed / "bench.json").write_text("{}")
