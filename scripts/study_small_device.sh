@@ -82,7 +82,7 @@ kernels() {  # the Triton and TileLang caches into $OUT/kernel-cache.tar.xz, if 
   for d in triton tilelang; do [ -d ".cache/$d" ] && dirs+=("$d"); done
   [ ${#dirs[@]} -gt 0 ] || { echo "no kernel cache in .cache/triton or .cache/tilelang"; return 0; }
   mkdir -p "$OUT"
-  tar -C .cache -cf - "${dirs[@]}" | xz -T0 -6 >"$OUT/kernel-cache.tar.xz.part" || { rm -f "$OUT/kernel-cache.tar.xz.part"; return 0; }
+  tar -C .cache -I 'xz -T0 -6' -cf "$OUT/kernel-cache.tar.xz.part" "${dirs[@]}" || { rm -f "$OUT/kernel-cache.tar.xz.part"; return 0; }
   size=$(stat -c %s "$OUT/kernel-cache.tar.xz.part")
   if [ "$size" -gt "$max" ]; then
     rm -f "$OUT/kernel-cache.tar.xz.part"
