@@ -25,40 +25,83 @@ def harness_cli(*args: str, **extra_env: str) -> subprocess.CompletedProcess:
                           text=True, timeout=900)
 
 
-def test_run_all_stages_then_skip_when_rerun(tmp_path):
+TINY_EVAL = ["eval.enabled=true", "eval.tasks=[piqa]", "eval.limit=2", "eval.niah.lengths=[256]",
+             "eval.niah.depths=[0.5]", "eval.niah.kinds=[kv]", "eval.niah.samples=1", "eval.perplexity_tokens=64"]
+TINY_DURING = ["eval.every_tokens=256", "eval.during.tasks=[piqa]", "eval.during.limit=2",
+               "eval.during.niah_lengths=[256]", "eval.during.perplexity_tokens=64"]
+
+
+def test_a_run_stopped_in_stage_1_resumes_evaluates_along_stage_3_and_a_rerun_skips_everything(tmp_path):
+    """One run's whole life, shared by the properties of a local run (each a full pipeline of its own would cost
+    ~40 s of process start-up on a CI core): a preemption request during stage 1 stops it with both layer groups
+    checkpointed and the requeue exit; the rerun resumes and goes to the end, every part timed, evaluating
+    snapshots of stage 3 into the run's history beside training and the final student, whose report and curves
+    `harness report` draws; a third run skips every finished part and evaluates nothing twice."""
+    from harness.eval import history
+    from harness.preempt import REQUEUE_EXIT
+
     out = tmp_path / "run"
     job = tiny_job(tmp_path / "setting", out, "budget.split=[0.1,0.1,0.8]", "run.layer_groups=2",
-                   "run.parallel_groups=2", "data.validation_tokens=128", "eval.enabled=true",
-                   "eval.tasks=[piqa]", "eval.limit=2", "eval.niah.lengths=[256]", "eval.niah.depths=[0.5]",
-                   "eval.niah.kinds=[kv]", "eval.niah.samples=1", "eval.perplexity_tokens=64", total=1280)
+                   "run.parallel_groups=2", "data.validation_tokens=128", *TINY_EVAL, *TINY_DURING, total=1280)
     job_path = tmp_path / "job.yaml"
     job_path.write_text(OmegaConf.to_yaml(OmegaConf.structured(job)))
 
-    first = harness_cli("run", str(job_path))
-    assert first.returncode == 0, first.stdout[-2000:] + first.stderr[-3000:]
+    flag = tmp_path / "stop"
+    flag.touch()  # set for the run only, not in this process: in-process tests may watch for it
+    stopped = harness_cli("run", str(job_path), HARNESS_PREEMPT_FILE=str(flag))
+    assert stopped.returncode == REQUEUE_EXIT, stopped.stderr[-3000:]
+    assert "stopped on a preemption request" in stopped.stderr and "run the same command again" in stopped.stderr
+    assert "align_mixer: " in stopped.stdout and "(preempted)" in stopped.stdout
+    for group in ("layers-00-01", "layers-02-03"):  # both groups checkpointed (neither was killed by the other)
+        assert list((out / "align_mixer" / group / "checkpoints").glob("step-*")), group
+
+    resumed = harness_cli("run", str(job_path))
+    assert resumed.returncode == 0, resumed.stdout[-2000:] + resumed.stderr[-3000:]
     for stage in ("align_mixer", "align_hidden"):
         for group in ("layers-00-01", "layers-02-03"):
             assert (out / stage / group / "weights.safetensors").is_file()
-    assert "losses (first -> last logged)" in first.stdout and "distill" in first.stdout
+    assert "losses (first -> last logged)" in resumed.stdout and "distill" in resumed.stdout
+    # the stopped attempt's wall time is kept: a part's time over several attempts is the sum of its lines
     timings = [json.loads(line) for line in (out / "logs" / "timings.jsonl").read_text().splitlines()]
-    assert [t["part"] for t in timings] == ["align_mixer", "align_hidden", "merge", "distill", "eval"]
-    assert all(t["seconds"] > 0 and t["outcome"] == "done" for t in timings)
-    assert timings[0]["groups"] == 2 and timings[0]["parallel"] == 2
-    assert "[harness] align_mixer: " in first.stdout and " s wall" in first.stdout
-    assert "# Evaluation:" in first.stdout and "| piqa | acc_norm | 2 |" in first.stdout
+    assert [(t["part"], t["outcome"]) for t in timings] == [
+        ("align_mixer", "preempted"), ("align_mixer", "done"), ("align_hidden", "done"), ("merge", "done"),
+        ("distill", "done"), ("eval", "done")]
+    assert all(t["seconds"] > 0 for t in timings)
+    assert timings[1]["groups"] == 2 and timings[1]["parallel"] == 2
+    assert "[harness] align_mixer: " in resumed.stdout and " s wall" in resumed.stdout
+    assert "# Evaluation:" in resumed.stdout and "| piqa | acc_norm | 2 |" in resumed.stdout
     assert (out / "eval" / "report.json").is_file() and (out / "eval" / "teacher" / "niah.json").is_file()
     spec = OmegaConf.load(out / "eval.yaml")
     student = AutoModelForCausalLM.from_pretrained(spec.checkpoint)
     ids = torch.randint(1, 300, (1, 12))
     assert torch.isfinite(student(ids).logits).all()
 
-    second = harness_cli("run", str(job_path))
-    assert second.returncode == 0, second.stderr[-3000:]
-    assert "align_mixer: 2 layer groups, 2 already complete" in second.stdout
-    assert "align_hidden: 2 layer groups, 2 already complete" in second.stdout
-    assert "merge: already complete" in second.stdout
-    assert "distill: already complete" in second.stdout
-    assert "eval: already complete" in second.stdout
+    entries = history.read_history(out / "eval")
+    # stage 3 trains 1024 tokens at 64 per step: snapshots at 256, 512, 768, and the end (1024)
+    assert [e["tokens"] for e in entries] == [256, 512, 768, 1024], (out / "logs" / "eval-during.log").read_text()
+    assert [e["step"] for e in entries] == [4, 8, 12, 16]
+    assert not history.pending_marks(out) and not list((out / "eval" / "snapshots").glob("tokens-*"))
+    for e in entries:
+        assert e["report"]["tasks"]["piqa"]["n"] == 2 and e["params"] > 0 and e["mixer"] == "gated_deltanet"
+        assert e["report"]["perplexity"]["student"] > 1
+    ppl = [e["report"]["perplexity"]["student"] for e in entries]
+    assert ppl[-1] < ppl[0]  # training lowers held-out perplexity along the curve
+
+    report = harness_cli("report", str(out), "--out", str(tmp_path / "curves"), "--plateau-threshold", "0.01")
+    assert report.returncode == 0, report.stderr[-2000:]
+    curves = json.loads((tmp_path / "curves" / "curves.json").read_text())
+    run = next(iter(curves["runs"].values()))
+    assert run["metrics"]["perplexity"]["tokens"] == [256, 512, 768, 1024]
+    assert (tmp_path / "curves" / "curve_perplexity.png").stat().st_size > 1000
+    assert "4 evaluations" in report.stdout
+
+    again = harness_cli("run", str(job_path))
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "align_mixer: 2 layer groups, 2 already complete" in again.stdout
+    assert "align_hidden: 2 layer groups, 2 already complete" in again.stdout
+    for part in ("merge", "distill", "eval"):
+        assert f"{part}: already complete" in again.stdout
+    assert [e["tokens"] for e in history.read_history(out / "eval")] == [256, 512, 768, 1024]
 
 
 def test_run_reports_a_failing_group_and_its_log(tmp_path):
@@ -72,30 +115,6 @@ def test_run_reports_a_failing_group_and_its_log(tmp_path):
     result = harness_cli("run", str(job_path))
     assert result.returncode == 1
     assert "align_mixer layers 2-3 failed" in result.stderr and "align_mixer-layers-02-03.log" in result.stderr
-
-
-def test_run_stops_on_a_preemption_request_and_a_rerun_resumes(tmp_path):
-    from harness.preempt import REQUEUE_EXIT
-
-    out = tmp_path / "run"
-    job = tiny_job(tmp_path / "setting", out, "budget.split=[0.1,0.1,0.8]", "run.layer_groups=2",
-                   "run.parallel_groups=2", total=1280)
-    job_path = tmp_path / "job.yaml"
-    job_path.write_text(OmegaConf.to_yaml(OmegaConf.structured(job)))
-    flag = tmp_path / "stop"
-    flag.touch()  # set for the run only, not in this process: in-process tests may watch for it
-    stopped = harness_cli("run", str(job_path), HARNESS_PREEMPT_FILE=str(flag))
-    assert stopped.returncode == REQUEUE_EXIT, stopped.stderr[-3000:]
-    assert "stopped on a preemption request" in stopped.stderr and "run the same command again" in stopped.stderr
-    for group in ("layers-00-01", "layers-02-03"):  # both groups checkpointed (neither was killed by the other)
-        assert list((out / "align_mixer" / group / "checkpoints").glob("step-*")), group
-    resumed = harness_cli("run", str(job_path))
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
-    assert (out / "student" / "model.safetensors").is_file()
-    # the stopped attempt's wall time is kept: a part's time over several attempts is the sum of its lines
-    timings = [json.loads(line) for line in (out / "logs" / "timings.jsonl").read_text().splitlines()]
-    assert [(t["part"], t["outcome"]) for t in timings][:2] == [("align_mixer", "preempted"), ("align_mixer", "done")]
-    assert "align_mixer: " in stopped.stdout and "(preempted)" in stopped.stdout
 
 
 def test_layer_groups_are_pinned_to_the_gpus_this_process_may_use(monkeypatch):

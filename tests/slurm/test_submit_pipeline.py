@@ -1,12 +1,10 @@
-"""`harness submit` against the real single-node Slurm (slurm/local/cluster.sh): the tiny pipeline runs through
-sbatch arrays and dependencies to a student; a failing layer-group task blocks its dependents and
-`harness status` names it; `--resume` resubmits what is left; a USR1 before the time limit checkpoints and
-requeues the job."""
+"""`harness submit` against the real single-node Slurm (slurm/local/cluster.sh): a failing layer-group task
+blocks its dependents and `harness status` names it; `--resume` resubmits what is left, which runs through sbatch
+arrays and dependencies to an evaluated student; a USR1 before the time limit checkpoints and requeues the job."""
 
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -41,67 +39,60 @@ TINY_EVAL = ["eval.enabled=true", "eval.tasks=[piqa]", "eval.limit=2", "eval.nia
              "eval.niah.depths=[0.5]", "eval.niah.kinds=[kv]", "eval.niah.samples=1", "eval.perplexity_tokens=64"]
 
 
-def test_pipeline_runs_through_arrays_and_dependencies(slurm_cluster, tmp_path):
-    path, out = write_job(tmp_path, "run", *TINY_EVAL)
+DURING = ["eval.every_tokens=256", "eval.during.tasks=[]", "eval.during.niah_lengths=[]",
+          "eval.during.perplexity_tokens=64"]
+
+
+def test_a_failed_task_blocks_its_dependents_then_resume_runs_the_rest_through_arrays_and_evaluations(
+        slurm_cluster, tmp_path):
+    """One submission's whole life (each pipeline through Slurm costs ~50 s of CI): one layer group's array task
+    fails, its dependents wait with DependencyNeverSatisfied and `harness status` names the failed task's log;
+    `--resume` cancels what waits, resubmits only the failed group and the rest, which run through the arrays and
+    dependencies to a student; stage 3 starts its snapshot evaluations as Slurm jobs of their own; the evaluation
+    job reads eval.yaml; a last `--dry-run` finds nothing left."""
+    from harness.eval.history import pending_marks, read_history
+
+    path, out = write_job(tmp_path, "run", *TINY_EVAL, *DURING)
+    blocker = out / "align_mixer" / "layers-02-03"
+    blocker.parent.mkdir(parents=True)
+    blocker.write_text("not a directory: this group's task fails")
     result = harness(slurm_cluster, "submit", str(path), "--cpus-per-task", "1")
     assert result.returncode == 0, result.stderr[-3000:]
-    ids = submitted(out)
-    assert list(ids) == ["align_mixer", "align_hidden", "merge", "distill", "eval"]
+    first = submitted(out)
+    assert list(first) == ["align_mixer", "align_hidden", "merge", "distill", "eval"]
+    second: dict[str, str] = {}
     try:
-        slurm_cluster.wait_states(ids["eval"], {"COMPLETED", "FAILED", "CANCELLED"}, timeout=900)
-        for stage, job_id in ids.items():
+        slurm_cluster.wait_states(first["align_mixer"], {"COMPLETED", "FAILED"}, timeout=300)
+        assert sorted(slurm_cluster.states(first["align_mixer"])) == ["COMPLETED", "FAILED"]  # one task per group
+        slurm_cluster.wait_for("align_hidden blocked", lambda: any(
+            j.get("Reason") == "DependencyNeverSatisfied" for j in slurm_cluster.jobs(first["align_hidden"])), 60)
+        status = harness(slurm_cluster, "status", str(out)).stdout
+        assert "FAILED" in status and "DependencyNeverSatisfied" in status
+        assert "align_mixer-1-" in status  # the failed array task's log
+
+        blocker.unlink()
+        result = harness(slurm_cluster, "submit", "--resume", str(out), "--cpus-per-task", "1")
+        assert result.returncode == 0, result.stderr[-3000:]
+        assert "cancelled 4 pending job(s)" in result.stdout  # align_hidden, merge, distill, eval
+        second = submitted(out)
+        assert "GROUPS_=(2-3)" in (out / "slurm" / "align_mixer.sbatch").read_text()  # only the failed group
+        slurm_cluster.wait_states(second["eval"], {"COMPLETED", "FAILED", "CANCELLED"}, timeout=900)
+        for stage, job_id in second.items():
             states = slurm_cluster.states(job_id)
             assert states and all(s == "COMPLETED" for s in states), (stage, states, _logs(out))
-        assert len(slurm_cluster.states(ids["align_mixer"])) == 2  # one task per layer group
         assert (out / "student" / "config.json").is_file() and (out / "eval.yaml").is_file()
         report = json.loads((out / "eval" / "report.json").read_text())  # the evaluation job read eval.yaml
         assert report["tasks"]["piqa"]["n"] == 2 and report["niah"]["teacher"] is not None
+        distill_log = "\n".join(p.read_text() for p in (out / "logs").glob("distill-*.log"))
+        assert "evaluation of the snapshot at 256 tokens started (slurm job" in distill_log
+        assert [e["tokens"] for e in read_history(out / "eval")] == [256, 512, 768, 1024], _logs(out)
+        assert not pending_marks(out)
         status = harness(slurm_cluster, "status", str(out)).stdout
         assert "distill                      complete" in status and "COMPLETED" in status
         again = harness(slurm_cluster, "submit", str(path), "--dry-run")
         assert "nothing left to run" in again.stdout
     finally:
-        slurm_cluster.scancel(*ids.values())
-
-
-def test_evaluations_along_stage_3_run_as_their_own_slurm_jobs(slurm_cluster, tmp_path):
-    from harness.eval.history import pending_marks, read_history
-
-    during = ["eval.every_tokens=256", "eval.during.tasks=[]", "eval.during.niah_lengths=[]",
-              "eval.during.perplexity_tokens=64", "eval.tasks=[]", "eval.niah.lengths=[]", "eval.enabled=true",
-              "eval.perplexity_tokens=64"]
-    path, out = write_job(tmp_path, "curve", *during)
-    result = harness(slurm_cluster, "submit", str(path), "--cpus-per-task", "1")
-    assert result.returncode == 0, result.stderr[-3000:]
-    ids = submitted(out)
-    try:
-        slurm_cluster.wait_states(ids["eval"], {"COMPLETED", "FAILED", "CANCELLED"}, timeout=900)
-        assert slurm_cluster.states(ids["eval"]) == ["COMPLETED"], _logs(out)
-        distill_log = "\n".join(p.read_text() for p in (out / "logs").glob("distill-*.log"))
-        assert "evaluation of the snapshot at 256 tokens started (slurm job" in distill_log
-        assert [e["tokens"] for e in read_history(out / "eval")] == [256, 512, 768, 1024], _logs(out)
-        assert not pending_marks(out)
-    finally:
-        slurm_cluster.scancel(*ids.values())
-
-
-def test_failing_task_blocks_dependents_and_status_names_it(slurm_cluster, tmp_path):
-    path, out = write_job(tmp_path, "broken")
-    (out / "align_mixer").mkdir(parents=True)
-    (out / "align_mixer" / "layers-02-03").write_text("not a directory: this group's task fails")
-    result = harness(slurm_cluster, "submit", str(path), "--cpus-per-task", "1")
-    assert result.returncode == 0, result.stderr[-3000:]
-    ids = submitted(out)
-    try:
-        slurm_cluster.wait_states(ids["align_mixer"], {"COMPLETED", "FAILED"}, timeout=300)
-        assert sorted(slurm_cluster.states(ids["align_mixer"])) == ["COMPLETED", "FAILED"]
-        slurm_cluster.wait_for("align_hidden blocked", lambda: any(
-            j.get("Reason") == "DependencyNeverSatisfied" for j in slurm_cluster.jobs(ids["align_hidden"])), 60)
-        status = harness(slurm_cluster, "status", str(out)).stdout
-        assert "FAILED" in status and "DependencyNeverSatisfied" in status
-        assert "align_mixer-1-" in status  # the failed array task's log
-    finally:
-        slurm_cluster.scancel(*ids.values())
+        slurm_cluster.scancel(*first.values(), *second.values())
 
 
 def _logs(out: Path) -> str:
@@ -143,26 +134,3 @@ def test_usr1_before_the_limit_checkpoints_and_requeues(slurm_cluster, tmp_path)
 
 def _restarts(cluster, job_id: str) -> int:
     return max((int(j.get("Restarts", 0)) for j in cluster.jobs(job_id)), default=0)
-
-
-def test_resume_resubmits_only_what_failed(slurm_cluster, tmp_path):
-    path, out = write_job(tmp_path, "resumed")
-    blocker = out / "align_mixer" / "layers-02-03"
-    blocker.parent.mkdir(parents=True)
-    blocker.write_text("not a directory: this group's task fails")
-    assert harness(slurm_cluster, "submit", str(path), "--cpus-per-task", "1").returncode == 0
-    first = submitted(out)
-    try:
-        slurm_cluster.wait_states(first["align_mixer"], {"COMPLETED", "FAILED"}, timeout=300)
-        blocker.unlink()
-        result = harness(slurm_cluster, "submit", "--resume", str(out), "--cpus-per-task", "1")
-        assert result.returncode == 0, result.stderr[-3000:]
-        assert "cancelled 3 pending job(s)" in result.stdout  # align_hidden, merge, distill
-        second = submitted(out)
-        assert "GROUPS_=(2-3)" in (out / "slurm" / "align_mixer.sbatch").read_text()  # only the failed group
-        slurm_cluster.wait_states(second["distill"], {"COMPLETED", "FAILED", "CANCELLED"}, timeout=600)
-        assert slurm_cluster.states(second["distill"]) == ["COMPLETED"], _logs(out)
-        assert (out / "student" / "config.json").is_file()
-    finally:
-        slurm_cluster.scancel(*first.values())
-        slurm_cluster.scancel(*submitted(out).values())
