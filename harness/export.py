@@ -61,12 +61,20 @@ def export_checkpoint(checkpoint: Path, dest: Path, merged: Path, *, force: bool
         for name in merged.iterdir():  # the tokenizer files saved with the merged student
             if name.name.startswith(("tokenizer", "special_tokens", "chat_template")):
                 shutil.copy(name, tmp / name.name)
-        (tmp / EXPORT_JSON).write_text(json.dumps(_provenance(checkpoint, merged), indent=1))
+        (tmp / EXPORT_JSON).write_text(json.dumps({**_provenance(checkpoint, merged),
+                                                   "weights_sha256": weights_sha256(tmp)}, indent=1))
         tmp.chmod(0o755)
         swap_in(tmp, dest)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)  # gone already once swapped in
     return dest
+
+
+def weights_sha256(folder: Path) -> dict[str, str]:
+    """{file name: sha256} of a Hugging Face model folder's weight files: which bytes an evaluation scored."""
+    from harness.assets import sha256_file
+
+    return {p.name: sha256_file(p) for p in sorted(Path(folder).glob("*.safetensors"))}
 
 
 def _provenance(checkpoint: Path, merged: Path) -> dict:

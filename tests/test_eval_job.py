@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf
 
+from harness.assets import sha256_file
 from harness.cli import main as harness_main
 from harness.config import ConfigError
 from harness.eval import job as eval_job
@@ -97,6 +98,8 @@ def test_eval_job_writes_results_and_a_report_whose_ratios_match(run, capsys):
     niah_s = json.loads((student / "niah.json").read_text())
     assert report["niah"]["student"]["by_length"] == niah_s["by_length"] and list(niah_s["by_length"]) == ["256"]
     assert (out / "niah_by_length.png").stat().st_size > 1000
+    checkpoint = Path(OmegaConf.load(run / "eval.yaml").checkpoint)  # which bytes were scored
+    assert report["student_weights_sha256"] == {"model.safetensors": sha256_file(checkpoint / "model.safetensors")}
     chat = json.loads((student / "chat_samples.json").read_text())
     assert "## Chat samples" in printed and all(sample["prompt"] in printed for sample in chat["samples"])
 

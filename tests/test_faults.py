@@ -255,6 +255,7 @@ def test_a_rerun_with_changed_settings_is_refused_and_changes_nothing(reference,
 
 
 def test_export_refuses_a_folder_of_notes_and_the_run_itself_and_writes_a_new_folder(reference, tmp_path, capsys):
+    from harness.assets import sha256_file
     from harness.cli import main
 
     checkpoint = sorted((reference / "distill" / "checkpoints").glob("step-*"))[-1]
@@ -269,7 +270,11 @@ def test_export_refuses_a_folder_of_notes_and_the_run_itself_and_writes_a_new_fo
     new = tmp_path / "student"
     assert main(["export", str(checkpoint), str(new)]) == 0
     assert main(["export", str(checkpoint), str(new)]) == 0  # an earlier export is replaced
-    assert json.loads((new / "EXPORT.json").read_text())["step"] == int(checkpoint.name.split("-")[1])
+    exported = json.loads((new / "EXPORT.json").read_text())
+    assert exported["step"] == int(checkpoint.name.split("-")[1])
+    # two exports of one checkpoint are the same bytes (the stage's own export of its last checkpoint, and this one)
+    assert exported["weights_sha256"] == {"model.safetensors": sha256_file(new / "model.safetensors")}
+    assert exported["weights_sha256"] == json.loads((reference / "student" / "EXPORT.json").read_text())["weights_sha256"]
     assert same_tensors(new / "model.safetensors", reference / "student" / "model.safetensors")
 
 

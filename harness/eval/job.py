@@ -112,6 +112,7 @@ def evaluate_model(model: Any, tokenizer: Any, spec: EvalSpec, out: Path, *, lab
 def run_eval_spec(spec: EvalSpec, *, progress: bool = True) -> dict:
     """Evaluate the student (and the teacher), then write the report; returns the report."""
     from harness.eval.report import build_report, write_report
+    from harness.export import weights_sha256
 
     device, dtype = resolve(spec)
     out = Path(spec.output_dir)
@@ -137,6 +138,7 @@ def run_eval_spec(spec: EvalSpec, *, progress: bool = True) -> dict:
             del teacher
     report = build_report(out / "student", teacher_dir, label=spec.label, mixer=spec.mixer,
                           tasks=list(spec.tasks), lengths=list(spec.niah.lengths))
+    report["student_weights_sha256"] = weights_sha256(Path(spec.checkpoint))  # two evaluations: the same bytes?
     write_report(report, out)
     if spec.compare_to:
         compare_with(Path(spec.compare_to), out)
