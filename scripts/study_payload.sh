@@ -8,8 +8,10 @@
 #
 # Fetches what the jobs need into the harness cache ($HARNESS_CACHE, else ~/.cache/harness), then writes
 # .cache/study-carry/1 .. N (git-ignored; one piece of at most PIECE bytes each, default 45,000,000, so that a
-# piece and the working tree stay under a call's 64 MiB) and the archive's sha256 beside the last piece, and copies
-# ../shared/device to .devbundle if it is missing. `study_small_device.sh setup` joins and checks them.
+# piece and the working tree stay under a call's 64 MiB) and the archive's sha256 beside the last piece, copies
+# ../shared/device to .devbundle if it is missing, and splits it into .cache/devbundle/{tl,base}: the tree and the
+# whole bundle no longer fit one call (scripts/device/devbundle_in.sh). `study_small_device.sh setup` joins and
+# checks the pieces.
 set -eu
 [ $# -ge 1 ] || { echo "usage: $0 JOB..."; exit 2; }
 PY=.venv/bin/python
@@ -47,5 +49,6 @@ done
 (cd /tmp && sha256sum study-payload.tar.xz) > ".cache/study-carry/$n/study-payload.sha256"
 rm -f /tmp/study-payload.tar.xz
 test -d .devbundle || cp -r ../shared/device .devbundle
+bash scripts/device/devbundle_in.sh split
 ls -l .cache/study-carry/*
-echo "$n pieces: carry .cache/study-carry/1 .. $n, one per call, then .devbundle (docs/STUDY.md)"
+echo "$n pieces: carry .cache/devbundle/tl, then .cache/study-carry/1 .. $n, one per call, then .cache/devbundle/base (docs/STUDY.md)"

@@ -245,3 +245,30 @@ def test_an_archive_of_files_changed_while_read_replaces_the_last_one_and_a_fail
     names = archived(env)
     assert "s/smollm2-135m-a/eval/niah.json" in names and "s/smollm2-135m-a/eval/copy.json" not in names
     assert sorted(p.name for p in Path(env["OUT"]).iterdir()) == ["s.tar.xz"]
+
+
+def test_the_bundle_travels_in_two_halves_and_is_rebuilt_on_the_device(tmp_path):
+    """scripts/device/devbundle_in.sh: `split` here, `tl` then `base` there rebuild .devbundle with every file
+    (the archive as a link to where `tl` put it); `base` on a machine that never got the `tl` call says so."""
+    script = ROOT / "scripts" / "device" / "devbundle_in.sh"
+    here, device = tmp_path / "here", tmp_path / "device"
+    (here / ".devbundle" / "wheels").mkdir(parents=True)
+    (here / ".devbundle" / "setup.sh").write_text("echo setup\n")
+    (here / ".devbundle" / "wheels" / "a-1.0-py3-none-any.whl").write_bytes(b"wheel")
+    (here / ".devbundle" / "tl_site.tar.xz").write_bytes(b"tilelang" * 100)
+    env = {**os.environ, "DEVBUNDLE_TMP": str(tmp_path / "tmp-tl")}
+
+    def call(where: Path, verb: str) -> subprocess.CompletedProcess:
+        return subprocess.run(["bash", str(script), verb], cwd=where, env=env, capture_output=True, text=True)
+
+    assert call(here, "split").returncode == 0
+    device.mkdir()
+    refused = call(device, "base")
+    assert refused.returncode == 3 and "run the 'tl' call first" in refused.stderr
+    shutil.copytree(here / ".cache", device / ".cache")  # what the two calls carry
+    assert call(device, "tl").returncode == 0 and call(device, "base").returncode == 0
+    rebuilt = device / ".devbundle"
+    assert (rebuilt / "setup.sh").read_text() == "echo setup\n"
+    assert (rebuilt / "wheels" / "a-1.0-py3-none-any.whl").read_bytes() == b"wheel"
+    assert (rebuilt / "tl_site.tar.xz").is_symlink() and (rebuilt / "tl_site.tar.xz").read_bytes() == b"tilelang" * 100
+    assert call(device, "nonsense").returncode == 2
