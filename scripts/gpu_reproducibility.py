@@ -34,16 +34,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from harness.config import load_job  # noqa: E402
+from harness.export import weights_sha256  # noqa: E402
 
 TAIL = 64  # positions of each sequence whose log-probabilities are kept for the differences
-
-
-def file_sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as handle:
-        for block in iter(lambda: handle.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 def tensor_sha256(tensor: torch.Tensor) -> str:
@@ -107,9 +100,8 @@ def score(args: argparse.Namespace) -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     torch.save([{k: r[k] for k in ("tail_logprobs", "generated")} for r in repeats], out / "scores.pt")
-    weights = sorted(student_dir.glob("*.safetensors"))
     facts = {"job": args.job, "overrides": list(args.overrides), "student": str(student_dir),
-             "weights_sha256": {p.name: file_sha256(p) for p in weights},
+             "weights_sha256": weights_sha256(student_dir),
              "logits_sha256": [r["logits_sha256"] for r in repeats], "seconds": seconds,
              "batch": args.batch, "seq_len": args.seq_len, "prompt_len": args.prompt_len,
              "new_tokens": args.new_tokens, "dtype": args.dtype, "device": str(device),
