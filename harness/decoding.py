@@ -14,7 +14,7 @@ in, fixed-size states - so it can be recorded once as a CUDA graph and replayed:
     greedy_ids_batch(model, tokenizer, prompts, max_new_tokens, stop, text_done) -> new ids per prompt (any model)
     greedy_ids(model, tokenizer, ids, max_new_tokens, stop, text_done)           -> new ids of one prompt [1, T]
     candidate_logprobs(model, prompt_ids, candidates)      teacher-forced log p of each candidate continuation
-    candidate_scores(model, prompt_ids, candidates)        the same and the next-token log-probs after the prompt
+    candidate_scores(model, prompt_ids, candidates)        the same and the first candidate's next-token log-probs
     stop_token_ids, length_batches, check_batch_size       stop ids, batches by length, a batch size's check
 
 HARNESS_DECODE_GRAPHS=0 in the environment turns the graphs off wherever `graphs` is not given (NIAH, chat samples).
@@ -379,8 +379,9 @@ def candidate_logprobs(model: Any, prompt_ids: list[int], candidates: list[list[
 def candidate_scores(model: Any, prompt_ids: list[int], candidates: list[list[int]],
                      device: str | torch.device = "cpu") -> tuple[list[float], torch.Tensor]:
     """log p(candidate | prompt) of each candidate token list, teacher-forced: the sum of its tokens' log-probs;
-    and the next-token log-probabilities after the prompt (float32, on the model's device), which the first
-    tokens were scored from.
+    and the first candidate's steps: `[len(candidates[0]), vocab]` float32 log-probabilities (on the model's
+    device), row j the next-token distribution its token j was scored from (row 0: right after the prompt; row j:
+    after the prompt and the candidate's own first j tokens).
 
     One forward over the prompt keeps its cache (a teacher's KV cache, a student's RecurrentCache), which is
     repeated once per candidate (`batch_repeat_interleave`); then one batched forward feeds every candidate but
@@ -396,15 +397,17 @@ def candidate_scores(model: Any, prompt_ids: list[int], candidates: list[list[in
     scores = first[torch.tensor([c[0] for c in candidates], device=first.device)]
     longest = max(len(c) for c in candidates)
     if longest == 1:
-        return scores.tolist(), first
+        return scores.tolist(), first[None]
     cache = _output_cache(out)
     cache.batch_repeat_interleave(len(candidates))
     ids = torch.tensor([c + c[-1:] * (longest - len(c)) for c in candidates], device=device)
-    logits = model(input_ids=ids[:, :-1], use_cache=True, **{_cache_keyword(model): cache}).logits.float()
-    token_lp = logits.log_softmax(-1).gather(-1, ids[:, 1:, None].to(logits.device))[..., 0]
+    logprobs = model(input_ids=ids[:, :-1], use_cache=True, **{_cache_keyword(model): cache}).logits.float()
+    logprobs = logprobs.log_softmax(-1)
+    token_lp = logprobs.gather(-1, ids[:, 1:, None].to(logprobs.device))[..., 0]
     lengths = torch.tensor([len(c) for c in candidates], device=token_lp.device)
     real = torch.arange(longest - 1, device=token_lp.device)[None] < (lengths - 1)[:, None]
-    return (scores.to(token_lp.device) + torch.where(real, token_lp, 0.0).sum(1)).tolist(), first
+    steps = torch.cat([first[None].to(logprobs.device), logprobs[0, :len(candidates[0]) - 1]])
+    return (scores.to(token_lp.device) + torch.where(real, token_lp, 0.0).sum(1)).tolist(), steps
 
 
 def _output_cache(out: Any) -> Any:

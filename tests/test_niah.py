@@ -16,7 +16,7 @@ import torch
 
 import harness
 from harness.data.embedded import embedded_subset_path
-from harness.decoding import candidate_logprobs
+from harness.decoding import candidate_logprobs, candidate_scores
 from harness.eval import niah
 from harness.eval.niah import KINDS, NiahGrid, build_sample, is_correct, rank_of_true, run_niah, snap_window
 from harness.student import RecurrentCache
@@ -509,6 +509,20 @@ def test_candidate_logprobs_from_one_cached_prompt_equal_full_forwards(tiny_tok)
         got = candidate_logprobs(model, prompt, candidates)
         assert got == pytest.approx(full_forward_logprobs(model, prompt, candidates), abs=1e-4), name
         assert got[0] == pytest.approx(got[4], abs=1e-6) and len(set(round(x, 3) for x in got[:4])) == 4, name
+        _, steps = candidate_scores(model, prompt, candidates)  # the first candidate's distribution at each token
+        with torch.no_grad():
+            full = model(input_ids=torch.tensor([prompt + candidates[0]])).logits[0].float().log_softmax(-1)
+        assert steps.shape == (3, len(tiny_tok))
+        torch.testing.assert_close(steps, full[len(prompt) - 1:len(prompt) + 2], atol=1e-4, rtol=0, msg=name)
+        _, alone = candidate_scores(model, prompt, [[7], [8]])
+        torch.testing.assert_close(alone, full[len(prompt) - 1:len(prompt)], atol=1e-4, rtol=0, msg=name)
+
+
+def test_the_distinct_position_is_where_the_value_parts_from_its_distractors():
+    assert niah.distinct_position([[5, 9, 11], [6, 9, 11], [5, 8, 11]]) == 0
+    assert niah.distinct_position([[5, 9, 11], [5, 8, 11], [5, 7, 11]]) == 1  # a pass key after its lone space
+    assert niah.distinct_position([[5, 9, 11], [5, 9]]) == 2  # the other one ended
+    assert niah.distinct_position([[5, 9], [5, 9]]) == 1  # no difference anywhere: the last position
 
 
 def test_a_copier_scores_100_on_both_scores_with_either_prompt(smollm2_tokenizer, tmp_path):
@@ -526,6 +540,37 @@ def test_a_copier_scores_100_on_both_scores_with_either_prompt(smollm2_tokenizer
         assert result["likelihood"]["first_token_top1"] == 1.0 and result["likelihood"]["first_token_gap"] == 0.0
         assert all(r["first_token_rank"] == 1 and r["value"].startswith(r["first_token_top"].strip())
                    for r in records)
+        assert result["likelihood"]["value_token_top1"] == 1.0 and all(r["value_token_rank"] == 1 for r in records)
+        assert {r["value_token_position"] for r in records if r["kind"] == "passkey"} == {1}  # " " then a digit
+        assert all(r["value"].startswith(r["value_token_top"].strip()) for r in records if r["kind"] == "kv")
+
+
+class DigitsAsZero(Copier):
+    """The copier, but where it would copy a digit it writes 0: it starts every pass key (the lone space token
+    that starts a number) and never its first digit."""
+
+    def __init__(self, tokenizer) -> None:
+        super().__init__(len(tokenizer))
+        self.digits = {tokenizer.convert_tokens_to_ids(str(d)) for d in range(10)}
+        self.zero = tokenizer.convert_tokens_to_ids("0")
+
+    def render(self, expected: list[list]) -> torch.Tensor:
+        return super().render([[self.zero if t in self.digits else t for t in row] for row in expected])
+
+
+def test_the_value_token_tells_a_started_number_from_the_value_itself(smollm2_tokenizer, tmp_path):
+    """A model that answers every pass key with a number, but not the value's: the first-token score (the lone
+    space) says it starts the answer, the value-token score (the first digit) that it never picks the value."""
+    tok = smollm2_tokenizer
+    grid = NiahGrid(**{**SMALL, "kinds": ["passkey"]})
+    result = run_niah(DigitsAsZero(tok), tok, grid, tmp_path, label="zeros", progress=False)
+    lik = result["likelihood"]
+    records = [json.loads(line) for line in open(tmp_path / "niah_cells.jsonl")][1:]
+    assert not any(r["value"].startswith("0") for r in records)
+    assert result["overall"] == 0.0 and lik["first_token_top1"] == 1.0
+    assert lik["value_token_top1"] == 0.0 and lik["value_token_top1_by_length"] == {"256": 0.0, "384": 0.0}
+    assert {(r["value_token_position"], r["value_token_top"]) for r in records} == {(1, "0")}
+    assert lik["value_token_gap"] == pytest.approx(40.0, abs=1e-3)
 
 
 def test_the_first_token_score_tells_a_value_ranked_first_from_one_decoding_starts(smollm2_tokenizer, tmp_path):
@@ -601,8 +646,14 @@ def test_records_without_the_likelihood_score_keep_their_answers_and_are_only_sc
                     tmp_path, label="m", progress=False)
     assert fewer.calls == 0 and four["overall"] == first["overall"]
     assert four["likelihood"]["chance"] == 0.2 and four["likelihood"]["overall"] == pytest.approx(0.2)
-    without_first = [lines[0]] + [{k: v for k, v in r.items() if not k.startswith("first_token_")} for r in lines[1:]]
+    without_first = [lines[0]] + [{k: v for k, v in r.items() if not k.startswith(("first_token_", "value_token_"))}
+                                  for r in lines[1:]]
     path.write_text("".join(json.dumps(r) + "\n" for r in without_first))  # as written before the first-token fields
+    later = Reader(smollm2_tokenizer, "silent")
+    assert run_niah(later, smollm2_tokenizer, grid, tmp_path, label="m", progress=False) == first
+    assert later.calls == 0
+    without_value = [lines[0]] + [{k: v for k, v in r.items() if not k.startswith("value_token_")} for r in lines[1:]]
+    path.write_text("".join(json.dumps(r) + "\n" for r in without_value))  # first-token fields, no value-token ones
     later = Reader(smollm2_tokenizer, "silent")
     assert run_niah(later, smollm2_tokenizer, grid, tmp_path, label="m", progress=False) == first
     assert later.calls == 0
@@ -627,6 +678,9 @@ def test_the_report_shows_both_scores_by_length_and_reads_older_niah_files(smoll
     assert "| teacher | 0.0% | 0.0% | 0.0% |" in md  # its exact match
     assert "| value's first token is the model's first choice | 256 | 384 | overall |" in md
     assert "| student | 100.0% | 100.0% | 100.0% |" in md and "| teacher | 0.0% | 0.0% | 0.0% |" in md
+    value_table = md.split("| value's first distinct token (after its start) is the model's first choice | 256 | 384 "
+                           "| overall |")[1].split("\n\n")[0]
+    assert "| student | 100.0% | 100.0% | 100.0% |" in value_table and "| teacher | 0.0% | 0.0% | 0.0% |" in value_table
     assert "NIAH prompts: plain." in md and "Warning" not in md
     write_report(report, tmp_path / "out")
     assert (tmp_path / "out" / "niah_by_length.png").stat().st_size > 1000

@@ -68,7 +68,10 @@ all candidates alike gets chance exactly: 1 / (1 + distractors), 10% by default;
 First token (from the same forward): the rank of the value's first token among the whole vocabulary at the
 answer's start (`first_token_fields`); first-token top-1 = the share of samples where it is the model's most
 likely token. The likelihood score compares the value with other values only; this says whether greedy decoding
-starts the value at all, or starts prose, a restated question or a newline instead.
+starts the value at all, or starts prose, a restated question or a newline instead. Value token: the same at the
+value's first token that its distractors do not share (`distinct_position`: after a pass key's lone space token,
+its first digit), teacher-forced on the value's tokens before it: whether the model picks the value itself once
+the answer has started.
 
 Position limits: a model whose config has `max_position_embeddings` (a rope teacher; students are recurrent
 and have none) is still scored at longer prompts, with a warning and `beyond_max_positions: true` on those
@@ -78,7 +81,7 @@ Outputs in `out_dir`:
     niah_cells.jsonl   a header line (the settings a sample depends on), then one line per finished sample
                        (key, value, model output, correct, needle offset and depth; distractors, logprobs and
                        candidate_tokens with the true value first, rank, top1; first_token_rank, _gap and
-                       _top). A rerun skips every sample
+                       _top; value_token_position, _rank, _gap and _top). A rerun skips every sample
                        already there, so an interrupted evaluation resumes; records are keyed on (kind, length,
                        depth, index), so changing lengths / depths / kinds / samples reuses the overlap, while a
                        change of label, haystack, prompt mode, seed, max_new_tokens or tokenizer is an error
@@ -600,29 +603,47 @@ def rank_of_true(scores: list[float]) -> tuple[float, float]:
 
 def likelihood_record(model: Any, tokenizer: Any, sample: NiahSample, device: str | torch.device) -> dict:
     """The likelihood fields of one sample's record: its distractors, every candidate's log-prob and token count
-    (the true value first), and the true value's rank and top1 (`rank_of_true`); and where the answer starts
-    (`first_token_fields`): whether the value's first token is the model's own first choice."""
+    (the true value first), and the true value's rank and top1 (`rank_of_true`); where the answer starts
+    (`first_token_fields`): whether the value's first token is the model's own first choice; and the same at the
+    value's first token that no other candidate shares at its position (`distinct_position`; value_token_*, with
+    value_token_position), after the value's tokens before it, teacher-forced."""
     values = [sample.value, *sample.distractors]
     ids = [continuation_ids(tokenizer, v) for v in values]
-    scores, first = candidate_scores(model, sample.input_ids, ids, device)
+    scores, steps = candidate_scores(model, sample.input_ids, ids, device)
     rank, top1 = rank_of_true(scores)
+    at = distinct_position(ids)
     return {"distractors": list(sample.distractors), "logprobs": [round(x, 6) for x in scores],
             "candidate_tokens": [len(x) for x in ids], "rank": rank, "top1": top1,
-            **first_token_fields(tokenizer, first, ids[0][0])}
+            **first_token_fields(tokenizer, steps[0], ids[0][0]), "value_token_position": at,
+            **first_token_fields(tokenizer, steps[at], ids[0][at], prefix="value_token")}
 
 
-def first_token_fields(tokenizer: Any, next_logprobs: torch.Tensor, value_first: int) -> dict:
-    """The answer's first step, teacher-forced: first_token_rank, the rank of the value's first token among the
-    whole vocabulary (1 = the model's most likely next token, what greedy decoding starts with; ties count
-    against it); first_token_gap, how many nats the most likely token is above it (0 at rank 1); first_token_top,
-    the most likely token's text. A value ranked first among its candidates can still lose here to prose. (With
-    SmolLM2's tokenizer a value that starts with a digit starts with a lone space token, the same for every such
-    value: there the score says whether the model starts an answer of that form at all.)"""
-    true = next_logprobs[value_first]
+def distinct_position(candidates: list[list[int]]) -> int:
+    """The first position of the first candidate's tokens where some other candidate has another token (or has
+    ended): where the value starts to differ from its distractors. 0 for most values; 1 for a 7-digit pass key
+    with SmolLM2's tokenizer, whose values all start with the same lone space token. The last position when no
+    other candidate differs anywhere."""
+    true, others = candidates[0], candidates[1:]
+    for j, token in enumerate(true):
+        if any(len(c) <= j or c[j] != token for c in others):
+            return j
+    return len(true) - 1
+
+
+def first_token_fields(tokenizer: Any, next_logprobs: torch.Tensor, value_token: int, *,
+                       prefix: str = "first_token") -> dict:
+    """One teacher-forced step of the answer: PREFIX_rank, the rank of the value's token among the whole
+    vocabulary (1 = the model's most likely next token, what greedy decoding picks; ties count against it);
+    PREFIX_gap, how many nats the most likely token is above it (0 at rank 1); PREFIX_top, the most likely
+    token's text. At the answer's start (first_token_*) a value ranked first among its candidates can still lose
+    here to prose. (With SmolLM2's tokenizer a value that starts with a digit starts with a lone space token, the
+    same for every such value: there first_token_* says whether the model starts an answer of that form, and
+    value_token_* whether it then picks the value's own first digit.)"""
+    true = next_logprobs[value_token]
     top = int(next_logprobs.argmax())
     others_as_likely = int((next_logprobs >= true).sum()) - 1  # a tie is no sure start: greedy may pick the other
-    return {"first_token_rank": 1 + others_as_likely, "first_token_gap": round(float(next_logprobs[top] - true), 6),
-            "first_token_top": tokenizer.decode([top])}
+    return {f"{prefix}_rank": 1 + others_as_likely, f"{prefix}_gap": round(float(next_logprobs[top] - true), 6),
+            f"{prefix}_top": tokenizer.decode([top])}
 
 
 def position_limit(model: Any) -> int | None:
@@ -679,10 +700,10 @@ def sample_record(sample: NiahSample, output: str) -> dict:
 
 
 def is_complete(record: Optional[dict], distractors: tuple[str, ...]) -> bool:
-    """Whether a saved record has both scores, its likelihood against these `distractors` and the first-token
-    fields (records written before the likelihood score or the first-token fields, or with another number of
+    """Whether a saved record has both scores, its likelihood against these `distractors` and the first- and
+    value-token fields (records written before the likelihood score or those fields, or with another number of
     distractors, lack them: only they are then computed, the generated answer kept)."""
-    return (record is not None and "top1" in record and "first_token_rank" in record
+    return (record is not None and "top1" in record and "value_token_rank" in record
             and record.get("distractors") == list(distractors))
 
 

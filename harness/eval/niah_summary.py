@@ -62,8 +62,8 @@ def likelihood_summary(cells: list[dict], rows: list[dict], grid: NiahGrid) -> d
     return {**summary, **first_token_summary(rows, grid)}
 
 
-def _first_choice_share(rows: list[dict]) -> float:
-    return _mean([float(r["first_token_rank"] == 1) for r in rows])
+def _first_choice_share(rows: list[dict], prefix: str = "first_token") -> float:
+    return _mean([float(r[f"{prefix}_rank"] == 1) for r in rows])
 
 
 FIRST_TOKEN_RULE = ("teacher-forced, at the answer's start: first_token_top1 = the share of samples whose value's "
@@ -71,18 +71,27 @@ FIRST_TOKEN_RULE = ("teacher-forced, at the answer's start: first_token_top1 = t
                     "decoding starts with); first_token_gap = the mean log-probability (nats) of the most likely "
                     "token above the value's first token (0 where it is the value's); a value starting with a digit starts "
                     "with a lone space token in SmolLM2's tokenizer, so there it scores the start of a number")
+VALUE_TOKEN_RULE = ("teacher-forced at the value's first token that its distractors do not share (after the value's "
+                    "tokens before it: a pass key's first digit after its lone space token; else its first token): "
+                    "value_token_top1 = the share of samples where it is the model's most likely next token over the "
+                    "whole vocabulary; value_token_gap = the mean log-probability (nats) of the most likely token "
+                    "above it")
 
 
 def first_token_summary(rows: list[dict], grid: NiahGrid) -> dict:
-    """The likelihood block's first-token part, overall and by length (None where no record has the fields:
-    results written before them)."""
-    scored = [r for r in rows if "first_token_rank" in r]
-    if not scored:
-        return {"first_token_top1": None, "first_token_top1_by_length": None, "first_token_gap": None}
-    return {"first_token_top1": _first_choice_share(scored),
-            "first_token_top1_by_length": {str(n): _first_choice_share([r for r in scored if r["length"] == n])
-                                           for n in grid.lengths},
-            "first_token_gap": _mean([r["first_token_gap"] for r in scored]), "first_token_scoring": FIRST_TOKEN_RULE}
+    """The likelihood block's first- and value-token parts, overall and by length (None where no record has the
+    fields: results written before them)."""
+    out = {}
+    for prefix, rule in (("first_token", FIRST_TOKEN_RULE), ("value_token", VALUE_TOKEN_RULE)):
+        scored = [r for r in rows if f"{prefix}_rank" in r]
+        if not scored:
+            out.update({f"{prefix}_top1": None, f"{prefix}_top1_by_length": None, f"{prefix}_gap": None})
+            continue
+        out.update({f"{prefix}_top1": _first_choice_share(scored, prefix),
+                    f"{prefix}_top1_by_length": {str(n): _first_choice_share([r for r in scored if r["length"] == n],
+                                                                              prefix) for n in grid.lengths},
+                    f"{prefix}_gap": _mean([r[f"{prefix}_gap"] for r in scored]), f"{prefix}_scoring": rule})
+    return out
 
 
 def summarise(records: dict[tuple, dict], grid: NiahGrid, label: str, prompt_mode: str,

@@ -23,7 +23,8 @@ from harness.eval.tasks.base import Column, Curve, EvalTask, Score, TaskResults
 NIAH_FILE, CELLS_FILE = "niah.json", "niah_cells.jsonl"
 NIAH_SETTINGS = ("niah_format", "haystack", "prompt", "seed", "max_new_tokens", "tokenizer")  # the cells' header
 LIKELIHOOD_KEYS = ("overall", "by_length", "by_depth", "mean_rank", "mean_rank_by_length", "chance", "chance_rank",
-                   "candidates", "first_token_top1", "first_token_top1_by_length")
+                   "candidates", "first_token_top1", "first_token_top1_by_length", "value_token_top1",
+                   "value_token_top1_by_length")
 
 NiahKey = tuple[str, int, float, int]
 
@@ -199,19 +200,30 @@ def niah_likelihood_table(title: str, sides: list[tuple[str, dict]]) -> list[str
 
 def first_token_table(rows: list[tuple[str, dict]], lengths: list[int]) -> list[str]:
     """Beside the likelihood table: per length, the share of prompts whose value's first token is the model's most
-    likely next token; [] when no result has it (written before the first-token fields)."""
-    rows = [(name, lik) for name, lik in rows if lik.get("first_token_top1") is not None]
-    if not rows:
+    likely next token, then the same at the value's first token its distractors do not share; [] when no result
+    has them (written before those fields)."""
+    lines = []
+    for prefix, what in (("first_token", "value's first token is the model's first choice"),
+                         ("value_token", "value's first distinct token (after its start) is the model's first choice")):
+        scored = [(name, lik) for name, lik in rows if lik.get(f"{prefix}_top1") is not None]
+        if not scored:
+            continue
+        if lines:
+            lines.append("")
+        lines += [f"| {what} | " + " | ".join(str(n) for n in lengths) + " | overall |",
+                  "|" + "---|" * (len(lengths) + 2)]
+        for name, lik in scored:
+            by_length = lik.get(f"{prefix}_top1_by_length") or {}
+            cells = [fmt(by_length.get(str(n)), pct=True) for n in lengths] + [fmt(lik[f"{prefix}_top1"], pct=True)]
+            lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    if not lines:
         return []
-    lines = ["| value's first token is the model's first choice | " + " | ".join(str(n) for n in lengths)
-             + " | overall |", "|" + "---|" * (len(lengths) + 2)]
-    for name, lik in rows:
-        by_length = lik.get("first_token_top1_by_length") or {}
-        cells = [fmt(by_length.get(str(n)), pct=True) for n in lengths] + [fmt(lik["first_token_top1"], pct=True)]
-        lines.append(f"| {name} | " + " | ".join(cells) + " |")
     return lines + ["", "First token: teacher-forced at the answer's start, the value's first token ranked among the "
                         "whole vocabulary; where another token is more likely (prose, a restated question, a newline), "
-                        "greedy decoding does not start the value however it ranks among the candidates.", ""]
+                        "greedy decoding does not start the value however it ranks among the candidates. First distinct "
+                        "token: the same at the value's first token that its distractors do not share, after the "
+                        "value's tokens before it (a pass key's first digit, after the lone space token that starts "
+                        "every number in SmolLM2's tokenizer).", ""]
 
 
 def prompt_note(sides: list[tuple[str, dict]]) -> list[str]:
