@@ -518,11 +518,13 @@ def test_candidate_logprobs_from_one_cached_prompt_equal_full_forwards(tiny_tok)
         torch.testing.assert_close(alone, full[len(prompt) - 1:len(prompt)], atol=1e-4, rtol=0, msg=name)
 
 
-def test_the_distinct_position_is_where_the_value_parts_from_its_distractors():
-    assert niah.distinct_position([[5, 9, 11], [6, 9, 11], [5, 8, 11]]) == 0
-    assert niah.distinct_position([[5, 9, 11], [5, 8, 11], [5, 7, 11]]) == 1  # a pass key after its lone space
-    assert niah.distinct_position([[5, 9, 11], [5, 9]]) == 2  # the other one ended
-    assert niah.distinct_position([[5, 9], [5, 9]]) == 1  # no difference anywhere: the last position
+def test_the_value_starts_at_its_first_token_that_is_not_blank(smollm2_tokenizer):
+    tok = smollm2_tokenizer
+    for value, start in (("4096358", 1), ("728b80b5-1fc1", 1), ("b494ec5d-c32", 0), ("cobweb", 0)):
+        ids = niah.continuation_ids(tok, value)
+        assert niah.value_start(tok, ids) == start, (value, [tok.decode([i]) for i in ids])
+    blank = tok(" ", add_special_tokens=False).input_ids
+    assert niah.value_start(tok, blank * 2) == 1  # nothing but blanks: the last position
 
 
 def test_a_copier_scores_100_on_both_scores_with_either_prompt(smollm2_tokenizer, tmp_path):
@@ -542,6 +544,7 @@ def test_a_copier_scores_100_on_both_scores_with_either_prompt(smollm2_tokenizer
                    for r in records)
         assert result["likelihood"]["value_token_top1"] == 1.0 and all(r["value_token_rank"] == 1 for r in records)
         assert {r["value_token_position"] for r in records if r["kind"] == "passkey"} == {1}  # " " then a digit
+        assert all(r["value_token_position"] == (1 if r["value"][0].isdigit() else 0) for r in records)
         assert all(r["value"].startswith(r["value_token_top"].strip()) for r in records if r["kind"] == "kv")
 
 
@@ -678,7 +681,7 @@ def test_the_report_shows_both_scores_by_length_and_reads_older_niah_files(smoll
     assert "| teacher | 0.0% | 0.0% | 0.0% |" in md  # its exact match
     assert "| value's first token is the model's first choice | 256 | 384 | overall |" in md
     assert "| student | 100.0% | 100.0% | 100.0% |" in md and "| teacher | 0.0% | 0.0% | 0.0% |" in md
-    value_table = md.split("| value's first distinct token (after its start) is the model's first choice | 256 | 384 "
+    value_table = md.split("| value's first character token is the model's first choice | 256 | 384 "
                            "| overall |")[1].split("\n\n")[0]
     assert "| student | 100.0% | 100.0% | 100.0% |" in value_table and "| teacher | 0.0% | 0.0% | 0.0% |" in value_table
     assert "NIAH prompts: plain." in md and "Warning" not in md

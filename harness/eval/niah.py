@@ -69,7 +69,7 @@ First token (from the same forward): the rank of the value's first token among t
 answer's start (`first_token_fields`); first-token top-1 = the share of samples where it is the model's most
 likely token. The likelihood score compares the value with other values only; this says whether greedy decoding
 starts the value at all, or starts prose, a restated question or a newline instead. Value token: the same at the
-value's first token that its distractors do not share (`distinct_position`: after a pass key's lone space token,
+value's first token that carries a character of it (`value_start`: after the lone space token that starts a number,
 its first digit), teacher-forced on the value's tokens before it: whether the model picks the value itself once
 the answer has started.
 
@@ -605,29 +605,27 @@ def likelihood_record(model: Any, tokenizer: Any, sample: NiahSample, device: st
     """The likelihood fields of one sample's record: its distractors, every candidate's log-prob and token count
     (the true value first), and the true value's rank and top1 (`rank_of_true`); where the answer starts
     (`first_token_fields`): whether the value's first token is the model's own first choice; and the same at the
-    value's first token that no other candidate shares at its position (`distinct_position`; value_token_*, with
-    value_token_position), after the value's tokens before it, teacher-forced."""
+    value's first token that carries a character of it (`value_start`; value_token_*, with value_token_position),
+    after the value's tokens before it (a lone space), teacher-forced."""
     values = [sample.value, *sample.distractors]
     ids = [continuation_ids(tokenizer, v) for v in values]
     scores, steps = candidate_scores(model, sample.input_ids, ids, device)
     rank, top1 = rank_of_true(scores)
-    at = distinct_position(ids)
+    at = value_start(tokenizer, ids[0])
     return {"distractors": list(sample.distractors), "logprobs": [round(x, 6) for x in scores],
             "candidate_tokens": [len(x) for x in ids], "rank": rank, "top1": top1,
             **first_token_fields(tokenizer, steps[0], ids[0][0]), "value_token_position": at,
             **first_token_fields(tokenizer, steps[at], ids[0][at], prefix="value_token")}
 
 
-def distinct_position(candidates: list[list[int]]) -> int:
-    """The first position of the first candidate's tokens where some other candidate has another token (or has
-    ended): where the value starts to differ from its distractors. 0 for most values; 1 for a 7-digit pass key
-    with SmolLM2's tokenizer, whose values all start with the same lone space token. The last position when no
-    other candidate differs anywhere."""
-    true, others = candidates[0], candidates[1:]
-    for j, token in enumerate(true):
-        if any(len(c) <= j or c[j] != token for c in others):
+def value_start(tokenizer: Any, value_ids: list[int]) -> int:
+    """The position of the value's first token that carries a character of it, not only the space before it: 0
+    for most values; 1 for a value that starts with a digit in SmolLM2's tokenizer, whose numbers start with a
+    lone space token. The last position when every token is blank."""
+    for j, token in enumerate(value_ids):
+        if tokenizer.decode([token]).strip():
             return j
-    return len(true) - 1
+    return len(value_ids) - 1
 
 
 def first_token_fields(tokenizer: Any, next_logprobs: torch.Tensor, value_token: int, *,

@@ -71,8 +71,8 @@ FIRST_TOKEN_RULE = ("teacher-forced, at the answer's start: first_token_top1 = t
                     "decoding starts with); first_token_gap = the mean log-probability (nats) of the most likely "
                     "token above the value's first token (0 where it is the value's); a value starting with a digit starts "
                     "with a lone space token in SmolLM2's tokenizer, so there it scores the start of a number")
-VALUE_TOKEN_RULE = ("teacher-forced at the value's first token that its distractors do not share (after the value's "
-                    "tokens before it: a pass key's first digit after its lone space token; else its first token): "
+VALUE_TOKEN_RULE = ("teacher-forced at the value's first token that carries a character of it (after the value's "
+                    "tokens before it: a number's first digit after its lone space token; else its first token): "
                     "value_token_top1 = the share of samples where it is the model's most likely next token over the "
                     "whole vocabulary; value_token_gap = the mean log-probability (nats) of the most likely token "
                     "above it")

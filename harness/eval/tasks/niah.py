@@ -204,7 +204,7 @@ def first_token_table(rows: list[tuple[str, dict]], lengths: list[int]) -> list[
     has them (written before those fields)."""
     lines = []
     for prefix, what in (("first_token", "value's first token is the model's first choice"),
-                         ("value_token", "value's first distinct token (after its start) is the model's first choice")):
+                         ("value_token", "value's first character token is the model's first choice")):
         scored = [(name, lik) for name, lik in rows if lik.get(f"{prefix}_top1") is not None]
         if not scored:
             continue
@@ -220,10 +220,10 @@ def first_token_table(rows: list[tuple[str, dict]], lengths: list[int]) -> list[
         return []
     return lines + ["", "First token: teacher-forced at the answer's start, the value's first token ranked among the "
                         "whole vocabulary; where another token is more likely (prose, a restated question, a newline), "
-                        "greedy decoding does not start the value however it ranks among the candidates. First distinct "
-                        "token: the same at the value's first token that its distractors do not share, after the "
-                        "value's tokens before it (a pass key's first digit, after the lone space token that starts "
-                        "every number in SmolLM2's tokenizer).", ""]
+                        "greedy decoding does not start the value however it ranks among the candidates. First character "
+                        "token: the same at the value's first token that carries a character of it, after the value's "
+                        "tokens before it (a number's first digit, after the lone space token that starts every "
+                        "number in SmolLM2's tokenizer; elsewhere the first token again).", ""]
 
 
 def prompt_note(sides: list[tuple[str, dict]]) -> list[str]:
