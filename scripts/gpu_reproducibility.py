@@ -47,11 +47,12 @@ def build_student(job: Any, dest: Path) -> None:
     """The job's student as stage 1 starts it (the teacher's weights, the mixers' initialisation under the job's
     seed), saved with the teacher's tokenizer."""
     import harness
+    from harness.stages.common import kept_attention_layers
     from harness.student import build_student as build
 
     teacher = harness.load_teacher(job.teacher.source)
     torch.manual_seed(job.seed)
-    kept = list(job.student.attention_layers) if not isinstance(job.student.attention_layers, str) else []
+    kept = kept_attention_layers(job)  # as the merge reads them ('auto:K' from the run's layer ranking)
     student = build(teacher, job.student.mixer, attention_layers=kept, **dict(job.student.options))
     student.save_pretrained(dest)
     teacher.tokenizer.save_pretrained(dest)

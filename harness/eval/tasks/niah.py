@@ -200,7 +200,7 @@ def niah_likelihood_table(title: str, sides: list[tuple[str, dict]]) -> list[str
 
 def first_token_table(rows: list[tuple[str, dict]], lengths: list[int]) -> list[str]:
     """Beside the likelihood table: per length, the share of prompts whose value's first token is the model's most
-    likely next token, then the same at the value's first token its distractors do not share; [] when no result
+    likely next token, then the same at the value's first token that carries a character of it; [] when no result
     has them (written before those fields)."""
     lines = []
     for prefix, what in (("first_token", "value's first token is the model's first choice"),
