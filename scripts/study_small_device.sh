@@ -37,7 +37,8 @@
 # PREPARE (default: one small-study job) lists the jobs whose corpora `setup` tokenises: one per corpus and seq_len,
 # e.g. PREPARE="jobs/study-small-50m/smollm2-135m-gla-50m.yaml jobs/paper-recipe/smollm2-135m-gated_deltanet-50m-paper.yaml".
 # Compiled kernels: a `watch` that finds every lane finished also writes $OUT/kernel-cache.tar.xz, the Triton and
-# TileLang caches the bundle keeps in .cache/triton and .cache/tilelang (`kernels` writes it on demand), unless it
+# TileLang caches the bundle keeps in .cache/triton and .cache/tilelang (`kernels` writes it on demand; the first
+# `watch` that sees a lane's stage 3 begun writes it once too, so a lease cut short keeps the training kernels), unless it
 # exceeds KERNEL_CACHE_MAX_BYTES (default 16,000,000: a file the device tool returns). Carried beside the payload
 # pieces into /tmp/carry on a later machine (same image, any Hopper GPU), `setup` unpacks it, so that the stages
 # start from compiled kernels instead of compiling them again.
@@ -91,6 +92,15 @@ kernels() {  # the Triton and TileLang caches into $OUT/kernel-cache.tar.xz, if 
     mv "$OUT/kernel-cache.tar.xz.part" "$OUT/kernel-cache.tar.xz"
     echo "kernel cache: $OUT/kernel-cache.tar.xz ($size bytes; carry it beside a later lease's pieces)"
   fi
+}
+
+kernels_once() {  # the kernels once a lane's stage 3 has begun (stages 1-3 compiled), once per machine: a lease
+  # that ends before the lanes do still brings back the training kernels, not only a finished one's
+  [ -f "$S/.kernels_returned" ] && return 0
+  compgen -G "$S/*/distill/metrics.jsonl" >/dev/null || return 0
+  echo "stage 3 has begun:"; kernels
+  [ -f "$OUT/kernel-cache.tar.xz" ] && touch "$S/.kernels_returned"
+  return 0
 }
 
 tag_overrides() {  # the job overrides of a lane tag
@@ -215,10 +225,11 @@ watch() {  # wait for the detached lanes (at most WATCH_FOR seconds into this pr
   while [ ! -f "$S/LANES_FINISHED" ] && [ "$SECONDS" -lt "$until" ]; do
     if ! kill -0 "$(cat "$S/lanes.pid" 2>/dev/null)" 2>/dev/null; then echo "lanes not running"; break; fi
     # a call cut off by the device tool's limit (the session's device time running out) still brings back $OUT
-    if [ $((SECONDS - last)) -ge "$every" ]; then archive >/dev/null 2>&1; last=$SECONDS; fi
+    if [ $((SECONDS - last)) -ge "$every" ]; then kernels_once; archive >/dev/null 2>&1; last=$SECONDS; fi
     sleep 1
   done
-  if [ -f "$S/LANES_FINISHED" ]; then echo "all lanes finished"; kernels; else echo "lanes still running at ${SECONDS}s"; fi
+  if [ -f "$S/LANES_FINISHED" ]; then echo "all lanes finished"; kernels
+  else echo "lanes still running at ${SECONDS}s"; kernels_once; fi
   pgrep -s "$(cat "$S/lanes.pid" 2>/dev/null || echo 0)" -f "pytest" >/dev/null 2>&1 && echo "GPU tests still running"
   archive
 }

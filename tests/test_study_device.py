@@ -156,6 +156,31 @@ def test_compiled_kernels_come_back_when_the_lanes_end_and_setup_unpacks_them_on
     assert out.returncode == 0 and "unreadable: the kernels compile afresh" in out.stdout, out.stdout + out.stderr
 
 
+def test_a_watch_returns_the_kernels_once_when_stage_3_begins_and_again_when_the_lanes_end(machine, tmp_path):
+    """A lease that ends while stage 3 runs still brings back the training kernels: the first `watch` that finds a
+    lane's stage 3 begun returns the cache, later ones before the end do not repeat it, the last one does."""
+    tree, env = machine
+    (tree / ".cache/triton/ab12").mkdir(parents=True)
+    (tree / ".cache/triton/ab12/__grp__chunk_bwd.json").write_text('{"child_paths": {}}')
+    env = dict(env, LANES="0:a", FAKE_RUN_S="6")
+    assert script(tree, env, "start").returncode == 0
+    returned = lambda out: (tmp_path / out / "kernel-cache.tar.xz").exists()  # noqa: E731
+    early = script(tree, dict(env, OUT=str(tmp_path / "o1")), "watch", WATCH_FOR="1")
+    assert "lanes still running" in early.stdout and not returned("o1"), early.stdout  # stages 1-2: not yet
+    runs = [d for d in (tree / "runs/s").iterdir() if d.is_dir()]
+    assert len(runs) == 1
+    (runs[0] / "distill").mkdir()
+    (runs[0] / "distill/metrics.jsonl").write_text('{"step": 1}\n')
+    begun = script(tree, dict(env, OUT=str(tmp_path / "o2")), "watch", WATCH_FOR="1")
+    assert "stage 3 has begun" in begun.stdout and returned("o2"), begun.stdout + begun.stderr
+    with tarfile.open(tmp_path / "o2/kernel-cache.tar.xz") as tar:
+        assert "triton/ab12/__grp__chunk_bwd.json" in tar.getnames()
+    again = script(tree, dict(env, OUT=str(tmp_path / "o3")), "watch", WATCH_FOR="1")
+    assert "lanes still running" in again.stdout and not returned("o3"), again.stdout
+    done = script(tree, dict(env, OUT=str(tmp_path / "o4")), "watch", WATCH_FOR="60")
+    assert "all lanes finished" in done.stdout and returned("o4"), done.stdout + done.stderr
+
+
 def test_a_fresh_machine_is_refused_until_setup_joins_the_pieces_and_copies_the_seed(machine, tmp_path):
     tree, env = machine
     dev = tmp_path / "dev"
