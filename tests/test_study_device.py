@@ -162,9 +162,12 @@ def test_a_watch_returns_the_kernels_once_when_stage_3_begins_and_again_when_the
     tree, env = machine
     (tree / ".cache/triton/ab12").mkdir(parents=True)
     (tree / ".cache/triton/ab12/__grp__chunk_bwd.json").write_text('{"child_paths": {}}')
-    env = dict(env, LANES="0:a", FAKE_RUN_S="6")
+    env = dict(env, LANES="0:a", FAKE_RUN_S="15")  # running through the three watches below
     assert script(tree, env, "start").returncode == 0
-    returned = lambda out: (tmp_path / out / "kernel-cache.tar.xz").exists()  # noqa: E731
+
+    def returned(out: str) -> bool:
+        return (tmp_path / out / "kernel-cache.tar.xz").exists()
+
     early = script(tree, dict(env, OUT=str(tmp_path / "o1")), "watch", WATCH_FOR="1")
     assert "lanes still running" in early.stdout and not returned("o1"), early.stdout  # stages 1-2: not yet
     runs = [d for d in (tree / "runs/s").iterdir() if d.is_dir()]
