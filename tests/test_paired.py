@@ -304,6 +304,57 @@ def test_report_command_writes_the_paired_section(two_runs, tmp_path, capsys):
     assert both[1]["rows"][0]["diff"] == pytest.approx(-both[0]["rows"][0]["diff"])
 
 
+def _snapshot(run: Path, tokens: int, niah: list[int], seed: int = 0) -> None:
+    """RUN/eval/during/tokens-N/ as an evaluation along stage 3 leaves it (NIAH and perplexity, no benchmarks)
+    and its history entry."""
+    from harness.eval import history as hist
+
+    folder = run / "eval" / "during" / f"tokens-{tokens:012d}"
+    (folder / "student").mkdir(parents=True)
+    _write_niah(folder / "student", niah, GRID, seed)
+    (folder / "student" / "perplexity.json").write_text(json.dumps({"ppl": 20.0, "tokens": 4096, "source": "text",
+                                                                    "seq_len": 2048}))
+    report = build_report(folder / "student", run.parent / "teacher", label=run.name, mixer="gla")
+    (folder / "report.json").write_text(json.dumps(report))
+    hist.append_entry(run / "eval", hist.make_entry(tokens, tokens // 100, run / "snap", report))
+
+
+def test_pairs_are_also_differenced_along_stage_3_at_the_token_counts_both_runs_have(two_runs, tmp_path, capsys):
+    """Where both runs were evaluated along stage 3, --pairs also gives B - A at each token count both have, with
+    the final evaluation's intervals; a count only one run has is named, a snapshot scored on other prompts is
+    named and left out, not an error; a run whose lease ended before its final report pairs by its history alone."""
+    a, b = two_runs
+    flipped = NIAH_A[::-1]
+    for tokens, (na, nb) in {1000: (NIAH_A, NIAH_B), 2000: (NIAH_B, flipped)}.items():
+        _snapshot(a, tokens, na)
+        _snapshot(b, tokens, nb)
+    _snapshot(b, 3000, NIAH_B)
+    _snapshot(a, 4000, NIAH_A)
+    _snapshot(b, 4000, NIAH_A, seed=7)
+    assert harness_main(["report", str(a), str(b), "--out", str(tmp_path / "cmp"), "--pairs", "run-a:run-b"]) == 0
+    along = json.loads((tmp_path / "cmp" / "comparison.json").read_text())["paired_along"]
+    assert [(x["a"], x["b"]) for x in along] == [("run-a", "run-b")]
+    snaps = {snap["tokens"]: snap for snap in along[0]["snapshots"]}
+    assert sorted(snaps) == [1000, 2000, 4000] and along[0]["only_b"] == [3000] and along[0]["only_a"] == []
+    likelihood = {t: _rows(snaps[t])["NIAH likelihood, overall"] for t in (1000, 2000)}
+    assert likelihood[1000]["diff"] == pytest.approx(np.mean(NIAH_B) - np.mean(NIAH_A))  # 3 of 8 prompts more
+    assert likelihood[2000]["diff"] == pytest.approx(np.mean(flipped) - np.mean(NIAH_B))
+    low, high = likelihood[1000]["ci"]
+    assert low <= likelihood[1000]["diff"] <= high and low < high  # an interval over the 8 prompts, as at the end
+    assert "NIAH seed (0 against 7)" in snaps[4000]["refused"] and "rows" not in snaps[4000]
+    text = (tmp_path / "cmp" / "comparison.md").read_text()
+    assert "## Paired differences along stage 3" in text and "| metric | 1,000 | 2,000 | 4,000 |" in text
+    assert "Only run-b was evaluated at 3,000." in text and "Not paired at 4,000:" in text
+    assert "## Paired differences along stage 3" in capsys.readouterr().out
+    # the same run without its final report (a lease that ended inside its evaluation): its history alone
+    (b / "eval" / "report.json").unlink()
+    assert harness_main(["report", str(a), str(b), "--out", str(tmp_path / "alone"), "--pairs", "run-a:run-b"]) == 0
+    alone = json.loads((tmp_path / "alone" / "paired_along.json").read_text())
+    assert [snap["tokens"] for snap in alone[0]["snapshots"]] == [1000, 2000, 4000]
+    assert _rows(alone[0]["snapshots"][0])["NIAH likelihood, overall"]["diff"] == likelihood[1000]["diff"]
+    assert not (tmp_path / "alone" / "comparison.json").exists()
+
+
 def test_held_out_measures_of_runs_at_different_windows_are_not_differenced(two_runs, tmp_path, capsys):
     """A run held out in 512-token windows against one in 2048: the benchmarks and NIAH pair as ever, perplexity
     and validation CE/KL get no difference (a token's loss depends on its context), and the comparison names the

@@ -194,8 +194,10 @@ def add_parsers(sub: Any) -> None:
     report.add_argument("--pairs", default=None, metavar="A:B,C:D",
                         help="With several runs: for each pair (run labels or directory names) the difference B - A "
                         "in every headline metric with a paired bootstrap 95%% interval over the same examples and "
-                        "NIAH prompts (comparison.md's 'Paired differences', comparison.json's 'paired'). Runs "
-                        "scored on different examples are refused.")
+                        "NIAH prompts (comparison.md's 'Paired differences', comparison.json's 'paired'); where both "
+                        "runs were evaluated along stage 3 (eval.every_tokens), the same at each token count both have "
+                        "('Paired differences along stage 3', 'paired_along'), also for a run with no final report "
+                        "yet (its history alone). Runs scored on different examples are refused.")
     report.add_argument("--baseline", default=None, metavar="RUN",
                         help="Pair every other run with this one (run label or directory name): each run - RUN, "
                         "as with --pairs (the two may be combined).")
@@ -423,7 +425,7 @@ def cmd_eval_marks(args: argparse.Namespace) -> int:
 def cmd_report(args: argparse.Namespace) -> int:
     from harness.eval.history import load_histories
     from harness.eval.report import (attach_training, compare, comparison_markdown, find_report, markdown,
-                                     with_heldout_window)
+                                     with_heldout_window, write_along)
     from harness.eval.tasks import tasks
 
     reports, paths, with_history = [], [], []
@@ -436,35 +438,48 @@ def cmd_report(args: argparse.Namespace) -> int:
         except FileNotFoundError as err:
             if not has_history:
                 raise ConfigError(str(err)) from None
-    paired = _paired(args, paths, reports)
+    paired, along = _paired(args, paths, reports, [p for p in with_history if p not in paths])
     if len(reports) == 1 and not with_history:
         print(markdown(reports[0]))
         return 0
     out = Path(args.out)
     if len(reports) > 1:
-        written = compare(reports, out, paired)
-        print(comparison_markdown(reports, paired))
+        written = compare(reports, out, paired, along)
+        print(comparison_markdown(reports, paired, along))
         plots = (["recovery.png"] + [name for task in tasks() for name in task.plots]
                  + (["loss_curves.png"] if any(r.get("training") for r in reports) else []))
         print(f"[harness] comparison: {written} (plots: {', '.join(plots)})")
+    elif along:  # a run without a final report: its pairs are compared along stage 3 alone
+        print("\n".join(write_along(along, out)))
     if with_history:
         print(_history_views(load_histories(with_history), out, args.plateau_threshold))
     return 0
 
 
-def _paired(args: argparse.Namespace, paths: list[str], reports: list[dict]) -> list[dict]:
-    """The paired differences that --pairs and --baseline ask for ([] when neither is given)."""
-    from harness.eval.paired import PairError, baseline_pairs, load_run, paired_report, parse_pairs, resolve_pairs
+def _paired(args: argparse.Namespace, paths: list[str], reports: list[dict],
+            history_only: list[str]) -> tuple[list[dict], list[dict]]:
+    """The paired differences that --pairs and --baseline ask for: of the final evaluations, and of the
+    evaluations along stage 3 where both runs of a pair have them; a run with a history and no final report
+    (history_only) is paired along stage 3 alone. ([], []) when neither option is given."""
+    from harness.eval.paired import (PairError, RunResults, along_only, baseline_pairs, load_run, paired_along,
+                                     paired_report, parse_pairs, resolve_pairs, run_dir)
 
     if args.pairs is None and args.baseline is None:
-        return []
-    if len(reports) < 2:
-        raise ConfigError("--pairs and --baseline compare runs: give at least two runs with a report.")
+        return [], []
+    if len(reports) + len(history_only) < 2:
+        raise ConfigError("--pairs and --baseline compare runs: give at least two runs with a report or an "
+                          "evaluation history.")
     try:
         runs = [load_run(path, report) for path, report in zip(paths, reports)]
+        dirs = {id(run): run_dir(path) for run, path in zip(runs, paths)}
+        runs += [along_only(path) for path in history_only]
+        dirs.update({id(run): run.run_dir for run in runs[len(paths):]})
         specs = (baseline_pairs(args.baseline, runs) if args.baseline is not None else [])
         specs += parse_pairs(args.pairs) if args.pairs is not None else []
-        return [paired_report(a, b) for a, b in resolve_pairs(specs, runs)]
+        pairs = resolve_pairs(specs, runs)
+        along = [paired_along(dirs[id(a)], dirs[id(b)]) for a, b in pairs]
+        finals = [paired_report(a, b) for a, b in pairs if isinstance(a, RunResults) and isinstance(b, RunResults)]
+        return finals, [x for x in along if x["snapshots"]]
     except PairError as err:
         raise ConfigError(str(err)) from None
 

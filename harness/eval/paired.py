@@ -32,12 +32,16 @@ was evaluated, an evaluation cut short) is left out and named in the pair's "unp
     paired_report(a, b)                                  -> {"a", "b", "rows", "unpaired", ...}; PairError if the
                                                             examples both have differ
     paired_markdown(pairs)                               -> the "Paired differences" section of comparison.md
+    paired_along(run_a, run_b)                           -> the same rows at each token count both runs were
+                                                            evaluated at along stage 3 (eval/during/tokens-N);
+                                                            a run with no final report pairs as AlongOnly
     side_by_side(a, b, out)                              -> two evaluations compared in out/, with B - A (the
                                                             post-trained student's against the distilled one's)
 """
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -74,6 +78,16 @@ class RunResults:
     data: dict[str, Any]  # {task name: EvalTask.pairing of the student's results}
 
 
+@dataclass(frozen=True)
+class AlongOnly:
+    """A run with evaluations along stage 3 and no final report yet (a lease ended inside its evaluation): a pair
+    with it gets the differences along stage 3 only."""
+
+    label: str
+    names: tuple[str, ...]
+    run_dir: Path
+
+
 # --------------------------------------------------------------------------------------------- reading
 
 
@@ -88,11 +102,26 @@ def _examples(folder: Optional[Path], teacher_of: Optional[Path] = None) -> dict
     return found
 
 
+def run_dir(path: str | Path) -> Path:
+    """The run directory of a run given as RUN_DIR, its eval folder or its report.json (an evaluation folder
+    outside a run is its own)."""
+    folder = report_file(path).parent
+    return folder.parent if folder.name == "eval" else folder
+
+
 def run_names(path: str | Path, report: dict) -> tuple[str, ...]:
     """The names a pair may use for the run at `path`: its report's label and its run directory's name."""
-    folder = report_file(path).parent
-    run = folder.parent if folder.name == "eval" else folder
-    return tuple(dict.fromkeys([report["label"], run.name]))
+    return tuple(dict.fromkeys([report["label"], run_dir(path).name]))
+
+
+def along_only(path: str | Path) -> AlongOnly:
+    """A run directory (or its eval folder) known by its history alone: its label from the history, and its name."""
+    from harness.eval.history import read_history, run_name
+
+    folder = Path(path)
+    folder = folder.parent if folder.name == "eval" else folder
+    label = run_name(folder, read_history(folder / "eval"))
+    return AlongOnly(label, tuple(dict.fromkeys([label, folder.name])), folder)
 
 
 def load_run(path: str | Path, report: dict) -> RunResults:
@@ -117,13 +146,13 @@ def parse_pairs(text: str) -> list[tuple[str, str]]:
     return pairs
 
 
-def baseline_pairs(baseline: str, runs: Sequence[RunResults]) -> list[tuple[str, str]]:
+def baseline_pairs(baseline: str, runs: Sequence[RunResults | AlongOnly]) -> list[tuple[str, str]]:
     """Every run minus the baseline: [(baseline, run label), ...] for the other runs."""
     base = find_run(baseline, runs)
     return [(baseline, r.label) for r in runs if r is not base]
 
 
-def find_run(name: str, runs: Sequence[RunResults]) -> RunResults:
+def find_run(name: str, runs: Sequence[RunResults | AlongOnly]) -> RunResults | AlongOnly:
     """The run a label or directory name means; PairError naming the known names when none or several match."""
     matches = [r for r in runs if name in r.names]
     if len(matches) == 1:
@@ -133,7 +162,8 @@ def find_run(name: str, runs: Sequence[RunResults]) -> RunResults:
     raise PairError(f"'{name}' {what}; the runs are called: {known}.")
 
 
-def resolve_pairs(specs: Sequence[tuple[str, str]], runs: Sequence[RunResults]) -> list[tuple[RunResults, RunResults]]:
+def resolve_pairs(specs: Sequence[tuple[str, str]],
+                  runs: Sequence[RunResults | AlongOnly]) -> list[tuple[RunResults | AlongOnly, RunResults | AlongOnly]]:
     """The (A, B) runs of each pair, once each, in the order given; a run paired with itself is refused."""
     pairs = []
     for a_name, b_name in dict.fromkeys(specs):
@@ -308,6 +338,27 @@ def paired_report(a: RunResults, b: RunResults, samples: int = BOOTSTRAP_SAMPLES
             "rows": benchmark_rows(a, b, samples, seed)
                     + [row for task in tasks() for row in task.paired_rows(a, b, samples, seed)]
                     + training_rows(a, b)}
+
+
+def paired_along(a: str | Path, b: str | Path, samples: int = BOOTSTRAP_SAMPLES, seed: int = BOOTSTRAP_SEED) -> dict:
+    """B - A at each token count where both runs (run directories) have a finished evaluation along stage 3, the
+    same rows as paired_report with their intervals: {"a", "b", "snapshots": [{"tokens", "rows"} or {"tokens",
+    "refused": why}], "only_a", "only_b": token counts only one run evaluated}."""
+    from harness.eval.during import snapshot_reports
+
+    found = snapshot_reports(a), snapshot_reports(b)
+    labels = [None, None]
+    snapshots = []
+    for tokens in sorted(set(found[0]) & set(found[1])):
+        runs = [load_run(found[i][tokens], json.loads(found[i][tokens].read_text())) for i in (0, 1)]
+        labels = [run.label for run in runs]
+        try:
+            snapshots.append({"tokens": tokens, "rows": paired_report(runs[0], runs[1], samples, seed)["rows"]})
+        except PairError as err:
+            snapshots.append({"tokens": tokens, "refused": str(err)})
+    return {"a": labels[0] or Path(a).name, "b": labels[1] or Path(b).name, "snapshots": snapshots,
+            "only_a": sorted(set(found[0]) - set(found[1])), "only_b": sorted(set(found[1]) - set(found[0])),
+            "bootstrap": {"samples": samples, "seed": seed, "level": LEVEL, "paired": True}}
 
 
 def side_by_side(a: Path, b: Path, out: Path) -> tuple[Path, Optional[str]]:

@@ -20,9 +20,11 @@ samples at the end.
     build_report(student_dir, teacher_dir, ...)  -> report dict  (one run; each task reads its result files)
     write_report(report, out)                    -> out/report.json, out/report.md, out/recovery.png,
                                                     out/niah_by_length.png
-    compare(reports, out, paired)                -> out/comparison.{json,md}, recovery.png, niah_by_length.png,
+    compare(reports, out, paired, along)         -> out/comparison.{json,md}, recovery.png, niah_by_length.png,
                                                     loss_curves.png (reports with attach_training); paired
-                                                    differences of chosen pairs (harness.eval.paired)
+                                                    differences of chosen pairs (harness.eval.paired), at the
+                                                    end and along stage 3
+    write_along(along, out)                      -> out/paired_along.{json,md} (a run without a final report)
     attach_training(report, run_dir)             -> the report with the run's stage losses and curves
     find_report(path)                            -> the report of RUN_DIR, RUN_DIR/eval or a report.json
     eval_dirs(path)                              -> its student's and teacher's result folders, found relative
@@ -286,11 +288,12 @@ def eval_dirs(path: str | Path, report: Optional[dict] = None) -> tuple[Path, Op
     return student, None if teacher is None else rebase(teacher, recorded_eval, file.parent)
 
 
-def comparison_markdown(reports: list[dict], paired: Optional[list[dict]] = None) -> str:
+def comparison_markdown(reports: list[dict], paired: Optional[list[dict]] = None,
+                        along: Optional[list[dict]] = None) -> str:
     """Several runs: normalised (and raw) recovery per task with each task's columns (NIAH overall, the
     perplexity ratio); then the raw scores, each task's sections (NIAH by length), (for runs read from their run
     directories) the final loss of each stage, and the paired differences of chosen pairs
-    (harness.eval.paired.paired_report) when given."""
+    (harness.eval.paired.paired_report) when given, at the end and along stage 3 (paired_along)."""
     tasks = list(dict.fromkeys(t for r in reports for t in r["tasks"]))
     columns = [column for task in registered_tasks() for column in task.comparison_columns()]
     head = ["run"] + tasks + ["average normalised", "average raw"] + [header for header, _ in columns]
@@ -312,6 +315,7 @@ def comparison_markdown(reports: list[dict], paired: Optional[list[dict]] = None
     lines += [line for task in registered_tasks() for line in task.comparison_sections(reports)]
     lines += _training_table(reports, plotted=True)
     lines += paired_markdown(paired or [])
+    lines += along_markdown(along or [])
     return "\n".join(lines)
 
 
@@ -369,6 +373,51 @@ def paired_markdown(pairs: Sequence[dict]) -> list[str]:
         if pair.get("unpaired"):
             lines += ["Not paired (only one run was scored on them): " + "; ".join(pair["unpaired"]) + ".", ""]
     return lines
+
+
+def _tokens(count: int) -> str:
+    return f"{count / 1e6:.1f}M" if count >= 100_000 else f"{count:,}"
+
+
+def along_markdown(alongs: Sequence[dict]) -> list[str]:
+    """The "Paired differences along stage 3" section: per pair (harness.eval.paired.paired_along) one table, a
+    row per metric and a column per snapshot both runs evaluated, B - A with its interval; * where it excludes 0."""
+    alongs = [along for along in alongs if along["snapshots"]]
+    if not alongs:
+        return []
+    lines = ["## Paired differences along stage 3", "",
+             "B - A at each token count both runs were evaluated at during stage 3 (RUN/eval/during/tokens-N), on "
+             "the same examples and prompts, with the intervals above; * marks an interval that excludes 0.", ""]
+    for along in alongs:
+        snaps = along["snapshots"]
+        metrics = list(dict.fromkeys(row["metric"] for snap in snaps for row in snap.get("rows", [])))
+        lines += [f"### {along['b']} (B) - {along['a']} (A)", "",
+                  "| metric | " + " | ".join(_tokens(snap["tokens"]) for snap in snaps) + " |",
+                  "|---|" + "---|" * len(snaps)]
+        for metric in metrics:
+            cells = []
+            for snap in snaps:
+                row = next((r for r in snap.get("rows", []) if r["metric"] == metric), None)
+                cells.append("-" if row is None else _paired_diff(row) + (" *" if row["excludes_zero"] else ""))
+            lines.append(f"| {metric} | " + " | ".join(cells) + " |")
+        lines.append("")
+        lines += [f"Not paired at {_tokens(snap['tokens'])}: {snap['refused']}" for snap in snaps if "refused" in snap]
+        for key, name in (("only_a", along["a"]), ("only_b", along["b"])):
+            if along[key]:
+                lines.append(f"Only {name} was evaluated at " + ", ".join(_tokens(t) for t in along[key]) + ".")
+        lines.append("")
+    return lines
+
+
+def write_along(alongs: list[dict], out: Path) -> list[str]:
+    """out/paired_along.{json,md}: the differences along stage 3 alone (a run of the pairs has no final report);
+    returns the markdown's lines."""
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    lines = along_markdown(alongs)
+    (out / "paired_along.json").write_text(json.dumps(alongs, indent=1))
+    (out / "paired_along.md").write_text("\n".join(lines) + "\n")
+    return lines + [f"[harness] paired along stage 3: {out / 'paired_along.md'}"]
 
 
 def _recovery_cell(row: Optional[dict]) -> str:
@@ -477,15 +526,17 @@ def attach_training(report: dict, path: str | Path) -> dict:
     return {**report, "training": summary} if summary else report
 
 
-def compare(reports: list[dict], out: Path, paired: Optional[list[dict]] = None) -> Path:
+def compare(reports: list[dict], out: Path, paired: Optional[list[dict]] = None,
+            along: Optional[list[dict]] = None) -> Path:
     """out/comparison.{json,md}, out/recovery.png, the tasks' plots (out/niah_by_length.png) and (with training
     losses) out/loss_curves.png for several runs; with `paired` (harness.eval.paired.paired_report of chosen
-    pairs), their differences under comparison.json's "paired" and in comparison.md."""
+    pairs), their differences under comparison.json's "paired" and in comparison.md, and with `along`
+    (paired_along) the same along stage 3 under "paired_along"."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "comparison.json").write_text(json.dumps({"runs": reports, **({"paired": paired} if paired else {})},
-                                                    indent=1))
-    (out / "comparison.md").write_text(comparison_markdown(reports, paired))
+    (out / "comparison.json").write_text(json.dumps({"runs": reports, **({"paired": paired} if paired else {}),
+                                                     **({"paired_along": along} if along else {})}, indent=1))
+    (out / "comparison.md").write_text(comparison_markdown(reports, paired, along))
     plot_recovery(reports, out / "recovery.png")
     for task in registered_tasks():
         task.plot(reports, out)
