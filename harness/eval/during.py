@@ -31,21 +31,10 @@ from harness.eval.spec import EvalSpec, load_eval_spec
 
 DURING_SPEC = "eval-during.yaml"
 LOCK_FILE = "evaluator.lock"
-RESULTS_DIR = "during"  # RUN_DIR/eval/during/tokens-N: each snapshot's results, its report among them
 
 
 def snapshot_dir(run_dir: Path, tokens: int) -> Path:
     return history.eval_dir(run_dir) / "snapshots" / f"tokens-{tokens:012d}"
-
-
-def snapshot_reports(run_dir: str | Path) -> dict[int, Path]:
-    """The report.json of each evaluation along stage 3 that finished (RUN_DIR/eval/during/tokens-N/), by N."""
-    found = {}
-    for report in (history.eval_dir(run_dir) / RESULTS_DIR).glob("tokens-*/report.json"):
-        count = report.parent.name.removeprefix("tokens-")
-        if count.isdigit():
-            found[int(count)] = report
-    return dict(sorted(found.items()))
 
 
 def write_during_spec(job, run_dir: Path) -> Path:
@@ -64,8 +53,8 @@ def write_during_spec(job, run_dir: Path) -> Path:
     spec = spec_from_job(job, run_dir / "merged", job_yaml)
     for task in tasks():
         task.for_during(spec, job.eval.during)
-    spec.output_dir = str((history.eval_dir(run_dir) / RESULTS_DIR).resolve())
-    spec.teacher_cache = str((history.eval_dir(run_dir) / RESULTS_DIR / "teacher").resolve())
+    spec.output_dir = str((history.eval_dir(run_dir) / history.RESULTS_DIR).resolve())
+    spec.teacher_cache = str((history.eval_dir(run_dir) / history.RESULTS_DIR / "teacher").resolve())
     path = run_dir / DURING_SPEC
     path.write_text(OmegaConf.to_yaml(OmegaConf.structured(spec)))
     return path

@@ -33,6 +33,7 @@ from harness.files import atomic_write_text, fsync_dir
 HISTORY_FILE = "history.jsonl"
 PENDING_DIR = "pending"
 EVAL_DIR = "eval"
+RESULTS_DIR = "during"  # EVAL_DIR/during/tokens-N: each evaluation along stage 3's results, its report among them
 
 
 # --------------------------------------------------------------------------------------------- helpers
@@ -55,6 +56,16 @@ def _atomic_write_json(path: Path, obj: Any) -> None:
 def eval_dir(run_dir: str | Path) -> Path:
     """RUN_DIR/eval: where the history and the pending marks live."""
     return Path(run_dir) / EVAL_DIR
+
+
+def snapshot_reports(run_dir: str | Path) -> dict[int, Path]:
+    """The report.json of each evaluation along stage 3 that finished (RUN_DIR/eval/during/tokens-N/), by N."""
+    found = {}
+    for report in (eval_dir(run_dir) / RESULTS_DIR).glob("tokens-*/report.json"):
+        count = report.parent.name.removeprefix("tokens-")
+        if count.isdigit():
+            found[int(count)] = report
+    return dict(sorted(found.items()))
 
 
 # --------------------------------------------------------------------------------------------- when

@@ -50,6 +50,7 @@ from typing import Any, Optional
 import numpy as np
 
 from harness.eval.formatting import NO_INTERVAL, heldout_comparison, teachers  # noqa: F401  (NO_INTERVAL: its old home)
+from harness.eval.history import read_history, run_name, snapshot_reports
 from harness.eval.recovery import (BOOTSTRAP_SAMPLES, BOOTSTRAP_SEED, LEVEL, difference, normalised_draws,
                                    normalised_recovery, paired_bootstrap)
 from harness.eval.recovery import paired_row as _row
@@ -116,8 +117,6 @@ def run_names(path: str | Path, report: dict) -> tuple[str, ...]:
 
 def along_only(path: str | Path) -> AlongOnly:
     """A run directory (or its eval folder) known by its history alone: its label from the history, and its name."""
-    from harness.eval.history import read_history, run_name
-
     folder = Path(path)
     folder = folder.parent if folder.name == "eval" else folder
     label = run_name(folder, read_history(folder / "eval"))
@@ -344,8 +343,6 @@ def paired_along(a: str | Path, b: str | Path, samples: int = BOOTSTRAP_SAMPLES,
     """B - A at each token count where both runs (run directories) have a finished evaluation along stage 3, the
     same rows as paired_report with their intervals: {"a", "b", "snapshots": [{"tokens", "rows"} or {"tokens",
     "refused": why}], "only_a", "only_b": token counts only one run evaluated}."""
-    from harness.eval.during import snapshot_reports
-
     found = snapshot_reports(a), snapshot_reports(b)
     labels = [None, None]
     snapshots = []
