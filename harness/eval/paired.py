@@ -106,7 +106,11 @@ def _examples(folder: Optional[Path], teacher_of: Optional[Path] = None) -> dict
 def run_dir(path: str | Path) -> Path:
     """The run directory of a run given as RUN_DIR, its eval folder or its report.json (an evaluation folder
     outside a run is its own)."""
-    folder = report_file(path).parent
+    return _above_eval(report_file(path).parent)
+
+
+def _above_eval(folder: Path) -> Path:
+    """RUN_DIR for RUN_DIR/eval, else the folder itself."""
     return folder.parent if folder.name == "eval" else folder
 
 
@@ -117,8 +121,7 @@ def run_names(path: str | Path, report: dict) -> tuple[str, ...]:
 
 def along_only(path: str | Path) -> AlongOnly:
     """A run directory (or its eval folder) known by its history alone: its label from the history, and its name."""
-    folder = Path(path)
-    folder = folder.parent if folder.name == "eval" else folder
+    folder = _above_eval(Path(path))
     label = run_name(folder, read_history(folder / "eval"))
     return AlongOnly(label, tuple(dict.fromkeys([label, folder.name])), folder)
 
