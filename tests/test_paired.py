@@ -355,6 +355,32 @@ def test_pairs_are_also_differenced_along_stage_3_at_the_token_counts_both_runs_
     assert not (tmp_path / "alone" / "comparison.json").exists()
 
 
+def test_a_job_run_twice_pairs_as_label_and_label_2(tmp_path, capsys):
+    """The same job run in two leases (same label, same directory name, two result folders): the report tells them
+    apart as LABEL and LABEL#2 in the order given, --pairs takes those names for the final evaluation and along
+    stage 3, the curves use the same names, and the bare label still means the first run."""
+    first = make_run(tmp_path / "lease1", "run-a", STUDENT_A, NIAH_A)
+    again = make_run(tmp_path / "lease2", "run-a", STUDENT_B, NIAH_B)
+    for run, niah in ((first, NIAH_A), (again, NIAH_B)):
+        _snapshot(run, 1000, niah)
+    out = tmp_path / "cmp"
+    assert harness_main(["report", str(first), str(again), "--out", str(out), "--pairs", "run-a:run-a#2"]) == 0
+    saved = json.loads((out / "comparison.json").read_text())
+    assert [(p["a"], p["b"]) for p in saved["paired"]] == [("run-a", "run-a#2")]
+    assert _rows(saved["paired"][0])["piqa (acc)"]["diff"] == pytest.approx(2 / 12)  # B is the second folder
+    assert [(x["a"], x["b"]) for x in saved["paired_along"]] == [("run-a", "run-a#2")]
+    along = _rows(saved["paired_along"][0]["snapshots"][0])["NIAH likelihood, overall"]["diff"]
+    assert along == pytest.approx(np.mean(NIAH_B) - np.mean(NIAH_A))
+    assert sorted(json.loads((out / "curves.json").read_text())["runs"]) == ["run-a", "run-a#2"]
+    assert "### run-a#2 (B) - run-a (A)" in (out / "comparison.md").read_text()
+    capsys.readouterr()
+    assert harness_main(["report", str(again), str(first), "--out", str(tmp_path / "swapped"), "--baseline",
+                         "run-a"]) == 0  # the order given decides which is #2
+    swapped = json.loads((tmp_path / "swapped" / "comparison.json").read_text())["paired"][0]
+    assert (swapped["a"], swapped["b"]) == ("run-a", "run-a#2")
+    assert _rows(swapped)["piqa (acc)"]["diff"] == pytest.approx(-2 / 12)
+
+
 def test_held_out_measures_of_runs_at_different_windows_are_not_differenced(two_runs, tmp_path, capsys):
     """A run held out in 512-token windows against one in 2048: the benchmarks and NIAH pair as ever, perplexity
     and validation CE/KL get no difference (a token's loss depends on its context), and the comparison names the

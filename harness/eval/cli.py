@@ -197,7 +197,9 @@ def add_parsers(sub: Any) -> None:
                         "NIAH prompts (comparison.md's 'Paired differences', comparison.json's 'paired'); where both "
                         "runs were evaluated along stage 3 (eval.every_tokens), the same at each token count both have "
                         "('Paired differences along stage 3', 'paired_along'), also for a run with no final report "
-                        "yet (its history alone). Runs scored on different examples are refused.")
+                        "yet (its history alone). Runs scored on different examples are refused. A job run twice "
+                        "(same label) is LABEL for the first run given and LABEL#2 for the second, e.g. "
+                        "--pairs my-job:my-job#2 for the spread between two trainings of one job.")
     report.add_argument("--baseline", default=None, metavar="RUN",
                         help="Pair every other run with this one (run label or directory name): each run - RUN, "
                         "as with --pairs (the two may be combined).")
@@ -438,7 +440,8 @@ def cmd_report(args: argparse.Namespace) -> int:
         except FileNotFoundError as err:
             if not has_history:
                 raise ConfigError(str(err)) from None
-    paired, along = _paired(args, paths, reports, [p for p in with_history if p not in paths])
+    names = _run_labels(args.runs, paths, reports)
+    paired, along = _paired(args, paths, reports, [p for p in with_history if p not in paths], names)
     if len(reports) == 1 and not with_history:
         print(markdown(reports[0]))
         return 0
@@ -452,12 +455,31 @@ def cmd_report(args: argparse.Namespace) -> int:
     elif along:  # a run without a final report: its pairs are compared along stage 3 alone
         print("\n".join(write_along(along, out)))
     if with_history:
-        print(_history_views(load_histories(with_history), out, args.plateau_threshold))
+        print(_history_views(load_histories(with_history, names), out, args.plateau_threshold))
     return 0
 
 
+def _run_labels(runs: list[str], paths: list[str], reports: list[dict]) -> dict[str, str]:
+    """Each run's name as given -> its label, a repeated label made unique as LABEL#2, ... in the order given (a job
+    run twice); the reports take the unique labels, so that tables, plots and --pairs tell the runs apart."""
+    from harness.eval.history import eval_dir, history_path, read_history, run_name, unique_names
+
+    by_path = dict(zip(paths, reports))
+
+    def label(run: str) -> str:
+        if run in by_path:
+            return by_path[run]["label"]
+        folder = Path(run) if history_path(Path(run)).is_file() else eval_dir(Path(run))
+        return run_name(folder.resolve().parent, read_history(folder))
+
+    names = dict(zip(runs, unique_names(label(run) for run in runs)))
+    for path, report in by_path.items():
+        report["label"] = names[path]
+    return names
+
+
 def _paired(args: argparse.Namespace, paths: list[str], reports: list[dict],
-            history_only: list[str]) -> tuple[list[dict], list[dict]]:
+            history_only: list[str], names: dict[str, str]) -> tuple[list[dict], list[dict]]:
     """The paired differences that --pairs and --baseline ask for: of the final evaluations, and of the
     evaluations along stage 3 where both runs of a pair have them; a run with a history and no final report
     (history_only) is paired along stage 3 alone. ([], []) when neither option is given."""
@@ -472,12 +494,12 @@ def _paired(args: argparse.Namespace, paths: list[str], reports: list[dict],
     try:
         runs = [load_run(path, report) for path, report in zip(paths, reports)]
         dirs = {id(run): run_dir(path) for run, path in zip(runs, paths)}
-        runs += [along_only(path) for path in history_only]
+        runs += [along_only(path, names.get(path)) for path in history_only]
         dirs.update({id(run): run.run_dir for run in runs[len(paths):]})
         specs = (baseline_pairs(args.baseline, runs) if args.baseline is not None else [])
         specs += parse_pairs(args.pairs) if args.pairs is not None else []
         pairs = resolve_pairs(specs, runs)
-        along = [paired_along(dirs[id(a)], dirs[id(b)]) for a, b in pairs]
+        along = [{**paired_along(dirs[id(a)], dirs[id(b)]), "a": a.label, "b": b.label} for a, b in pairs]
         finals = [paired_report(a, b) for a, b in pairs if isinstance(a, RunResults) and isinstance(b, RunResults)]
         return finals, [x for x in along if x["snapshots"]]
     except PairError as err:

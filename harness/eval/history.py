@@ -267,22 +267,26 @@ def run_name(run_dir: str | Path, history: list[dict]) -> str:
     return labels[-1] if labels else Path(run_dir).resolve().name
 
 
-def load_histories(run_dirs: Iterable[str | Path]) -> dict[str, list[dict]]:
-    """{run name: history} for several RUN_DIRs (or their eval/ folders), each folder once; names made unique
-    with #2, #3, ... (two runs may share a label)."""
-    histories: dict[str, list[dict]] = {}
-    seen: set[Path] = set()
-    for run_dir in run_dirs:
-        run_dir = Path(run_dir)
-        folder = (run_dir if history_path(run_dir).is_file() else eval_dir(run_dir)).resolve()
-        if folder in seen:
-            continue
-        seen.add(folder)
-        history = read_history(folder)
-        name = base = run_name(folder.parent, history)
-        n = 1
-        while name in histories:
+def unique_names(names: Iterable[str]) -> list[str]:
+    """The names in order, a repeated one made unique as NAME#2, NAME#3, ... (a job run twice keeps its label)."""
+    out: list[str] = []
+    for base in names:
+        name, n = base, 1
+        while name in out:
             n += 1
             name = f"{base}#{n}"
-        histories[name] = history
-    return histories
+        out.append(name)
+    return out
+
+
+def load_histories(run_dirs: Iterable[str | Path], names: Optional[dict[str, str]] = None) -> dict[str, list[dict]]:
+    """{run name: history} for several RUN_DIRs (or their eval/ folders), each folder once; names made unique
+    with #2, #3, ... (two runs may share a label). names: a run's name by the RUN_DIR as given, where the caller
+    has already made them unique across more runs than these."""
+    folders: dict[Path, str] = {}
+    for run_dir in run_dirs:
+        path = Path(run_dir)
+        folder = (path if history_path(path).is_file() else eval_dir(path)).resolve()
+        if folder not in folders:
+            folders[folder] = (names or {}).get(str(run_dir)) or run_name(folder.parent, read_history(folder))
+    return {name: read_history(folder) for folder, name in zip(folders, unique_names(folders.values()))}

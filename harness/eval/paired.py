@@ -119,10 +119,11 @@ def run_names(path: str | Path, report: dict) -> tuple[str, ...]:
     return tuple(dict.fromkeys([report["label"], run_dir(path).name]))
 
 
-def along_only(path: str | Path) -> AlongOnly:
-    """A run directory (or its eval folder) known by its history alone: its label from the history, and its name."""
+def along_only(path: str | Path, label: Optional[str] = None) -> AlongOnly:
+    """A run directory (or its eval folder) known by its history alone: its label (from the history unless given),
+    and its name."""
     folder = _above_eval(Path(path))
-    label = run_name(folder, read_history(folder / "eval"))
+    label = label or run_name(folder, read_history(folder / "eval"))
     return AlongOnly(label, tuple(dict.fromkeys([label, folder.name])), folder)
 
 
@@ -155,11 +156,12 @@ def baseline_pairs(baseline: str, runs: Sequence[RunResults | AlongOnly]) -> lis
 
 
 def find_run(name: str, runs: Sequence[RunResults | AlongOnly]) -> RunResults | AlongOnly:
-    """The run a label or directory name means; PairError naming the known names when none or several match."""
-    matches = [r for r in runs if name in r.names]
+    """The run a label or directory name means, a label before a directory name (a job run twice: LABEL and
+    LABEL#2 share their directory's name); PairError naming the known names when none or several match."""
+    matches = [r for r in runs if r.label == name] or [r for r in runs if name in r.names]
     if len(matches) == 1:
         return matches[0]
-    known = ", ".join(n for r in runs for n in r.names)
+    known = ", ".join(dict.fromkeys(n for r in runs for n in r.names))
     what = "matches several runs" if matches else "is not one of the runs"
     raise PairError(f"'{name}' {what}; the runs are called: {known}.")
 
