@@ -264,6 +264,20 @@ def test_plain_step_bench_on_cpu(one_thread):
     assert row["breakdown_ms"]["backward"] > 0 and row["breakdown_ms"]["student_forward"] > 0
 
 
+def test_step_bench_trains_the_hybrid_it_is_given(one_thread):
+    """--attention-layers: the bench's step is that hybrid's (the kept layer is softmax attention, counted in the
+    student's parameters, trained with the rest), not the pure student's."""
+    kw = dict(micro_batch=2, seq_len=32, steps=2, warmup=1, device="cpu", zero3=False, peak_flops=1e12,
+              options={"chunk_size": 16})
+    pure, hybrid = bench_step("tiny", "gated_deltanet", **kw), bench_step("tiny", "gated_deltanet", attention_layers=[1],
+                                                                           **kw)
+    _check_step_row(hybrid, 1e12)
+    assert (pure["attention_layers"], hybrid["attention_layers"]) == ([], [1])
+    _, student = build_pair("tiny", "gated_deltanet", device="cpu", options={"chunk_size": 16}, attention_layers=[1])
+    assert student.config.kept_layers() == {1} and hybrid["n_student"] == count_params(student) != pure["n_student"]
+    assert hybrid["losses_each"] != pure["losses_each"]
+
+
 def _run_cli(args: list[str], world: int = 1) -> subprocess.CompletedProcess:
     if world > 1:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world}",

@@ -38,7 +38,8 @@ JSON (+ the same tables next to it as .md).
            memory, and where a step's time goes: teacher_forward, gather_teacher_head, student_forward, loss
            (chunked CE + KL including the logits' gradient), backward, optimizer, other. ZeRO-3 communication
            overlaps compute inside the forward/backward phases; a short torch.profiler pass reports its busy
-           time per step and the part not hidden behind compute ("exposed", GPU only).
+           time per step and the part not hidden behind compute ("exposed", GPU only). With --attention-layers,
+           the step of that hybrid (the teacher's attention kept in those layers, trained with the rest).
   kernels  each mixer's Triton kernel vs its PyTorch reference at the shape's head layout, forward+backward
            (CUDA only; errors against the fp32 reference too).
   recurrences  each recurrence case's fla routes (the default and the alternatives) vs the float32 PyTorch
@@ -136,8 +137,9 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
     dec.add_argument("--new-tokens", type=int, default=64, help="Timed tokens per context. Default 64.")
     dec.add_argument("--no-teacher-decode", action="store_true", help="Time the student only.")
     dec.add_argument("--attention-layers", default="", metavar="I,J",
-                     help="Layers of the student that keep softmax attention (a hybrid, e.g. 3,17): its KV bytes and "
-                     "KV bytes per token of context are reported beside the state bytes. Default: none.")
+                     help="Layers of the student that keep softmax attention (a hybrid, e.g. 3,17): the step trains "
+                     "that hybrid, and decoding reports its KV bytes and KV bytes per token of context beside the "
+                     "state bytes. Default: none.")
     ker = p.add_argument_group("kernels")
     ker.add_argument("--kernel-batch", type=int, default=None, help="Batch of the layer bench (default --micro-batch).")
     ker.add_argument("--variants", default="", help="Extra kernel rows NAME@CASE=ROUTE ($HARNESS_FLA_ROUTES).")
@@ -247,7 +249,7 @@ def run_cli(args: argparse.Namespace, argv: Optional[Sequence[str]] = None) -> i
                           gradient_checkpointing=args.grad_ckpt or args.grad_ckpt_fraction is not None,
                           recompute_fraction=1.0 if args.grad_ckpt_fraction is None else args.grad_ckpt_fraction,
                           teacher_placement=args.teacher_placement, compile_teacher=not args.eager_teacher,
-                          seed=args.seed)
+                          seed=args.seed, attention_layers=_attention_layers(args.attention_layers))
                 if args.teacher:
                     kw["teacher_source"] = args.teacher
                 try:

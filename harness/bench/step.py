@@ -51,7 +51,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 import torch
 from torch import nn
@@ -136,8 +136,10 @@ def bench_step(shape: str = "135M", mixer: str = "gated_deltanet", *, micro_batc
                student_ds_config: Optional[str] = None, teacher_ds_config: Optional[str] = None,
                peak_flops: Optional[float] = None, measure_peak: bool = False, profile_steps: int = 2,
                gradient_checkpointing: bool = False, recompute_fraction: float = 1.0,
-               teacher_placement: str = "auto", compile_teacher: bool = True, seed: int = 0) -> dict[str, Any]:
-    """Time `steps` optimizer steps of stage 3 (after `warmup`) for one teacher shape and mixer; see the module
+               teacher_placement: str = "auto", compile_teacher: bool = True, seed: int = 0,
+               attention_layers: Sequence[int] = ()) -> dict[str, Any]:
+    """Time `steps` optimizer steps of stage 3 (after `warmup`) for one teacher shape and mixer (a hybrid with the
+    teacher's softmax attention kept in `attention_layers`); see the module
     docstring for what each field means. With zero3, joins (or creates) the process group as stage 3 does
     (`harness.engine.setup_distributed`): under torchrun every rank calls this and the world is the group's.
     Returns a JSON-ready dict (the same on every rank)."""
@@ -162,7 +164,7 @@ def bench_step(shape: str = "135M", mixer: str = "gated_deltanet", *, micro_batc
     shape_name = "custom" if teacher_source else canonical_shape(shape)
 
     teacher, student = build_pair(shape, mixer, options=options, source=teacher_source, layers=layers,
-                                  device=device, teacher_dtype=dtype, seed=seed)
+                                  device=device, teacher_dtype=dtype, seed=seed, attention_layers=attention_layers)
     if gradient_checkpointing:  # stages.distill.gradient_checkpointing (_fraction)
         student.enable_recompute(recompute_fraction)
     n_student, n_teacher = count_params(student), count_params(teacher)
@@ -170,7 +172,8 @@ def bench_step(shape: str = "135M", mixer: str = "gated_deltanet", *, micro_batc
     vocab = teacher.config.vocab_size
     row: dict[str, Any] = {
         "shape": shape_name, "teacher": teacher_source or f"SmolLM2-{shape_name} shape, random weights",
-        "mixer": mixer, "options": dict(options or {}), "engine": "zero3" if zero3 else "plain",
+        "mixer": mixer, "options": dict(options or {}), "attention_layers": sorted(attention_layers),
+        "engine": "zero3" if zero3 else "plain",
         "layers": teacher.config.num_hidden_layers, "micro_batch": micro_batch, "seq_len": seq_len,
         "grad_accum": grad_accum, "gradient_checkpointing": gradient_checkpointing,
         "recompute_fraction": recompute_fraction if gradient_checkpointing else 0.0, "world": world,

@@ -1,0 +1,64 @@
+#!/usr/bin/env bash
+# Does stage 3's step repeat bit for bit, and what does keeping attention layers cost it? The 135M stage-3 step
+# bench (same seed, same random batches) of the pure gated_deltanet student and of the hybrid keeping the teacher's
+# attention in LAYERS, one process after another on one GPU with a shared Triton cache, in the order ORDER gives
+# (alternating: the speeds form a side-by-side pair). Two trainings of one hybrid job diverged in stage 3 only
+# (docs/results/retrieval-135m/README.md, "The lease of 2026-12-06 (evening)"); the pure student's step repeated
+# bit for bit in seven processes (docs/BENCHMARKS.md, issue 51 alternating). From the repository root:
+#
+#   bash scripts/device/step_repeat.sh          # on the device, carrying .devbundle (and the kernel cache unpacked)
+#   DEVBUNDLE= PY=.venv/bin/python SHAPE="--shape tiny --device cpu --seq 64" MICRO=2 STEPS=2 WARMUP=0 LAYERS=1 \
+#     ORDER="hybrid hybrid" bash scripts/device/step_repeat.sh   # CPU rehearsal (tests/test_step_repeat_script.py)
+#
+# Each process gets T seconds (the first T0). Writes $OUT/NN-KIND.json and .log for each and $OUT/summary.txt: the
+# machine, the arguments, one line per process (exit code, wall time, tokens/s, peak memory) and, per kind, whether
+# its processes' losses and gradient norms are bit-identical at every step (else the first step that differs).
+set -u
+DEVBUNDLE=${DEVBUNDLE-.devbundle}
+[ -z "$DEVBUNDLE" ] || source "$DEVBUNDLE/setup.sh" || exit 4
+OUT=${OUT:?set OUT}
+mkdir -p "$OUT"
+OUT=$(cd "$OUT" && pwd)
+export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-/tmp/triton-cache}
+PY=${PY:-python3}
+ORDER=${ORDER:-pure hybrid pure hybrid}
+LAYERS=${LAYERS:-18,23}
+SHAPE=${SHAPE:---shape 135M --seq 2048}
+ARGS="bench --what step $SHAPE --mixer gated_deltanet --engine plain --teacher-placement replicated --micro-batch ${MICRO:-32} --steps ${STEPS:-10} --warmup ${WARMUP:-3} --profile-steps 0"
+for kind in $ORDER; do
+  case $kind in pure|hybrid) ;; *) echo "ORDER has $kind: allowed are pure, hybrid"; exit 2 ;; esac
+done
+{ command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,driver_version --format=csv,noheader || uname -m; } >"$OUT/summary.txt"
+echo "args: $ARGS | hybrid: --attention-layers $LAYERS | order: $ORDER | checkout: $(git rev-parse --short HEAD 2>/dev/null)" >>"$OUT/summary.txt"
+i=0
+for kind in $ORDER; do
+  i=$((i + 1)); tag=$(printf '%02d-%s' "$i" "$kind")
+  if [ "$i" = 1 ]; then t=${T0:-240}; else t=${T:-150}; fi
+  extra=""; [ "$kind" = hybrid ] && extra="--attention-layers $LAYERS"
+  start=$SECONDS
+  timeout "$t" $PY -m harness.cli $ARGS $extra --out "$OUT/$tag.json" >"$OUT/$tag.log" 2>&1
+  rc=$?
+  got=$($PY -c "import json,sys; s=json.load(open(sys.argv[1]))['step'][0]; print(round(s['tokens_per_s']), 'tokens/s', round(s['peak_mem_bytes'] / 2**30, 1), 'GiB')" "$OUT/$tag.json" 2>/dev/null)
+  echo "$tag exit $rc, ${SECONDS}s in, $((SECONDS - start)) s: ${got:-no result}" | tee -a "$OUT/summary.txt"
+done
+$PY - "$OUT" $ORDER <<'EOF' | tee -a "$OUT/summary.txt"
+import json, sys
+from pathlib import Path
+out, order = Path(sys.argv[1]), sys.argv[2:]
+for kind in dict.fromkeys(order):
+    rows = []
+    for i, k in enumerate(order, 1):
+        path = out / f"{i:02d}-{k}.json"
+        if k == kind and path.is_file():
+            rows += json.loads(path.read_text())["step"][:1]
+    rows = [r for r in rows if "losses_each" in r]
+    if len(rows) < 2:
+        print(f"{kind}: {len(rows)} finished process(es), nothing to compare")
+        continue
+    first = rows[0]
+    for n, row in enumerate(rows[1:], 2):
+        steps = list(zip(first["losses_each"], row["losses_each"], first["grad_norms_each"], row["grad_norms_each"]))
+        differs = [s for s, (a, b, ga, gb) in enumerate(steps) if a != b or ga != gb]
+        verdict = "bit-identical at every step" if not differs else f"first differs at step {differs[0]}"
+        print(f"{kind}: process {n} against process 1 over {len(steps)} steps: {verdict}")
+EOF
