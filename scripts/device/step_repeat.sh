@@ -2,7 +2,8 @@
 # Does stage 3's step repeat bit for bit, and what does keeping attention layers cost it? The 135M stage-3 step
 # bench (same seed, same random batches) of the pure gated_deltanet student and of the hybrid keeping the teacher's
 # attention in LAYERS, one process after another on one GPU with a shared Triton cache, in the order ORDER gives
-# (alternating: the speeds form a side-by-side pair). Two trainings of one hybrid job diverged in stage 3 only
+# (default: pure, hybrid, hybrid; the speeds form a side-by-side pair, each after its warm-up steps, and the two
+# hybrids say whether its step repeats; three processes fit one 10-minute call). Two trainings of one hybrid job diverged in stage 3 only
 # (docs/results/retrieval-135m/README.md, "The lease of 2026-12-06 (evening)"); the pure student's step repeated
 # bit for bit in seven processes (docs/BENCHMARKS.md, issue 51 alternating). From the repository root:
 #
@@ -21,7 +22,7 @@ mkdir -p "$OUT"
 OUT=$(cd "$OUT" && pwd)
 export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-/tmp/triton-cache}
 PY=${PY:-python3}
-ORDER=${ORDER:-pure hybrid pure hybrid}
+ORDER=${ORDER:-pure hybrid hybrid}
 LAYERS=${LAYERS:-18,23}
 SHAPE=${SHAPE:---shape 135M --seq 2048}
 ARGS="bench --what step $SHAPE --mixer gated_deltanet --engine plain --teacher-placement replicated --micro-batch ${MICRO:-32} --steps ${STEPS:-10} --warmup ${WARMUP:-3} --profile-steps 0"
