@@ -14,6 +14,8 @@
 # Each process gets T seconds (the first T0). Writes $OUT/NN-KIND.json and .log for each and $OUT/summary.txt: the
 # machine, the arguments, one line per process (exit code, wall time, tokens/s, peak memory) and, per kind, whether
 # its processes' losses and gradient norms are bit-identical at every step (else the first step that differs).
+# ORDER="strict strict" (a second call): the hybrid under torch.use_deterministic_algorithms(True), which makes
+# torch's flash attention backward order its sums: whether that makes it repeat, and at what cost.
 set -u
 DEVBUNDLE=${DEVBUNDLE-.devbundle}
 [ -z "$DEVBUNDLE" ] || source "$DEVBUNDLE/setup.sh" || exit 4
@@ -27,7 +29,7 @@ LAYERS=${LAYERS:-18,23}
 SHAPE=${SHAPE:---shape 135M --seq 2048}
 ARGS="bench --what step $SHAPE --mixer gated_deltanet --engine plain --teacher-placement replicated --micro-batch ${MICRO:-32} --steps ${STEPS:-10} --warmup ${WARMUP:-3} --profile-steps 0"
 for kind in $ORDER; do
-  case $kind in pure|hybrid) ;; *) echo "ORDER has $kind: allowed are pure, hybrid"; exit 2 ;; esac
+  case $kind in pure|hybrid|strict) ;; *) echo "ORDER has $kind: allowed are pure, hybrid, strict"; exit 2 ;; esac
 done
 { command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,driver_version --format=csv,noheader || uname -m; } >"$OUT/summary.txt"
 echo "args: $ARGS | hybrid: --attention-layers $LAYERS | order: $ORDER | checkout: $(git rev-parse --short HEAD 2>/dev/null)" >>"$OUT/summary.txt"
@@ -35,9 +37,14 @@ i=0
 for kind in $ORDER; do
   i=$((i + 1)); tag=$(printf '%02d-%s' "$i" "$kind")
   if [ "$i" = 1 ]; then t=${T0:-240}; else t=${T:-150}; fi
-  extra=""; [ "$kind" = hybrid ] && extra="--attention-layers $LAYERS"
+  extra=""; [ "$kind" = pure ] || extra="--attention-layers $LAYERS"
   start=$SECONDS
-  timeout "$t" $PY -m harness.cli $ARGS $extra --out "$OUT/$tag.json" >"$OUT/$tag.log" 2>&1
+  if [ "$kind" = strict ]; then  # the hybrid under torch's deterministic algorithms (an error where an op has none)
+    CUBLAS_WORKSPACE_CONFIG=:4096:8 timeout "$t" $PY -c 'import sys, torch; torch.use_deterministic_algorithms(True); from harness.cli import main; sys.exit(main(sys.argv[1:]))' \
+      $ARGS $extra --out "$OUT/$tag.json" >"$OUT/$tag.log" 2>&1
+  else
+    timeout "$t" $PY -m harness.cli $ARGS $extra --out "$OUT/$tag.json" >"$OUT/$tag.log" 2>&1
+  fi
   rc=$?
   got=$($PY -c "import json,sys; s=json.load(open(sys.argv[1]))['step'][0]; print(round(s['tokens_per_s']), 'tokens/s', round(s['peak_mem_bytes'] / 2**30, 1), 'GiB')" "$OUT/$tag.json" 2>/dev/null)
   echo "$tag exit $rc, ${SECONDS}s in, $((SECONDS - start)) s: ${got:-no result}" | tee -a "$OUT/summary.txt"
