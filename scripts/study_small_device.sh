@@ -7,6 +7,8 @@
 #   bash scripts/study_small_device.sh watch    #   between calls; each call then waits for them and archives
 #   bash scripts/study_small_device.sh stop     # ends detached lanes (and their GPU tests), e.g. to start a fixed job
 #   bash scripts/study_small_device.sh kernels  # the compiled kernels into $OUT, for a later machine (below)
+#   bash scripts/study_small_device.sh exec CMD...  # CMD in the lanes' environment (payload cache, lm-eval, offline
+#                                               # hub), e.g. `exec python3 -m harness.cli eval niah RUNS/x/student`
 #
 # `lanes` runs LANES (default: four lanes, two per GPU: stage 3 keeps one job's GPU busy only about half the time,
 # and greedy NIAH decoding at batch 1 is bound by the host) until STOP_AT seconds, when it touches
@@ -242,5 +244,6 @@ case "${1:-}" in
   stop) stop ;;
   kernels) kernels ;;
   run-lanes) environment && run_lanes; touch "$S/LANES_FINISHED"; wait ;;  # what `start` runs, detached
-  *) echo "usage: $0 setup|lanes|start|watch|stop|kernels (see docs/STUDY.md)"; exit 2 ;;
+  exec) shift; [ $# -gt 0 ] || { echo "usage: $0 exec COMMAND [ARGS...]"; exit 2; }; environment && exec "$@" ;;
+  *) echo "usage: $0 setup|lanes|start|watch|stop|kernels|exec (see docs/STUDY.md)"; exit 2 ;;
 esac

@@ -208,6 +208,24 @@ def test_a_fresh_machine_is_refused_until_setup_joins_the_pieces_and_copies_the_
     assert script(tree, env, "setup").returncode == 4
 
 
+def test_exec_runs_a_command_in_the_lanes_environment_and_refuses_a_fresh_machine(machine, tmp_path):
+    """`exec CMD` (e.g. scoring a student again after the lanes) sees the payload's cache and the offline hub that
+    the lanes see, without which an evaluation looks for the NIAH haystack's wheel on PyPI; on a machine whose
+    payload was never set up it refuses, as `watch` does."""
+    tree, env = machine
+    done = subprocess.run(["bash", "scripts/study_small_device.sh", "exec", "bash", "-c",
+                           'echo "$HARNESS_CACHE|$HF_HUB_OFFLINE|$PYTHONPATH"'], cwd=tree, env=env,
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stdout + done.stderr
+    cache, offline, path = done.stdout.strip().split("|")
+    assert (cache, offline) == (str(tmp_path / "dev/hc"), "1") and path.endswith(str(tmp_path / "dev/evalsite"))
+    assert script(tree, env, "exec").returncode == 2  # no command
+    (tmp_path / "dev/hc/.ready").unlink()
+    fresh = subprocess.run(["bash", "scripts/study_small_device.sh", "exec", "true"], cwd=tree, env=env,
+                           capture_output=True, text=True, timeout=60)
+    assert fresh.returncode == 3 and "fresh machine" in fresh.stdout
+
+
 def test_a_watch_cut_off_by_the_call_limit_still_leaves_an_archive(machine):
     """The device tool kills a call at its limit (less than WATCH_FOR when the session's device time runs out) and
     brings back whatever $OUT holds: `watch` archives as it waits, so the runs so far come back."""
