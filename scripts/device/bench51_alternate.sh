@@ -13,13 +13,7 @@
 # machine, the arguments and one line per process: exit code, wall time, tokens/s, peak memory). Eight processes at
 # most come back in one call (a device call returns 8 files): split longer orders over calls within 30 s.
 set -u
-DEVBUNDLE=${DEVBUNDLE-.devbundle}
-[ -z "$DEVBUNDLE" ] || source "$DEVBUNDLE/setup.sh" || exit 4
-OUT=${OUT:?set OUT}
-mkdir -p "$OUT"
-OUT=$(cd "$OUT" && pwd)
-export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-/tmp/triton-cache}
-PY=${PY:-python3}
+source "$(dirname "${BASH_SOURCE[0]}")/bench_env.sh"  # DEVBUNDLE, OUT, TRITON_CACHE_DIR, PY
 ORDER=${ORDER:-warm before loop before loop}
 SHAPE=${SHAPE:---shape 135M --seq 2048}
 ARGS="bench --what step $SHAPE --mixer ${MIXER:-gated_deltanet} --engine plain --teacher-placement replicated --micro-batch ${MICRO:-32} --steps ${STEPS:-20} --warmup ${WARMUP:-5}"

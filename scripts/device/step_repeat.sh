@@ -17,13 +17,7 @@
 # ORDER="strict strict" (a second call): the hybrid under torch.use_deterministic_algorithms(True), which makes
 # torch's flash attention backward order its sums: whether that makes it repeat, and at what cost.
 set -u
-DEVBUNDLE=${DEVBUNDLE-.devbundle}
-[ -z "$DEVBUNDLE" ] || source "$DEVBUNDLE/setup.sh" || exit 4
-OUT=${OUT:?set OUT}
-mkdir -p "$OUT"
-OUT=$(cd "$OUT" && pwd)
-export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-/tmp/triton-cache}
-PY=${PY:-python3}
+source "$(dirname "${BASH_SOURCE[0]}")/bench_env.sh"  # DEVBUNDLE, OUT, TRITON_CACHE_DIR, PY
 ORDER=${ORDER:-pure hybrid hybrid}
 LAYERS=${LAYERS:-18,23}
 SHAPE=${SHAPE:---shape 135M --seq 2048}
