@@ -462,14 +462,14 @@ def cmd_report(args: argparse.Namespace) -> int:
 def _run_labels(runs: list[str], paths: list[str], reports: list[dict]) -> dict[str, str]:
     """Each run's name as given -> its label, a repeated label made unique as LABEL#2, ... in the order given (a job
     run twice); the reports take the unique labels, so that tables, plots and --pairs tell the runs apart."""
-    from harness.eval.history import eval_dir, history_path, read_history, run_name, unique_names
+    from harness.eval.history import history_folder, read_history, run_name, unique_names
 
     by_path = dict(zip(paths, reports))
 
     def label(run: str) -> str:
         if run in by_path:
             return by_path[run]["label"]
-        folder = Path(run) if history_path(Path(run)).is_file() else eval_dir(Path(run))
+        folder = history_folder(run)
         return run_name(folder.resolve().parent, read_history(folder))
 
     names = dict(zip(runs, unique_names(label(run) for run in runs)))

@@ -200,6 +200,13 @@ def history_path(run_eval_dir: str | Path) -> Path:
     return Path(run_eval_dir) / HISTORY_FILE
 
 
+def history_folder(path: str | Path) -> Path:
+    """The folder of a run's history: `path` itself when it holds history.jsonl (RUN_DIR/eval given), else
+    RUN_DIR/eval (RUN_DIR given)."""
+    path = Path(path)
+    return path if history_path(path).is_file() else eval_dir(path)
+
+
 def append_entry(run_eval_dir: str | Path, entry: dict) -> Path:
     """Append `entry` as one line of RUN_DIR/eval/history.jsonl and force it to disk; returns the file.
 
@@ -285,8 +292,7 @@ def load_histories(run_dirs: Iterable[str | Path], names: Optional[dict[str, str
     has already made them unique across more runs than these."""
     folders: dict[Path, str] = {}
     for run_dir in run_dirs:
-        path = Path(run_dir)
-        folder = (path if history_path(path).is_file() else eval_dir(path)).resolve()
+        folder = history_folder(run_dir).resolve()
         if folder not in folders:
             folders[folder] = (names or {}).get(str(run_dir)) or run_name(folder.parent, read_history(folder))
     return {name: read_history(folder) for folder, name in zip(folders, unique_names(folders.values()))}
