@@ -59,3 +59,31 @@ def test_evaluator_leaves_when_another_holds_the_lock(tmp_path, monkeypatch):
         fcntl.flock(held, fcntl.LOCK_EX)
         assert during.evaluate_pending(run) == []
     assert [m["tokens"] for m in history.pending_marks(run)] == [256]
+
+
+def test_an_evaluator_scoring_two_snapshots_gives_the_second_the_scores_it_gets_alone(tmp_path):
+    """The evaluator along stage 3 scores one snapshot after another in one process: nothing of the first (model,
+    caches, settings) may move the second's scores. B alone, then A, then B again: B's NIAH records are identical."""
+    import json
+
+    from harness.eval.job import run_eval_spec
+    from harness.eval.spec import load_eval_spec
+    from tests.pipeline import student_run
+
+    root = tmp_path / "root"
+    ov = ("eval.enabled=true", "eval.tasks=[]", "eval.niah.lengths=[256]", "eval.niah.samples=1",
+          "eval.niah.kinds=[passkey,kv]", "eval.niah.depths=[0.0,1.0]", "eval.perplexity_tokens=512",
+          "eval.copy=null")
+    for name, seed in (("a", 1), ("b", 2)):
+        student_run(root, root / name, *ov, f"name={name}", seed=seed)
+
+    def score(name: str, out: str) -> list[dict]:
+        spec = load_eval_spec(root / name / "eval.yaml")
+        spec.output_dir = str(tmp_path / out)
+        run_eval_spec(spec, progress=False)
+        cells = (tmp_path / out / "student" / "niah_cells.jsonl").read_text().splitlines()
+        return [json.loads(line) for line in cells][1:]
+
+    alone, other = score("b", "alone"), score("a", "first")
+    assert other != alone  # two students, two sets of scores
+    assert score("b", "second") == alone
