@@ -213,6 +213,21 @@ def compiles_teacher(stage: StageConfig, placement: str, device: torch.device) -
     return placement == "replicated" and device.type == "cuda" and getattr(stage, "compile_teacher", False)
 
 
+def compile_student_blocks(student: nn.Module) -> int:
+    """torch.compile every block of a student (`HarnessForCausalLM`: student.model.layers) in place; returns how
+    many. Blocks of one class share one compiled graph; embedding, rotary set-up, final norm and head stay eager."""
+    layers = student.model.layers
+    for layer in layers:
+        layer.compile()
+    return len(layers)
+
+
+def compiles_student(stage: StageConfig, engine_kind: str, device: torch.device) -> bool:
+    """Whether stage 3 compiles the student's blocks: the plain engine on a GPU, with compile_student on (DeepSpeed's
+    ZeRO hooks gather parameters around each submodule, which a compiled block would trace through)."""
+    return engine_kind == "plain" and device.type == "cuda" and getattr(stage, "compile_student", False)
+
+
 def build_teacher(model: nn.Module, job: JobConfig, stage: StageConfig, world: int, device: torch.device,
                   bf16: bool) -> tuple[nn.Module, str]:
     """The teacher of stage 3 as placed by deepspeed.teacher_placement -> (callable module, 'replicated'|'zero3')."""

@@ -37,6 +37,7 @@ FREE_KEYS = (
     "name", "output_dir", "run.", "eval.", "data.num_proc", "data.cache_dir", "student.options.backend",
     "stages.sft.enabled", "deepspeed.teacher_placement", "deepspeed.teacher_config", "stages.distill.gradient_checkpointing",
     "stages.distill.gradient_checkpointing_fraction", "stages.distill.compile_teacher",
+    "stages.distill.compile_student",
 )
 # Files whose presence means a stage has work a rerun would reuse (globs under RUN_DIR).
 REUSABLE_WORK = {

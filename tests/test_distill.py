@@ -322,6 +322,46 @@ def test_compiled_teacher_layers_share_one_graph_and_match_the_eager_teacher():
     torch._dynamo.reset()
 
 
+def test_compiled_student_blocks_share_a_graph_per_kind_and_train_as_the_eager_student():
+    """stages.distill.compile_student compiles each student block (on a GPU with the plain engine; here on the CPU,
+    the mixers on their PyTorch reference): a hybrid's mixer blocks share one graph and its softmax blocks another,
+    and the compiled student's hidden states and gradients are the eager student's."""
+    from torch._dynamo.utils import counters
+
+    from harness.config import DistillConfig
+    from harness.engine import compile_student_blocks, compiles_student
+    from harness.student import build_student
+    from tests.tiny import tiny_llama
+
+    torch.manual_seed(0)
+    student = build_student(tiny_llama(num_layers=5, hidden=64, heads=4, kv_heads=2), "gated_deltanet",
+                            attention_layers=(1, 3)).train()
+    ids = torch.randint(0, 50, (2, 32))
+
+    def run():
+        student.zero_grad()
+        hidden = student.model(ids)
+        hidden.square().mean().backward()
+        return hidden.detach(), {n: p.grad.clone() for n, p in student.named_parameters() if p.grad is not None}
+
+    want, want_grads = run()
+    torch._dynamo.reset()
+    counters.clear()
+    assert compile_student_blocks(student) == 5
+    got, got_grads = run()
+    torch._dynamo.reset()
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert got_grads.keys() == want_grads.keys()
+    scale = max(grad.abs().max().item() for grad in want_grads.values())
+    for name, grad in want_grads.items():
+        torch.testing.assert_close(got_grads[name], grad, rtol=1e-4, atol=1e-5 * scale, msg=name)
+    assert counters["stats"]["unique_graphs"] == 2, dict(counters["stats"])
+    on = DistillConfig(compile_student=True)
+    cuda, cpu = torch.device("cuda", 0), torch.device("cpu")
+    assert compiles_student(on, "plain", cuda) and not compiles_student(DistillConfig(), "plain", cuda)
+    assert not compiles_student(on, "deepspeed", cuda) and not compiles_student(on, "plain", cpu)
+
+
 def test_a_run_of_skipped_steps_stops_stage_3(tmp_path):
     """Every gradient non-finite (the loss given to backward scaled by inf; the logged loss stays finite): the plain
     engine skips each step, and after run.max_skipped_steps_in_a_row of them stage 3 stops instead of running on

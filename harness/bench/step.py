@@ -136,8 +136,8 @@ def bench_step(shape: str = "135M", mixer: str = "gated_deltanet", *, micro_batc
                student_ds_config: Optional[str] = None, teacher_ds_config: Optional[str] = None,
                peak_flops: Optional[float] = None, measure_peak: bool = False, profile_steps: int = 2,
                gradient_checkpointing: bool = False, recompute_fraction: float = 1.0,
-               teacher_placement: str = "auto", compile_teacher: bool = True, seed: int = 0,
-               attention_layers: Sequence[int] = ()) -> dict[str, Any]:
+               teacher_placement: str = "auto", compile_teacher: bool = True, compile_student: bool = False,
+               seed: int = 0, attention_layers: Sequence[int] = ()) -> dict[str, Any]:
     """Time `steps` optimizer steps of stage 3 (after `warmup`) for one teacher shape and mixer (a hybrid with the
     teacher's softmax attention kept in `attention_layers`); see the module
     docstring for what each field means. With zero3, joins (or creates) the process group as stage 3 does
@@ -145,7 +145,7 @@ def bench_step(shape: str = "135M", mixer: str = "gated_deltanet", *, micro_batc
     Returns a JSON-ready dict (the same on every rank)."""
     from harness import loss_kernel
     from harness.config import DistillConfig
-    from harness.engine import compiles_teacher
+    from harness.engine import compile_student_blocks, compiles_student, compiles_teacher
     from harness.stages.distill import DistillModel
     from harness.losses import token_losses
 
@@ -159,7 +159,7 @@ def bench_step(shape: str = "135M", mixer: str = "gated_deltanet", *, micro_batc
     if device.type == "cuda":
         torch.cuda.set_device(device)
     cfg = DistillConfig(micro_batch_size=micro_batch, grad_accum=grad_accum, schedule="constant",
-                        warmup_fraction=0.0, compile_teacher=compile_teacher)
+                        warmup_fraction=0.0, compile_teacher=compile_teacher, compile_student=compile_student)
     optimizer_steps = warmup + steps + max(profile_steps, 0)
     shape_name = "custom" if teacher_source else canonical_shape(shape)
 
@@ -167,6 +167,9 @@ def bench_step(shape: str = "135M", mixer: str = "gated_deltanet", *, micro_batc
                                   device=device, teacher_dtype=dtype, seed=seed, attention_layers=attention_layers)
     if gradient_checkpointing:  # stages.distill.gradient_checkpointing (_fraction)
         student.enable_recompute(recompute_fraction)
+    student_compiled = compiles_student(cfg, "deepspeed" if zero3 else "plain", device)
+    if student_compiled:  # stages.distill.compile_student
+        compile_student_blocks(student)
     n_student, n_teacher = count_params(student), count_params(teacher)
     fpt = flops_per_token(n_student, n_teacher)
     vocab = teacher.config.vocab_size
@@ -188,6 +191,7 @@ def bench_step(shape: str = "135M", mixer: str = "gated_deltanet", *, micro_batc
         teacher_placement if zero3 else "replicated", "deepspeed" if zero3 else "plain", device)
     dev = parts.s_engine.device
     row["teacher_compiled"] = compiles_teacher(cfg, row["teacher_placement"], dev)
+    row["student_compiled"] = student_compiled
     row["loss_kernel"] = "triton" if loss_kernel.available(torch.empty(0, device=dev)) else "torch"
     if zero3:
         row["engine"] = f"zero{parts.s_engine.zero_optimization_stage()}"  # ZeRO stage of the student's config

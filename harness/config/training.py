@@ -121,6 +121,13 @@ class DistillConfig(StageConfig):
         "minute of compilation, and the first batch of another shape (validation's) one more, for a graph that "
         "then takes any shape. Off: the eager teacher. A ZeRO-3 teacher and the CPU always run eagerly."
     )
+    compile_student: bool = described(
+        False, "On a GPU with deepspeed.student_engine=plain: compile each student block (mixer and softmax blocks "
+        "alike) with torch.compile, forward and backward, to fuse the gate, cast, norm and MLP chains around the "
+        "fla kernels (which run as they are: fla keeps them out of the graph). Blocks of one kind share one "
+        "compiled graph. Off by default until a side-by-side bench shows it faster (docs/BENCHMARKS.md); the "
+        "losses may move by a rounding step. A DeepSpeed student and the CPU always run eagerly."
+    )
 
     def loss_terms(self) -> list[LossTermConfig]:
         """The terms stage 3 trains on: `losses`, else the same list built from ce_weight, kl_weight and temperature."""

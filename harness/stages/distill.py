@@ -158,6 +158,9 @@ def distill(job: JobConfig, *, stop_after_steps: Optional[int] = None) -> Path:
     student = HarnessForCausalLM.from_pretrained(merged, dtype=torch.float32)
     if cfg.gradient_checkpointing:
         student.enable_recompute(cfg.gradient_checkpointing_fraction)
+    compiled = engine.compiles_student(cfg, job.deepspeed.student_engine, device)
+    if compiled:
+        engine.compile_student_blocks(student)
     max_positions = teacher.config.max_position_embeddings
     if cfg.data == "instructions":  # the budget as asked: conversation rows are not full rows of seq_len
         data = chat_data(job, "distill", cfg, requested_tokens(job, "distill"), teacher.tokenizer, max_positions,
@@ -182,7 +185,8 @@ def distill(job: JobConfig, *, stop_after_steps: Optional[int] = None) -> Path:
     state = TrainState(*resume_checkpoint(ckpts, s_engine, data.loader))
     logger = RunLogger(out, "distill", rank=rank, total_tokens=data.tokens,
                        start_step=state.step if state.step else None, start_tokens=state.tokens)
-    logger.write(f"distill: teacher {placement} ({job.deepspeed.teacher_placement}), {world} process(es)")
+    logger.write(f"distill: teacher {placement} ({job.deepspeed.teacher_placement}), {world} process(es)"
+                 + (", student blocks compiled" if compiled else ""))
     setup_mfu(logger, device, world, model_flops_per_token(student, teacher.model), "distill")
     validate = held_out_validation(s_engine, forward, data, cfg.micro_batch_size, rank, world)
     hooks = stage_hooks("distill", job.run, engine=s_engine, logger=logger,

@@ -16,6 +16,8 @@
 # its processes' losses and gradient norms are bit-identical at every step (else the first step that differs).
 # ORDER="strict strict" (a second call): the hybrid under torch.use_deterministic_algorithms(True), which makes
 # torch's flash attention backward order its sums: whether that makes it repeat, and at what cost.
+# ORDER="compiled pure compiled pure": the pure student with its blocks compiled (--compile-student, issue 51)
+# against the eager one, alternating in one call.
 set -u
 source "$(dirname "${BASH_SOURCE[0]}")/bench_env.sh"  # DEVBUNDLE, OUT, TRITON_CACHE_DIR, PY
 ORDER=${ORDER:-pure hybrid hybrid}
@@ -23,7 +25,7 @@ LAYERS=${LAYERS:-18,23}
 SHAPE=${SHAPE:---shape 135M --seq 2048}
 ARGS="bench --what step $SHAPE --mixer gated_deltanet --engine plain --teacher-placement replicated --micro-batch ${MICRO:-32} --steps ${STEPS:-10} --warmup ${WARMUP:-3} --profile-steps 0"
 for kind in $ORDER; do
-  case $kind in pure|hybrid|strict) ;; *) echo "ORDER has $kind: allowed are pure, hybrid, strict"; exit 2 ;; esac
+  case $kind in pure|hybrid|strict|compiled) ;; *) echo "ORDER has $kind: allowed are pure, hybrid, strict, compiled"; exit 2 ;; esac
 done
 { command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,driver_version --format=csv,noheader || uname -m; } >"$OUT/summary.txt"
 echo "args: $ARGS | hybrid: --attention-layers $LAYERS | order: $ORDER | checkout: $(git rev-parse --short HEAD 2>/dev/null)" >>"$OUT/summary.txt"
@@ -31,7 +33,11 @@ i=0
 for kind in $ORDER; do
   i=$((i + 1)); tag=$(printf '%02d-%s' "$i" "$kind")
   if [ "$i" = 1 ]; then t=${T0:-240}; else t=${T:-150}; fi
-  extra=""; [ "$kind" = pure ] || extra="--attention-layers $LAYERS"
+  case $kind in
+    pure) extra="" ;;
+    compiled) extra="--compile-student" ;;  # the pure student, its blocks compiled (stages.distill.compile_student)
+    *) extra="--attention-layers $LAYERS" ;;
+  esac
   start=$SECONDS
   if [ "$kind" = strict ]; then  # the hybrid under torch's deterministic algorithms (an error where an op has none)
     CUBLAS_WORKSPACE_CONFIG=:4096:8 timeout "$t" $PY -c 'import sys, torch; torch.use_deterministic_algorithms(True); from harness.cli import main; sys.exit(main(sys.argv[1:]))' \
