@@ -499,7 +499,7 @@ def _paired(args: argparse.Namespace, paths: list[str], reports: list[dict],
         specs = (baseline_pairs(args.baseline, runs) if args.baseline is not None else [])
         specs += parse_pairs(args.pairs) if args.pairs is not None else []
         pairs = resolve_pairs(specs, runs)
-        along = [{**paired_along(dirs[id(a)], dirs[id(b)]), "a": a.label, "b": b.label} for a, b in pairs]
+        along = [paired_along(dirs[id(a)], dirs[id(b)], labels=(a.label, b.label)) for a, b in pairs]
         finals = [paired_report(a, b) for a, b in pairs if isinstance(a, RunResults) and isinstance(b, RunResults)]
         return finals, [x for x in along if x["snapshots"]]
     except PairError as err:

@@ -344,21 +344,25 @@ def paired_report(a: RunResults, b: RunResults, samples: int = BOOTSTRAP_SAMPLES
                     + training_rows(a, b)}
 
 
-def paired_along(a: str | Path, b: str | Path, samples: int = BOOTSTRAP_SAMPLES, seed: int = BOOTSTRAP_SEED) -> dict:
+def paired_along(a: str | Path, b: str | Path, samples: int = BOOTSTRAP_SAMPLES, seed: int = BOOTSTRAP_SEED,
+                 labels: Optional[tuple[str, str]] = None) -> dict:
     """B - A at each token count where both runs (run directories) have a finished evaluation along stage 3, the
     same rows as paired_report with their intervals: {"a", "b", "snapshots": [{"tokens", "rows"} or {"tokens",
-    "refused": why}], "only_a", "only_b": token counts only one run evaluated}."""
+    "refused": why}], "only_a", "only_b": token counts only one run evaluated}. "a" and "b" are `labels` where
+    given (the report's names for the two runs), else the snapshots' own labels, else the folders' names."""
     found = snapshot_reports(a), snapshot_reports(b)
-    labels = [None, None]
+    found_labels = [None, None]
     snapshots = []
     for tokens in sorted(set(found[0]) & set(found[1])):
         runs = [load_run(found[i][tokens], json.loads(found[i][tokens].read_text())) for i in (0, 1)]
-        labels = [run.label for run in runs]
+        found_labels = [run.label for run in runs]
         try:
             snapshots.append({"tokens": tokens, "rows": paired_report(runs[0], runs[1], samples, seed)["rows"]})
         except PairError as err:
             snapshots.append({"tokens": tokens, "refused": str(err)})
-    return {"a": labels[0] or Path(a).name, "b": labels[1] or Path(b).name, "snapshots": snapshots,
+    if labels is None:
+        labels = (found_labels[0] or Path(a).name, found_labels[1] or Path(b).name)
+    return {"a": labels[0], "b": labels[1], "snapshots": snapshots,
             "only_a": sorted(set(found[0]) - set(found[1])), "only_b": sorted(set(found[1]) - set(found[0])),
             "bootstrap": {"samples": samples, "seed": seed, "level": LEVEL, "paired": True}}
 
