@@ -425,14 +425,14 @@ def cmd_eval_marks(args: argparse.Namespace) -> int:
 
 
 def cmd_report(args: argparse.Namespace) -> int:
-    from harness.eval.history import load_histories
+    from harness.eval.history import history_folder, history_path, load_histories
     from harness.eval.report import (attach_training, compare, comparison_markdown, find_report, markdown,
                                      with_heldout_window, write_along)
     from harness.eval.tasks import tasks
 
     reports, paths, with_history = [], [], []
     for path in args.runs:
-        has_history = any((Path(path) / sub / "history.jsonl").is_file() for sub in ("eval", "."))
+        has_history = history_path(history_folder(path)).is_file()
         with_history += [path] if has_history else []
         try:
             reports.append(attach_training(with_heldout_window(find_report(path), path), path))
