@@ -257,6 +257,29 @@ def test_a_losses_list_trains_exactly_as_the_old_keys_it_stands_for(tmp_path):
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
+def test_run_deterministic_turns_on_torchs_deterministic_algorithms_in_the_stage(tmp_path, monkeypatch):
+    """run.deterministic: the stage process runs under torch.use_deterministic_algorithms(True) with cuBLAS's fixed
+    workspace, and says so in its log; the CPU's stage 3 trains the same under it as without (its ops are
+    deterministic either way); off, the process is left as it was."""
+    from harness.stages.common import apply_run_determinism
+
+    monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
+    job = tiny_job(tmp_path / "setting", tmp_path / "unit")
+    assert not apply_run_determinism(job) and not torch.are_deterministic_algorithms_enabled()
+    job.run.deterministic = True
+    try:
+        assert apply_run_determinism(job) and torch.are_deterministic_algorithms_enabled()
+        assert os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":4096:8"
+    finally:
+        torch.use_deterministic_algorithms(False)
+    common = ["deepspeed.student_engine=plain", "deepspeed.teacher_placement=replicated"]
+    strict, plain = tmp_path / "strict", tmp_path / "plain"
+    output = launch(write_job(tmp_path, strict, *common, "run.deterministic=true"))
+    assert "torch's deterministic algorithms on (run.deterministic)" in output, output[-3000:]
+    launch(write_job(tmp_path, plain, *common))
+    assert len(losses(strict)) >= 5 and losses(strict) == losses(plain)
+
+
 def test_teacher_placement_decision(monkeypatch):
     from harness import engine
 

@@ -84,3 +84,11 @@ class RunConfig:
         "refused, naming the keys). true keeps the earlier work as it is and continues under the new settings, "
         "which are then recorded beside the old; the results mix both. The safe way out is a new output_dir."
     )
+    deterministic: bool = described(
+        False, "Training stages run under torch.use_deterministic_algorithms(True) (and cuBLAS's fixed workspace), "
+        "so that a job trained twice on the same GPU kind gives the same weights bit for bit. Without it a hybrid "
+        "student's softmax layers (torch's attention backward) make two trainings part within a few steps; the "
+        "pure student repeats anyway. Measured on an H100 (docs/results/step_repeat_h100_2026-12-06): the 135M "
+        "2-of-30 hybrid's stage-3 step repeats with it at 0.82 of the throughput. An op with no deterministic "
+        "form stops the stage with torch's error naming it."
+    )

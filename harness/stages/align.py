@@ -54,8 +54,8 @@ from harness.losses import alignment_loss
 from harness.mixers import Mixer, MixerShape, mixer_class, mixer_options, resolved_options, saved_options
 from harness.observe import RunLogger, check_finite
 from harness.schedule import build_scheduler
-from harness.stages.common import (PER_LAYER_STAGES, group_dir, kept_attention_layers, load_job_teacher,
-                                   num_student_layers, resolve_device, run_dir, teacher_dtype)
+from harness.stages.common import (PER_LAYER_STAGES, apply_run_determinism, group_dir, kept_attention_layers,
+                                   load_job_teacher, num_student_layers, resolve_device, run_dir, teacher_dtype)
 from harness.student import FIT_KINDS, StudentBlock, attach_teacher_rope, fit_output_scales, rope_for, student_config
 from harness.teacher import capture_activations
 
@@ -348,6 +348,7 @@ def _setup(job: JobConfig, stage: str, layers: list[int], gdir: Path, device: to
     # One process per group: the step count is the stream's, = plan_stages' when deepspeed.world_size is 1.
     total_steps = loader.steps
     torch.manual_seed(job.seed)
+    apply_run_determinism(job)  # run.deterministic
     config = student_config(teacher.model.config, job.student.mixer, dict(job.student.options))
     group = build_group(job, stage, layers, teacher, config).to(device).train()
     if stage == "align_mixer":  # before training, and again on resume (the checkpoint then overwrites it)

@@ -23,6 +23,7 @@ Run directory (job.output_dir):
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Callable, Collection, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -151,6 +152,16 @@ def kept_attention_layers(job: JobConfig) -> list[int]:
 def job_layer_groups(job: JobConfig, groups: int) -> list[list[int]]:
     """The job's stage-1/2 layer groups (`layer_groups` of its student, less its kept attention layers)."""
     return layer_groups(num_student_layers(job), groups, kept_attention_layers(job))
+
+
+def apply_run_determinism(job: JobConfig) -> bool:
+    """run.deterministic: torch's deterministic algorithms in this process from here on; True when on. Called
+    before the stage's first matmul (cuBLAS reads CUBLAS_WORKSPACE_CONFIG when it creates its handle)."""
+    if not job.run.deterministic:
+        return False
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.use_deterministic_algorithms(True)
+    return True
 
 
 def resolve_device(job: JobConfig) -> torch.device:

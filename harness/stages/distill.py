@@ -39,7 +39,8 @@ from harness.flops import model_flops_per_token
 from harness.losses import ChunkedLoss, LossTerms, TokenLoss, token_losses
 from harness.losses.token_weights import copy_token_weights
 from harness.observe import RunLogger, setup_mfu
-from harness.stages.common import StageData, chat_data, load_job_teacher, resolve_device, resume_checkpoint, run_dir
+from harness.stages.common import (StageData, apply_run_determinism, chat_data, load_job_teacher, resolve_device,
+                                   resume_checkpoint, run_dir)
 from harness.train import Checkpointer, NoClock, Trainer, TrainState, held_out_validation, stage_hooks
 
 _flops_per_token = model_flops_per_token  # the name tests/test_perf.py imports from here
@@ -149,6 +150,7 @@ def distill(job: JobConfig, *, stop_after_steps: Optional[int] = None) -> Path:
     cfg = job.stages.distill
     bf16 = device.type == "cuda"
     torch.manual_seed(job.seed)
+    deterministic = apply_run_determinism(job)
 
     teacher = load_job_teacher(job)
     merged = run_dir(job) / "merged"
@@ -186,7 +188,8 @@ def distill(job: JobConfig, *, stop_after_steps: Optional[int] = None) -> Path:
     logger = RunLogger(out, "distill", rank=rank, total_tokens=data.tokens,
                        start_step=state.step if state.step else None, start_tokens=state.tokens)
     logger.write(f"distill: teacher {placement} ({job.deepspeed.teacher_placement}), {world} process(es)"
-                 + (", student blocks compiled" if compiled else ""))
+                 + (", student blocks compiled" if compiled else "")
+                 + (", torch's deterministic algorithms on (run.deterministic)" if deterministic else ""))
     setup_mfu(logger, device, world, model_flops_per_token(student, teacher.model), "distill")
     validate = held_out_validation(s_engine, forward, data, cfg.micro_batch_size, rank, world)
     hooks = stage_hooks("distill", job.run, engine=s_engine, logger=logger,

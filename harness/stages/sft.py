@@ -46,7 +46,7 @@ from harness.export import export_checkpoint
 from harness.flops import dense_flops_per_token
 from harness.losses import LossTerms, lm_loss
 from harness.observe import RunLogger, setup_mfu
-from harness.stages.common import chat_data, resolve_device, resume_checkpoint, run_dir
+from harness.stages.common import apply_run_determinism, chat_data, resolve_device, resume_checkpoint, run_dir
 from harness.train import Checkpointer, Trainer, TrainState, held_out_validation, stage_hooks
 
 STAGE = "sft"
@@ -120,6 +120,7 @@ def sft(job: JobConfig, *, stop_after_steps: Optional[int] = None) -> Path:
                           "data slices and the step plan follow deepspeed.world_size, so set it to the number of "
                           "processes.")
     torch.manual_seed(job.seed)
+    deterministic = apply_run_determinism(job)
     tokenizer = load_tokenizer(job.teacher.source)
     student = HarnessForCausalLM.from_pretrained(source, dtype=torch.float32)
     data = chat_data(job, STAGE, cfg, cfg.tokens, tokenizer, student.config.max_position_embeddings, rank, world)
@@ -130,6 +131,8 @@ def sft(job: JobConfig, *, stop_after_steps: Optional[int] = None) -> Path:
     state = TrainState(*resume_checkpoint(ckpts, s_engine, data.loader))
     logger = RunLogger(sft_dir(job), STAGE, rank=rank, total_tokens=data.tokens,
                        start_step=state.step if state.step else None, start_tokens=state.tokens)
+    if deterministic:
+        logger.write(f"{STAGE}: torch's deterministic algorithms on (run.deterministic)")
     setup_mfu(logger, device, world, dense_flops_per_token(count_parameters(student)), STAGE)  # no teacher
     validate = held_out_validation(s_engine, forward, data, cfg.micro_batch_size, rank, world)
     hooks = stage_hooks(STAGE, job.run, engine=s_engine, logger=logger,
