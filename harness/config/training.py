@@ -125,8 +125,10 @@ class DistillConfig(StageConfig):
         False, "On a GPU with deepspeed.student_engine=plain: compile each student block (mixer and softmax blocks "
         "alike) with torch.compile, forward and backward, to fuse the gate, cast, norm and MLP chains around the "
         "fla kernels (which run as they are: fla keeps them out of the graph). Blocks of one kind share one "
-        "compiled graph. Off by default until a side-by-side bench shows it faster (docs/BENCHMARKS.md); the "
-        "losses may move by a rounding step. A DeepSpeed student and the CPU always run eagerly."
+        "compiled graph. Measured slower, so off: the 135M gated_deltanet step on an H100 lost 17-19% (its "
+        "student forward doubled, each block's graph broken around the kernels; docs/results/"
+        "step_repeat_h100_2026-12-06). The losses may move by a rounding step. A DeepSpeed student and the CPU "
+        "always run eagerly."
     )
 
     def loss_terms(self) -> list[LossTermConfig]:
