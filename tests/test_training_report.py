@@ -141,3 +141,30 @@ def test_every_logged_loss_term_is_in_the_summary_and_the_table(tmp_path):
     row = next(line for line in training if line.startswith("| a [gla]"))
     assert row.endswith("| 7 | 5 | 1 | 0.95 | 4 | 0.5 | 0.25 | 54.6 |")
     assert next(line for line in training if line.startswith("| b [gla]")).endswith("| - | 7 | 3 | - | 33.1 |")
+
+
+def test_stage_3_throughput_is_read_interval_by_interval_from_the_log_lines_times(tmp_path):
+    """distill_throughput against the rates computed here: ten lines 1 s apart at 1,000 tokens/s, one checkpoint pause
+    (an interval of 5 s), a resume that logs two steps again (no interval across it) and a validation line (no
+    loss: not a training line); the report prints the whole, median and 90th-percentile rates."""
+    from harness.eval.training import distill_throughput
+
+    run = tmp_path / "run"
+    (run / "job.yaml").parent.mkdir(parents=True)
+    (run / "job.yaml").write_text("name: fake\n")
+    times = [0, 1, 2, 3, 8, 9, 10, 11, 12, 13]  # the interval ending at step 5 holds a 4-s pause
+    train = [{"step": s, "tokens": 1000 * s, "time": 100.0 + t, "loss": 1.0} for s, t in zip(range(1, 11), times)]
+    resumed = [dict(r, time=r["time"] + 50) for r in train[-2:]]  # steps 9 and 10 again, 50 s later
+    write_rows(run / "distill" / "metrics.jsonl",
+               train[:9] + [{"step": 9, "tokens": 9000, "time": 112.5, "val_ce": 2.0}] + train[9:] + resumed)
+    got = distill_throughput(run)
+    # steps 1..10: 9 intervals (one of 5 s), none from 10 back to 9, one from 9 to 10 after the resume
+    assert got["intervals"] == 10
+    assert got["whole"] == pytest.approx(10_000 / 14)
+    assert got["median"] == pytest.approx(1000.0) and got["p90"] == pytest.approx(1000.0)
+    assert sorted((got["whole"], got["median"])) == [got["whole"], got["median"]]  # the pause lowers the whole
+    rows = {"piqa": {"metric": "acc", "student": 0.5, "teacher": 0.8, "recovery": 0.625, "n": 10}}
+    report = attach_training({"label": "r", "mixer": "gla", "teacher_dir": "/t", "limit": 10, "tasks": rows,
+                              "average": {"tasks": 1, "student": 0.5, "teacher": 0.8, "recovery": 0.625}}, run)
+    assert report["training"]["distill_throughput"] == got
+    assert "| r [gla] | 714 | 1,000 | 1,000 | 10 |" in comparison_markdown([report, report])

@@ -491,7 +491,22 @@ def _training_table(reports: list[dict], plotted: bool = False) -> list[str]:
                         "the weighted terms (CE + KL by default; every term a run logged has a column). "
                         f"Training values are means over the logged steps of the stage's last {fraction:.0%}; "
                         "validation on the held-out split at the end of stage 3."
-                        + (" Curves: loss_curves.png." if plotted else ""), ""]
+                        + (" Curves: loss_curves.png." if plotted else ""), ""] + _throughput_lines(reports)
+
+
+def _throughput_lines(reports: list[dict]) -> list[str]:
+    """Stage 3's tokens/s per run (harness.eval.training.distill_throughput) as a table, where a run logged it."""
+    rows = [(r, r["training"].get("distill_throughput")) for r in reports if r.get("training")]
+    rows = [(r, t) for r, t in rows if t]
+    if not rows:
+        return []
+    lines = ["| run | stage 3 tokens/s: whole stage | median interval | 90th percentile | intervals |",
+             "|---|---|---|---|---|"]
+    lines += [f"| {_name(r)} | {t['whole']:,.0f} | {t['median']:,.0f} | {t['p90']:,.0f} | {t['intervals']} |"
+              for r, t in rows]
+    return lines + ["", "Stage-3 tokens/s from the log lines' times, interval by interval (all processes): pauses "
+                        "(checkpoints, evaluations beside it, restarts) lower the whole and the median; the 90th "
+                        "percentile is the loop's undisturbed rate, the figure to hold against `harness bench`.", ""]
 
 
 def with_heldout_window(report: dict, path: str | Path) -> dict:

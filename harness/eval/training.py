@@ -1,6 +1,7 @@
 """A run's training losses, read back from its stages' metrics: the final loss of each stage and the loss curves.
 
-    training_summary(run_dir)   -> {"final": {...}, "curves": {...}}  (None when the run has no stage metrics)
+    training_summary(run_dir)   -> {"final": {...}, "curves": {...}, "distill_throughput": {...}}  (None when the run
+                                   has no stage metrics)
     plot_loss_curves(summaries, path)                                  one panel per stage, one line per run
 
 Stages 1 and 2 log, per layer group, the MSE of every layer (`loss/layer_NN`); their curve is the mean over all
@@ -10,11 +11,18 @@ name per step (`loss_terms` in a line names them; lines without it are read as C
 term (val_<term>) and the perplexity at its end (and every `validate_every` steps); the summary carries every term.
 "Final" training values are means over the logged steps in the last FINAL_FRACTION of the stage (at least the last
 logged step), which says more than one noisy step; validation values are the last validation.
+
+Stage 3's throughput (`distill_throughput`) is read from the same lines' wall-clock times and token counts, interval by
+interval, not from their `tokens_per_s` (the logger's sliding window of 20 lines, which smears a pause over the next
+200 steps): the whole stage's rate, and the median and 90th percentile over the intervals between lines. Pauses
+(checkpoints, evaluations sharing the GPU, a resume's restart) lower the whole and the median; the 90th percentile
+is the loop's own rate where at least a tenth of the intervals ran undisturbed.
 """
 
 from __future__ import annotations
 
 import math
+import statistics
 from pathlib import Path
 from typing import Optional
 
@@ -62,6 +70,19 @@ def distill_curves(run_dir: Path) -> Optional[dict]:
             **{key: [r.get(key) for r in val] for key in (*(f"val_{t}" for t in terms), "val_ppl")}}
 
 
+def distill_throughput(run_dir: Path) -> Optional[dict]:
+    """Stage 3's tokens/s from its training lines' times and tokens: {"whole" (tokens / seconds over every interval),
+    "median", "p90" (over the intervals between consecutive lines), "intervals"}; None with fewer than two lines."""
+    rows = [r for r in read_metrics(run_dir / "distill" / "metrics.jsonl") if {"loss", "time", "tokens"} <= r.keys()]
+    spans = [(b["tokens"] - a["tokens"], b["time"] - a["time"]) for a, b in zip(rows, rows[1:])
+             if b["step"] > a["step"] and b["time"] > a["time"] and b["tokens"] > a["tokens"]]
+    if not spans:
+        return None
+    rates = sorted(tokens / seconds for tokens, seconds in spans)
+    return {"whole": sum(t for t, _ in spans) / sum(s for _, s in spans), "median": statistics.median(rates),
+            "p90": rates[min(len(rates) - 1, math.ceil(0.9 * len(rates)) - 1)], "intervals": len(rates)}
+
+
 def logged_terms(train: list[dict]) -> list[str]:
     """The loss terms of stage 3's training lines: ce and kl, then the others in the order the lines name them."""
     named = [t for r in train for t in r.get("loss_terms") or () if isinstance(t, str)]
@@ -93,7 +114,7 @@ def training_summary(run_dir: str | Path) -> Optional[dict]:
         final["distill"]["terms"] = d["terms"]
         final["distill"]["tokens"] = d["tokens"][-1]
     return {"run_dir": str(run_dir), "final_fraction": FINAL_FRACTION, "final": final, "curves": curves,
-            "alignment_loss": alignment_losses(run_dir)}
+            "alignment_loss": alignment_losses(run_dir), "distill_throughput": distill_throughput(run_dir)}
 
 
 def alignment_losses(run_dir: Path) -> dict[str, str]:
