@@ -353,6 +353,12 @@ def test_pairs_are_also_differenced_along_stage_3_at_the_token_counts_both_runs_
     assert [snap["tokens"] for snap in alone[0]["snapshots"]] == [1000, 2000, 4000]
     assert _rows(alone[0]["snapshots"][0])["NIAH likelihood, overall"]["diff"] == likelihood[1000]["diff"]
     assert not (tmp_path / "alone" / "comparison.json").exists()
+    assert "# Evaluation: run-a" in capsys.readouterr().out  # the one final report is printed beside the pairs
+    # one run with its final report and its history: the report's tables, then its curves
+    assert harness_main(["report", str(a), "--out", str(tmp_path / "single")]) == 0
+    printed = capsys.readouterr().out
+    assert "# Evaluation: run-a" in printed and "## Needle in a haystack" in printed, printed[:2000]
+    assert "curves against tokens" in printed and (tmp_path / "single" / "curves.json").is_file()
 
 
 def test_a_job_run_twice_pairs_as_label_and_label_2(tmp_path, capsys):

@@ -442,9 +442,6 @@ def cmd_report(args: argparse.Namespace) -> int:
                 raise ConfigError(str(err)) from None
     names = _run_labels(args.runs, paths, reports)
     paired, along = _paired(args, paths, reports, [p for p in with_history if p not in paths], names)
-    if len(reports) == 1 and not with_history:
-        print(markdown(reports[0]))
-        return 0
     out = Path(args.out)
     if len(reports) > 1:
         written = compare(reports, out, paired, along)
@@ -452,8 +449,11 @@ def cmd_report(args: argparse.Namespace) -> int:
         plots = (["recovery.png"] + [name for task in tasks() for name in task.plots]
                  + (["loss_curves.png"] if any(r.get("training") for r in reports) else []))
         print(f"[harness] comparison: {written} (plots: {', '.join(plots)})")
-    elif along:  # a run without a final report: its pairs are compared along stage 3 alone
-        print("\n".join(write_along(along, out)))
+    else:
+        if reports:  # one run's final report, beside its curves and the other runs' histories below
+            print(markdown(reports[0]))
+        if along:  # a run without a final report: its pairs are compared along stage 3 alone
+            print("\n".join(write_along(along, out)))
     if with_history:
         print(_history_views(load_histories(with_history, names), out, args.plateau_threshold))
     return 0
