@@ -2,6 +2,7 @@
 runs the real `harness bench` step of the pure student or the hybrid (plain or under torch's deterministic
 algorithms), and the summary says whether a kind's processes repeat bit for bit (the CPU does)."""
 
+import hashlib
 import json
 import os
 import subprocess
@@ -24,6 +25,9 @@ def test_the_default_order_repeats_the_hybrid_bit_for_bit_on_the_cpu_and_the_str
     assert done.returncode == 0, done.stdout + done.stderr
     summary = (tmp_path / "out/summary.txt").read_text()
     assert "hybrid: --attention-layers 1 | order: pure hybrid hybrid strict compiled" in summary, summary
+    code = hashlib.sha256(b"".join(path.read_bytes() for path in sorted(
+        (ROOT / "harness").rglob("*.py"), key=lambda path: str(path.relative_to(ROOT))))).hexdigest()[:12]
+    assert f"| code: harness/ sha256 {code}, git HEAD " in summary, summary  # the code that ran, not the .git copy
     for tag in ("01-pure", "02-hybrid", "03-hybrid", "04-strict", "05-compiled"):
         assert f"{tag} exit 0" in summary and "tokens/s" in summary.split(tag)[1].splitlines()[0], summary
     assert "hybrid: process 2 against process 1 over 2 steps: bit-identical at every step" in summary, summary

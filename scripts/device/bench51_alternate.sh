@@ -23,7 +23,7 @@ for code in $ORDER; do
 done
 test -d "$BEFORE/harness" || { echo "missing $BEFORE/harness: see this script's header"; exit 3; }
 { command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,driver_version --format=csv,noheader || uname -m; } >"$OUT/summary.txt"
-echo "args: $ARGS | order: $ORDER | this checkout: $(git rev-parse --short HEAD 2>/dev/null)" >>"$OUT/summary.txt"
+echo "args: $ARGS | order: $ORDER | this checkout: $CODE" >>"$OUT/summary.txt"
 i=0
 for code in $ORDER; do
   case $code in warm|before) dir=$BEFORE ;; *) dir=. ;; esac

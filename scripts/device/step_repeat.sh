@@ -28,7 +28,7 @@ for kind in $ORDER; do
   case $kind in pure|hybrid|strict|compiled) ;; *) echo "ORDER has $kind: allowed are pure, hybrid, strict, compiled"; exit 2 ;; esac
 done
 { command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,driver_version --format=csv,noheader || uname -m; } >"$OUT/summary.txt"
-echo "args: $ARGS | hybrid: --attention-layers $LAYERS | order: $ORDER | checkout: $(git rev-parse --short HEAD 2>/dev/null)" >>"$OUT/summary.txt"
+echo "args: $ARGS | hybrid: --attention-layers $LAYERS | order: $ORDER | code: $CODE" >>"$OUT/summary.txt"
 i=0
 for kind in $ORDER; do
   i=$((i + 1)); tag=$(printf '%02d-%s' "$i" "$kind")
