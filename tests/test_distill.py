@@ -263,7 +263,8 @@ def test_run_deterministic_turns_on_torchs_deterministic_algorithms_in_the_stage
     deterministic either way); off, the process is left as it was."""
     from harness.stages.common import apply_run_determinism
 
-    monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
+    monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", "unset")  # recorded, so that teardown removes what the stage sets
+    monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG")
     job = tiny_job(tmp_path / "setting", tmp_path / "unit")
     assert not apply_run_determinism(job) and not torch.are_deterministic_algorithms_enabled()
     job.run.deterministic = True
