@@ -198,14 +198,19 @@ def replicated_teacher(model: nn.Module, device: torch.device, bf16: bool) -> nn
     return model.to(device=device, dtype=torch.bfloat16 if bf16 else torch.float32).eval()
 
 
+def _compile_each(layers: nn.ModuleList) -> int:
+    """torch.compile each module of `layers` in place (Module.compile: same parameters and state-dict names);
+    returns how many."""
+    for layer in layers:
+        layer.compile()
+    return len(layers)
+
+
 def compile_decoder_layers(body: nn.Module) -> int:
     """torch.compile every decoder layer of a replicated teacher (`TeacherBody`: body.teacher.model.layers) in
     place; returns how many. Layer by layer rather than the whole model: the layers share one compiled graph
     (one compilation per process, not one per layer) and the model's mask and rotary set-up stay eager."""
-    layers = body.teacher.model.layers
-    for layer in layers:
-        layer.compile()
-    return len(layers)
+    return _compile_each(body.teacher.model.layers)
 
 
 def compiles_teacher(stage: StageConfig, placement: str, device: torch.device) -> bool:
@@ -216,10 +221,7 @@ def compiles_teacher(stage: StageConfig, placement: str, device: torch.device) -
 def compile_student_blocks(student: nn.Module) -> int:
     """torch.compile every block of a student (`HarnessForCausalLM`: student.model.layers) in place; returns how
     many. Blocks of one class share one compiled graph; embedding, rotary set-up, final norm and head stay eager."""
-    layers = student.model.layers
-    for layer in layers:
-        layer.compile()
-    return len(layers)
+    return _compile_each(student.model.layers)
 
 
 def compiles_student(stage: StageConfig, engine_kind: str, device: torch.device) -> bool:
