@@ -122,6 +122,35 @@ def test_short_conv_tail_is_the_last_inputs_and_owns_its_memory(T):
         assert t.untyped_storage().nbytes() == t.numel() * t.element_size()
 
 
+@pytest.mark.parametrize("activation", ["silu", None])
+@pytest.mark.parametrize("bias", [False, True])
+def test_shifted_causal_conv_equals_pytorch_conv1d(activation, bias):
+    """`causal_conv_shifted` (the form the `compiled` pieces run on a GPU) == ShortConv's conv1d path, output and
+    gradients of the input, the weight and the bias."""
+    from harness.mixers.base import ShortConv, causal_conv_shifted
+
+    torch.manual_seed(0)
+    conv = ShortConv(6, kernel_size=4, bias=bias, activation=activation)
+    conv.reset_parameters("random")
+    outs = []
+    for shifted in (False, True):
+        x = torch.randn(2, 9, 6, generator=torch.Generator().manual_seed(1)).requires_grad_()
+        conv.zero_grad()
+        y = (causal_conv_shifted(x, conv.conv.weight.squeeze(1), conv.conv.bias, activation) if shifted
+             else conv(x, want_tail=False)[0])
+        (y * torch.linspace(-1, 1, 6)).sum().backward()
+        outs.append([y, x.grad, conv.conv.weight.grad.clone()] + ([conv.conv.bias.grad.clone()] if bias else []))
+    for a, b in zip(*outs):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_pieces_option_names_the_bad_value():
+    from harness.mixers import MIXERS
+
+    with pytest.raises(ValueError, match="pieces='triton' is not one of fla, compiled"):
+        MIXERS["gated_deltanet"].Options(pieces="triton")
+
+
 @pytest.mark.parametrize("activation", ["silu", "sigmoid"])
 def test_gated_head_norm_is_rms_norm_times_the_activated_gate(activation):
     """HeadRMSNorm against a direct computation; fused=True on a CPU tensor stays on the PyTorch path (the fused
@@ -137,6 +166,7 @@ def test_gated_head_norm_is_rms_norm_times_the_activated_gate(activation):
     direct = o / torch.sqrt(o.pow(2).mean(-1, keepdim=True) + 1e-5) * norm.weight * act(gate)
     torch.testing.assert_close(norm(o, gate), direct, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(norm(o, gate, fused=True), direct, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(norm(o, gate, fused="compiled"), direct, rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("with_prior", [False, True])

@@ -88,6 +88,7 @@ class MixerShape:
 
 
 OUTPUT_SCALES = ("fit", "rms", "none")
+PIECES = ("fla", "compiled")  # what runs the short convolution and the gated norm on the kernel backend
 
 
 @dataclass
@@ -119,6 +120,13 @@ class MixerOptions:
                                  "to the teacher's heads there, folded into o_proj's copied weight; "
                                  "docs/TRANSFER.md), rms (the teacher's RMS per channel) or none (as built)."}
     )
+    pieces: str = field(
+        default="fla", metadata={"help": "On the kernel backend, what runs the pieces around the recurrence (the "
+                                 "short convolution and the gated output norm): fla (its Triton kernels) or compiled "
+                                 "(their PyTorch forms under torch.compile, one fused kernel each way). The same "
+                                 "numbers either way to bf16 rounding; the speed of each: benchmarks/mixer_pieces.py "
+                                 "(docs/BENCHMARKS.md). The reference backend always runs the PyTorch forms."}
+    )
 
     def __post_init__(self) -> None:
         self.check_choice("backend", ("auto", "kernel", "reference"))
@@ -126,6 +134,7 @@ class MixerOptions:
         if self.chunk_size < 1:
             raise ValueError(f"chunk_size={self.chunk_size} must be >= 1")
         self.check_choice("output_scale", OUTPUT_SCALES)
+        self.check_choice("pieces", PIECES)
         if self.rope_theta is not None and self.rope_theta <= 0:
             raise ValueError(f"rope_theta={self.rope_theta} must be > 0 (or null for the teacher's)")
         if self.window < 0:
@@ -298,6 +307,11 @@ class Mixer(nn.Module):
         kernels too: on the kernel backend, so that the reference backend stays plain PyTorch throughout."""
         return self.backend_for(x) == "kernel"
 
+    def pieces_for(self, x: torch.Tensor) -> str:
+        """How the short convolution and the gated norm run for x: the `pieces` option on the kernel backend, else ''
+        (their plain PyTorch forms)."""
+        return self.options.pieces if self.fused_ops(x) else ""
+
     def _heads(self, t: torch.Tensor) -> torch.Tensor:
         return t.unflatten(-1, (self.shape.num_heads, self.shape.head_dim))
 
@@ -363,6 +377,37 @@ def no_weight_decay(param: nn.Parameter) -> nn.Parameter:
     return param
 
 
+def gated_rms_norm(o: torch.Tensor, gate: Optional[torch.Tensor], weight: torch.Tensor, eps: float,
+                   activation: Optional[str]) -> torch.Tensor:
+    """RMSNorm over o's last dim, times act(gate) when gated, computed in float32 and returned in o's dtype."""
+    y = F.rms_norm(o.float(), (o.shape[-1],), weight.float(), eps)
+    if gate is not None:
+        y = y * (F.silu(gate.float()) if activation == "silu" else torch.sigmoid(gate.float()))
+    return y.to(o.dtype)
+
+
+def causal_conv_shifted(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
+                        activation: Optional[str]) -> torch.Tensor:
+    """Depthwise causal convolution of x `[B, T, C]` with weight `[C, W]` (+ bias, then SiLU or nothing) as W shifted
+    multiply-adds in float32, returned in x's dtype: the form `torch.compile` fuses into one kernel."""
+    width, length = weight.shape[1], x.shape[1]
+    padded = F.pad(x, (0, 0, width - 1, 0)).float()
+    y = sum(padded[:, j:j + length] * weight[:, j].float() for j in range(width))
+    if bias is not None:
+        y = y + bias.float()
+    return (F.silu(y) if activation == "silu" else y).to(x.dtype)
+
+
+_COMPILED: dict[str, Any] = {}
+
+
+def compiled(fn):
+    """`torch.compile(fn)`, made once per function and process (the `compiled` pieces)."""
+    if fn.__name__ not in _COMPILED:
+        _COMPILED[fn.__name__] = torch.compile(fn)
+    return _COMPILED[fn.__name__]
+
+
 class HeadRMSNorm(nn.Module):
     """RMSNorm over each head's last dim, optionally gated: norm(o) * act(gate) (fla's FusedRMSNormGated)."""
 
@@ -371,21 +416,22 @@ class HeadRMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(head_dim))
         self.eps, self.activation = eps, activation
 
-    def forward(self, o: torch.Tensor, gate: Optional[torch.Tensor] = None, fused: bool = False) -> torch.Tensor:
-        """o, gate `[B, T, H, D]` -> norm(o) * act(gate) in o's dtype, computed in float32. fused: fla's Triton
-        kernel (norm, gate and their backward in one kernel each, instead of ~8 elementwise operators) when o is
-        on a GPU, gated, and longer than one token (one-token decoding steps stay in PyTorch, as the mixers'
-        recurrences do, so that the CUDA-graph step captures no autotuning)."""
-        if fused and gate is not None and o.is_cuda and o.shape[1] > 1:
+    def forward(self, o: torch.Tensor, gate: Optional[torch.Tensor] = None, fused: "bool | str" = False
+                ) -> torch.Tensor:
+        """o, gate `[B, T, H, D]` -> norm(o) * act(gate) in o's dtype, computed in float32. fused (True or 'fla'):
+        fla's Triton kernel (norm, gate and their backward in one kernel each, instead of ~8 elementwise operators)
+        when o is on a GPU, gated, and longer than one token (one-token decoding steps stay in PyTorch, as the
+        mixers' recurrences do, so that the CUDA-graph step captures no autotuning); 'compiled': the PyTorch form
+        under torch.compile, on the same condition."""
+        how = "fla" if fused is True else (fused or "")
+        if how and gate is not None and o.is_cuda and o.shape[1] > 1:
+            if how == "compiled":
+                return compiled(gated_rms_norm)(o, gate, self.weight, self.eps, self.activation)
             from fla.modules.norm.fused_norm_gate import rms_norm_gated
 
             act = "swish" if self.activation == "silu" else "sigmoid"
             return rms_norm_gated(o, gate.to(o.dtype), self.weight, None, activation=act, eps=self.eps)
-        y = F.rms_norm(o.float(), (o.shape[-1],), self.weight.float(), self.eps)
-        if gate is not None:
-            act = F.silu if self.activation == "silu" else torch.sigmoid
-            y = y * act(gate.float())
-        return y.to(o.dtype)
+        return gated_rms_norm(o, gate, self.weight, self.eps, self.activation)
 
 
 class ShortConv(nn.Module):
@@ -413,12 +459,17 @@ class ShortConv(nn.Module):
         if self.conv.bias is not None:
             self.conv.bias.zero_()
 
-    def forward(self, x: torch.Tensor, tail: Optional[torch.Tensor] = None, fused: bool = False,
+    def forward(self, x: torch.Tensor, tail: Optional[torch.Tensor] = None, fused: "bool | str" = False,
                 want_tail: bool = True) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
         """-> (act(conv(x)) `[B, T, C]`, the new tail, or None unless `want_tail`: training does not keep it).
-        fused: fla's Triton causal-conv1d (convolution and activation in one kernel, on `[B, T, C]` as it is) when x
-        is on a GPU and no tail is carried in; else PyTorch's conv1d."""
-        if fused and tail is None and x.is_cuda:
+        fused (True or 'fla'): fla's Triton causal-conv1d (convolution and activation in one kernel, on `[B, T, C]`
+        as it is) when x is on a GPU and no tail is carried in; 'compiled': `causal_conv_shifted` under
+        torch.compile on the same condition; else PyTorch's conv1d."""
+        how = "fla" if fused is True else (fused or "")
+        if how == "compiled" and tail is None and x.is_cuda:
+            y = compiled(causal_conv_shifted)(x, self.conv.weight.squeeze(1), self.conv.bias, self.activation)
+            return y, (self.tail_of(x) if want_tail else None)
+        if how and tail is None and x.is_cuda:
             from fla.modules.causal_conv1d import causal_conv1d
 
             y, _ = causal_conv1d(x, weight=self.conv.weight.squeeze(1), bias=self.conv.bias,
@@ -472,7 +523,7 @@ class ConvMixer(Mixer):
             if mask is not None:  # a padded input is a zero, as before the first token: left padding changes nothing
                 qkv = torch.where(mask.unsqueeze(-1), qkv, 0.0)
             qkv, tail = self.qkv_conv(qkv, state.conv if state is not None else None,
-                                      fused=self.fused_ops(x), want_tail=use_cache)
+                                      fused=self.pieces_for(x), want_tail=use_cache)
         elif self.options.qkv_activation == "silu":
             qkv = F.silu(qkv)
         return qkv, tail

@@ -42,7 +42,7 @@ class GLA(Mixer):
                                       chunk_size=self.options.chunk_size, mask=mask)
 
     def _output(self, x, o):
-        return self.o_norm(o, self._heads(self.g_proj(x)), fused=self.fused_ops(x))
+        return self.o_norm(o, self._heads(self.g_proj(x)), fused=self.pieces_for(x))
 
     def reset_new_parameters(self) -> None:
         for lin in self.gk_proj:

@@ -54,7 +54,7 @@ class KDA(ConvMixer):
                                chunk_size=self.options.chunk_size, normalize_qk=True, mask=mask)
 
     def _output(self, x, o):
-        return self.o_norm(o, self._heads(self.g_proj(x)), fused=self.fused_ops(x))
+        return self.o_norm(o, self._heads(self.g_proj(x)), fused=self.pieces_for(x))
 
     def reset_new_parameters(self) -> None:
         for lin in (*self.f_proj, self.b_proj, self.g_proj[0]):

@@ -84,7 +84,7 @@ class Mamba2(ConvMixer):
         return (o.float() + self.D.float()[:, None] * v.float()).to(o.dtype), state
 
     def _output(self, x, o):
-        return self.o_norm(o, self._heads(self.z_proj(x)), fused=self.fused_ops(x))
+        return self.o_norm(o, self._heads(self.z_proj(x)), fused=self.pieces_for(x))
 
     @torch.no_grad()
     def reset_new_parameters(self) -> None:

@@ -30,7 +30,7 @@ class RetNet(Mixer):
                          chunk_size=self.options.chunk_size, mask=mask)
 
     def _output(self, x, o):
-        return self.o_norm(o, self._heads(self.g_proj(x)), fused=self.fused_ops(x))
+        return self.o_norm(o, self._heads(self.g_proj(x)), fused=self.pieces_for(x))
 
     def reset_new_parameters(self) -> None:
         init_output_gate(self.g_proj, self.o_norm.weight, "silu", self.options.gate_init)

@@ -18,6 +18,8 @@
 # torch's flash attention backward order its sums: whether that makes it repeat, and at what cost.
 # ORDER="compiled pure compiled pure": the pure student with its blocks compiled (--compile-student, issue 51)
 # against the eager one, alternating in one call.
+# ORDER="pieces pure pieces pure": the pure student with `--option pieces=compiled` (the short convolution and the
+# gated norm as compiled PyTorch forms instead of fla's kernels; benchmarks/mixer_pieces.py times them alone).
 set -u
 source "$(dirname "${BASH_SOURCE[0]}")/bench_env.sh"  # DEVBUNDLE, OUT, TRITON_CACHE_DIR, PY
 ORDER=${ORDER:-pure hybrid hybrid}
@@ -25,7 +27,7 @@ LAYERS=${LAYERS:-18,23}
 SHAPE=${SHAPE:---shape 135M --seq 2048}
 ARGS="bench --what step $SHAPE --mixer gated_deltanet --engine plain --teacher-placement replicated --micro-batch ${MICRO:-32} --steps ${STEPS:-10} --warmup ${WARMUP:-3} --profile-steps 0"
 for kind in $ORDER; do
-  case $kind in pure|hybrid|strict|compiled) ;; *) echo "ORDER has $kind: allowed are pure, hybrid, strict, compiled"; exit 2 ;; esac
+  case $kind in pure|hybrid|strict|compiled|pieces) ;; *) echo "ORDER has $kind: allowed are pure, hybrid, strict, compiled, pieces"; exit 2 ;; esac
 done
 { command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,driver_version --format=csv,noheader || uname -m; } >"$OUT/summary.txt"
 echo "args: $ARGS | hybrid: --attention-layers $LAYERS | order: $ORDER | code: $CODE" >>"$OUT/summary.txt"
@@ -36,6 +38,7 @@ for kind in $ORDER; do
   case $kind in
     pure) extra="" ;;
     compiled) extra="--compile-student" ;;  # the pure student, its blocks compiled (stages.distill.compile_student)
+    pieces) extra="--option pieces=compiled" ;;  # the pure student, its conv and gated norm compiled
     *) extra="--attention-layers $LAYERS" ;;
   esac
   start=$SECONDS

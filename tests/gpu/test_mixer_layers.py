@@ -114,31 +114,33 @@ def test_kernel_prefill_state_continues_with_reference_steps(name):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_fused_short_conv_matches_pytorch_conv(dtype):
-    """fla's Triton causal-conv1d (the kernel backend's short convolution) == PyTorch's conv1d + SiLU: output,
-    input and weight gradients, and the decoding tail."""
+    """fla's Triton causal-conv1d (the kernel backend's short convolution) and the compiled shifted form
+    (`pieces: compiled`) == PyTorch's conv1d + SiLU: output, input and weight gradients, and the decoding tail."""
     from harness.mixers.base import ShortConv
 
     torch.manual_seed(0)
     conv = ShortConv(3 * 576, kernel_size=4).cuda().to(dtype)
     x = torch.randn(4, 2048, 3 * 576, device="cuda", dtype=dtype)
     outs = {}
-    for fused in (False, True):
+    for fused in (False, "fla", "compiled"):
         xi = x.clone().requires_grad_(True)
         conv.zero_grad()
         y, tail = conv(xi, fused=fused)
         (y.float() * torch.linspace(-1, 1, y.shape[-1], device="cuda")).sum().backward()
         outs[fused] = (y, xi.grad, conv.conv.weight.grad.clone(), tail)
     tol = 1e-2 if dtype == torch.bfloat16 else 1e-5
-    for a, b in zip(outs[True][:3], outs[False][:3]):
-        assert rel(a, b) < tol, rel(a, b)
-    assert torch.equal(outs[True][3], outs[False][3])
+    for how in ("fla", "compiled"):
+        for a, b in zip(outs[how][:3], outs[False][:3]):
+            assert rel(a, b) < tol, (how, rel(a, b))
+        assert torch.equal(outs[how][3], outs[False][3])
 
 
 @pytest.mark.parametrize("activation", ["silu", "sigmoid"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_fused_gated_norm_matches_pytorch(activation, dtype):
-    """fla's Triton gated RMSNorm (the kernel backend's output norm of gla, retnet, gated_deltanet, kda) == the
-    PyTorch form: output, and the gradients of the input, the gate and the weight."""
+    """fla's Triton gated RMSNorm (the kernel backend's output norm of gla, retnet, gated_deltanet, kda) and the
+    compiled PyTorch form (`pieces: compiled`) == the PyTorch form: output, and the gradients of the input, the gate
+    and the weight."""
     from harness.mixers.base import HeadRMSNorm
 
     torch.manual_seed(0)
@@ -148,16 +150,17 @@ def test_fused_gated_norm_matches_pytorch(activation, dtype):
     o = torch.randn(4, 2048, 9, 64, device="cuda", dtype=dtype)
     gate = torch.randn_like(o)
     outs = {}
-    for fused in (False, True):
+    for fused in (False, "fla", "compiled"):
         oi, gi = o.clone().requires_grad_(True), gate.clone().requires_grad_(True)
         norm.zero_grad()
         y = norm(oi, gi, fused=fused)
         (y.float() * torch.linspace(-1, 1, y.shape[-1], device="cuda")).sum().backward()
         outs[fused] = (y, oi.grad, gi.grad, norm.weight.grad.clone())
-    assert outs[True][0].dtype == dtype
     tol = 1e-2 if dtype == torch.bfloat16 else 1e-4
-    for a, b in zip(outs[True], outs[False]):
-        assert rel(a, b) < tol, rel(a, b)
+    for how in ("fla", "compiled"):
+        assert outs[how][0].dtype == dtype
+        for a, b in zip(outs[how], outs[False]):
+            assert rel(a, b) < tol, (how, rel(a, b))
 
 
 def test_fused_student_block_matches_the_pytorch_block():
