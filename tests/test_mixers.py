@@ -144,6 +144,31 @@ def test_shifted_causal_conv_equals_pytorch_conv1d(activation, bias):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
 
+def test_stacked_qkv_projection_equals_the_three_projections():
+    """`fused_qkv`'s one matmul over the stacked weights (with biases, as Qwen2's layout has them) == q_proj, k_proj
+    and v_proj concatenated, and its gradients reach each weight."""
+    from dataclasses import replace
+
+    from harness.mixers import mixer_class, mixer_options
+
+    torch.manual_seed(0)
+    layer = mixer_class("gated_deltanet")(replace(SHAPE, qkv_bias=True), mixer_options("gated_deltanet",
+                                                                                      {"fused_qkv": True}))
+    with torch.no_grad():
+        for proj in (layer.q_proj, layer.k_proj, layer.v_proj):
+            proj.bias.normal_()
+    x = torch.randn(2, 5, SHAPE.hidden_size)
+    stacked = layer.stacked_qkv(x)
+    three = torch.cat([layer.q_proj(x), layer.k_proj(x), layer.v_proj(x)], -1)
+    torch.testing.assert_close(stacked, three, rtol=1e-6, atol=1e-6)
+    (stacked * torch.linspace(-1, 1, stacked.shape[-1])).sum().backward()
+    grads = [p.weight.grad.clone() for p in (layer.q_proj, layer.k_proj, layer.v_proj)]
+    layer.zero_grad()
+    (three * torch.linspace(-1, 1, three.shape[-1])).sum().backward()
+    for g, p in zip(grads, (layer.q_proj, layer.k_proj, layer.v_proj)):
+        torch.testing.assert_close(g, p.weight.grad)
+
+
 def test_pieces_option_names_the_bad_value():
     from harness.mixers import MIXERS
 

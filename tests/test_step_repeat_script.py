@@ -48,4 +48,4 @@ def test_the_default_order_repeats_the_hybrid_bit_for_bit_on_the_cpu_and_the_str
 
 def test_an_unknown_kind_is_refused_by_name_before_anything_runs(tmp_path):
     done = _run(tmp_path, "pure window", timeout=60)
-    assert done.returncode == 2 and "ORDER has window: allowed are pure, hybrid, strict, compiled, pieces" in done.stdout, done.stdout
+    assert done.returncode == 2 and "ORDER has window: allowed are pure, hybrid, strict, compiled, pieces, qkv, fast" in done.stdout, done.stdout

@@ -508,8 +508,19 @@ class ConvMixer(Mixer):
         """Channels of the short convolution: q, k and v."""
         return 3 * self.shape.num_heads * self.shape.head_dim
 
+    def stacked_qkv(self, x: torch.Tensor) -> torch.Tensor:
+        """q, k, v projected together, `[B, T, 3 x H x D]`: one matmul over the three weights stacked (the stacking
+        copies ~2 MB a layer at 135M; its backward splits the gradient back to each weight)."""
+        projections = (self.q_proj, self.k_proj, self.v_proj)
+        weight = torch.cat([p.weight for p in projections])
+        bias = torch.cat([p.bias for p in projections]) if self.q_proj.bias is not None else None
+        return F.linear(x, weight, bias)
+
     def project_qkv(self, x, state, use_cache, mask=None, projected=None):
-        qkv = torch.cat(projected if projected is not None else [*self.project_qk(x), self.v_proj(x)], dim=-1)
+        if projected is None and self.options.fused_qkv and not self.shape.qk_norm and self.fused_ops(x):
+            qkv = self.stacked_qkv(x)
+        else:
+            qkv = torch.cat(projected if projected is not None else [*self.project_qk(x), self.v_proj(x)], dim=-1)
         qkv, tail = self.convolve(x, qkv, state, use_cache, mask)
         q, k, v = (self._heads(t) for t in qkv.chunk(3, dim=-1))
         return q, k, v, tail
@@ -562,6 +573,11 @@ class ConvOptions(MixerOptions):
         default="identity", metadata={"help": "After the short convolution (or alone without it): identity keeps the "
                                       "copied q, k, v linear, as the teacher's are (q and k are L2-normalised either "
                                       "way); silu, as fla's delta-rule layers (docs/TRANSFER.md)."})
+    fused_qkv: bool = field(
+        default=False, metadata={"help": "On the kernel backend, project q, k and v with one matmul over their "
+                                 "weights stacked (and write the convolution's input directly) instead of three "
+                                 "matmuls and a concatenation; teachers with per-head q/k norms keep three. The "
+                                 "parameters stay q_proj, k_proj, v_proj. Speed: docs/BENCHMARKS.md."})
 
     def __post_init__(self) -> None:
         super().__post_init__()

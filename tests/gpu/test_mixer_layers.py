@@ -58,13 +58,17 @@ OTHER_INITS = ([(n, {"qkv_activation": "silu"}) for n in _having("qkv_activation
                   ("deltaproduct", {"householder_kv_init": "copy"})]
                # Mamba2's D = 1, and hedgehog's random or smaller feature maps
                + [("mamba2", {"d_init": "one"}), ("hedgehog", {"feature_init": "random"}),
-                  ("hedgehog", {"feature_dim": 32})])
+                  ("hedgehog", {"feature_dim": 32})]
+               # the speed options: compiled PyTorch forms of the conv and the gated norm, one q/k/v matmul
+               + [(n, {"pieces": "compiled"}) for n in ("gated_deltanet", "kda", "gla", "deltanet", "mamba2")]
+               + [(n, {"fused_qkv": True}) for n in _having("fused_qkv")])
 
 
 @pytest.mark.parametrize("name, options", OTHER_INITS)
 def test_kernel_layer_matches_reference_under_the_other_init_options(name, options):
     """The options docs/TRANSFER.md compares change the fused operators (convolution without SiLU, a random gate),
-    and the decay gate's granularity changes the fla route (docs/RECURRENCES.md, "Decay granularity")."""
+    the decay gate's granularity changes the fla route (docs/RECURRENCES.md, "Decay granularity"), and the speed
+    options (`pieces`, `fused_qkv`) change what runs around the recurrence."""
     check_kernel_against_reference(name, LAYOUTS["135M"], 2048, options)
 
 
