@@ -44,6 +44,10 @@ def test_the_default_order_repeats_the_hybrid_bit_for_bit_on_the_cpu_and_the_str
     # the pieces kind passes the mixer option (the CPU's reference backend runs the PyTorch forms either way)
     assert pieces["options"]["pieces"] == "compiled" and "pieces" not in pure["options"]
     assert pieces["losses_each"] == pure["losses_each"]
+    # each kind against the first of its model's: the CPU runs the same forms, so no difference
+    assert "pieces against pure: losses' largest relative difference over 2 steps 0.00e+00" in summary, summary
+    assert "strict against hybrid: losses' largest relative difference over 2 steps 0.00e+00" in summary, summary
+    assert "hybrid against pure" not in summary and "compiled against pure" in summary, summary
 
 
 def test_an_unknown_kind_is_refused_by_name_before_anything_runs(tmp_path):

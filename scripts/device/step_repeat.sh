@@ -59,6 +59,21 @@ $PY - "$OUT" $ORDER <<'EOF' | tee -a "$OUT/summary.txt"
 import json, sys
 from pathlib import Path
 out, order = Path(sys.argv[1]), sys.argv[2:]
+firsts = {}
+for i, k in enumerate(order, 1):
+    path = out / f"{i:02d}-{k}.json"
+    if k not in firsts and path.is_file():
+        row = json.loads(path.read_text())["step"][0]
+        if "losses_each" in row:
+            firsts[k] = row
+family = {"hybrid": "hybrid", "strict": "hybrid"}  # the other kinds train the pure student
+bases = {}
+for kind, row in firsts.items():  # each kind's losses against the first kind of its model's, step by step
+    base_kind = bases.setdefault(family.get(kind, "pure"), kind)
+    if base_kind != kind:
+        diffs = [abs(a - b) / abs(b) for a, b in zip(row["losses_each"], firsts[base_kind]["losses_each"])]
+        print(f"{kind} against {base_kind}: losses' largest relative difference over {len(diffs)} steps "
+              f"{max(diffs):.2e}")
 for kind in dict.fromkeys(order):
     rows = []
     for i, k in enumerate(order, 1):
