@@ -169,6 +169,25 @@ def test_stacked_qkv_projection_equals_the_three_projections():
         torch.testing.assert_close(g, p.weight.grad)
 
 
+def test_fused_qkv_layer_equals_the_three_projection_layer(monkeypatch):
+    """With fused_ops forced on (the kernel backend's condition; the CPU runs the PyTorch forms of the rest), a
+    fused_qkv layer projects through `stacked_qkv` and equals the three-matmul layer. (Under ZeRO-3, DeepSpeed's
+    parameter getter gathers q_proj's weight when the mixer reads it, as it does the short convolution's weight.)"""
+    from harness.mixers import mixer_class, mixer_options
+
+    torch.manual_seed(0)
+    fused = mixer_class("gated_deltanet")(SHAPE, mixer_options("gated_deltanet", {"fused_qkv": True}))
+    plain = mixer_class("gated_deltanet")(SHAPE, mixer_options("gated_deltanet", {}))
+    plain.load_state_dict(fused.state_dict())
+    x = torch.randn(2, 7, SHAPE.hidden_size)
+    calls = []
+    monkeypatch.setattr(type(fused), "fused_ops", lambda self, x: True)
+    monkeypatch.setattr(type(fused), "stacked_qkv", lambda self, x, _f=type(fused).stacked_qkv: calls.append(1)
+                        or _f(self, x))
+    torch.testing.assert_close(fused(x)[0], plain(x)[0], rtol=1e-5, atol=1e-6)
+    assert len(calls) == 1  # the fused layer only
+
+
 def test_pieces_option_names_the_bad_value():
     from harness.mixers import MIXERS
 
