@@ -39,7 +39,8 @@
 # PREPARE (default: one small-study job) lists the jobs whose corpora `setup` tokenises: one per corpus and seq_len,
 # e.g. PREPARE="jobs/study-small-50m/smollm2-135m-gla-50m.yaml jobs/paper-recipe/smollm2-135m-gated_deltanet-50m-paper.yaml".
 # Compiled kernels: a `watch` that finds every lane finished also writes $OUT/kernel-cache.tar.xz, the Triton and
-# TileLang caches the bundle keeps in .cache/triton and .cache/tilelang (`kernels` writes it on demand; the first
+# TileLang caches the bundle keeps in .cache/triton and .cache/tilelang, and $OUT/inductor-cache.tar.xz, torch.compile's
+# cache (the compiled teacher, ~1 min a stage-3 process cold), kept in .cache/inductor (`kernels` writes them on demand; the first
 # `watch` that sees a lane's stage 3 begun writes it once too, so a lease cut short keeps the training kernels), unless it
 # exceeds KERNEL_CACHE_MAX_BYTES (default 16,000,000: a file the device tool returns). Carried beside the payload
 # pieces into /tmp/carry on a later machine (same image, any Hopper GPU), `setup` unpacks it, so that the stages
@@ -56,7 +57,8 @@ setup() {
   kernels_in
   rm -rf "$D/carry"
   source .devbundle/setup.sh || exit 4
-  export HARNESS_CACHE="$D/hc" HF_HUB_OFFLINE=1 PYTHONPATH=$PYTHONPATH:$D/evalsite
+  export HARNESS_CACHE="$D/hc" HF_HUB_OFFLINE=1 PYTHONPATH=$PYTHONPATH:$D/evalsite \
+         TORCHINDUCTOR_CACHE_DIR="$PWD/.cache/inductor"
   if [ -d "$D/evalsite" ]; then python3 -c "import lm_eval" || exit 4; fi
   python3 -c "import harness; harness.load_teacher('smollm2-135m-instruct-gguf')" || exit 4
   local job
@@ -70,29 +72,40 @@ setup() {
 }
 
 kernels_in() {  # an earlier lease's compiled kernels, carried beside the pieces; a bad archive only costs the compiles
-  local archive="$D/carry/kernel-cache.tar.xz"
-  [ -f "$archive" ] || return 0
+  local name archive
   mkdir -p .cache
-  if tar -C .cache -xJf "$archive" 2>/dev/null; then
-    echo "kernel cache: $(find .cache/triton .cache/tilelang -type f 2>/dev/null | wc -l) files from $archive"
-  else
-    echo "kernel cache $archive unreadable: the kernels compile afresh"
-  fi
+  for name in kernel-cache inductor-cache; do
+    archive="$D/carry/$name.tar.xz"
+    [ -f "$archive" ] || continue
+    if tar -C .cache -xJf "$archive" 2>/dev/null; then
+      echo "$name: $(tar -tJf "$archive" | grep -vc '/$') files from $archive"
+    else
+      echo "$name $archive unreadable: the kernels compile afresh"
+    fi
+  done
+  return 0
 }
 
-kernels() {  # the Triton and TileLang caches into $OUT/kernel-cache.tar.xz, if a returned file may be that large
-  local dirs=() max=${KERNEL_CACHE_MAX_BYTES:-16000000} size
-  for d in triton tilelang; do [ -d ".cache/$d" ] && dirs+=("$d"); done
-  [ ${#dirs[@]} -gt 0 ] || { echo "no kernel cache in .cache/triton or .cache/tilelang"; return 0; }
+kernels() {  # the Triton and TileLang caches into $OUT/kernel-cache.tar.xz and torch.compile's (Inductor's) into
+  # $OUT/inductor-cache.tar.xz, each if a returned file may be that large
+  pack kernel-cache triton tilelang
+  pack inductor-cache inductor
+}
+
+pack() {  # pack NAME DIR...: the existing .cache/DIRs into $OUT/NAME.tar.xz, unless over KERNEL_CACHE_MAX_BYTES
+  local name=$1 dirs=() max=${KERNEL_CACHE_MAX_BYTES:-16000000} size d
+  shift
+  for d; do [ -d ".cache/$d" ] && dirs+=("$d"); done
+  [ ${#dirs[@]} -gt 0 ] || { echo "no $name in .cache/{$(IFS=,; echo "$*")}"; return 0; }
   mkdir -p "$OUT"
-  tar -C .cache -I 'xz -T0 -6' -cf "$OUT/kernel-cache.tar.xz.part" "${dirs[@]}" || { rm -f "$OUT/kernel-cache.tar.xz.part"; return 0; }
-  size=$(stat -c %s "$OUT/kernel-cache.tar.xz.part")
+  tar -C .cache -I 'xz -T0 -6' -cf "$OUT/$name.tar.xz.part" "${dirs[@]}" || { rm -f "$OUT/$name.tar.xz.part"; return 0; }
+  size=$(stat -c %s "$OUT/$name.tar.xz.part")
   if [ "$size" -gt "$max" ]; then
-    rm -f "$OUT/kernel-cache.tar.xz.part"
-    echo "kernel cache is $size bytes, over KERNEL_CACHE_MAX_BYTES ($max): not kept"
+    rm -f "$OUT/$name.tar.xz.part"
+    echo "$name is $size bytes, over KERNEL_CACHE_MAX_BYTES ($max): not kept"
   else
-    mv "$OUT/kernel-cache.tar.xz.part" "$OUT/kernel-cache.tar.xz"
-    echo "kernel cache: $OUT/kernel-cache.tar.xz ($size bytes; carry it beside a later lease's pieces)"
+    mv "$OUT/$name.tar.xz.part" "$OUT/$name.tar.xz"
+    echo "$name: $OUT/$name.tar.xz ($size bytes; carry it beside a later lease's pieces)"
   fi
 }
 
@@ -151,7 +164,7 @@ environment() {  # the installed bundle and the payload's cache; every lane inhe
   source .devbundle/setup.sh || exit 4
   test -f "$D/hc/.ready" || { echo "fresh machine: carry the payload again and run setup"; exit 3; }
   export HARNESS_CACHE="$D/hc" PYTHONPATH=$PYTHONPATH:$D/evalsite HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 \
-         HARNESS_PREEMPT_FILE="$D/stop" S OVERRIDES
+         HARNESS_PREEMPT_FILE="$D/stop" S OVERRIDES TORCHINDUCTOR_CACHE_DIR="$PWD/.cache/inductor"
   export -f lane tag_overrides
   mkdir -p "$S"
 }

@@ -19,6 +19,7 @@ case " $* " in *" -m pytest "*) sleep "${FAKE_TESTS_S:-0}"; echo "fake GPU tests
 for a; do case $a in output_dir=*) d=${a#output_dir=};; esac; done
 [ -n "$d" ] || { echo "fake python3 $*"; exit 0; }  # `-c ...` and `data prepare` in setup
 mkdir -p "$d/eval" "$d/checkpoints"; echo "$@" >>"$d/calls"; echo "${HARNESS_EVAL_GPU-unset}" >"$d/eval_gpu"
+echo "${TORCHINDUCTOR_CACHE_DIR-unset}" >"$d/inductor_dir"
 for _ in $(seq $((${FAKE_RUN_S:-1} * 10))); do  # a stage checkpoints and exits 85 on a preemption request
   [ -e "$HARNESS_PREEMPT_FILE" ] && exit 85; sleep 0.1
 done
@@ -119,24 +120,32 @@ def carry_payload(tmp_path: Path) -> None:
 
 
 def test_compiled_kernels_come_back_when_the_lanes_end_and_setup_unpacks_them_on_a_later_machine(machine, tmp_path):
-    """The last `watch` returns the Triton and TileLang caches beside the results (unless over the size a returned
-    file may be); carried into /tmp/carry with the pieces, `setup` puts them back where the bundle looks for them,
-    and an unreadable one only costs the compiles."""
+    """The last `watch` returns the Triton and TileLang caches, and torch.compile's in a second archive, beside the
+    results (each unless over the size a returned file may be); carried into /tmp/carry with the pieces, `setup` puts
+    them back where the bundle and torch look for them, and an unreadable one only costs the compiles."""
     tree, env = machine
     (tree / ".cache/triton/ab12").mkdir(parents=True)
     (tree / ".cache/triton/ab12/__grp__chunk_fwd.json").write_text('{"child_paths": {}}')
     (tree / ".cache/tilelang/k1").mkdir(parents=True)
     (tree / ".cache/tilelang/k1/kernel.cu").write_text("// compiled")
+    (tree / ".cache/inductor/fxgraph/x9").mkdir(parents=True)
+    (tree / ".cache/inductor/fxgraph/x9/entry").write_text("graph")
     env = dict(env, LANES="0:a", FAKE_RUN_S="1")
     assert script(tree, env, "start").returncode == 0
     running = script(tree, env, "watch", WATCH_FOR="1")
     assert "lanes still running" in running.stdout and not (Path(env["OUT"]) / "kernel-cache.tar.xz").exists()
     done = script(tree, env, "watch", WATCH_FOR="60")
-    assert "all lanes finished" in done.stdout and "kernel cache: " in done.stdout, done.stdout + done.stderr
+    assert "all lanes finished" in done.stdout and "kernel-cache: " in done.stdout, done.stdout + done.stderr
     returned = Path(env["OUT"]) / "kernel-cache.tar.xz"
     with tarfile.open(returned) as tar:
         assert {"triton/ab12/__grp__chunk_fwd.json", "tilelang/k1/kernel.cu"} <= set(tar.getnames())
+    # the lanes compile into the tree's .cache/inductor, which comes back
+    assert (tree / "runs/s/smollm2-135m-a/inductor_dir").read_text().strip() == str(tree / ".cache/inductor")
+    inductor = Path(env["OUT"]) / "inductor-cache.tar.xz"
+    with tarfile.open(inductor) as tar:
+        assert "inductor/fxgraph/x9/entry" in tar.getnames() and not any(n.startswith("triton") for n in tar.getnames())
     small = script(tree, dict(env, OUT=str(tmp_path / "out2")), "kernels", KERNEL_CACHE_MAX_BYTES="10")
+    assert "kernel-cache is" in small.stdout and "inductor-cache is" in small.stdout, small.stdout
     assert "over KERNEL_CACHE_MAX_BYTES (10): not kept" in small.stdout
     assert not any((tmp_path / "out2").iterdir())
     # a later machine: the pieces and the kernel cache in /tmp/carry, no caches in the tree
@@ -144,10 +153,13 @@ def test_compiled_kernels_come_back_when_the_lanes_end_and_setup_unpacks_them_on
     shutil.rmtree(tmp_path / "dev/hc")
     carry_payload(tmp_path)
     shutil.copy(returned, tmp_path / "dev/carry/kernel-cache.tar.xz")
+    shutil.copy(inductor, tmp_path / "dev/carry/inductor-cache.tar.xz")
     out = script(tree, env, "setup", PREPARE="jobs/x/smollm2-135m-a.yaml")
-    assert out.returncode == 0 and "kernel cache: 2 files" in out.stdout, out.stdout + out.stderr
+    assert out.returncode == 0 and "kernel-cache: 2 files" in out.stdout, out.stdout + out.stderr
+    assert "inductor-cache: 1 files" in out.stdout, out.stdout
     assert (tree / ".cache/tilelang/k1/kernel.cu").read_text() == "// compiled"
     assert (tree / ".cache/triton/ab12/__grp__chunk_fwd.json").is_file()
+    assert (tree / ".cache/inductor/fxgraph/x9/entry").read_text() == "graph"
     shutil.rmtree(tmp_path / "payload")
     shutil.rmtree(tmp_path / "dev/hc")
     carry_payload(tmp_path)
