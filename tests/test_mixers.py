@@ -188,6 +188,25 @@ def test_fused_qkv_layer_equals_the_three_projection_layer(monkeypatch):
     assert len(calls) == 1  # the fused layer only
 
 
+def test_compiled_pieces_trace_and_equal_their_eager_forms():
+    """`pieces: compiled` runs `gated_rms_norm` and `causal_conv_shifted` under torch.compile on a GPU; here Inductor's
+    CPU backend compiles the same functions (a graph break or a tracing error would show), forward and backward."""
+    from harness.mixers.base import causal_conv_shifted, compiled, gated_rms_norm
+
+    torch.manual_seed(0)
+    cases = [(gated_rms_norm, [torch.randn(2, 16, 3, 8), torch.randn(2, 16, 3, 8), torch.rand(8)], (1e-5, "silu")),
+             (causal_conv_shifted, [torch.randn(2, 16, 12), torch.randn(12, 4)], (None, "silu"))]
+    for fn, tensors, rest in cases:
+        outs = []
+        for run in (fn, compiled(fn)):
+            leaves = [t.clone().requires_grad_() for t in tensors]
+            y = run(*leaves, *rest)
+            (y * torch.linspace(-1, 1, y.shape[-1])).sum().backward()
+            outs.append([y] + [t.grad for t in leaves])
+        for a, b in zip(*outs):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
 def test_pieces_option_names_the_bad_value():
     from harness.mixers import MIXERS
 
