@@ -125,7 +125,8 @@ class MixerOptions:
                                  "short convolution and the gated output norm): fla (its Triton kernels) or compiled "
                                  "(their PyTorch forms under torch.compile, one fused kernel each way). The same "
                                  "numbers either way to bf16 rounding; the speed of each: benchmarks/mixer_pieces.py "
-                                 "(docs/BENCHMARKS.md). The reference backend always runs the PyTorch forms."}
+                                 "(docs/BENCHMARKS.md). The reference backend always runs the PyTorch forms; a mixer "
+                                 "without these pieces ignores it."}
     )
 
     def __post_init__(self) -> None:
