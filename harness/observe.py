@@ -205,8 +205,22 @@ def _truncate_metrics(path: Path, start_step: Optional[int]) -> None:
     atomic_write_text(path, "".join(k + "\n" for k in kept))
 
 
+def seconds_since_process_start() -> Optional[float]:
+    """Wall seconds since this process was created (psutil, which DeepSpeed requires), or None where unknown."""
+    try:
+        import psutil
+
+        return time.time() - psutil.Process().create_time()
+    except Exception:  # no psutil, or no process table: the start-up figures are left out
+        return None
+
+
 class RunLogger:
-    """Rank-0 logging of one stage: metrics.jsonl (one flushed line per call), TensorBoard, tqdm bar."""
+    """Rank-0 logging of one stage: metrics.jsonl (one flushed line per call), TensorBoard, tqdm bar.
+
+    The first line a logger writes also carries where the process's time went before it: `startup_setup_s`
+    (process start to this logger: imports, teacher, student, data, engine) and `startup_first_log_s` (process
+    start to that line: also the first logged steps, where a GPU compiles and autotunes its kernels)."""
 
     def __init__(
         self,
@@ -225,6 +239,8 @@ class RunLogger:
         self.rank = rank
         self.enabled = rank == 0
         self.throughput = throughput or Throughput()
+        self._setup_s = seconds_since_process_start()
+        self._logged = False
         self._file = None
         self._tb = None
         self.bar = tqdm(
@@ -263,6 +279,10 @@ class RunLogger:
         self.throughput.update(tokens)
         values = {k: _scalar(v) for k, v in {**self.throughput.summary(), **scalars}.items()}
         record = {"stage": self.stage, "step": int(step), "tokens": int(tokens), "time": time.time(), **values}
+        if not self._logged and self._setup_s is not None:
+            record.update(startup_setup_s=round(self._setup_s, 1),
+                          startup_first_log_s=round(seconds_since_process_start() or 0.0, 1))
+        self._logged = True
         assert self._file is not None
         self._file.write(json.dumps(record) + "\n")
         self._file.flush()

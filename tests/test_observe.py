@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import time
 from pathlib import Path
 
 import pytest
@@ -40,6 +41,24 @@ def test_jsonl_line_written_and_flushed_per_call(tmp_path: Path) -> None:
     assert [r["step"] for r in rows] == [1, 2] and rows[1]["tokens_per_s"] > 0
     assert logger.bar.n == 200
     logger.close()
+
+
+def test_the_first_line_says_where_the_process_time_went_before_it(tmp_path: Path) -> None:
+    """startup_setup_s: process start to the logger; startup_first_log_s: to the first line (the first steps too);
+    only the first line carries them, measured against psutil's process start."""
+    import psutil
+
+    before = time.time() - psutil.Process().create_time()
+    logger = RunLogger(tmp_path, "distill", rank=0, total_tokens=1000, enabled_tensorboard=False)
+    after = time.time() - psutil.Process().create_time()
+    time.sleep(0.3)
+    logger.log(1, 100, loss=2.5)
+    logger.log(2, 200, loss=2.0)
+    logger.close()
+    first, second = _lines(tmp_path / METRICS)
+    assert before - 0.1 <= first["startup_setup_s"] <= after + 0.1
+    assert first["startup_first_log_s"] >= first["startup_setup_s"] + 0.25
+    assert "startup_setup_s" not in second and "startup_first_log_s" not in second
 
 
 def test_resume_drops_later_lines_and_fresh_run_truncates(tmp_path: Path) -> None:
