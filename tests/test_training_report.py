@@ -168,3 +168,33 @@ def test_stage_3_throughput_is_read_interval_by_interval_from_the_log_lines_time
                               "average": {"tasks": 1, "student": 0.5, "teacher": 0.8, "recovery": 0.625}}, run)
     assert report["training"]["distill_throughput"] == got
     assert "| r [gla] | 714 | 1,000 | 1,000 | 10 |" in comparison_markdown([report, report])
+    assert report["training"]["startup"] == {}  # lines written before the logger measured it
+
+
+def test_each_stage_start_up_is_summed_over_its_processes_and_printed(tmp_path):
+    """The first line of each process (RunLogger's startup_setup_s / startup_first_log_s) per stage: two layer groups
+    of stage 1, and stage 3 run by two processes (a resume); stage 2 logged none and is left out."""
+    from harness.eval.training import stage_startups
+
+    run = tmp_path / "run"
+    (run / "job.yaml").parent.mkdir(parents=True)
+    (run / "job.yaml").write_text("name: fake\n")
+    for group, setup in (("layers-00-01", 10.0), ("layers-02-03", 12.5)):
+        write_rows(run / "align_mixer" / group / "metrics.jsonl",
+                   [{"step": 1, "tokens": 10, "time": 1.0, "loss/layer_00": 1.0, "startup_setup_s": setup,
+                     "startup_first_log_s": setup + 30}, {"step": 2, "tokens": 20, "time": 2.0, "loss/layer_00": 0.9}])
+    write_rows(run / "align_hidden" / "layers-00-03" / "metrics.jsonl",
+               [{"step": 1, "tokens": 10, "time": 1.0, "loss/layer_00": 1.0}])
+    write_rows(run / "distill" / "metrics.jsonl",
+               [{"step": 1, "tokens": 10, "time": 1.0, "loss": 3.0, "startup_setup_s": 20.0, "startup_first_log_s": 90.0},
+                {"step": 2, "tokens": 20, "time": 2.0, "loss": 2.9},
+                {"step": 2, "tokens": 20, "time": 9.0, "loss": 2.9, "startup_setup_s": 21.0, "startup_first_log_s": 41.0}])
+    got = stage_startups(run)
+    assert got == {"align_mixer": {"processes": 2, "setup_s": 22.5, "first_log_s": 82.5},
+                   "distill": {"processes": 2, "setup_s": 41.0, "first_log_s": 131.0}}
+    rows = {"piqa": {"metric": "acc", "student": 0.5, "teacher": 0.8, "recovery": 0.625, "n": 10}}
+    report = attach_training({"label": "r", "mixer": "gla", "teacher_dir": "/t", "limit": 10, "tasks": rows,
+                              "average": {"tasks": 1, "student": 0.5, "teacher": 0.8, "recovery": 0.625}}, run)
+    text = comparison_markdown([report, report])
+    assert "| r [gla] | align_mixer | 2 | 22.5 | 82.5 |" in text and "| r [gla] | distill | 2 | 41.0 | 131.0 |" in text
+    assert "align_hidden |" not in text

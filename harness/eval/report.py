@@ -491,7 +491,8 @@ def _training_table(reports: list[dict], plotted: bool = False) -> list[str]:
                         "the weighted terms (CE + KL by default; every term a run logged has a column). "
                         f"Training values are means over the logged steps of the stage's last {fraction:.0%}; "
                         "validation on the held-out split at the end of stage 3."
-                        + (" Curves: loss_curves.png." if plotted else ""), ""] + _throughput_lines(reports)
+                        + (" Curves: loss_curves.png." if plotted else ""), ""] + _throughput_lines(reports) \
+        + _startup_lines(reports)
 
 
 def _throughput_lines(reports: list[dict]) -> list[str]:
@@ -507,6 +508,19 @@ def _throughput_lines(reports: list[dict]) -> list[str]:
     return lines + ["", "Stage-3 tokens/s from the log lines' times, interval by interval (all processes): pauses "
                         "(checkpoints, evaluations beside it, restarts) lower the whole and the median; the 90th "
                         "percentile is the loop's undisturbed rate, the figure to hold against `harness bench`.", ""]
+
+
+def _startup_lines(reports: list[dict]) -> list[str]:
+    """Each stage's start-up per run (harness.eval.training.stage_startups) as a table, where a run logged it."""
+    rows = [(r, stage, t) for r in reports for stage, t in ((r.get("training") or {}).get("startup") or {}).items()]
+    if not rows:
+        return []
+    lines = ["| run | stage | processes | start to the logger, s | start to the first line, s |", "|---|---|---|---|---|"]
+    lines += [f"| {_name(r)} | {stage} | {t['processes']} | {t['setup_s']:,.1f} | {t['first_log_s']:,.1f} |"
+              for r, stage, t in rows]
+    return lines + ["", "Start-up per stage, summed over its processes (layer groups, resumes): from each process's "
+                        "start to its logger (imports, teacher, student, data, engine) and to its first logged line "
+                        "(the first steps too, where a GPU compiles its kernels).", ""]
 
 
 def with_heldout_window(report: dict, path: str | Path) -> dict:

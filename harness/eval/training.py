@@ -1,7 +1,7 @@
 """A run's training losses, read back from its stages' metrics: the final loss of each stage and the loss curves.
 
-    training_summary(run_dir)   -> {"final": {...}, "curves": {...}, "distill_throughput": {...}}  (None when the run
-                                   has no stage metrics)
+    training_summary(run_dir)   -> {"final": {...}, "curves": {...}, "distill_throughput": {...}, "startup": {...}}
+                                   (None when the run has no stage metrics)
     plot_loss_curves(summaries, path)                                  one panel per stage, one line per run
 
 Stages 1 and 2 log, per layer group, the MSE of every layer (`loss/layer_NN`); their curve is the mean over all
@@ -83,6 +83,25 @@ def distill_throughput(run_dir: Path) -> Optional[dict]:
             "p90": rates[min(len(rates) - 1, math.ceil(0.9 * len(rates)) - 1)], "intervals": len(rates)}
 
 
+STAGE_FOLDERS = {"align_mixer": "align_mixer/*/metrics.jsonl", "align_hidden": "align_hidden/*/metrics.jsonl",
+                 "distill": "distill/metrics.jsonl"}
+
+
+def stage_startups(run_dir: Path) -> dict[str, dict]:
+    """Each stage's start-up, summed over the processes that ran it (every layer group, every resume): {stage:
+    {"processes", "setup_s" (process start to the stage's logger), "first_log_s" (to its first line)}}, from the
+    first lines' `startup_setup_s` / `startup_first_log_s` (harness.observe.RunLogger); stages without them are left
+    out."""
+    found: dict[str, dict] = {}
+    for stage, pattern in STAGE_FOLDERS.items():
+        starts = [r for path in sorted(run_dir.glob(pattern)) for r in read_metrics(path)
+                  if {"startup_setup_s", "startup_first_log_s"} <= r.keys()]
+        if starts:
+            found[stage] = {"processes": len(starts), "setup_s": sum(r["startup_setup_s"] for r in starts),
+                            "first_log_s": sum(r["startup_first_log_s"] for r in starts)}
+    return found
+
+
 def logged_terms(train: list[dict]) -> list[str]:
     """The loss terms of stage 3's training lines: ce and kl, then the others in the order the lines name them."""
     named = [t for r in train for t in r.get("loss_terms") or () if isinstance(t, str)]
@@ -114,7 +133,8 @@ def training_summary(run_dir: str | Path) -> Optional[dict]:
         final["distill"]["terms"] = d["terms"]
         final["distill"]["tokens"] = d["tokens"][-1]
     return {"run_dir": str(run_dir), "final_fraction": FINAL_FRACTION, "final": final, "curves": curves,
-            "alignment_loss": alignment_losses(run_dir), "distill_throughput": distill_throughput(run_dir)}
+            "alignment_loss": alignment_losses(run_dir), "distill_throughput": distill_throughput(run_dir),
+            "startup": stage_startups(run_dir)}
 
 
 def alignment_losses(run_dir: Path) -> dict[str, str]:
