@@ -399,14 +399,14 @@ def causal_conv_shifted(x: torch.Tensor, weight: torch.Tensor, bias: Optional[to
     return (F.silu(y) if activation == "silu" else y).to(x.dtype)
 
 
-_COMPILED: dict[str, Any] = {}
+_COMPILED: dict[Any, Any] = {}
 
 
 def compiled(fn):
     """`torch.compile(fn)`, made once per function and process (the `compiled` pieces)."""
-    if fn.__name__ not in _COMPILED:
-        _COMPILED[fn.__name__] = torch.compile(fn)
-    return _COMPILED[fn.__name__]
+    if fn not in _COMPILED:
+        _COMPILED[fn] = torch.compile(fn)
+    return _COMPILED[fn]
 
 
 class HeadRMSNorm(nn.Module):
@@ -467,14 +467,14 @@ class ShortConv(nn.Module):
         as it is) when x is on a GPU and no tail is carried in; 'compiled': `causal_conv_shifted` under
         torch.compile on the same condition; else PyTorch's conv1d."""
         how = "fla" if fused is True else (fused or "")
-        if how == "compiled" and tail is None and x.is_cuda:
-            y = compiled(causal_conv_shifted)(x, self.conv.weight.squeeze(1), self.conv.bias, self.activation)
-            return y, (self.tail_of(x) if want_tail else None)
         if how and tail is None and x.is_cuda:
-            from fla.modules.causal_conv1d import causal_conv1d
+            weight = self.conv.weight.squeeze(1)
+            if how == "compiled":
+                y = compiled(causal_conv_shifted)(x, weight, self.conv.bias, self.activation)
+            else:
+                from fla.modules.causal_conv1d import causal_conv1d
 
-            y, _ = causal_conv1d(x, weight=self.conv.weight.squeeze(1), bias=self.conv.bias,
-                                 activation=self.activation)
+                y, _ = causal_conv1d(x, weight=weight, bias=self.conv.bias, activation=self.activation)
             return y, (self.tail_of(x) if want_tail else None)
         xt = x.transpose(1, 2)  # [B, C, T]
         if tail is None:
