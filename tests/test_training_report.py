@@ -173,7 +173,7 @@ def test_stage_3_throughput_is_read_interval_by_interval_from_the_log_lines_time
 
 def test_each_stage_start_up_is_summed_over_its_processes_and_printed(tmp_path):
     """The first line of each process (RunLogger's startup_setup_s / startup_first_log_s) per stage: two layer groups
-    of stage 1, and stage 3 run by two processes (a resume); stage 2 logged none and is left out."""
+    of stage 1, stage 3 run by two processes (a resume) and SFT after it; stage 2 logged none and is left out."""
     from harness.eval.training import stage_startups
 
     run = tmp_path / "run"
@@ -189,9 +189,12 @@ def test_each_stage_start_up_is_summed_over_its_processes_and_printed(tmp_path):
                [{"step": 1, "tokens": 10, "time": 1.0, "loss": 3.0, "startup_setup_s": 20.0, "startup_first_log_s": 90.0},
                 {"step": 2, "tokens": 20, "time": 2.0, "loss": 2.9},
                 {"step": 2, "tokens": 20, "time": 9.0, "loss": 2.9, "startup_setup_s": 21.0, "startup_first_log_s": 41.0}])
+    write_rows(run / "sft" / "metrics.jsonl",
+               [{"step": 1, "tokens": 10, "time": 1.0, "loss": 2.0, "startup_setup_s": 7.0, "startup_first_log_s": 19.5}])
     got = stage_startups(run)
     assert got == {"align_mixer": {"processes": 2, "setup_s": 22.5, "first_log_s": 82.5},
-                   "distill": {"processes": 2, "setup_s": 41.0, "first_log_s": 131.0}}
+                   "distill": {"processes": 2, "setup_s": 41.0, "first_log_s": 131.0},
+                   "sft": {"processes": 1, "setup_s": 7.0, "first_log_s": 19.5}}
     rows = {"piqa": {"metric": "acc", "student": 0.5, "teacher": 0.8, "recovery": 0.625, "n": 10}}
     report = attach_training({"label": "r", "mixer": "gla", "teacher_dir": "/t", "limit": 10, "tasks": rows,
                               "average": {"tasks": 1, "student": 0.5, "teacher": 0.8, "recovery": 0.625}}, run)

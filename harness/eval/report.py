@@ -518,7 +518,7 @@ def _startup_lines(reports: list[dict]) -> list[str]:
     lines = ["| run | stage | processes | start to the logger, s | start to the first line, s |", "|---|---|---|---|---|"]
     lines += [f"| {_name(r)} | {stage} | {t['processes']} | {t['setup_s']:,.1f} | {t['first_log_s']:,.1f} |"
               for r, stage, t in rows]
-    return lines + ["", "Start-up per stage, summed over its processes (layer groups, resumes): from each process's "
+    return lines + ["", "Start-up per stage, summed over its processes (layer groups, resumes; SFT too): from each process's "
                         "start to its logger (imports, teacher, student, data, engine) and to its first logged line "
                         "(the first steps too, where a GPU compiles its kernels).", ""]
 

@@ -84,7 +84,7 @@ def distill_throughput(run_dir: Path) -> Optional[dict]:
 
 
 STAGE_FOLDERS = {"align_mixer": "align_mixer/*/metrics.jsonl", "align_hidden": "align_hidden/*/metrics.jsonl",
-                 "distill": "distill/metrics.jsonl"}
+                 "distill": "distill/metrics.jsonl", "sft": "sft/metrics.jsonl"}
 
 
 def stage_startups(run_dir: Path) -> dict[str, dict]:
