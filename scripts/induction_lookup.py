@@ -11,6 +11,9 @@ token after the query token's earlier occurrence) rather than any other value of
 - least squares: o_t = S_t^T q^_t with S_t = argmin_S sum_{s<=t} |S^T k^_s - v_s|^2 + ridge |S|^2, the best
   linear map of the context's keys to its values: what an ideal delta rule's state converges to (its `[D, D]` state
   per head holds it exactly only while the keys number at most D);
+- least squares, queried by a fitted query: q^_t through one linear map per head, fitted (ridge regression) to
+  send the queries of other sequences (the next seed's) to their targets' keys: whether a re-projection of the
+  query, which stage 1 can learn (it trains the mixer's q_proj), gives the lookup back;
 - least squares, queried by the target's own key (q^_t replaced by k^_target): the memory's capacity alone, with
   the query's mismatch to the key removed.
 
@@ -34,11 +37,11 @@ import platform
 import sys
 import time
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Iterator, Optional, Sequence
 
 import torch
 
-READOUTS = ("softmax", "taylor", "linear", "least_squares", "capacity")
+READOUTS = ("softmax", "taylor", "linear", "least_squares", "fitted_query", "capacity")
 
 
 def parse_head(text: str) -> tuple[int, int]:
@@ -54,10 +57,10 @@ def _unit(x: torch.Tensor) -> torch.Tensor:
 
 
 def readout_weights(q: torch.Tensor, k: torch.Tensor, queries: torch.Tensor, targets: torch.Tensor, *,
-                    scale: float, ridge: float) -> dict[str, torch.Tensor]:
+                    scale: float, ridge: float, query_map: Optional[torch.Tensor] = None) -> dict[str, torch.Tensor]:
     """One head's mixing weights of each readout (module docstring) for the query positions `[Q]`: {readout:
     `[Q, T]`}, zero above each query's position. q, k `[T, D]` (float64 advised); `targets` `[Q]` are the positions
-    whose keys the capacity readout queries with."""
+    whose keys the capacity readout queries with; `query_map` `[D, D]` (fit_query_map's) adds "fitted_query"."""
     T, D = k.shape
     causal = torch.arange(T)[None, :] <= queries[:, None]  # [Q, T]
     scores = (q[queries] @ k.T) * scale
@@ -73,8 +76,20 @@ def readout_weights(q: torch.Tensor, k: torch.Tensor, queries: torch.Tensor, tar
         solved = torch.linalg.solve(gram + ridge * eye, probe[..., None])[..., 0]  # [Q, D]
         return (solved @ kn.T) * causal
 
-    return {"softmax": softmax, "taylor": taylor, "linear": linear, "least_squares": least_squares(qn[queries]),
-            "capacity": least_squares(kn[targets])}
+    out = {"softmax": softmax, "taylor": taylor, "linear": linear, "least_squares": least_squares(qn[queries]),
+           "capacity": least_squares(kn[targets])}
+    if query_map is not None:
+        out["fitted_query"] = least_squares(_unit(qn[queries] @ query_map))
+    return out
+
+
+def fit_query_map(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]], ridge: float) -> torch.Tensor:
+    """The map A `[D, D]` minimising sum |q^ A - k^|^2 + ridge |A|^2 over the (unit queries `[Q, D]`, unit target
+    keys `[Q, D]`) pairs given."""
+    x = torch.cat([p[0] for p in pairs])
+    y = torch.cat([p[1] for p in pairs])
+    eye = torch.eye(x.shape[1], dtype=x.dtype)
+    return torch.linalg.solve(x.T @ x + ridge * eye, x.T @ y)
 
 
 def hits(weights: torch.Tensor, v: torch.Tensor, queries: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -101,10 +116,10 @@ def head_qkv(probe, x: torch.Tensor, head: int, rope: bool) -> tuple[torch.Tenso
     return q[0, :, head].double(), k[0, :, head].double(), v[0, :, head].double()
 
 
-def measure(model, tokenizer, heads: Sequence[tuple[int, int]], lengths: Sequence[int], *, sequences: int,
-            seed: int, ridge: float, progress: bool = True) -> dict:
-    """Hit rates per (length, head, RoPE or not, readout), each the mean over the sequences' induction queries,
-    with the per-sequence rates for intervals; the teacher's copy-probe prompts (harness.eval.copy, no gap)."""
+def head_views(model, tokenizer, heads: Sequence[tuple[int, int]], lengths: Sequence[int], *, sequences: int,
+               seed: int) -> Iterator[dict]:
+    """For each length, copy-probe prompt (harness.eval.copy's, no gap), head and RoPE setting: {"length",
+    "sequence", "layer", "head", "rope", "q", "k", "v" `[T, D]` float64, "queries", "targets", "scale"}."""
     from harness.config.evaluation import CopyConfig
     from harness.eval.copy import (Layout, draw_sequences, induction_queries, layer_inputs, layer_probes, prompts,
                                    token_range, tokenizer_prefix, vocabulary_size)
@@ -115,12 +130,9 @@ def measure(model, tokenizer, heads: Sequence[tuple[int, int]], lengths: Sequenc
     probes = layer_probes(model)
     if probes is None:
         raise SystemExit("the model's layers cannot be read as softmax attention (a Llama-style teacher is needed)")
-    rows = []
     for length in lengths:
-        layout = Layout(len(prefix), length, 0)
-        queries, targets = induction_queries(layout)
+        queries, targets = induction_queries(Layout(len(prefix), length, 0))
         ids = prompts(draw_sequences(cfg, length, rng), prefix, length)
-        started = time.time()
         for index in range(ids.shape[0]):
             with layer_inputs(model) as store, torch.no_grad():
                 model(input_ids=ids[index:index + 1])
@@ -130,15 +142,38 @@ def measure(model, tokenizer, heads: Sequence[tuple[int, int]], lengths: Sequenc
                 for rope in (True, False):
                     with torch.no_grad():
                         q, k, v = head_qkv(probe, inputs[layer], head, rope)
-                        weights = readout_weights(q, k, queries, targets, scale=probe.scaling, ridge=ridge)
-                    for name, w in weights.items():
-                        rows.append({"length": length, "layer": layer, "head": head, "rope": rope, "readout": name,
-                                     "sequence": index,
-                                     "hit_rate": float(hits(w, v, queries, targets).double().mean())})
-        if progress:
-            print(f"length {length}: {ids.shape[0]} sequences in {time.time() - started:.1f} s", file=sys.stderr)
-    return {"rows": rows, "chance": {str(n): float((1.0 / (induction_queries(Layout(len(prefix), n, 0))[0] + 1.0))
-                                                   .mean()) for n in lengths}}
+                    yield {"length": length, "sequence": index, "layer": layer, "head": head, "rope": rope, "q": q,
+                           "k": k, "v": v, "queries": queries, "targets": targets, "scale": probe.scaling}
+
+
+def measure(model, tokenizer, heads: Sequence[tuple[int, int]], lengths: Sequence[int], *, sequences: int,
+            seed: int, ridge: float, progress: bool = True) -> dict:
+    """Hit rates per (length, head, RoPE or not, readout), each the mean over the sequences' induction queries,
+    with the per-sequence rates for intervals. The fitted query maps are fitted on the prompts of seed + 1 (the same
+    lengths and count) and scored on those of `seed`."""
+    from harness.eval.copy import Layout, induction_queries, tokenizer_prefix
+
+    pairs: dict[tuple, list] = {}
+    for view in head_views(model, tokenizer, heads, lengths, sequences=sequences, seed=seed + 1):
+        qn, kn = _unit(view["q"]), _unit(view["k"])
+        pairs.setdefault((view["layer"], view["head"], view["rope"]), []).append(
+            (qn[view["queries"]], kn[view["targets"]]))
+    maps = {key: fit_query_map(p, ridge) for key, p in pairs.items()}
+    rows, started = [], time.time()
+    for view in head_views(model, tokenizer, heads, lengths, sequences=sequences, seed=seed):
+        queries, targets = view["queries"], view["targets"]
+        with torch.no_grad():
+            weights = readout_weights(view["q"], view["k"], queries, targets, scale=view["scale"], ridge=ridge,
+                                      query_map=maps[(view["layer"], view["head"], view["rope"])])
+        for name, w in weights.items():
+            rows.append({"length": view["length"], "layer": view["layer"], "head": view["head"], "rope": view["rope"],
+                         "readout": name, "sequence": view["sequence"],
+                         "hit_rate": float(hits(w, view["v"], queries, targets).double().mean())})
+    if progress:
+        print(f"{len(rows)} rates in {time.time() - started:.1f} s", file=sys.stderr)
+    first = len(tokenizer_prefix(tokenizer))
+    return {"rows": rows, "chance": {str(n): float((1.0 / (induction_queries(Layout(first, n, 0))[0] + 1.0)).mean())
+                                     for n in lengths}}
 
 
 def summarise(rows: list[dict]) -> list[dict]:

@@ -60,6 +60,27 @@ def test_least_squares_readout_equals_the_fitted_map_and_stays_causal():
         assert torch.allclose(w["softmax"][row, :t + 1], logits.softmax(-1))
 
 
+def test_a_fitted_query_map_recovers_a_linear_relation_and_reads_like_the_target_key():
+    """Queries that are a fixed linear map of their targets' keys: the fitted map inverts it, and the readout
+    queried through it equals the capacity readout (queried by the target's key itself)."""
+    m = script()
+    g = torch.Generator().manual_seed(3)
+    D, T = 8, 6
+    mix = torch.randn(D, D, generator=g, dtype=torch.float64)
+    keys = torch.randn(50, D, generator=g, dtype=torch.float64)
+    keys = keys / keys.norm(dim=-1, keepdim=True)
+    queries = keys @ torch.linalg.inv(mix)  # q A = k with A = mix
+    fitted = m.fit_query_map([(queries[:25], keys[:25]), (queries[25:], keys[25:])], ridge=1e-12)
+    assert torch.allclose(fitted, mix, atol=1e-6)
+    k = torch.eye(D, dtype=torch.float64)[:T]
+    q = torch.zeros(T, D, dtype=torch.float64)
+    where, targets = torch.tensor([4, 5]), torch.tensor([1, 3])
+    q[where] = k[targets] @ torch.linalg.inv(mix)
+    w = m.readout_weights(q, k, where, targets, scale=1.0, ridge=1e-9, query_map=fitted)
+    assert torch.allclose(w["fitted_query"], w["capacity"], atol=1e-5)
+    assert "fitted_query" not in m.readout_weights(q, k, where, targets, scale=1.0, ridge=1e-9)
+
+
 def test_hit_is_the_nearest_value_among_the_causal_ones():
     m = script()
     values = torch.eye(4, dtype=torch.float64)
