@@ -17,6 +17,18 @@ from harness.config import JobConfig, load_job
 from tests.tiny import tiny_llama
 
 REPO = Path(__file__).resolve().parents[1]
+
+
+def load_script(name: str):
+    """scripts/NAME.py as a module (the scripts are not a package), run from the repository's scripts folder."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(name, REPO / "scripts" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 EOS = "<|endoftext|>"
 WORDS = ("the of and to in is was for on that with as by at from his it an were are which this be has had "
          "river city music history science garden window mountain language teacher market winter summer "

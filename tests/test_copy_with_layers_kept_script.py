@@ -7,24 +7,17 @@ fingerprint of the model's logits on the probe's prompts: a value that moves wit
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 
 import pytest
 
 from harness.ranking import rank_layers
-from tests.pipeline import make_setting, tiny_job
-
-REPO = Path(__file__).resolve().parents[1]
+from tests.pipeline import load_script, make_setting, tiny_job
 
 
 def script():
-    path = REPO / "scripts" / "copy_with_layers_kept.py"
-    spec = importlib.util.spec_from_file_location("copy_with_layers_kept", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("copy_with_layers_kept")
 
 
 @pytest.fixture(scope="module")

@@ -13,13 +13,9 @@ from tests.pipeline import tiny_job
 
 
 def test_two_scorings_of_one_student_compare_bitwise_and_a_changed_one_does_not(tmp_path, capsys):
-    import importlib.util
+    from tests.pipeline import load_script
 
-    from tests.pipeline import REPO
-
-    spec = importlib.util.spec_from_file_location("gpu_reproducibility", REPO / "scripts" / "gpu_reproducibility.py")
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
+    script = load_script("gpu_reproducibility")
     job = tiny_job(tmp_path / "setting", tmp_path / "run", "student.attention_layers=[1]")
     job_path = tmp_path / "job.yaml"
     job_path.write_text(OmegaConf.to_yaml(OmegaConf.structured(job)))

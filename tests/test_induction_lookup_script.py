@@ -5,21 +5,14 @@ hit test on hand-made values."""
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import pytest
 import torch
 
-REPO = Path(__file__).resolve().parents[1]
+from tests.pipeline import load_script
 
 
 def script():
-    path = REPO / "scripts" / "induction_lookup.py"
-    spec = importlib.util.spec_from_file_location("induction_lookup", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("induction_lookup")
 
 
 def test_orthonormal_keys_queried_by_the_target_key_are_read_back_exactly():

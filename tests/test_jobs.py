@@ -33,12 +33,10 @@ def test_study_grid_is_complete():
 def test_small_study_is_one_recipe_and_matches_its_generator():
     """jobs/study-small/: the seven mixers and a second seed of linear_attn, identical but for mixer, seed and
     name; the files are what scripts/make_study_jobs.py writes; the budget fits the embedded corpus."""
-    import importlib.util
+    from tests.pipeline import load_script
 
     root = Path(__file__).resolve().parents[1]
-    spec = importlib.util.spec_from_file_location("make_study_jobs", root / "scripts" / "make_study_jobs.py")
-    gen = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(gen)
+    gen = load_script("make_study_jobs")
     expected = gen.small_jobs()
     folder = root / "jobs" / "study-small"
     assert {p.name: p.read_text() for p in folder.glob("*.yaml")} == expected
@@ -68,13 +66,9 @@ def test_small_study_is_one_recipe_and_matches_its_generator():
 
 
 def _generator():
-    import importlib.util
+    from tests.pipeline import load_script
 
-    root = Path(__file__).resolve().parents[1]
-    spec = importlib.util.spec_from_file_location("make_study_jobs", root / "scripts" / "make_study_jobs.py")
-    gen = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(gen)
-    return gen
+    return load_script("make_study_jobs")
 
 
 def _as_dict(job) -> dict:
