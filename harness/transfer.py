@@ -102,13 +102,15 @@ class AttentionProbe:
             return self.rotary(x, positions, layer_type)  # Gemma 3: one rotary per layer type
         return layer_rope(self.rotary(x, positions), getattr(a, "layer_idx", 0))
 
-    def _qkv(self, x, positions):
+    def _qkv(self, x, positions, rope: bool = True):
+        """q, k, v `[B, T, heads, head_dim]` (k and v repeated over the query heads), with the layer's RoPE unless
+        `rope` is False (what a mixer with `rope: false` reads)."""
         a, n_rep = self.attn, self.heads // self.kv_heads
         split = lambda t: t.unflatten(-1, (-1, self.head_dim))  # noqa: E731
         q, k, v = split(a.q_proj(x)), split(a.k_proj(x)), split(a.v_proj(x))
         if hasattr(a, "q_norm"):  # Qwen3, Gemma 3: per-head RMSNorm of q and k before RoPE
             q, k = a.q_norm(q), a.k_norm(k)
-        rope = self._rope(x, positions)
+        rope = self._rope(x, positions) if rope else None
         if rope is not None:
             q, k = apply_rope(q, k, *rope)
         return q, k.repeat_interleave(n_rep, dim=2), v.repeat_interleave(n_rep, dim=2)  # transformers' repeat_kv

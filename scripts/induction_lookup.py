@@ -103,16 +103,8 @@ def hits(weights: torch.Tensor, v: torch.Tensor, queries: torch.Tensor, targets:
 
 def head_qkv(probe, x: torch.Tensor, head: int, rope: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The teacher head's q, k, v `[T, D]` (float64) for one row's layer input x `[1, T, hidden]`, with or without
-    its RoPE (harness.transfer.AttentionProbe._qkv applies it when the layer has one)."""
-    a, d = probe.attn, probe.head_dim
-    group = probe.heads // probe.kv_heads
-    split = lambda t: t.unflatten(-1, (-1, d))  # noqa: E731
-    if rope:
-        positions = torch.arange(x.shape[1])[None]
-        q, k, v = probe._qkv(x, positions)
-    else:
-        q, k, v = split(a.q_proj(x)), split(a.k_proj(x)), split(a.v_proj(x))
-        k, v = k.repeat_interleave(group, dim=2), v.repeat_interleave(group, dim=2)
+    its RoPE (harness.transfer.AttentionProbe's own projections)."""
+    q, k, v = probe._qkv(x, torch.arange(x.shape[1])[None], rope=rope)
     return q[0, :, head].double(), k[0, :, head].double(), v[0, :, head].double()
 
 

@@ -120,6 +120,11 @@ def test_the_softmax_readout_is_the_teachers_attention_and_every_row_is_written(
     w = m.readout_weights(q, k, queries, targets, scale=probe.scaling, ridge=1e-3)
     attention = probe.mixing(x, torch.arange(12)[None])[0, 2].double()  # [T, T], the module's own softmax
     assert torch.allclose(w["softmax"], attention[queries], atol=1e-5)
+    q_plain, k_plain, _ = m.head_qkv(probe, x, 2, rope=False)  # no RoPE: the projections themselves
+    d, group = probe.head_dim, probe.heads // probe.kv_heads
+    assert torch.allclose(q_plain, probe.attn.q_proj(x)[0, :, 2 * d:3 * d].double(), atol=1e-6)
+    assert torch.allclose(k_plain, probe.attn.k_proj(x)[0, :, (2 // group) * d:(2 // group + 1) * d].double(), atol=1e-6)
+    assert not torch.allclose(q_plain, q)
 
 
 @pytest.mark.parametrize("argv, message", [
