@@ -359,3 +359,81 @@ def test_groups_made_under_other_options_are_refused_with_the_overrides_that_con
     assert align_group(legacy, "align_mixer", [0, 1, 2, 3]) == group_dir(job, "align_mixer", [0, 1, 2, 3])
     with pytest.raises(ConfigError, match="student.mixer=gated_deltanet, not retnet"):
         align_group(make_job(tmp_path, "student.mixer=retnet"), "align_mixer", [0, 1, 2, 3])
+
+
+# ------------------------------------------------------------------------------------------ matrix orientation
+
+
+def test_mixing_term_is_the_distance_to_the_teachers_attention_probabilities(teacher_dir):
+    """mixing_loss against a hand computation: the teacher's softmax rows from transformers' eager attention
+    (output_attentions), and the mixing matrix of an identity-feature, unnormalised linear_attn mixer, A_ts =
+    (q_t . k_s) / sqrt(d) for s <= t, from its own projections."""
+    from transformers import AutoModelForCausalLM
+
+    from harness.transfer import AttentionProbe
+
+    model = AutoModelForCausalLM.from_pretrained(teacher_dir, attn_implementation="eager").eval()
+    config = student_config(model.config, "linear_attn", {"feature_map": "identity", "normalize": False})
+    mixer = init_mixer(model.model.layers[1], config, 1, seed=0).float()
+    ids = torch.randint(0, model.config.vocab_size, (2, 12), generator=torch.Generator().manual_seed(0))
+    inputs = {}
+    hook = model.model.layers[1].input_layernorm.register_forward_hook(lambda m, a, o: inputs.update(x=o.detach()))
+    with torch.no_grad():
+        probs = model(input_ids=ids, output_attentions=True).attentions[1][:, :, :8, :8]  # [B, H, 8, 8]
+    hook.remove()
+    x = inputs["x"]
+    got = align_mod.mixing_loss(mixer, AttentionProbe.of_teacher(model, 1), x, tokens=8)
+
+    h, d = config.num_attention_heads, config.hidden_size // config.num_attention_heads
+    q = mixer.q_proj(x[:, :8]).unflatten(-1, (h, d)).transpose(1, 2)  # [B, H, 8, d]
+    k = mixer.k_proj(x[:, :8]).unflatten(-1, (h, d)).transpose(1, 2)  # the teacher's KV heads expanded at transfer
+    a = (q @ k.transpose(-1, -2)) * d ** -0.5
+    causal = torch.ones(8, 8, dtype=torch.bool).tril()
+    expected = (a - probs).masked_fill(~causal, 0.0).pow(2).sum(-1).mean()
+    assert got.item() == pytest.approx(expected.item(), rel=1e-4)
+
+
+def test_stage1_with_the_mixing_term_logs_it_and_moves_the_mixer_towards_the_teachers_attention(make_job, tmp_path):
+    """mixing_weight > 0: each layer's term is logged apart (loss/mixing_NN), the logged alignment loss of the first
+    step is the plain run's (same start, same batch), and the term falls further than under the output loss
+    alone."""
+    plain = make_job(tmp_path / "plain", "stages.align_mixer.mixing_tokens=16")
+    mixed = make_job(tmp_path / "mixed", "stages.align_mixer.mixing_weight=5.0", "stages.align_mixer.mixing_tokens=16")
+    align_group(plain, "align_mixer", [1])
+    align_group(mixed, "align_mixer", [1])
+    rows, plain_rows = metrics(mixed, "align_mixer", [1]), metrics(plain, "align_mixer", [1])
+    assert all("loss/mixing_01" in r for r in rows) and not any("loss/mixing_01" in r for r in plain_rows)
+    assert rows[0]["loss/layer_01"] == pytest.approx(plain_rows[0]["loss/layer_01"], rel=1e-5)
+
+    from harness.data import prepare_job_corpus
+    from harness.stages.common import load_job_teacher
+    from harness.teacher import capture_activations
+    from harness.transfer import AttentionProbe
+
+    teacher = load_job_teacher(mixed, torch.device("cpu"))
+    ids = next(prepare_job_corpus(mixed, teacher.tokenizer, max_positions=512).validation_batches(8))["input_ids"]
+    x = capture_activations(teacher.model, ids, layers=[1], kinds=("attn_input",)).attn_input[1]
+    probe = AttentionProbe.of_teacher(teacher.model, 1)
+
+    def term(job, trained: bool) -> float:
+        group = align_mod.build_group(job, "align_mixer", [1], teacher,
+                                      student_config(teacher.config, job.student.mixer, {}))
+        if trained:
+            prefix = "model.layers.1.mixer."
+            group["1"].load_state_dict({k[len(prefix):]: v for k, v in weights(job, "align_mixer", [1]).items()
+                                        if k.startswith(prefix)})
+        with torch.no_grad():
+            return float(align_mod.mixing_loss(group["1"], probe, x, 16))
+
+    start, after_plain, after_mixed = term(plain, False), term(plain, True), term(mixed, True)
+    assert after_mixed < 0.8 * start and after_mixed < after_plain, (start, after_plain, after_mixed)
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (("stages.align_hidden.mixing_weight=1.0",), "is stage 1's"),
+    (("stages.align_mixer.mixing_weight=1.0", "student.options.rope=true"), "without RoPE only"),
+    (("stages.align_mixer.mixing_weight=-1",), "mixing_weight"),
+])
+def test_a_mixing_term_the_stage_cannot_apply_is_refused_by_name(make_job, tmp_path, overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        make_job(tmp_path, *overrides)

@@ -7,7 +7,7 @@ import math
 from dataclasses import dataclass
 from typing import Optional
 
-from harness.config.fields import FRACTION, POSITIVE, Rule, described
+from harness.config.fields import FRACTION, POSITIVE, Rule, at_least_zero, described
 from harness.config_choices import AlignLoss, DistillData, DistillLoss, Schedule
 
 STAGES = ("align_mixer", "align_hidden", "distill")  # the pretraining pipeline; `sft` is a post-training stage
@@ -52,6 +52,18 @@ class AlignConfig(StageConfig):
         "Per-layer loss: 'mse' (squared difference, the mean over batch, tokens and hidden features) or 'l2' "
         "(the Euclidean norm of the difference per token, not squared, averaged over batch and tokens: the paper "
         "authors' stage 2, jobs/paper-recipe/)."
+    )
+    mixing_weight: float = described(
+        0.0, "Stage 1 only: weight of a matrix-orientation term (MOHAWK's stage 1) added to each layer's output loss: "
+        "the squared distance between the mixer's mixing matrix (its PyTorch form with one-hot values: o_t = sum_s "
+        "A_ts v_s) and the teacher's softmax attention, summed over each query row's keys and averaged over batch, "
+        "heads and rows, on the first mixing_tokens tokens of each row. It trains the queries and keys towards the "
+        "teacher's lookup (docs/results/retrieval-135m/README.md, 'Why the lookup fails').",
+        rule=at_least_zero("off: the output loss alone"),
+    )
+    mixing_tokens: int = described(
+        256, "Leading tokens of each row the matrix-orientation term reads (its [T, T] matrices per head grow with the "
+        "square of T).", rule=POSITIVE,
     )
 
 

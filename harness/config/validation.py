@@ -36,6 +36,7 @@ def validate(job: JobConfig) -> None:
     for stage in (*STAGES, "sft"):
         _check_warmup_and_decay(f"stages.{stage}", getattr(job.stages, stage))
     _check_every_tokens(job)
+    _check_mixing_term(job)
     d = job.stages.distill
     _check_distill_losses(d)
     _check_instructions(job.instructions)
@@ -58,6 +59,19 @@ def _check_post_training(job: JobConfig) -> None:
                           f"stages.sft.student='{sft.student}' names another. Set stages.sft.student=null to tune the "
                           "pipeline's student, or stages.sft.enabled=false and tune that student with `harness stage "
                           "sft`.")
+
+
+def _check_mixing_term(job: JobConfig) -> None:
+    """The matrix-orientation term is stage 1's, and reads the mixer's q and k without RoPE."""
+    if job.stages.align_hidden.mixing_weight:
+        raise ConfigError(f"stages.align_hidden.mixing_weight={job.stages.align_hidden.mixing_weight}: the "
+                          "matrix-orientation term is stage 1's (stages.align_mixer.mixing_weight); stage 2 aligns "
+                          "whole blocks. Set it to 0.")
+    from harness.mixers import mixer_options
+
+    if job.stages.align_mixer.mixing_weight and mixer_options(job.student.mixer, job.student.options).rope:
+        raise ConfigError(f"stages.align_mixer.mixing_weight={job.stages.align_mixer.mixing_weight} with "
+                          "student.options.rope=true: the term reads mixers without RoPE only. Set one of them off.")
 
 
 def _check_attention_layers(layers: Any) -> None:

@@ -10,7 +10,8 @@ MLP and the stage-1 mixer of layer l, reads the teacher's h_l (`hidden_in`) and 
 Loss: stages.<stage>.loss per layer, `alignment_mse` (the mean over batch, tokens and hidden features, fp32) by
 default, or `alignment_l2` (the per-token Euclidean norm of the difference, averaged). The optimised
 objective is the *sum* of the group's per-layer losses, so that layer l's gradient is that of its own loss
-whatever the group holds; the logged `loss` is their mean.
+whatever the group holds; the logged `loss` is their mean. Stage 1 may add a matrix-orientation term per layer
+(`stages.align_mixer.mixing_weight`, `mixing_loss`), logged apart as `loss/mixing_<layer>`.
 
 Group independence: a group's results depend only on its layers, not on how the model was cut into groups.
 - Every group reads the same data in the same order (the stage's whole stream, rank 0 of world 1).
@@ -255,16 +256,40 @@ def layer_loss(module: nn.Module, stage: str, acts: Any, layer: int, rope: Any =
     return alignment_loss(loss)(y, getattr(acts, dst)[layer])
 
 
+def mixing_loss(mixer: nn.Module, teacher_attention: Any, x: torch.Tensor, tokens: int) -> torch.Tensor:
+    """The matrix-orientation term (stages.align_mixer.mixing_weight): on the first `tokens` tokens of the layer
+    input x `[B, T, hidden]`, the squared distance between the mixer's mixing matrix (harness.transfer.MixerProbe:
+    its reference path with one-hot values) and the teacher's softmax attention (harness.transfer.AttentionProbe),
+    summed over each query row's keys and averaged over batch, heads and rows (fp32 scalar)."""
+    from harness.transfer import MixerProbe
+
+    x = x[:, :tokens].float()
+    positions = torch.arange(x.shape[1], device=x.device)[None]
+    with torch.no_grad():
+        target = teacher_attention.mixing(x, positions)  # [B, H, T, T], zero above the diagonal
+    got = MixerProbe(mixer).mixing(x, positions)
+    causal = torch.ones(x.shape[1], x.shape[1], dtype=torch.bool, device=x.device).tril()
+    return (got - target).masked_fill(~causal, 0.0).pow(2).sum(-1).mean()
+
+
 def backward_layers(group: nn.ModuleDict, stage: str, acts: Any, rope: Any, scale: float,
-                    autocast: Any = contextlib.nullcontext(), loss: str = "mse") -> dict[int, torch.Tensor]:
+                    autocast: Any = contextlib.nullcontext(), loss: str = "mse",
+                    mixing: Optional[tuple[float, int, dict[int, Any]]] = None) -> dict[int, torch.Tensor]:
     """Backward of scale x each layer's loss, one layer at a time (its graph is freed before the next, and
-    layer l's gradient is that of its own loss); the forward runs under `autocast`. Returns the unscaled,
-    detached losses."""
-    out = {}
+    layer l's gradient is that of its own loss); the forward runs under `autocast`. `mixing` (weight, tokens,
+    {layer: the teacher's AttentionProbe}) adds weight x stage 1's matrix-orientation term to each layer's objective.
+    Returns the unscaled, detached losses (the alignment loss alone) and, under "mixing/<layer>", each term."""
+    out: dict = {}
     for key, module in group.items():
         with autocast:
             value = layer_loss(module, stage, acts, int(key), rope, loss)
-        (value * scale).backward()
+        objective = value
+        if mixing is not None:
+            weight, tokens, probes = mixing
+            term = mixing_loss(module, probes[int(key)], getattr(acts, KINDS[stage][0])[int(key)], tokens)
+            objective = value + weight * term
+            out[f"mixing/{int(key)}"] = term.detach()
+        (objective * scale).backward()
         out[int(key)] = value.detach()
     return out
 
@@ -407,6 +432,12 @@ def _train(run: _Run, resumed: Optional[CheckpointInfo], stop_after_steps: Optio
     rope = rope_for(student_config(run.teacher.model.config, job.student.mixer, dict(job.student.options)), device)
     autocast = stage_autocast(job, device)
     every, done_here, saved_at = job.run.checkpoint_every_tokens, 0, run.step if resumed else -1
+    mixing = None
+    if run.stage == "align_mixer" and cfg.mixing_weight:
+        from harness.transfer import AttentionProbe
+
+        mixing = (cfg.mixing_weight, cfg.mixing_tokens,
+                  {l: AttentionProbe.of_teacher(run.teacher.model, l) for l in run.layers})
     name = f"{run.stage}/{run.gdir.name}"
     with RunLogger(run.gdir, stage=name, total_tokens=run.loader.tokens_total,
                    start_step=resumed.step if resumed else None, start_tokens=run.loader.tokens_consumed) as log:
@@ -414,14 +445,16 @@ def _train(run: _Run, resumed: Optional[CheckpointInfo], stop_after_steps: Optio
             log.write(f"{name}: resuming from {resumed.path} (step {run.step}/{total_steps})")
         while run.step < total_steps:
             lr, tokens_before = run.scheduler.get_last_lr()[0], run.loader.tokens_consumed
-            sums = dict.fromkeys(run.layers, 0.0)
+            sums: dict = dict.fromkeys(run.layers, 0.0)
             for _ in range(cfg.grad_accum):
                 ids = next(run.loader)["input_ids"].to(device)
                 acts = capture_activations(run.teacher.model, ids, layers=run.layers, kinds=KINDS[run.stage])
                 for l, v in backward_layers(run.group, run.stage, acts, rope(ids), 1 / cfg.grad_accum,
-                                            autocast, cfg.loss).items():
-                    sums[l] += float(v)
-            run.losses = {l: v / cfg.grad_accum for l, v in sums.items()}
+                                            autocast, cfg.loss, mixing).items():
+                    sums[l] = sums.get(l, 0.0) + float(v)
+            terms = {f"loss/mixing_{int(l.split('/')[1]):02d}": v / cfg.grad_accum for l, v in sums.items()
+                     if isinstance(l, str)}
+            run.losses = {l: v / cfg.grad_accum for l, v in sums.items() if isinstance(l, int)}
             mean = check_finite(sum(run.losses.values()) / len(run.losses), run.step + 1,
                                run.loader.tokens_consumed)
             norms = clip_per_layer(run.group, cfg.grad_clip)
@@ -431,6 +464,7 @@ def _train(run: _Run, resumed: Optional[CheckpointInfo], stop_after_steps: Optio
             run.step, done_here, tokens = run.step + 1, done_here + 1, run.loader.tokens_consumed
             if run.step % job.run.log_every_steps == 0 or run.step == total_steps:
                 log.log(run.step, tokens, loss=mean, lr=lr, **{f"loss/layer_{l:02d}": v for l, v in run.losses.items()},
+                        **terms,
                         **{f"grad_norm/layer_{l:02d}": v for l, v in norms.items()})
             if every and tokens // every > tokens_before // every:
                 _save(run)
