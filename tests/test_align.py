@@ -397,8 +397,10 @@ def test_stage1_with_the_mixing_term_logs_it_and_moves_the_mixer_towards_the_tea
     """mixing_weight > 0: each layer's term is logged apart (loss/mixing_NN), the logged alignment loss of the first
     step is the plain run's (same start, same batch), and the term falls further than under the output loss
     alone."""
-    plain = make_job(tmp_path / "plain", "stages.align_mixer.mixing_tokens=16")
-    mixed = make_job(tmp_path / "mixed", "stages.align_mixer.mixing_weight=5.0", "stages.align_mixer.mixing_tokens=16")
+    bf16 = "teacher.dtype=bfloat16"  # as the studies' teachers: the term reads the teacher in its own dtype
+    plain = make_job(tmp_path / "plain", bf16, "stages.align_mixer.mixing_tokens=16")
+    mixed = make_job(tmp_path / "mixed", bf16, "stages.align_mixer.mixing_weight=5.0",
+                     "stages.align_mixer.mixing_tokens=16")
     align_group(plain, "align_mixer", [1])
     align_group(mixed, "align_mixer", [1])
     rows, plain_rows = metrics(mixed, "align_mixer", [1]), metrics(plain, "align_mixer", [1])
@@ -412,7 +414,7 @@ def test_stage1_with_the_mixing_term_logs_it_and_moves_the_mixer_towards_the_tea
 
     teacher = load_job_teacher(mixed, torch.device("cpu"))
     ids = next(prepare_job_corpus(mixed, teacher.tokenizer, max_positions=512).validation_batches(8))["input_ids"]
-    x = capture_activations(teacher.model, ids, layers=[1], kinds=("attn_input",)).attn_input[1]
+    x = capture_activations(teacher.model, ids, layers=[1], kinds=("attn_input",)).attn_input[1].float()
     probe = AttentionProbe.of_teacher(teacher.model, 1)
 
     def term(job, trained: bool) -> float:

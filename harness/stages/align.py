@@ -265,8 +265,8 @@ def mixing_loss(mixer: nn.Module, teacher_attention: Any, x: torch.Tensor, token
 
     x = x[:, :tokens].float()
     positions = torch.arange(x.shape[1], device=x.device)[None]
-    with torch.no_grad():
-        target = teacher_attention.mixing(x, positions)  # [B, H, T, T], zero above the diagonal
+    with torch.no_grad():  # the teacher's projections in their own dtype (a bf16 teacher), the scores in fp32
+        target = teacher_attention.mixing(x.to(teacher_attention.attn.q_proj.weight.dtype), positions).float()
     got = MixerProbe(mixer).mixing(x, positions)
     causal = torch.ones(x.shape[1], x.shape[1], dtype=torch.bool, device=x.device).tril()
     return (got - target).masked_fill(~causal, 0.0).pow(2).sum(-1).mean()
