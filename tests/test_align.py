@@ -365,9 +365,9 @@ def test_groups_made_under_other_options_are_refused_with_the_overrides_that_con
 
 
 def test_mixing_term_is_the_distance_to_the_teachers_attention_probabilities(teacher_dir):
-    """mixing_loss against a hand computation: the teacher's softmax rows from transformers' eager attention
-    (output_attentions), and the mixing matrix of an identity-feature, unnormalised linear_attn mixer, A_ts =
-    (q_t . k_s) / sqrt(d) for s <= t, from its own projections."""
+    """mixing_loss against a hand computation: 1 - the mean row cosine between the teacher's softmax rows from
+    transformers' eager attention (output_attentions) and the mixing matrix of an identity-feature, unnormalised
+    linear_attn mixer, A_ts = (q_t . k_s) / sqrt(d) for s <= t, from its own projections."""
     from transformers import AutoModelForCausalLM
 
     from harness.transfer import AttentionProbe
@@ -389,8 +389,10 @@ def test_mixing_term_is_the_distance_to_the_teachers_attention_probabilities(tea
     k = mixer.k_proj(x[:, :8]).unflatten(-1, (h, d)).transpose(1, 2)  # the teacher's KV heads expanded at transfer
     a = (q @ k.transpose(-1, -2)) * d ** -0.5
     causal = torch.ones(8, 8, dtype=torch.bool).tril()
-    expected = (a - probs).masked_fill(~causal, 0.0).pow(2).sum(-1).mean()
-    assert got.item() == pytest.approx(expected.item(), rel=1e-4)
+    a = a.masked_fill(~causal, 0.0)
+    cos = (a * probs).sum(-1) / (a.norm(dim=-1) * probs.norm(dim=-1))
+    assert got.item() == pytest.approx(1 - cos.mean().item(), rel=1e-4)
+    assert 0.0 < got.item() < 2.0
 
 
 def test_stage1_with_the_mixing_term_logs_it_and_moves_the_mixer_towards_the_teachers_attention(make_job, tmp_path):

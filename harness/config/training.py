@@ -55,9 +55,9 @@ class AlignConfig(StageConfig):
     )
     mixing_weight: float = described(
         0.0, "Stage 1 only: weight of a matrix-orientation term (MOHAWK's stage 1) added to each layer's output loss: "
-        "the squared distance between the mixer's mixing matrix (its PyTorch form with one-hot values: o_t = sum_s "
-        "A_ts v_s) and the teacher's softmax attention, summed over each query row's keys and averaged over batch, "
-        "heads and rows, on the first mixing_tokens tokens of each row. It trains the queries and keys towards the "
+        "1 - the cosine between each query row of the mixer's mixing matrix (its PyTorch form with one-hot values: "
+        "o_t = sum_s A_ts v_s) and of the teacher's softmax attention, averaged over batch, heads and rows, on the "
+        "first mixing_tokens tokens of each row. It trains the queries and keys towards the "
         "teacher's lookup (docs/results/retrieval-135m/README.md, 'Why the lookup fails').",
         rule=at_least_zero("off: the output loss alone"),
     )

@@ -258,9 +258,11 @@ def layer_loss(module: nn.Module, stage: str, acts: Any, layer: int, rope: Any =
 
 def mixing_loss(mixer: nn.Module, teacher_attention: Any, x: torch.Tensor, tokens: int) -> torch.Tensor:
     """The matrix-orientation term (stages.align_mixer.mixing_weight): on the first `tokens` tokens of the layer
-    input x `[B, T, hidden]`, the squared distance between the mixer's mixing matrix (harness.transfer.MixerProbe:
-    its reference path with one-hot values) and the teacher's softmax attention (harness.transfer.AttentionProbe),
-    summed over each query row's keys and averaged over batch, heads and rows (fp32 scalar)."""
+    input x `[B, T, hidden]`, 1 - cos(A_t, P_t) between each query row of the mixer's mixing matrix A
+    (harness.transfer.MixerProbe: its reference path with one-hot values) and of the teacher's softmax attention P
+    (harness.transfer.AttentionProbe) over the row's keys, averaged over batch, heads and rows (fp32 scalar). A
+    cosine, not a squared distance: a gated mixer's A is bounded by its scale (unit q and k times head_dim^-0.5)
+    and normalised after it, so only its direction can match P."""
     from harness.transfer import MixerProbe
 
     x = x[:, :tokens].float()
@@ -269,7 +271,8 @@ def mixing_loss(mixer: nn.Module, teacher_attention: Any, x: torch.Tensor, token
         target = teacher_attention.mixing(x.to(teacher_attention.attn.q_proj.weight.dtype), positions).float()
     got = MixerProbe(mixer).mixing(x, positions)
     causal = torch.ones(x.shape[1], x.shape[1], dtype=torch.bool, device=x.device).tril()
-    return (got - target).masked_fill(~causal, 0.0).pow(2).sum(-1).mean()
+    got = got.masked_fill(~causal, 0.0)  # the teacher's rows are zero above the diagonal already
+    return 1 - torch.nn.functional.cosine_similarity(got, target, dim=-1, eps=1e-12).mean()
 
 
 def backward_layers(group: nn.ModuleDict, stage: str, acts: Any, rope: Any, scale: float,
