@@ -55,10 +55,13 @@ def last_stage1_loss(run: Path, layer: int) -> float | None:
 
 
 def measure(job: str, layer: int, tokens: int, seed: int, work: Path, device: str, sequences: int,
-            allow_repeat: bool = False, lengths: tuple[int, ...] = (64,)) -> list[dict[str, Any]]:
-    """Train (tokens > 0) and score one run at each copy length; tokens == 0 scores the layer at its initialisation."""
-    run = work / f"{Path(job).stem}-L{layer}-t{tokens}-s{seed}"
-    common = [f"output_dir={run}", f"run.device={device}", f"seed={seed}"]
+            allow_repeat: bool = False, lengths: tuple[int, ...] = (64,),
+            overrides: tuple[str, ...] = ()) -> list[dict[str, Any]]:
+    """Train (tokens > 0) and score one run at each copy length; tokens == 0 scores the layer at its initialisation.
+    `overrides` (KEY=VALUE) change the job for both, and name the run folder."""
+    tag = "".join(f"-{k.rsplit('.', 1)[-1]}{v.replace('/', '_')}" for k, v in (o.split("=", 1) for o in overrides))
+    run = work / f"{Path(job).stem}{tag}-L{layer}-t{tokens}-s{seed}"
+    common = [f"output_dir={run}", f"run.device={device}", f"seed={seed}", *overrides]
     started = time.time()
     if tokens > 0:
         repeat = ["data.allow_repeat=true"] if allow_repeat else []
@@ -71,7 +74,7 @@ def measure(job: str, layer: int, tokens: int, seed: int, work: Path, device: st
                 str(2 * length), "--sequences", str(sequences), *common)
         part = copy_part(run, layer)
         teacher = part["data"]["teacher_copy_acc"]
-        row = {"job": job, "data": data, "layer": layer, "tokens": tokens, "seed": seed,
+        row = {"job": job, "overrides": list(overrides), "data": data, "layer": layer, "tokens": tokens, "seed": seed,
                "weights": part["layers"][str(layer)]["weights"], "copy_length": length,
                "teacher_copy_acc": teacher, "copy_acc": teacher - part["layers"][str(layer)]["cost"],
                "stage1_last_loss": stage1_loss, "train_seconds": round(trained, 1)}
@@ -116,6 +119,8 @@ def main() -> None:
     p.add_argument("--device", default="cpu", help="run.device for every command (default cpu).")
     p.add_argument("--work", type=Path, default=Path("runs/layer-copy"), help="Folder for the runs.")
     p.add_argument("--out", type=Path, required=True, help="Writes OUT.json and OUT.md.")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="A job override for every run (repeatable), e.g. stages.align_mixer.mixing_weight=4.0.")
     p.add_argument("--allow-repeat", action="store_true",
                    help="data.allow_repeat=true for the training: a stage-1 budget above the job's own makes its plan\n"
                         "read past the data in stage 3, which this script never runs (stage 1 reads the first\n"
@@ -125,9 +130,13 @@ def main() -> None:
     if min(a.copy_lengths) < 4:
         p.error(f"--copy-lengths {min(a.copy_lengths)}: a copy needs at least 4 tokens")
     lengths = tuple(a.copy_lengths)
-    rows = measure(a.job[0], a.layer, 0, 0, a.work, a.device, a.sequences, lengths=lengths)
+    bad = [o for o in a.overrides if "=" not in o]
+    if bad:
+        p.error(f"--set {bad[0]}: give KEY=VALUE, e.g. stages.align_mixer.mixing_weight=4.0")
+    sets = tuple(a.overrides)
+    rows = measure(a.job[0], a.layer, 0, 0, a.work, a.device, a.sequences, lengths=lengths, overrides=sets)
     rows += [row for job in a.job for t in a.tokens if t > 0 for s in a.seeds
-             for row in measure(job, a.layer, t, s, a.work, a.device, a.sequences, a.allow_repeat, lengths)]
+             for row in measure(job, a.layer, t, s, a.work, a.device, a.sequences, a.allow_repeat, lengths, sets)]
     command = " ".join(["python", "scripts/layer_copy_after_stage1.py", *sys.argv[1:]])
     a.out.parent.mkdir(parents=True, exist_ok=True)
     a.out.with_suffix(".json").write_text(json.dumps({"command": command, "machine": platform.node(), "rows": rows},
