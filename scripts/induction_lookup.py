@@ -103,7 +103,7 @@ def hits(weights: torch.Tensor, v: torch.Tensor, queries: torch.Tensor, targets:
 
 def head_qkv(probe, x: torch.Tensor, head: int, rope: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The teacher head's q, k, v `[T, D]` (float64) for one row's layer input x `[1, T, hidden]`, with or without
-    its RoPE (harness.transfer.AttentionProbe's own projections)."""
+    its RoPE (harness.probes.AttentionProbe's own projections)."""
     q, k, v = probe._qkv(x, torch.arange(x.shape[1])[None], rope=rope)
     return q[0, :, head].double(), k[0, :, head].double(), v[0, :, head].double()
 

@@ -370,7 +370,7 @@ def test_mixing_term_is_the_distance_to_the_teachers_attention_probabilities(tea
     linear_attn mixer, A_ts = (q_t . k_s) / sqrt(d) for s <= t, from its own projections."""
     from transformers import AutoModelForCausalLM
 
-    from harness.transfer import AttentionProbe
+    from harness.probes import AttentionProbe
 
     model = AutoModelForCausalLM.from_pretrained(teacher_dir, attn_implementation="eager").eval()
     config = student_config(model.config, "linear_attn", {"feature_map": "identity", "normalize": False})
@@ -412,7 +412,7 @@ def test_stage1_with_the_mixing_term_logs_it_and_moves_the_mixer_towards_the_tea
     from harness.data import prepare_job_corpus
     from harness.stages.common import load_job_teacher
     from harness.teacher import capture_activations
-    from harness.transfer import AttentionProbe
+    from harness.probes import AttentionProbe
 
     teacher = load_job_teacher(mixed, torch.device("cpu"))
     ids = next(prepare_job_corpus(mixed, teacher.tokenizer, max_positions=512).validation_batches(8))["input_ids"]

@@ -17,6 +17,7 @@ from transformers import AutoModelForCausalLM
 
 import harness  # noqa: F401  (registers the student classes)
 from harness.mixers import MIXERS
+from harness.probes import AttentionProbe
 from harness.student import build_student
 from harness.teacher import (
     AttentionLayout,
@@ -25,7 +26,6 @@ from harness.teacher import (
     check_teacher_architecture,
     load_teacher,
 )
-from harness.transfer import AttentionProbe
 from tests.tiny import TINY_FAMILIES, tiny_mistral, tiny_qwen2, tiny_qwen3
 
 FAMILIES = ("qwen2", "qwen3", "mistral")

@@ -19,6 +19,7 @@ import harness
 from harness.attention import KVState
 from harness.layouts import LayerRope
 from harness.mixers.contract import padded, real
+from harness.probes import AttentionProbe, MixerProbe
 from harness.student import HarnessForCausalLM, copy_teacher_weights, rope_for, student_config
 from harness.teacher import (
     AttentionLayout,
@@ -28,7 +29,6 @@ from harness.teacher import (
     check_teacher_config,
     load_teacher,
 )
-from harness.transfer import AttentionProbe, MixerProbe
 from tests.tiny import TINY_FAMILIES, tiny_gemma2, tiny_gemma3, tiny_llama, tiny_smollm3
 
 NEW = ("gemma", "gemma2", "gemma3_text", "smollm3")

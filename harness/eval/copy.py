@@ -50,7 +50,7 @@ Induction score (with `induction`, for lengths <= `induction_max_length`: mixing
 sequence). For query position t = P+L+gap+i in the second copy, i = 0..L-2 (the queries whose next token s_{i+1}
 is a second-copy token), the induction target is position P+i+1: the token after the previous occurrence of the
 query's token s_i. Each layer's mixing matrix A `[heads, T, T]` on the layer's own input (the model's activations,
-the layer recomputed in float32) comes from `harness.transfer`:
+the layer recomputed in float32) comes from `harness.probes`:
 
     softmax attention  (a teacher's layers, a hybrid student's kept `attention_layers`): `AttentionProbe.mixing`,
                        the attention probabilities; score = A[t, target], the probability mass on the target
@@ -318,14 +318,14 @@ class LayerProbe:
 
     kind: str
     name: str
-    probe: Any  # harness.transfer.AttentionProbe or MixerProbe, on float32 copies of the layer's modules
+    probe: Any  # harness.probes.AttentionProbe or MixerProbe, on float32 copies of the layer's modules
 
 
 def layer_probes(model: Any) -> Optional[list[LayerProbe]]:
     """The probes of every layer of a student (HarnessForCausalLM: mixers, and kept attention layers as attention)
     or a teacher (Llama-style: every layer softmax attention); None for a model whose layers cannot be read."""
     from harness.student import AttentionBlock, HarnessForCausalLM
-    from harness.transfer import AttentionProbe, MixerProbe
+    from harness.probes import AttentionProbe, MixerProbe
 
     if isinstance(model, HarnessForCausalLM):
         inner, out = model.model, []
@@ -514,7 +514,7 @@ DEFINITIONS = {
     "induction": "per head, mean over queries t in the second copy (tokens 1..L-1) of |A[t, target]| / "
                  "sum_{s<=t} |A[t, s]|, target = the position after the query token's occurrence in the first copy; "
                  "A = attention probabilities (softmax layers) or a mixer's effective mixing weights "
-                 "(harness.transfer.MixerProbe); per layer the mean and max over heads; induction chance = mean over "
+                 "(harness.probes.MixerProbe); per layer the mean and max over heads; induction chance = mean over "
                  "the queries of 1/(t+1)",
     "previous_token": "per head, mean over queries t from the first copy's second token to the end of the second "
                       "copy (the gap between the copies included) of |A[t, t-1]| / sum_{s<=t} |A[t, s]|, A as for "

@@ -259,11 +259,11 @@ def layer_loss(module: nn.Module, stage: str, acts: Any, layer: int, rope: Any =
 def mixing_loss(mixer: nn.Module, teacher_attention: Any, x: torch.Tensor, tokens: int) -> torch.Tensor:
     """The matrix-orientation term (stages.align_mixer.mixing_weight): on the first `tokens` tokens of the layer
     input x `[B, T, hidden]`, 1 - cos(A_t, P_t) between each query row of the mixer's mixing matrix A
-    (harness.transfer.MixerProbe: its reference path with one-hot values) and of the teacher's softmax attention P
-    (harness.transfer.AttentionProbe) over the row's keys, averaged over batch, heads and rows (fp32 scalar). A
+    (harness.probes.MixerProbe: its reference path with one-hot values) and of the teacher's softmax attention P
+    (harness.probes.AttentionProbe) over the row's keys, averaged over batch, heads and rows (fp32 scalar). A
     cosine, not a squared distance: a gated mixer's A is bounded by its scale (unit q and k times head_dim^-0.5)
     and normalised after it, so only its direction can match P."""
-    from harness.transfer import MixerProbe
+    from harness.probes import MixerProbe
 
     x = x[:, :tokens].float()
     positions = torch.arange(x.shape[1], device=x.device)[None]
@@ -437,7 +437,7 @@ def _train(run: _Run, resumed: Optional[CheckpointInfo], stop_after_steps: Optio
     every, done_here, saved_at = job.run.checkpoint_every_tokens, 0, run.step if resumed else -1
     mixing = None
     if run.stage == "align_mixer" and cfg.mixing_weight:
-        from harness.transfer import AttentionProbe
+        from harness.probes import AttentionProbe
 
         mixing = (cfg.mixing_weight, cfg.mixing_tokens,
                   {l: AttentionProbe.of_teacher(run.teacher.model, l) for l in run.layers})
