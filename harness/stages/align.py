@@ -277,12 +277,14 @@ def mixing_loss(mixer: nn.Module, teacher_attention: Any, x: torch.Tensor, token
 
 def backward_layers(group: nn.ModuleDict, stage: str, acts: Any, rope: Any, scale: float,
                     autocast: Any = contextlib.nullcontext(), loss: str = "mse",
-                    mixing: Optional[tuple[float, int, dict[int, Any]]] = None) -> dict[int, torch.Tensor]:
+                    mixing: Optional[tuple[float, int, dict[int, Any]]] = None
+                    ) -> tuple[dict[int, torch.Tensor], dict[int, torch.Tensor]]:
     """Backward of scale x each layer's loss, one layer at a time (its graph is freed before the next, and
     layer l's gradient is that of its own loss); the forward runs under `autocast`. `mixing` (weight, tokens,
     {layer: the teacher's AttentionProbe}) adds weight x stage 1's matrix-orientation term to each layer's objective.
-    Returns the unscaled, detached losses (the alignment loss alone) and, under "mixing/<layer>", each term."""
-    out: dict = {}
+    Returns the unscaled, detached alignment losses and matrix-orientation terms per layer (no terms without
+    `mixing`)."""
+    losses, terms = {}, {}
     for key, module in group.items():
         with autocast:
             value = layer_loss(module, stage, acts, int(key), rope, loss)
@@ -291,10 +293,10 @@ def backward_layers(group: nn.ModuleDict, stage: str, acts: Any, rope: Any, scal
             weight, tokens, probes = mixing
             term = mixing_loss(module, probes[int(key)], getattr(acts, KINDS[stage][0])[int(key)], tokens)
             objective = value + weight * term
-            out[f"mixing/{int(key)}"] = term.detach()
+            terms[int(key)] = term.detach()
         (objective * scale).backward()
-        out[int(key)] = value.detach()
-    return out
+        losses[int(key)] = value.detach()
+    return losses, terms
 
 
 def clip_per_layer(group: nn.ModuleDict, max_norm: float) -> dict[int, float]:
@@ -448,16 +450,17 @@ def _train(run: _Run, resumed: Optional[CheckpointInfo], stop_after_steps: Optio
             log.write(f"{name}: resuming from {resumed.path} (step {run.step}/{total_steps})")
         while run.step < total_steps:
             lr, tokens_before = run.scheduler.get_last_lr()[0], run.loader.tokens_consumed
-            sums: dict = dict.fromkeys(run.layers, 0.0)
+            sums, term_sums = dict.fromkeys(run.layers, 0.0), dict.fromkeys(run.layers, 0.0)
             for _ in range(cfg.grad_accum):
                 ids = next(run.loader)["input_ids"].to(device)
                 acts = capture_activations(run.teacher.model, ids, layers=run.layers, kinds=KINDS[run.stage])
-                for l, v in backward_layers(run.group, run.stage, acts, rope(ids), 1 / cfg.grad_accum,
-                                            autocast, cfg.loss, mixing).items():
-                    sums[l] = sums.get(l, 0.0) + float(v)
-            terms = {f"loss/mixing_{int(l.split('/')[1]):02d}": v / cfg.grad_accum for l, v in sums.items()
-                     if isinstance(l, str)}
-            run.losses = {l: v / cfg.grad_accum for l, v in sums.items() if isinstance(l, int)}
+                losses, terms = backward_layers(run.group, run.stage, acts, rope(ids), 1 / cfg.grad_accum, autocast,
+                                                cfg.loss, mixing)
+                for l in run.layers:
+                    sums[l] += float(losses[l])
+                    term_sums[l] += float(terms[l]) if terms else 0.0
+            run.losses = {l: v / cfg.grad_accum for l, v in sums.items()}
+            logged_terms = {f"loss/mixing_{l:02d}": v / cfg.grad_accum for l, v in term_sums.items()} if mixing else {}
             mean = check_finite(sum(run.losses.values()) / len(run.losses), run.step + 1,
                                run.loader.tokens_consumed)
             norms = clip_per_layer(run.group, cfg.grad_clip)
@@ -467,7 +470,7 @@ def _train(run: _Run, resumed: Optional[CheckpointInfo], stop_after_steps: Optio
             run.step, done_here, tokens = run.step + 1, done_here + 1, run.loader.tokens_consumed
             if run.step % job.run.log_every_steps == 0 or run.step == total_steps:
                 log.log(run.step, tokens, loss=mean, lr=lr, **{f"loss/layer_{l:02d}": v for l, v in run.losses.items()},
-                        **terms,
+                        **logged_terms,
                         **{f"grad_norm/layer_{l:02d}": v for l, v in norms.items()})
             if every and tokens // every > tokens_before // every:
                 _save(run)
