@@ -13,6 +13,10 @@ for that layer, and measures what replacing that one layer costs on held-out seq
           second copy after its first token; copies of seq_len // 2 tokens, at least 8 sequences). The layers
           holding the teacher's induction heads should cost most; a hybrid that keeps them keeps copying
 
+For kl and copy each layer also gets `removed_cost`: the same measure with that layer's attention taken out (its
+output zero, `RemovedAttention`: the block adds only its MLP's). It is the mixer's floor: a mixer whose cost equals
+it gives the layer back nothing of what its attention did for that measure.
+
 The costliest layers are the ones a hybrid student keeps as softmax attention (`costliest_layers`).
 
 Files under RUN/ranking/ (RUN = the job's output_dir), written atomically:
@@ -41,7 +45,7 @@ RANKING_MD, PARTS_DIR = "layer_ranking.md", "parts"
 # What a part's costs depend on besides its layers: parts that differ in any of these are not one ranking.
 SETTINGS = ("job", "teacher", "teacher_layers", "mixer", "options", "measure", "loss", "data", "seed")
 
-__all__ = ["MEASURES", "MixerAsAttention", "replaced_attention", "kl_per_token", "rank_layers", "merge_ranking",
+__all__ = ["MEASURES", "MixerAsAttention", "RemovedAttention", "replaced_attention", "kl_per_token", "rank_layers", "merge_ranking",
            "costliest_layers", "ranking_dir", "ranking_order"]
 
 
@@ -82,6 +86,13 @@ class MixerAsAttention(nn.Module):
         with self.autocast:
             y, _ = self.mixer(hidden_states.to(dtype), position_embeddings=self.rope(hidden_states[..., 0]))
         return y.to(hidden_states.dtype), None
+
+
+class RemovedAttention(nn.Module):
+    """A teacher layer's `self_attn` taken out: its output is zero, so the block adds only its MLP's output."""
+
+    def forward(self, hidden_states: torch.Tensor, **kwargs: Any) -> tuple[torch.Tensor, None]:
+        return torch.zeros_like(hidden_states), None
 
 
 @contextlib.contextmanager
@@ -177,7 +188,8 @@ def rank_layers(job: JobConfig, *, measure: str = "stage1", layers: Optional[Seq
                 sequences: int = 2, seq_len: int = 512, device: Optional[torch.device] = None,
                 progress: bool = True) -> dict[str, Any]:
     """Each layer's cost under `measure` (see the module docstring), for `layers` (default: all). Returns the
-    part (JSON-able): the settings (SETTINGS) and {"layers": {"L": {"cost", "weights"}}}."""
+    part (JSON-able): the settings (SETTINGS) and {"layers": {"L": {"cost", "weights"}}}, with "removed_cost" beside
+    "cost" for kl and copy."""
     from tqdm import tqdm
 
     from harness.data import prepare_job_corpus
@@ -210,6 +222,12 @@ def rank_layers(job: JobConfig, *, measure: str = "stage1", layers: Optional[Seq
         teacher_copy = probe.accuracy(model)
     else:
         teacher_log_p = log_probs(model, ids)
+
+    def end_to_end_cost(layer: int, attention: nn.Module) -> float:
+        with replaced_attention(model, layer, attention):
+            return (teacher_copy - probe.accuracy(model) if measure == "copy"
+                    else kl_per_token(teacher_log_p, log_probs(model, ids)))
+
     costs = {}
     for layer in tqdm(chosen, desc=f"rank ({measure})", unit="layer", disable=not progress):
         mixer, weights = mixers[layer]
@@ -217,12 +235,11 @@ def rank_layers(job: JobConfig, *, measure: str = "stage1", layers: Optional[Seq
         with torch.no_grad():
             if measure == "stage1":
                 with stage_autocast(job, device):
-                    cost = float(layer_loss(mixer, "align_mixer", acts, layer, rope(ids), loss))
-            else:
-                with replaced_attention(model, layer, MixerAsAttention(mixer, rope, stage_autocast(job, device))):
-                    cost = (teacher_copy - probe.accuracy(model) if measure == "copy"
-                            else kl_per_token(teacher_log_p, log_probs(model, ids)))
-        costs[str(layer)] = {"cost": cost, "weights": weights}
+                    costs[str(layer)] = {"cost": float(layer_loss(mixer, "align_mixer", acts, layer, rope(ids), loss)),
+                                         "weights": weights}
+                continue
+            costs[str(layer)] = {"cost": end_to_end_cost(layer, MixerAsAttention(mixer, rope, stage_autocast(job, device))),
+                                 "weights": weights, "removed_cost": end_to_end_cost(layer, RemovedAttention())}
     return {"job": job.name, "teacher": teacher_identity(job.teacher.source), "teacher_layers": n_layers,
             "mixer": job.student.mixer, "options": dict(job.student.options), "measure": measure,
             "loss": loss if measure == "stage1" else None,
@@ -301,6 +318,13 @@ def markdown(ranking: dict[str, Any]) -> str:
              f"cost = {what}, on {d['sequences']} sequences x {d['seq_len']} tokens of the {d['origin']}, seed "
              f"{ranking['seed']}. Costliest first (equal costs: lower layer first).", "",
              "| rank | layer | cost | weights |", "|---|---|---|---|"]
-    lines += [f"| {i + 1} | {l} | {by_layer[l]['cost']:.6g} | {by_layer[l]['weights']} |"
+    removed = all("removed_cost" in r for r in ranking["layers"])  # parts written before it have none
+    if removed:
+        lines[-2:] = ["| rank | layer | cost | cost with the attention removed | weights |", "|---|---|---|---|---|"]
+    lines += [f"| {i + 1} | {l} | {by_layer[l]['cost']:.6g} | "
+              + (f"{by_layer[l]['removed_cost']:.6g} | " if removed else "") + f"{by_layer[l]['weights']} |"
               for i, l in enumerate(ranking["order"])]
+    if removed:
+        lines += ["", "Cost with the attention removed: the same measure with only this layer's attention output "
+                  "zero (the block adds its MLP's alone); a mixer at that cost gives the layer back nothing."]
     return "\n".join(lines) + "\n"

@@ -2,7 +2,8 @@
 that layer's mixer by stage 1 (`harness stage align-mixer --layers L`) for each token budget and seed, then score
 the teacher with only that layer replaced by the trained mixer on the copy probe (`harness transfer --rank-layers
 --rank-by copy --layers L`, the same prompts for every run), against the same layer at its initialisation and the
-teacher itself. Each (job, budget, seed) trains in its own run folder under --work, so reruns skip finished work.
+teacher itself and the teacher with that layer's attention removed (its output zero: the floor a mixer that
+gives the layer back nothing sits on). Each (job, budget, seed) trains in its own run folder under --work, so reruns skip finished work.
 
     .venv/bin/python scripts/layer_copy_after_stage1.py \
         --job jobs/retrieval-135m/smollm2-135m-gated_deltanet-50m-stage1-10m.yaml \
@@ -41,16 +42,21 @@ def harness(*args: str) -> None:
 
 def copy_part(run: Path, layer: int) -> dict[str, Any]:
     """The copy-ranking part `harness transfer --rank-layers --rank-by copy --layers L` wrote into `run`."""
-    return json.loads((run / "ranking" / "parts" / "copy" / f"layers-{layer}-{layer}.json").read_text())
+    from harness.stages.common import group_name
+
+    return json.loads((run / "ranking" / "parts" / "copy" / f"{group_name([layer])}.json").read_text())
 
 
 def last_stage1_loss(run: Path, layer: int) -> float | None:
     """The stage-1 loss of the last logged step (one batch), or None when stage 1 did not run."""
-    path = run / "align_mixer" / f"layers-{layer}-{layer}" / "metrics.jsonl"
+    from harness.stages.common import group_name
+
+    path = run / "align_mixer" / group_name([layer]) / "metrics.jsonl"
     if not path.is_file():
         return None
     rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    losses = [r[f"loss/layer_{layer}"] for r in rows if f"loss/layer_{layer}" in r]
+    key = f"loss/layer_{layer:02d}"
+    losses = [r[key] for r in rows if key in r]
     return losses[-1] if losses else None
 
 
@@ -77,6 +83,7 @@ def measure(job: str, layer: int, tokens: int, seed: int, work: Path, device: st
         row = {"job": job, "overrides": list(overrides), "data": data, "layer": layer, "tokens": tokens, "seed": seed,
                "weights": part["layers"][str(layer)]["weights"], "copy_length": length,
                "teacher_copy_acc": teacher, "copy_acc": teacher - part["layers"][str(layer)]["cost"],
+               "removed_copy_acc": teacher - part["layers"][str(layer)]["removed_cost"],
                "stage1_last_loss": stage1_loss, "train_seconds": round(trained, 1)}
         print(json.dumps(row), flush=True)
         rows.append(row)
@@ -94,9 +101,13 @@ def data_of(job: str) -> str:
 def markdown(rows: list[dict[str, Any]], command: str) -> str:
     teacher = {r["copy_length"]: r["teacher_copy_acc"] for r in rows}
     said = ", ".join(f"{100 * acc:.1f}% at {length} tokens" for length, acc in sorted(teacher.items()))
+    removed = ", ".join(f"{100 * r['removed_copy_acc']:.1f}% at {r['copy_length']} tokens"
+                        for r in sorted({r["copy_length"]: r for r in rows}.values(), key=lambda r: r["copy_length"]))
     out = [f"# Copy accuracy with only layer {rows[0]['layer']} linearized, after stage 1 of that layer alone", "",
            f"Command: `{command}`", f"Machine: {platform.node()} ({platform.machine()}, CPU), {time.strftime('%Y-%m-%d')}",
-           "", f"Teacher copy accuracy on the same prompts: {said}.", "",
+           "", f"Teacher copy accuracy on the same prompts: {said}.",
+           f"With layer {rows[0]['layer']}'s attention removed instead (its output zero: what a mixer that gives the "
+           f"layer back nothing scores): {removed}.", "",
            "| data | stage-1 tokens | seed | weights | last stage-1 loss | copy length | copy accuracy |",
            "|---|---|---|---|---|---|---|"]
     for r in rows:

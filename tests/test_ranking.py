@@ -404,8 +404,43 @@ def test_the_copy_cost_is_the_teachers_copy_accuracy_minus_the_one_layer_replace
         with replaced_attention(model, 1, MixerAsAttention(mixer, rope_for(config, torch.device("cpu")),
                                                            stage_autocast(job, torch.device("cpu")))):
             after = accuracy()
+        model.model.layers[1].self_attn.o_proj.weight.zero_()  # the teacher's attention with its output zero
+        removed = accuracy()
     assert part["data"]["teacher_copy_acc"] == pytest.approx(before)
     assert part["layers"]["1"]["cost"] == pytest.approx(before - after)
+    assert part["layers"]["1"]["removed_cost"] == pytest.approx(before - removed)
+
+
+def test_the_removed_cost_is_the_kl_with_the_layers_attention_output_zeroed_and_the_report_shows_it(root, sharp_teacher):
+    """kl: each layer's removed_cost is the KL of the teacher with that layer's o_proj zeroed (computed here on a
+    copy of the teacher's weights, not through RemovedAttention); the uniform layers, which linear_attn copies
+    exactly, cost nothing replaced and much removed. The stage-1 measure has no removed cost; its report no column."""
+    from harness.stages.common import load_job_teacher
+    from harness.transfer import sample_sequences
+    from harness.data import prepare_job_corpus
+
+    job = job_in(root, "removed-kl", f"teacher.source={sharp_teacher}", "student.mixer=linear_attn")
+    ranking = rank_and_merge(job, "kl")
+    model = load_job_teacher(job).model
+    corpus = prepare_job_corpus(job, load_job_teacher(job).tokenizer,
+                                max_positions=model.config.max_position_embeddings)
+    ids, _ = sample_sequences(corpus, 2, 32)
+    teacher = log_probs(model, ids)
+    for row in ranking["layers"]:
+        o_proj = model.model.layers[row["layer"]].self_attn.o_proj
+        kept = o_proj.weight.detach().clone()
+        with torch.no_grad():
+            o_proj.weight.zero_()
+            direct = kl_per_token(teacher, log_probs(model, ids))
+            o_proj.weight.copy_(kept)
+        assert row["removed_cost"] == pytest.approx(direct, rel=1e-5), row
+        if row["layer"] not in (SHARP, MILD):
+            assert abs(row["cost"]) < 1e-6 and row["removed_cost"] > 1e-3
+    md = (ranking_dir(job) / "layer_ranking.md").read_text()
+    assert "| rank | layer | cost | cost with the attention removed | weights |" in md
+    stage1 = job_in(root, "removed-stage1")
+    assert all("removed_cost" not in r for r in rank_and_merge(stage1)["layers"])
+    assert "removed" not in (ranking_dir(stage1) / "layer_ranking.md").read_text()
 
 
 def test_the_copy_probe_of_the_ranking_scores_a_copier_fully_and_a_contextless_model_near_zero():
