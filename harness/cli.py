@@ -266,8 +266,10 @@ def build_parser() -> argparse.ArgumentParser:
                           help="With --rank-layers: 'stage1', the layer's stage-1 loss (its mixer's output against "
                           "the teacher's attention output); 'kl', KL(teacher || model) per token of the teacher with "
                           "only that layer's attention replaced by its mixer (a whole forward per layer); 'copy', the "
-                          "copy accuracy (harness eval copy) the teacher loses with only that layer replaced. Default: "
-                          "the measure the job's student.attention_layers 'auto:K:MEASURE' names, else stage1.")
+                          "copy accuracy (harness eval copy) the teacher loses with only that layer replaced. kl and "
+                          "copy also record each layer's cost with its attention removed (output zero), the floor a "
+                          "mixer that gives the layer back nothing sits on. Default: the measure the job's "
+                          "student.attention_layers 'auto:K:MEASURE' names, else stage1.")
     transfer.add_argument("--merge", action="store_true",
                           help="With --rank-layers: only merge the parts already written into layer_ranking.json "
                           "(an error names the layers still missing).")
