@@ -312,18 +312,18 @@ def markdown(ranking: dict[str, Any]) -> str:
             "kl": "KL(teacher || model) per token, only this layer's attention replaced by its mixer",
             "copy": f"copy accuracy lost (the teacher's {d.get('teacher_copy_acc', float('nan')):.1%} minus the "
                     "model's, only this layer's attention replaced by its mixer)"}[ranking["measure"]]
-    by_layer = {r["layer"]: r for r in ranking["layers"]}
+    removed = all("removed_cost" in r for r in ranking["layers"])  # parts written before it have none
+    columns = ["rank", "layer", "cost", *(["cost with the attention removed"] if removed else []), "weights"]
     lines = [f"# Layer ranking: {ranking['job']}", "",
              f"Teacher `{ranking['teacher']}` ({ranking['teacher_layers']} layers), mixer {ranking['mixer']}; "
              f"cost = {what}, on {d['sequences']} sequences x {d['seq_len']} tokens of the {d['origin']}, seed "
              f"{ranking['seed']}. Costliest first (equal costs: lower layer first).", "",
-             "| rank | layer | cost | weights |", "|---|---|---|---|"]
-    removed = all("removed_cost" in r for r in ranking["layers"])  # parts written before it have none
-    if removed:
-        lines[-2:] = ["| rank | layer | cost | cost with the attention removed | weights |", "|---|---|---|---|---|"]
-    lines += [f"| {i + 1} | {l} | {by_layer[l]['cost']:.6g} | "
-              + (f"{by_layer[l]['removed_cost']:.6g} | " if removed else "") + f"{by_layer[l]['weights']} |"
-              for i, l in enumerate(ranking["order"])]
+             "| " + " | ".join(columns) + " |", "|---" * len(columns) + "|"]
+    by_layer = {r["layer"]: r for r in ranking["layers"]}
+    for i, l in enumerate(ranking["order"]):
+        row = by_layer[l]
+        cells = [i + 1, l, f"{row['cost']:.6g}", *([f"{row['removed_cost']:.6g}"] if removed else []), row["weights"]]
+        lines.append("| " + " | ".join(str(c) for c in cells) + " |")
     if removed:
         lines += ["", "Cost with the attention removed: the same measure with only this layer's attention output "
                   "zero (the block adds its MLP's alone); a mixer at that cost gives the layer back nothing."]
