@@ -45,8 +45,8 @@ RANKING_MD, PARTS_DIR = "layer_ranking.md", "parts"
 # What a part's costs depend on besides its layers: parts that differ in any of these are not one ranking.
 SETTINGS = ("job", "teacher", "teacher_layers", "mixer", "options", "measure", "loss", "data", "seed")
 
-__all__ = ["MEASURES", "MixerAsAttention", "RemovedAttention", "replaced_attention", "kl_per_token", "rank_layers", "merge_ranking",
-           "costliest_layers", "ranking_dir", "ranking_order"]
+__all__ = ["MEASURES", "MixerAsAttention", "RemovedAttention", "replaced_attention", "kl_per_token", "rank_layers",
+           "merge_ranking", "costliest_layers", "ranking_dir", "ranking_order"]
 
 
 def part_path(job: JobConfig, measure: str, layers: Sequence[int]) -> Path:
@@ -235,11 +235,12 @@ def rank_layers(job: JobConfig, *, measure: str = "stage1", layers: Optional[Seq
         with torch.no_grad():
             if measure == "stage1":
                 with stage_autocast(job, device):
-                    costs[str(layer)] = {"cost": float(layer_loss(mixer, "align_mixer", acts, layer, rope(ids), loss)),
-                                         "weights": weights}
+                    cost = float(layer_loss(mixer, "align_mixer", acts, layer, rope(ids), loss))
+                costs[str(layer)] = {"cost": cost, "weights": weights}
                 continue
-            costs[str(layer)] = {"cost": end_to_end_cost(layer, MixerAsAttention(mixer, rope, stage_autocast(job, device))),
-                                 "weights": weights, "removed_cost": end_to_end_cost(layer, RemovedAttention())}
+            replaced = MixerAsAttention(mixer, rope, stage_autocast(job, device))
+            costs[str(layer)] = {"cost": end_to_end_cost(layer, replaced), "weights": weights,
+                                 "removed_cost": end_to_end_cost(layer, RemovedAttention())}
     return {"job": job.name, "teacher": teacher_identity(job.teacher.source), "teacher_layers": n_layers,
             "mixer": job.student.mixer, "options": dict(job.student.options), "measure": measure,
             "loss": loss if measure == "stage1" else None,

@@ -3,7 +3,8 @@ that layer's mixer by stage 1 (`harness stage align-mixer --layers L`) for each 
 the teacher with only that layer replaced by the trained mixer on the copy probe (`harness transfer --rank-layers
 --rank-by copy --layers L`, the same prompts for every run), against the same layer at its initialisation and the
 teacher itself and the teacher with that layer's attention removed (its output zero: the floor a mixer that
-gives the layer back nothing sits on). Each (job, budget, seed) trains in its own run folder under --work, so reruns skip finished work.
+gives the layer back nothing sits on). Each (job, budget, seed) trains in its own run folder under --work, so
+reruns skip finished work.
 
     .venv/bin/python scripts/layer_copy_after_stage1.py \
         --job jobs/retrieval-135m/smollm2-135m-gated_deltanet-50m-stage1-10m.yaml \

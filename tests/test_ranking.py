@@ -411,10 +411,11 @@ def test_the_copy_cost_is_the_teachers_copy_accuracy_minus_the_one_layer_replace
     assert part["layers"]["1"]["removed_cost"] == pytest.approx(before - removed)
 
 
-def test_the_removed_cost_is_the_kl_with_the_layers_attention_output_zeroed_and_the_report_shows_it(root, sharp_teacher):
+def test_the_removed_cost_is_the_kl_with_the_layers_attention_zeroed_and_the_report_shows_it(root, sharp_teacher):
     """kl: each layer's removed_cost is the KL of the teacher with that layer's o_proj zeroed (computed here on a
     copy of the teacher's weights, not through RemovedAttention); the uniform layers, which linear_attn copies
-    exactly, cost nothing replaced and much removed. The stage-1 measure has no removed cost; its report no column."""
+    exactly, cost nothing replaced and much removed. The stage-1 measure has no removed cost, its report no
+    column."""
     from harness.stages.common import load_job_teacher
     from harness.transfer import sample_sequences
     from harness.data import prepare_job_corpus
