@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from harness.config import load_job
+from harness.stages.common import group_name
 
 
 def harness(*args: str) -> None:
@@ -43,15 +44,11 @@ def harness(*args: str) -> None:
 
 def copy_part(run: Path, layer: int) -> dict[str, Any]:
     """The copy-ranking part `harness transfer --rank-layers --rank-by copy --layers L` wrote into `run`."""
-    from harness.stages.common import group_name
-
     return json.loads((run / "ranking" / "parts" / "copy" / f"{group_name([layer])}.json").read_text())
 
 
 def last_stage1_loss(run: Path, layer: int) -> float | None:
     """The stage-1 loss of the last logged step (one batch), or None when stage 1 did not run."""
-    from harness.stages.common import group_name
-
     path = run / "align_mixer" / group_name([layer]) / "metrics.jsonl"
     if not path.is_file():
         return None
