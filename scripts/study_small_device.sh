@@ -11,7 +11,8 @@
 #                                               # hub), e.g. `exec python3 -m harness.cli eval niah RUNS/x/student`
 #
 # `lanes` runs LANES (default: four lanes, two per GPU: stage 3 keeps one job's GPU busy only about half the time,
-# and greedy NIAH decoding at batch 1 is bound by the host) until STOP_AT seconds, when it touches
+# and greedy NIAH decoding at batch 1 is bound by the host; lanes naming one GPU of under SHARE_GPU_MIN_GIB, default 100,
+# are joined into one lane that runs their jobs in turn: two 135M stage 3s do not fit an H100) until STOP_AT seconds, when it touches
 # $HARNESS_PREEMPT_FILE so every stage checkpoints and exits; whatever still runs at KILL_AT is killed. Then it
 # writes the reports, metrics and logs of every run so far (no checkpoints or weights) to $OUT/study-small.tar.xz.
 # GPU_TESTS="pytest arguments" also runs those GPU tests on the last GPU beside the lanes (log: RUNS/gpu_tests.log,
@@ -169,9 +170,38 @@ environment() {  # the installed bundle and the payload's cache; every lane inhe
   mkdir -p "$S"
 }
 
+gpu_gib() {  # GPU $1's memory in GiB (whole), or nothing where nvidia-smi does not say
+  local mib
+  mib=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits -i "$1" 2>/dev/null | head -n 1 | tr -d ' ')
+  [[ $mib =~ ^[0-9]+$ ]] && echo $((mib / 1024))
+}
+
+join_small_gpu_lanes() {  # lane specs (stdin, one a line) -> the same, with the lanes that share a GPU of under
+  # SHARE_GPU_MIN_GIB (default 100) joined into one lane that runs their jobs one after another: two stage-3 lanes
+  # of a 135M job (~51 GiB each, and an evaluation beside one) do not fit an 80 GB H100 (2026-12-07)
+  local min=${SHARE_GPU_MIN_GIB:-100} spec gpu gib order=() i
+  declare -A jobs=()
+  while IFS= read -r spec; do
+    [ -n "$spec" ] || continue
+    gpu=${spec%%:*}
+    gib=$(gpu_gib "$gpu")
+    if [ -n "$gib" ] && [ "$gib" -lt "$min" ] && [ -n "${jobs[$gpu]+x}" ]; then
+      echo "lanes: GPU $gpu has $gib GiB (< $min): ${spec#*:} runs after ${jobs[$gpu]} in one lane" >&2
+      jobs[$gpu]="${jobs[$gpu]} ${spec#*:}"
+      continue
+    fi
+    [ -n "${jobs[$gpu]+x}" ] && gpu="$gpu#${#order[@]}"  # a second lane on a large GPU keeps its own
+    jobs[$gpu]=${spec#*:}
+    order+=("$gpu")
+  done
+  for i in "${order[@]}"; do echo "${i%%#*}:${jobs[$i]}"; done
+}
+
 run_lanes() {  # every lane at once (and GPU_TESTS beside them) until the lanes end or KILL_AT seconds pass
   local specs=("${DEFAULT_LANES[@]}") pids=() i=0 spec limit=${KILL_AT:-}
   [ -n "${LANES:-}" ] && IFS=';' read -r -a specs <<<"$LANES"
+  mapfile -t specs < <(printf '%s\n' "${specs[@]}" | join_small_gpu_lanes 2>"$S/lanes.joined")
+  [ -s "$S/lanes.joined" ] && cat "$S/lanes.joined"
   if [ -n "${GPU_TESTS:-}" ]; then  # not waited for here: the lanes' end is what `watch` waits for
     # shellcheck disable=SC2086 # GPU_TESTS is a list of pytest arguments
     CUDA_VISIBLE_DEVICES=$(nvidia-smi -L | tail -n 1 | cut -d: -f1 | tr -dc 0-9) \

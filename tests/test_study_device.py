@@ -330,3 +330,26 @@ def test_the_bundle_travels_in_two_halves_and_is_rebuilt_on_the_device(tmp_path)
     assert (rebuilt / "wheels" / "a-1.0-py3-none-any.whl").read_bytes() == b"wheel"
     assert (rebuilt / "tl_site.tar.xz").is_symlink() and (rebuilt / "tl_site.tar.xz").read_bytes() == b"tilelang" * 100
     assert call(device, "nonsense").returncode == 2
+
+
+@pytest.mark.parametrize("mib, lanes", [(81559, 1), (143771, 2)])
+def test_lanes_sharing_a_gpu_under_100_gib_run_one_after_another(machine, mib, lanes):
+    """Two stage-3 lanes of a 135M job ran out of memory side by side on an 80 GB H100 (2026-12-07): lanes that name
+    the same GPU of under SHARE_GPU_MIN_GIB are joined into one; on an H200 they stay side by side."""
+    tree, env = machine
+    smi = Path(env["PATH"].split(":")[0]) / "nvidia-smi"
+    smi.write_text("#!/bin/bash\ncase \" $* \" in *memory.total*) echo " + str(mib) + ";; *) echo 'GPU 0: fake';; esac\n")
+    out = script(tree, env, "lanes", LANES="0:a;0:b c", STOP_AT="60", KILL_AT="90")
+    assert out.returncode == 0, out.stderr
+    logs = sorted(p.name for p in (tree / "runs/s").glob("lane*.log"))
+    assert len(logs) == lanes, logs
+    for job in ("a", "b", "c"):
+        assert (tree / f"runs/s/smollm2-135m-{job}/DONE").exists()
+    joined = (tree / "runs/s/lanes.joined").read_text()
+    if lanes == 1:
+        assert "GPU 0 has 79 GiB (< 100): b c runs after a in one lane" in joined, joined
+        assert "GPU 0 has 79 GiB" in out.stdout
+        a, b = ((tree / f"runs/s/smollm2-135m-{j}/calls").stat().st_mtime for j in ("a", "b"))
+        assert a <= b  # in the lane's order
+    else:
+        assert joined == ""
