@@ -338,7 +338,7 @@ def test_lanes_sharing_a_gpu_under_100_gib_run_one_after_another(machine, mib, l
     the same GPU of under SHARE_GPU_MIN_GIB are joined into one; on an H200 they stay side by side."""
     tree, env = machine
     smi = Path(env["PATH"].split(":")[0]) / "nvidia-smi"
-    smi.write_text("#!/bin/bash\ncase \" $* \" in *memory.total*) echo " + str(mib) + ";; *) echo 'GPU 0: fake';; esac\n")
+    smi.write_text(f"#!/bin/bash\ncase \" $* \" in *memory.total*) echo {mib};; *) echo 'GPU 0: fake';; esac\n")
     out = script(tree, env, "lanes", LANES="0:a;0:b c", STOP_AT="60", KILL_AT="90")
     assert out.returncode == 0, out.stderr
     logs = sorted(p.name for p in (tree / "runs/s").glob("lane*.log"))
