@@ -14,7 +14,8 @@
 # and greedy NIAH decoding at batch 1 is bound by the host; lanes naming one GPU of under SHARE_GPU_MIN_GIB, default
 # 100, are joined into one lane that runs their jobs in turn: two 135M stage 3s do not fit an H100) until STOP_AT
 # seconds, when it touches $HARNESS_PREEMPT_FILE so every stage checkpoints and exits; whatever still runs at KILL_AT
-# is killed. Then it writes the reports, metrics and logs of every run so far (no checkpoints or weights) to $OUT/study-small.tar.xz.
+# is killed. Then it writes the reports, metrics and logs of every run so far (no checkpoints or weights) to
+# $OUT/study-small.tar.xz.
 # GPU_TESTS="pytest arguments" also runs those GPU tests on the last GPU beside the lanes (log: RUNS/gpu_tests.log,
 # copied to $OUT); the lanes' end does not wait for them (`watch` says when they still run). `start` fails (exit 5)
 # while lanes it started earlier still run, so that `start && watch` never waits on lanes it did not start.
