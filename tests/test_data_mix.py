@@ -19,7 +19,7 @@ from harness.config import ConfigError
 from harness.data import DataError, prepare_job_corpus, prepare_summary
 from harness.data.budget import short_label
 from harness.data.generators import GENERATORS, WORDS, Draw, make_generator
-from harness.data.mix import MixedCorpus
+from harness.data.mix import MixedCorpus, validation_source_label
 from harness.data.mix_schedule import MixSchedule, interleave, period_shares
 from tests.pipeline import documents, make_setting, tiny_job, tiny_tokenizer
 
@@ -205,6 +205,11 @@ def test_validation_is_the_head_of_the_first_natural_source_or_the_one_named(set
     assert c2.validation.store.path == c2.parts[2].train.store.path and c2.parts[2].train.offset > 0
     assert c2.parts[0].train.offset == 0  # the first source now trains on all of its text
     assert "data.mix[2]" in c2.describe()
+    # what the perplexity result names as its text: the held-out entry, not data.source (which a mix leaves unused)
+    assert validation_source_label(job.data) == str(setting / "corpus.jsonl")
+    assert validation_source_label(named.data) == str(second_corpus)
+    plain_job = tiny_job(setting, setting / "out")
+    assert validation_source_label(plain_job.data) == str(plain_job.data.source)
 
 
 def test_a_small_natural_source_needs_allow_repeat(setting, second_corpus, tokenizer):
@@ -396,7 +401,7 @@ def test_mix_config_errors_name_the_entry(setting):
         ([f"data.mix=[{{source: embedded, weight: 0}}, {gen}]"], r"data.mix\[0\].weight=0.0 must be > 0", True),
         (["data.mix=[{source: 'generator:lookup'}]"], r"data.mix\[0\].source='generator:lookup': no such generator",
          True),
-        ([f"data.mix=[{{source: embedded}}, {{source: 'generator:copy', options: {{lenght: 3}}}}]"],
+        (["data.mix=[{source: embedded}, {source: 'generator:copy', options: {lenght: 3}}]"],
          r"data.mix\[1\].options has no option 'lenght'", True),
         (["data.mix=[{source: embedded, options: {pairs: 3}}]"], r"options are for generators", True),
         (["data.mix=[{source: embedded}, {source: 'generator:copy', text_field: body}]"], "leave text_field null",

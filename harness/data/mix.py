@@ -282,6 +282,18 @@ def held_out_entry(entries: Sequence[MixEntry], val_spec: Optional[SourceSpec]) 
     return next((i for i, e in enumerate(entries) if not e.generator), None)
 
 
+def validation_source_label(data: Any) -> str:
+    """The source that a job's held-out text comes from, as written: data.validation_source, else (a mix) the entry
+    whose head is held out, else data.source."""
+    if data.validation_source:
+        return str(data.validation_source)
+    if getattr(data, "mix", None):
+        entries = parse_mix(data)
+        held = held_out_entry(entries, None)
+        return entries[held].label if held is not None else "no natural source to hold out"
+    return str(data.source)
+
+
 def _validation_from(entries: Sequence[MixEntry], held: Optional[int], val_spec: Optional[SourceSpec]) -> str:
     if held is not None:
         return f"the held-out head of data.mix[{held}] '{entries[held].label}' (never trained on)"

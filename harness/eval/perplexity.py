@@ -175,5 +175,6 @@ def perplexity_of_job_heldout(model: Any, job: Any, *, max_tokens: int | None = 
     rows = split.num_sequences if max_tokens is None else min(split.num_sequences, max(1, max_tokens // split.seq_len))
     ids = torch.from_numpy(split.tokens(np.arange(rows)))
     result = perplexity(model, ids, seq_len=split.seq_len, device=device, batch_size=batch_size, progress=progress)
-    source = job.data.validation_source or job.data.source
-    return {**result, "source": str(source), "split": split.describe()}
+    from harness.data.mix import validation_source_label
+
+    return {**result, "source": validation_source_label(job.data), "split": split.describe()}
