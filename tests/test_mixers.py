@@ -210,8 +210,36 @@ def test_compiled_pieces_trace_and_equal_their_eager_forms():
 def test_pieces_option_names_the_bad_value():
     from harness.mixers import MIXERS
 
-    with pytest.raises(ValueError, match="pieces='triton' is not one of fla, compiled"):
+    with pytest.raises(ValueError, match="pieces='triton' is not one of fla, compiled, compiled-norm"):
         MIXERS["gated_deltanet"].Options(pieces="triton")
+
+
+@pytest.mark.parametrize("pieces, conv, norm", [("fla", "fla", "fla"), ("compiled", "compiled", "compiled"),
+                                                ("compiled-norm", "fla", "compiled")])
+def test_each_pieces_choice_routes_its_convolution_and_norm(monkeypatch, pieces, conv, norm):
+    """What each `pieces` choice runs, read off the calls on a tensor that says it is on CUDA (the kernels
+    themselves are replaced: the routing is what is checked here; tests/gpu/test_mixer_layers.py runs them)."""
+    import sys
+    import types
+
+    from harness.mixers import base
+
+    ran = []
+    monkeypatch.setattr(base, "compiled", lambda fn: (lambda *a, **k: ran.append(("compiled", fn.__name__))
+                                                      or fn(*a, **k)))
+    fake_fla = {"fla.modules.norm.fused_norm_gate": types.SimpleNamespace(
+                    rms_norm_gated=lambda o, *a, **k: ran.append(("fla", "norm")) or o),
+                "fla.modules.causal_conv1d": types.SimpleNamespace(
+                    causal_conv1d=lambda x, **k: ran.append(("fla", "conv")) or (x, None))}
+    for name, module in fake_fla.items():
+        monkeypatch.setitem(sys.modules, name, module)
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
+    x, o = torch.randn(1, 8, 6), torch.randn(1, 8, 2, 3)
+    base.ShortConv(6).forward(x, fused=pieces, want_tail=False)
+    base.HeadRMSNorm(3, activation="silu").forward(o, torch.randn(1, 8, 2, 3), fused=pieces)
+    conv_ran = ("compiled", "causal_conv_shifted") if conv == "compiled" else ("fla", "conv")
+    norm_ran = ("compiled", "gated_rms_norm") if norm == "compiled" else ("fla", "norm")
+    assert ran == [conv_ran, norm_ran]
 
 
 @pytest.mark.parametrize("activation", ["silu", "sigmoid"])

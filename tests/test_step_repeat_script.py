@@ -21,20 +21,20 @@ def _run(tmp_path, order: str, timeout: int = 600) -> subprocess.CompletedProces
 
 
 def test_the_default_order_repeats_the_hybrid_bit_for_bit_on_the_cpu_and_the_strict_kind_runs_it(tmp_path):
-    done = _run(tmp_path, "pure hybrid hybrid strict compiled pieces")
+    done = _run(tmp_path, "pure hybrid hybrid strict compiled pieces norm")
     assert done.returncode == 0, done.stdout + done.stderr
     summary = (tmp_path / "out/summary.txt").read_text()
-    assert "hybrid: --attention-layers 1 | order: pure hybrid hybrid strict compiled pieces" in summary, summary
+    assert "hybrid: --attention-layers 1 | order: pure hybrid hybrid strict compiled pieces norm" in summary, summary
     code = hashlib.sha256(b"".join(path.read_bytes() for path in sorted(
         (ROOT / "harness").rglob("*.py"), key=lambda path: str(path.relative_to(ROOT))))).hexdigest()[:12]
     assert f"| code: harness/ sha256 {code}, git HEAD " in summary, summary  # the code that ran, not the .git copy
-    for tag in ("01-pure", "02-hybrid", "03-hybrid", "04-strict", "05-compiled", "06-pieces"):
+    for tag in ("01-pure", "02-hybrid", "03-hybrid", "04-strict", "05-compiled", "06-pieces", "07-norm"):
         assert f"{tag} exit 0" in summary and "tokens/s" in summary.split(tag)[1].splitlines()[0], summary
     assert "hybrid: process 2 against process 1 over 2 steps: bit-identical at every step" in summary, summary
     assert "pure: 1 finished process(es), nothing to compare" in summary, summary
-    pure, hybrid, strict, compiled, pieces = (json.loads((tmp_path / f"out/{tag}.json").read_text())["step"][0]
-                                              for tag in ("01-pure", "02-hybrid", "04-strict", "05-compiled",
-                                                          "06-pieces"))
+    pure, hybrid, strict, compiled, pieces, norm = (json.loads((tmp_path / f"out/{tag}.json").read_text())["step"][0]
+                                                    for tag in ("01-pure", "02-hybrid", "04-strict", "05-compiled",
+                                                                "06-pieces", "07-norm"))
     assert pure["attention_layers"] == [] and hybrid["attention_layers"] == strict["attention_layers"] == [1]
     assert pure["losses_each"] != hybrid["losses_each"]
     assert strict["losses_each"] == hybrid["losses_each"]  # the CPU's ops are deterministic with or without the flag
@@ -44,6 +44,7 @@ def test_the_default_order_repeats_the_hybrid_bit_for_bit_on_the_cpu_and_the_str
     # the pieces kind passes the mixer option (the CPU's reference backend runs the PyTorch forms either way)
     assert pieces["options"]["pieces"] == "compiled" and "pieces" not in pure["options"]
     assert pieces["losses_each"] == pure["losses_each"]
+    assert norm["options"]["pieces"] == "compiled-norm" and norm["losses_each"] == pure["losses_each"]
     # each kind against the first of its model's: the CPU runs the same forms, so no difference
     assert "pieces against pure: losses' largest relative difference over 2 steps 0.00e+00" in summary, summary
     assert "strict against hybrid: losses' largest relative difference over 2 steps 0.00e+00" in summary, summary
@@ -52,4 +53,5 @@ def test_the_default_order_repeats_the_hybrid_bit_for_bit_on_the_cpu_and_the_str
 
 def test_an_unknown_kind_is_refused_by_name_before_anything_runs(tmp_path):
     done = _run(tmp_path, "pure window", timeout=60)
-    assert done.returncode == 2 and "ORDER has window: allowed are pure, hybrid, strict, compiled, pieces, qkv, fast" in done.stdout, done.stdout
+    allowed = "allowed are pure, hybrid, strict, compiled, pieces, norm, qkv, fast"
+    assert done.returncode == 2 and f"ORDER has window: {allowed}" in done.stdout, done.stdout

@@ -88,7 +88,9 @@ class MixerShape:
 
 
 OUTPUT_SCALES = ("fit", "rms", "none")
-PIECES = ("fla", "compiled")  # what runs the short convolution and the gated norm on the kernel backend
+# what runs the short convolution and the gated norm on the kernel backend: (convolution, norm) for each choice;
+# compiled-norm is the pair that the H100 micro-bench found fastest (docs/BENCHMARKS.md, "The pieces alone")
+PIECES = {"fla": ("fla", "fla"), "compiled": ("compiled", "compiled"), "compiled-norm": ("fla", "compiled")}
 
 
 @dataclass
@@ -122,10 +124,12 @@ class MixerOptions:
     )
     pieces: str = field(
         default="fla", metadata={"help": "On the kernel backend, what runs the pieces around the recurrence (the "
-                                 "short convolution and the gated output norm): fla (its Triton kernels) or compiled "
-                                 "(their PyTorch forms under torch.compile, one fused kernel each way). The same "
-                                 "numbers either way to bf16 rounding; the speed of each: benchmarks/mixer_pieces.py "
-                                 "(docs/BENCHMARKS.md). The reference backend always runs the PyTorch forms; a mixer "
+                                 "short convolution and the gated output norm): fla (its Triton kernels), compiled "
+                                 "(their PyTorch forms under torch.compile, one fused kernel each way) or "
+                                 "compiled-norm (fla's convolution, the compiled norm). The same numbers to bf16 "
+                                 "rounding; the speed of each: benchmarks/mixer_pieces.py (docs/BENCHMARKS.md: on an "
+                                 "H100 the compiled norm is 1.8x faster than fla's, fla's convolution 1.6x faster than "
+                                 "the compiled one). The reference backend always runs the PyTorch forms; a mixer "
                                  "without these pieces ignores it."}
     )
 
@@ -422,9 +426,9 @@ class HeadRMSNorm(nn.Module):
         """o, gate `[B, T, H, D]` -> norm(o) * act(gate) in o's dtype, computed in float32. fused (True or 'fla'):
         fla's Triton kernel (norm, gate and their backward in one kernel each, instead of ~8 elementwise operators)
         when o is on a GPU, gated, and longer than one token (one-token decoding steps stay in PyTorch, as the
-        mixers' recurrences do, so that the CUDA-graph step captures no autotuning); 'compiled': the PyTorch form
-        under torch.compile, on the same condition."""
-        how = "fla" if fused is True else (fused or "")
+        mixers' recurrences do, so that the CUDA-graph step captures no autotuning); a `pieces` choice runs its norm
+        (PIECES: 'compiled' and 'compiled-norm' the PyTorch form under torch.compile), on the same condition."""
+        how = PIECES[fused][1] if isinstance(fused, str) and fused else ("fla" if fused else "")
         if how and gate is not None and o.is_cuda and o.shape[1] > 1:
             if how == "compiled":
                 return compiled(gated_rms_norm)(o, gate, self.weight, self.eps, self.activation)
@@ -464,9 +468,9 @@ class ShortConv(nn.Module):
                 want_tail: bool = True) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
         """-> (act(conv(x)) `[B, T, C]`, the new tail, or None unless `want_tail`: training does not keep it).
         fused (True or 'fla'): fla's Triton causal-conv1d (convolution and activation in one kernel, on `[B, T, C]`
-        as it is) when x is on a GPU and no tail is carried in; 'compiled': `causal_conv_shifted` under
-        torch.compile on the same condition; else PyTorch's conv1d."""
-        how = "fla" if fused is True else (fused or "")
+        as it is) when x is on a GPU and no tail is carried in; a `pieces` choice runs its convolution (PIECES:
+        'compiled' is `causal_conv_shifted` under torch.compile), on the same condition; else PyTorch's conv1d."""
+        how = PIECES[fused][0] if isinstance(fused, str) and fused else ("fla" if fused else "")
         if how and tail is None and x.is_cuda:
             weight = self.conv.weight.squeeze(1)
             if how == "compiled":

@@ -19,8 +19,9 @@
 # ORDER="compiled pure compiled pure": the pure student with its blocks compiled (--compile-student, issue 51)
 # against the eager one, alternating in one call.
 # ORDER="pieces pure pieces pure": the pure student with `--option pieces=compiled` (the short convolution and the
-# gated norm as compiled PyTorch forms instead of fla's kernels; benchmarks/mixer_pieces.py times them alone); qkv:
-# `--option fused_qkv=true` (one q/k/v matmul); fast: both.
+# gated norm as compiled PyTorch forms instead of fla's kernels; benchmarks/mixer_pieces.py times them alone); norm:
+# `--option pieces=compiled-norm` (only the norm compiled, the pair the pieces' H100 micro-bench found fastest); qkv:
+# `--option fused_qkv=true` (one q/k/v matmul); fast: norm and qkv.
 set -u
 source "$(dirname "${BASH_SOURCE[0]}")/bench_env.sh"  # DEVBUNDLE, OUT, TRITON_CACHE_DIR, PY
 ORDER=${ORDER:-pure hybrid hybrid}
@@ -28,7 +29,7 @@ LAYERS=${LAYERS:-18,23}
 SHAPE=${SHAPE:---shape 135M --seq 2048}
 ARGS="bench --what step $SHAPE --mixer gated_deltanet --engine plain --teacher-placement replicated --micro-batch ${MICRO:-32} --steps ${STEPS:-10} --warmup ${WARMUP:-3} --profile-steps 0"
 for kind in $ORDER; do
-  case $kind in pure|hybrid|strict|compiled|pieces|qkv|fast) ;; *) echo "ORDER has $kind: allowed are pure, hybrid, strict, compiled, pieces, qkv, fast"; exit 2 ;; esac
+  case $kind in pure|hybrid|strict|compiled|pieces|norm|qkv|fast) ;; *) echo "ORDER has $kind: allowed are pure, hybrid, strict, compiled, pieces, norm, qkv, fast"; exit 2 ;; esac
 done
 { command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,driver_version --format=csv,noheader || uname -m; } >"$OUT/summary.txt"
 echo "args: $ARGS | hybrid: --attention-layers $LAYERS | order: $ORDER | code: $CODE" >>"$OUT/summary.txt"
@@ -40,8 +41,9 @@ for kind in $ORDER; do
     pure) extra="" ;;
     compiled) extra="--compile-student" ;;  # the pure student, its blocks compiled (stages.distill.compile_student)
     pieces) extra="--option pieces=compiled" ;;  # the pure student, its conv and gated norm compiled
+    norm) extra="--option pieces=compiled-norm" ;;  # the pure student, its gated norm compiled, fla's conv
     qkv) extra="--option fused_qkv=true" ;;  # the pure student, q/k/v projected by one matmul
-    fast) extra="--option pieces=compiled --option fused_qkv=true" ;;
+    fast) extra="--option pieces=compiled-norm --option fused_qkv=true" ;;  # the fastest pieces and one matmul
     *) extra="--attention-layers $LAYERS" ;;
   esac
   start=$SECONDS

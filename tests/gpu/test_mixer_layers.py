@@ -61,6 +61,7 @@ OTHER_INITS = ([(n, {"qkv_activation": "silu"}) for n in _having("qkv_activation
                   ("hedgehog", {"feature_dim": 32})]
                # the speed options: compiled PyTorch forms of the conv and the gated norm, one q/k/v matmul
                + [(n, {"pieces": "compiled"}) for n in ("gated_deltanet", "kda", "gla", "deltanet", "mamba2")]
+               + [("gated_deltanet", {"pieces": "compiled-norm"})]
                + [(n, {"fused_qkv": True}) for n in _having("fused_qkv")])
 
 
