@@ -89,10 +89,11 @@ def measure(job: str, layer: int, tokens: int, seed: int, work: Path, device: st
 
 
 def data_of(job: str) -> str:
-    """The job's data in one line: its source, or its mix's sources and weights."""
+    """Stage 1's data in one line: the job's source, or its mix's sources with their stage-1 weights."""
     data = load_job(job).data
     if data.mix:
-        return " + ".join(f"{m.weight} {m.source}" for m in data.mix)
+        weights = [(m.stage_weights.get("align_mixer", m.weight), m.source) for m in data.mix]
+        return " + ".join(f"{w} {source}" for w, source in weights if w > 0)
     return data.source
 
 

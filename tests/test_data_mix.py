@@ -135,6 +135,85 @@ def test_every_stage_slice_has_each_share_within_one_sequence(setting, second_co
     assert re.search(r"(: |= |-> |\t|\| |\": \")", tokenizer.decode(list(kv[3])))
 
 
+def staged_job(setting: Path, corpus_weights: str, kv_weights: str, *extra: str):
+    """A mix of the tiny corpus and kv_recall, each entry with the given `weight: .., stage_weights: {..}` text."""
+    mix = (f"data.mix=[{{source: {setting / 'corpus.jsonl'}, {corpus_weights}}}, "
+           f"{{source: 'generator:kv_recall', {kv_weights}, options: {{pairs: [2, 6]}}}}]")
+    return tiny_job(setting, setting / "out", "data.source=embedded", mix, f"data.cache_dir={setting / 'cache'}",
+                    *extra)
+
+
+def test_stage_weights_give_each_stage_its_own_shares(setting, tokenizer):
+    """Copy-style data in stages 1-2 only: kv_recall at half of align_mixer and align_hidden and none of distill.
+    Each stage's slice keeps its own shares within one sequence at every point; each source reads on from where the
+    stages before left it (no sequence twice); a generator is made to exactly what the stages read of it."""
+    from harness.data.mix import plan_summary
+
+    job = staged_job(setting, "weight: 0.5, stage_weights: {distill: 1}", "weight: 0.5, stage_weights: {distill: 0}")
+    corpus = prepare_job_corpus(job, tokenizer)
+    report = corpus.budget(job)
+    wanted = {"align_mixer": 0.5, "align_hidden": 0.5, "distill": 0.0}
+    everything = []
+    for si, (stage, kv_share) in enumerate(wanted.items()):
+        rows = stage_rows(corpus, job, stage)
+        src = np.array([r[1] for r in rows])
+        kv = np.cumsum(src == 1)
+        assert len(rows) > 10 and np.abs(kv - np.arange(1, len(rows) + 1) * kv_share).max() < 1, stage
+        assert [s.stage_sequences[si] for s in report.sources] == [int((src == 0).sum()), int((src == 1).sum())]
+        everything += rows
+    for s in (0, 1):
+        seen = [r[2] for r in everything if r[1] == s]
+        assert len(seen) == len(set(seen))  # each source's ranks go on across stages: no sequence read twice
+    assert report.sources[1].available == sum(report.sources[1].stage_sequences)  # made to measure
+    assert [s.share_label for s in report.sources] == ["50/50/100%", "50/50/0%"]
+    assert report.sources[0].share is None and "50/50/0%" in report.format()
+    assert "50/50/0%" in plan_summary(job) and "align_mixer 2 positions per period" in corpus.describe()
+    # a resumed stage after the first (its base counts the stages before under their own schedule) reads the same
+    full = stage_rows(corpus, job, "align_hidden")
+    ld = corpus.stage_stream("align_hidden", job).loader(0, 1, 2)
+    first = [int(p) for _ in range(3) for p in next(ld)["stream_position"]]
+    again = prepare_job_corpus(job, tokenizer).stage_stream("align_hidden", job).loader(0, 1, 2)
+    again.load_state_dict(ld.state_dict())
+    rest = [int(p) for b in again for p in b["stream_position"]]
+    assert first + rest == [r[0] for r in full]
+
+
+def test_stage_weights_equal_to_the_weight_change_nothing(setting, tokenizer):
+    """stage_weights that repeat `weight` in every stage give the plain mix's stream and fingerprint (a mix without
+    stage_weights keeps the fingerprint its loader states were saved with); different ones change the fingerprint."""
+    plain = staged_job(setting, "weight: 0.75", "weight: 0.25")
+    same = staged_job(setting, "weight: 0.75, stage_weights: {align_mixer: 0.75, distill: 0.75}",
+                      "weight: 0.25, stage_weights: {align_hidden: 0.25}")
+    other = staged_job(setting, "weight: 0.75", "weight: 0.25, stage_weights: {distill: 0.5}")
+    a, b, c = (prepare_job_corpus(j, tokenizer) for j in (plain, same, other))
+    assert a.fingerprint == b.fingerprint != c.fingerprint
+    for stage in ("align_mixer", "align_hidden", "distill"):
+        assert stage_rows(a, plain, stage) == stage_rows(b, same, stage)
+    # the stages before it read the same positions of the same sources, and the same text of the natural one (a
+    # generator's split is made to what all stages read of it, so its order follows the whole budget)
+    before, after = stage_rows(a, plain, "align_mixer"), stage_rows(c, other, "align_mixer")
+    assert [r[:2] for r in before] == [r[:2] for r in after]
+    assert [r for r in before if r[1] == 0] == [r for r in after if r[1] == 0]
+    assert stage_rows(a, plain, "distill") != stage_rows(c, other, "distill")
+
+
+def test_a_stage_with_no_weight_is_refused_when_it_reads_the_mix(setting, tokenizer):
+    job = staged_job(setting, "weight: 1, stage_weights: {align_hidden: 0}",
+                     "weight: 1, stage_weights: {align_hidden: 0}")
+    with pytest.raises(DataError, match="Stage align_hidden reads the data mix, but every data.mix entry has weight 0"):
+        prepare_job_corpus(job, tokenizer)
+
+
+def test_period_shares_leave_zero_weights_out():
+    assert period_shares([0.5, 0, 0.5]) == (1, 0, 1) and period_shares([0, 3]) == (0, 1)
+    sched = MixSchedule.from_weights([0.9, 0, 0.1])
+    assert sched.pattern.tolist() == [2 * s for s in MixSchedule.from_weights([0.9, 0.1]).pattern.tolist()]
+    two = MixSchedule.from_weights([0.9, 0.1]).counts(25).tolist()
+    assert sched.counts(25).tolist() == [two[0], 0, two[1]] and sum(two) == 25
+    with pytest.raises(DataError, match="every data.mix weight is 0"):
+        period_shares([0, 0])
+
+
 def test_two_builds_give_the_same_stream(setting, second_corpus, tokenizer):
     weights = WEIGHTS["50/30/20"]
     a_job, b_job = (mix_job(setting, second_corpus, weights, cache=c) for c in ("cache-a", "cache-b"))
@@ -398,7 +477,16 @@ def test_mix_config_errors_name_the_entry(setting):
     base = ["data.source=embedded"]
     cases = [
         (["data.mix=[{source: embedded, weight: 1}]"], "data.source=.* and data.mix are both set", False),
-        ([f"data.mix=[{{source: embedded, weight: 0}}, {gen}]"], r"data.mix\[0\].weight=0.0 must be > 0", True),
+        ([f"data.mix=[{{source: embedded, weight: 0}}, {gen}]"],
+         r"data.mix\[0\] \(embedded\) has weight 0 in every stage", True),
+        ([f"data.mix=[{{source: embedded, weight: -1}}, {gen}]"], r"data.mix\[0\].weight=-1.0 must be >= 0", True),
+        ([f"data.mix=[{{source: embedded, stage_weights: {{stage1: 1}}}}, {gen}]"],
+         r"data.mix\[0\].stage_weights has 'stage1': the stages that read data.mix are align_mixer, align_hidden, "
+         "distill", True),
+        ([f"data.mix=[{{source: embedded, stage_weights: {{distill: -0.5}}}}, {gen}]"],
+         r"data.mix\[0\].stage_weights.distill=-0.5 must be >= 0", True),
+        ([f"data.mix=[{{source: embedded, weight: 0, stage_weights: {{distill: 0}}}}, {gen}]"],
+         "has weight 0 in every stage", True),
         (["data.mix=[{source: 'generator:lookup'}]"], r"data.mix\[0\].source='generator:lookup': no such generator",
          True),
         (["data.mix=[{source: embedded}, {source: 'generator:copy', options: {lenght: 3}}]"],
@@ -408,7 +496,8 @@ def test_mix_config_errors_name_the_entry(setting):
          True),
         ([f"data.mix=[{gen}, {gen}]"], r"data.mix\[1\] repeats data.mix\[0\]", True),
         ([f"data.mix=[{gen}]"], "only generators, and validation never runs on synthetic text", True),
-        (["data.mix=[{sourc: embedded}]"], r"Bad entry in data.mix.*'sourc'.*keys: source, weight, text_field", True),
+        (["data.mix=[{sourc: embedded}]"],
+         r"Bad entry in data.mix.*'sourc'.*keys: source, weight, stage_weights, text_field", True),
         (["data.source=generator:copy"], "a generator is a source of data.mix only", True),
         (["data.mix=[{source: /no/such/file.jsonl}]"], r"data.mix\[0\].source='/no/such/file.jsonl' looks like", True),
     ]

@@ -44,3 +44,16 @@ def test_rows_are_the_rankings_costs_and_the_markdown_names_the_floor(setting):
             f"nothing scores): {100 * init[0]['removed_copy_acc']:.1f}% at 8 tokens, "
             f"{100 * init[1]['removed_copy_acc']:.1f}% at 16 tokens.") in md
     assert md.count("| stage1 |") == 1 and md.count("| init |") == 2
+
+
+def test_the_data_column_names_stage_ones_sources_and_weights(setting):
+    """A job whose mix gives copy documents to stage 1 only is described by what stage 1 reads."""
+    s = load_script("layer_copy_after_stage1")
+    corpus = setting / "setting" / "corpus.jsonl"
+    mix = (f"data.mix=[{{source: {corpus}, weight: 0.5, stage_weights: {{distill: 1}}}}, "
+           "{source: 'generator:copy', weight: 0.5, stage_weights: {distill: 0}}]")
+    staged = job_file(setting, setting / "job-staged", "data.source=embedded", mix, total=40_960)
+    assert s.data_of(str(staged)) == f"0.5 {corpus} + 0.5 generator:copy"
+    later_mix = f"data.mix=[{{source: {corpus}}}, {{source: 'generator:copy', stage_weights: {{align_mixer: 0}}}}]"
+    later = job_file(setting, setting / "job-later", "data.source=embedded", later_mix, total=40_960)
+    assert s.data_of(str(later)) == f"1.0 {corpus}"

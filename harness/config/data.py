@@ -19,8 +19,16 @@ class MixSourceConfig:
         rule=Rule(lambda s: bool(s.strip()), "name a source (e.g. 'embedded' or 'generator:kv_recall')")
     )
     weight: float = described(
-        1.0, "Its share of every stage's sequences, relative to the other entries' weights (normalised to sum 1).",
-        rule=Rule(lambda w: w > 0, "be > 0 (leave an entry out instead of giving it weight 0)")
+        1.0, "Its share of every stage's sequences, relative to the other entries' weights (normalised to sum 1 in "
+        "each stage). 0: read only in the stages that stage_weights gives a positive weight.",
+        rule=Rule(lambda w: w >= 0, "be >= 0 (0 only with a positive stage_weights entry)")
+    )
+    stage_weights: dict[str, float] = described(
+        help="Its weight in the stages named here instead of `weight`, e.g. {align_mixer: 0.5, align_hidden: 0.5, "
+        "distill: 0}: copy documents in stages 1-2 only. Keys: align_mixer, align_hidden, distill; 0 leaves it out of "
+        "that stage. Each stage's schedule gives its sources their shares of that stage (harness info and "
+        "harness data prepare print them); empty: `weight` in every stage.",
+        factory=dict,
     )
     text_field: Optional[str] = described(
         None, "Text field of this source (jsonl/parquet/arrow/hub); null: data.text_field. Not for generators."
@@ -43,9 +51,10 @@ class DataConfig:
     )
     mix: list[MixSourceConfig] = described(
         help="Train on a weighted mixture instead of data.source (leave data.source at its default then): a list of "
-        "{source, weight, text_field, options}, e.g. [{source: embedded, weight: 0.9}, {source: 'generator:kv_recall', "
-        "weight: 0.1}]. Every stage's slice of the stream gives each source its share within one sequence at every "
-        "point, in a fixed interleaving; each source keeps its own seeded order and token store. Validation: "
+        "{source, weight, stage_weights, text_field, options}, e.g. [{source: embedded, weight: 0.9}, "
+        "{source: 'generator:kv_recall', weight: 0.1}]. Every stage's slice of the stream gives each source its "
+        "share within one sequence at every point, in a fixed interleaving; each source keeps its own seeded order "
+        "and token store; stage_weights give a stage its own shares. Validation: "
         "data.validation_source, else the held-out head of the first entry that is not a generator (never synthetic "
         "text). `harness data prepare` prints each source's sequences per stage, what it holds and the passes. "
         "Empty: data.source alone.",

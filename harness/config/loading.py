@@ -110,7 +110,8 @@ def _explain_omegaconf(err: OmegaConfBaseException, path) -> str:
             return bad_choice("stages.distill.losses[*].name", getattr(err, "value", "?"), DistillLoss)
         return f"Bad entry in stages.distill.losses{where}: {msg} (an entry's keys: name, weight, temperature)."
     if getattr(err, "object_type", None) is MixSourceConfig:  # the same for a data.mix entry
-        return f"Bad entry in data.mix{where}: {msg} (an entry's keys: source, weight, text_field, options)."
+        return (f"Bad entry in data.mix{where}: {msg} (an entry's keys: source, weight, stage_weights, text_field, "
+                "options).")
     parent, _, leaf = key.rpartition(".")
     if "not in" in msg:
         allowed = _allowed_keys(parent)

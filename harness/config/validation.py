@@ -150,7 +150,7 @@ def _check_mix(data: DataConfig) -> None:
     """data.mix: it replaces data.source (left at its default), each entry names a source it can read or a known
     generator with valid options, no entry twice, and validation has natural text to come from."""
     from harness.data.errors import DataError
-    from harness.data.mix_schedule import parse_mix_entry, period_shares
+    from harness.data.mix_schedule import StageSchedules, parse_mix_entry
 
     default = DataConfig().source
     if data.source != default:
@@ -164,7 +164,7 @@ def _check_mix(data: DataConfig) -> None:
             raise DataError(f"data.mix[{i}] repeats data.mix[{seen[part.identity]}] ({part.label}, the same text field "
                             "and options); give each source once, with the sum of the weights.")
         seen[part.identity] = i
-    period_shares([part.weight for part in parsed])  # every weight gets a share of the schedule
+    StageSchedules.from_entries(parsed)  # every positive weight gets a share of its stage's schedule
     if all(p.generator for p in parsed) and data.validation_source is None and data.validation_tokens > 0:
         raise DataError("data.mix holds only generators, and validation never runs on synthetic text: set "
                         "data.validation_source (e.g. 'embedded') or data.validation_tokens=0, or add a natural "

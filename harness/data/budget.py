@@ -50,10 +50,19 @@ class SourceBudget:
 
     label: str  # the entry's source, e.g. 'embedded' or 'generator:kv_recall'
     weight: float
-    share: float  # its exact fraction of every stage's sequences (the schedule's, see harness.data.mix)
+    stage_shares: tuple[float, ...]  # its exact fraction of each stage's sequences (the schedules', harness.data.mix)
     stage_sequences: tuple[int, ...]  # per stage, in STAGES order
     available: int  # sequences of its training split (a generator's is made to the budget's measure)
     generator: bool
+
+    @property
+    def share(self) -> float | None:
+        """Its fraction of every stage's sequences, or None when stage_weights make it differ by stage."""
+        return self.stage_shares[0] if len(set(self.stage_shares)) == 1 else None
+
+    @property
+    def share_label(self) -> str:
+        return share_label(self.stage_shares)
 
     @property
     def sequences(self) -> int:
@@ -164,17 +173,24 @@ class BudgetReport:
         names = [s.stage for s in self.stages]
         lines = ["# data mix: sequences per source and stage (each stage: every source within one sequence of its "
                  "share at every point)",
-                 f"  {'source':<28}{'weight':>8}{'share':>9}" + "".join(f"{n:>14}" for n in names)
+                 f"  {'source':<28}{'weight':>8}{'share':>12}" + "".join(f"{n:>14}" for n in names)
                  + f"{'tokens':>15}{'holds':>12}{'passes':>8}"]
         for s in self.sources:
             holds = f"{s.available:,}" + ("*" if s.generator else "")
-            lines.append(f"  {short_label(s.label, 27):<28}{s.weight:>8g}{s.share:>9.2%}"
+            lines.append(f"  {short_label(s.label, 27):<28}{s.weight:>8g}{s.share_label:>12}"
                          + "".join(f"{n:>14,}" for n in s.stage_sequences)
                          + f"{s.sequences * self.seq_len:>15,}{holds:>12}{s.passes:>8.2f}")
         if any(s.generator for s in self.sources):
             lines.append("  * a generator's documents are made to the budget's measure (deterministic: a larger "
                          "budget extends them)")
         return lines
+
+
+def share_label(stage_shares: tuple[float, ...]) -> str:
+    """A mix source's share: '12.50%' when every stage has the same, else each stage's, e.g. '50/50/0%'."""
+    if len(set(stage_shares)) == 1:
+        return f"{stage_shares[0]:.2%}"
+    return "/".join(f"{x * 100:.0f}" for x in stage_shares) + "%"
 
 
 def short_label(label: str, width: int) -> str:

@@ -13,13 +13,15 @@ used are reported). One period is the order of sources that Tijdeman's algorithm
 (1980) gives: at every prefix of n positions, every source s has been chosen within 1 - 1/(2k-2) < 1 times of
 n * a_s / P (k sources), and exactly a_s times in a whole period. The schedule starts again at the first position of
 every stage, so in every stage's slice of the stream, at every point, each source has its share within one sequence.
+An entry's stage_weights give a stage its own weights (0: that stage does not read the entry), so its own schedule
+(harness.data.mix_schedule.StageSchedules); a mix without them has one schedule for all stages.
 
 Order. The r-th position of a stage reads source s = pattern[r mod P], and within s the sequence of rank
-base_s + (r // P) * a_s + (occurrences of s in pattern[:r mod P]), base_s being what s gave the stages before. Rank k
-of source s reads training sequence perm_e[k mod N_s] of s, e = k // N_s, perm_e seeded by (seed_s, e) as for a single
-source: seed_0 = job.seed for the first entry (a one-entry mix reads what data.source alone reads), a splitmix64 hash
-of (job.seed, s) for the others. All of it is arithmetic on the position, so a loader's state (sequences consumed)
-resumes a mix exactly, and two builds give the same stream.
+base_s + (r // P) * a_s + (occurrences of s in pattern[:r mod P]), base_s being what s gave the stages before (under
+their own schedules). Rank k of source s reads training sequence perm_e[k mod N_s] of s, e = k // N_s, perm_e seeded
+by (seed_s, e) as for a single source: seed_0 = job.seed for the first entry (a one-entry mix reads what data.source
+alone reads), a splitmix64 hash of (job.seed, s) for the others. All of it is arithmetic on the position, so a
+loader's state (sequences consumed) resumes a mix exactly, and two builds give the same stream.
 
 Validation. When data.validation_source names no entry of the mix, it is validated on (its head); when it names a
 natural entry, that entry's head is held out; when it is null, the head of the first entry that is not a generator is
@@ -38,21 +40,26 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from harness.data.budget import BudgetReport, SourceBudget, StageBudget, short_label, stage_slices
+from harness.data.budget import BudgetReport, SourceBudget, StageBudget, share_label, short_label, stage_slices
 from harness.data.errors import DataError
 from harness.data.generators import Generator, RepeatSpan
 from harness.data.loader import validation_batches
-from harness.data.mix_schedule import GENERATOR_PREFIX, MixEntry, MixSchedule, parse_mix, part_seed
+from harness.data.mix_schedule import GENERATOR_PREFIX, MixEntry, MixSchedule, StageSchedules, parse_mix, part_seed
 from harness.data.order import EpochOrder
 from harness.data.packing import PackedSplit, cu_seqlens
 from harness.data.sources import SourceSpec, parse_source
 from harness.data.store import TokenStore
 from harness.data.tokenise import BATCH_DOCS, cache_key, encode_documents, new_writer, store_meta
 
-def source_needs(job: Any, schedule: MixSchedule) -> np.ndarray:
+def source_needs(job: Any, schedules: StageSchedules) -> np.ndarray:
     """int64 [k]: the sequences each source gives all stages of `job` together."""
-    return sum((schedule.counts(s.sequences) for s in stage_slices(job, job.data.seq_len)),
-               np.zeros(len(schedule.shares), dtype=np.int64))
+    return sum((schedules.counts(s.stage, s.sequences) for s in stage_slices(job, job.data.seq_len)),
+               np.zeros(len(schedules.first.shares), dtype=np.int64))
+
+
+def stage_shares(schedules: StageSchedules, index: int) -> tuple[float, ...]:
+    """Entry `index`'s share of each pretraining stage (0 where its stage reads no mix)."""
+    return tuple(s.shares[index] / s.period if s is not None else 0.0 for s in schedules.by_stage.values())
 
 
 def plan_summary(job: Any) -> str:
@@ -61,13 +68,13 @@ def plan_summary(job: Any) -> str:
     if not job.data.mix:
         return ""
     entries, seq_len = parse_mix(job.data), job.data.seq_len
-    sched = MixSchedule.from_weights([e.weight for e in entries])
+    schedules = StageSchedules.from_entries(entries)
     slices = stage_slices(job, seq_len)
     lines = ["# data mix plan: sequences (tokens) per source and stage; each within one sequence of its share",
-             f"  {'source':<28}{'share':>8}" + "".join(f"{s.stage:>24}" for s in slices)]
+             f"  {'source':<28}{'share':>12}" + "".join(f"{s.stage:>24}" for s in slices)]
     for i, e in enumerate(entries):
-        cells = [f"{n:,} ({n * seq_len:,})" for n in (int(sched.counts(s.sequences)[i]) for s in slices)]
-        lines.append(f"  {short_label(e.label, 27):<28}{sched.shares[i] / sched.period:>8.2%}"
+        cells = [f"{n:,} ({n * seq_len:,})" for n in (int(schedules.counts(s.stage, s.sequences)[i]) for s in slices)]
+        lines.append(f"  {short_label(e.label, 27):<28}{share_label(stage_shares(schedules, i)):>12}"
                      + "".join(f"{c:>24}" for c in cells))
     return "\n".join(lines)
 
@@ -80,7 +87,7 @@ class MixPart:
     """A prepared mix entry: its training split and, for a generator, the generator."""
 
     entry: MixEntry
-    share: int
+    share: int  # of the first stage's period (every stage's unless stage_weights differ)
     train: PackedSplit
     generator: Optional[Generator] = None
 
@@ -92,7 +99,7 @@ class MixedCorpus:
     source: str
     seq_len: int
     parts: tuple[MixPart, ...]
-    schedule: MixSchedule
+    schedules: StageSchedules
     validation: Optional[PackedSplit]
     validation_from: str
     primary: int  # the part that `train` and `store` stand for: validation's, else the first natural one
@@ -109,6 +116,9 @@ class MixedCorpus:
     def fingerprint(self) -> str:
         """Identifies the mixed stream exactly (every part's store, offset and size, the shares); in loader states."""
         parts = "|".join(f"{p.train.store.key}:{p.train.offset}:{p.train.num_sequences}:{p.share}" for p in self.parts)
+        if not self.schedules.uniform:  # per-stage shares (a mix without stage_weights keeps its fingerprint)
+            parts += "|stages:" + ";".join(f"{st}={s.shares if s is not None else None}"
+                                           for st, s in self.schedules.by_stage.items())
         return hashlib.sha256(f"mix|{self.seq_len}|{parts}".encode()).hexdigest()[:16]
 
     def budget(self, job: Any) -> BudgetReport:
@@ -119,11 +129,11 @@ class MixedCorpus:
         self.budget(job).check()
         slices = stage_slices(job, self.seq_len)
         at = [s.stage for s in slices].index(stage)
-        base = sum((self.schedule.counts(s.sequences) for s in slices[:at]),
+        base = sum((self.schedules.counts(s.stage, s.sequences) for s in slices[:at]),
                    np.zeros(len(self.parts), dtype=np.int64))
         s = slices[at]
-        return MixedStageStream(tuple(p.train for p in self.parts), self.schedule, stage, s.start, s.sequences,
-                                int(job.seed), self.fingerprint, base)
+        return MixedStageStream(tuple(p.train for p in self.parts), self.schedules.of(stage), stage, s.start,
+                                s.sequences, int(job.seed), self.fingerprint, base)
 
     def validation_batches(self, batch_size: int, rank: int = 0, world: int = 1) -> Iterator[dict]:
         if self.validation is None:
@@ -131,16 +141,29 @@ class MixedCorpus:
         return validation_batches(self.validation, batch_size, rank, world)
 
     def describe(self) -> str:
-        lines = [f"# corpus {self.source} (schedule: {self.schedule.period} positions per period, shares "
-                 f"{', '.join(map(str, self.schedule.shares))})"]
+        schedules = [f"{stage}{s.period} positions per period, shares {', '.join(map(str, s.shares))}"
+                     for stage, s in self._distinct_schedules()]
+        lines = [f"# corpus {self.source} (schedule: {'; '.join(schedules)})"]
         for i, p in enumerate(self.parts):
             st = p.train.store
-            share = p.share / self.schedule.period
-            lines.append(f"  [{i}] {p.entry.label} (weight {p.entry.weight:g}, share {share:.2%}): store {st.path} "
+            share = share_label(stage_shares(self.schedules, i))
+            lines.append(f"  [{i}] {p.entry.label} (weight {p.entry.weight:g}{self._stage_weights(p)}, share {share}): "
+                         f"store {st.path} "
                          f"({st.n_docs:,} documents, {st.n_tokens:,} tokens, end-of-document "
                          f"{st.meta['eos_token']!r} = {st.eos_id})\n      {p.train.describe()}")
         val = self.validation.describe() if self.validation is not None else "validation: none"
         return "\n".join(lines + [f"  {val}; {self.validation_from}"])
+
+    def _distinct_schedules(self) -> list[tuple[str, MixSchedule]]:
+        """(prefix, schedule): one with no prefix when every stage has the same, else each stage's."""
+        if self.schedules.uniform:
+            return [("", self.schedules.first)]
+        return [(f"{stage} ", s) for stage, s in self.schedules.by_stage.items() if s is not None]
+
+    @staticmethod
+    def _stage_weights(part: MixPart) -> str:
+        w = part.entry.stage_weights
+        return (", in " + ", ".join(f"{k} {v:g}" for k, v in w.items())) if w else ""
 
     def examples(self, chars: int = 240) -> str:
         """The first document of each generator, cut to `chars` characters (what `harness data prepare` shows)."""
@@ -211,11 +234,11 @@ class MixedStageStream:
 
 def mix_budget_report(job: Any, corpus: MixedCorpus) -> BudgetReport:
     """Each stage's slice of the mixed stream and each source's sequences per stage (harness.data.budget)."""
-    seq_len, sched = corpus.seq_len, corpus.schedule
+    seq_len, schedules = corpus.seq_len, corpus.schedules
     available = np.array([p.train.num_sequences for p in corpus.parts], dtype=np.int64)
     stages, per_stage, base = [], [], np.zeros(len(corpus.parts), dtype=np.int64)
     for s in stage_slices(job, seq_len):
-        counts = sched.counts(s.sequences)
+        counts = schedules.counts(s.stage, s.sequences)
         used = counts > 0
         first = int((base[used] // available[used]).min()) if used.any() else 0
         last = int(((base + counts - 1)[used] // available[used]).max()) if used.any() else 0
@@ -223,7 +246,7 @@ def mix_budget_report(job: Any, corpus: MixedCorpus) -> BudgetReport:
                                   s.sequences * seq_len, s.start, first, last))
         per_stage.append(counts)
         base = base + counts
-    sources = tuple(SourceBudget(p.entry.label, p.entry.weight, p.share / sched.period,
+    sources = tuple(SourceBudget(p.entry.label, p.entry.weight, stage_shares(schedules, i),
                                  tuple(int(c[i]) for c in per_stage), int(available[i]), p.entry.generator)
                     for i, p in enumerate(corpus.parts))
     val = corpus.validation.num_tokens if corpus.validation is not None else 0
@@ -245,8 +268,8 @@ def prepare_mixed_corpus(job: Any, tokenizer: Any, *, max_positions: int | None 
     check_seq_len(seq_len, max_positions)
     root = cache_root(cache_dir if cache_dir is not None else data.cache_dir)
     entries = parse_mix(data)
-    schedule = MixSchedule.from_weights([e.weight for e in entries])
-    needs = source_needs(job, schedule)
+    schedules = StageSchedules.from_entries(entries)
+    needs = source_needs(job, schedules)
     eos = resolve_eos(tokenizer, data.eos_token)
     n_val = math.ceil(data.validation_tokens / seq_len) if data.validation_tokens > 0 else 0
     val_spec = parse_source(data.validation_source, "data.validation_source") if data.validation_source else None
@@ -254,14 +277,15 @@ def prepare_mixed_corpus(job: Any, tokenizer: Any, *, max_positions: int | None 
     parts, validation = [], None
     for i, e in enumerate(entries):
         if e.generator:
-            parts.append(_generator_part(e, i, int(needs[i]), schedule.shares[i], tokenizer, eos, root, seq_len))
+            parts.append(_generator_part(e, i, int(needs[i]), schedules.first.shares[i], tokenizer, eos, root,
+                                         seq_len))
             continue
         store = _natural_store(e, data, tokenizer, eos, root, int(job.seed), int(needs[i]),
                                n_val if i == held else 0)
         from harness.data.corpus import split_store
 
         train, val = split_store(store, seq_len, n_val if i == held else 0, e.spec)
-        parts.append(MixPart(e, schedule.shares[i], train))
+        parts.append(MixPart(e, schedules.first.shares[i], train))
         validation = val if i == held else validation
     if held is None and val_spec is not None and n_val:
         from harness.data.corpus import validation_split
@@ -270,7 +294,7 @@ def prepare_mixed_corpus(job: Any, tokenizer: Any, *, max_positions: int | None 
     check_repeat_span_text(parts, validation, entries[held].spec if held is not None else val_spec, n_val * seq_len)
     label = "mix of " + ", ".join(f"{e.label} {e.weight:g}" for e in entries)
     primary = held if held is not None else next((i for i, e in enumerate(entries) if not e.generator), 0)
-    return MixedCorpus(label, seq_len, tuple(parts), schedule, validation, _validation_from(entries, held, val_spec),
+    return MixedCorpus(label, seq_len, tuple(parts), schedules, validation, _validation_from(entries, held, val_spec),
                        primary)
 
 
