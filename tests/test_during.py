@@ -43,6 +43,37 @@ def test_marks_fire_at_multiples_and_not_twice_after_a_resume(tmp_path, monkeypa
     assert marked[-1] == 1024
 
 
+def test_the_merged_student_is_marked_once_at_a_fresh_start_and_kept_after_its_evaluation(tmp_path, monkeypatch):
+    """eval.during.at_start: before a fresh stage 3's first step, RUN_DIR/merged is marked at 0 tokens (rank 0), not
+    on a resumed stage, not twice, not without the option; its evaluation leaves the folder (stage 3 reads it)."""
+    job = tiny_job(tmp_path / "setting", tmp_path / "run", "eval.enabled=true", "eval.every_tokens=256",
+                   "eval.during.at_start=true")
+    run = Path(job.output_dir)
+    launched = []
+    monkeypatch.setattr(during, "launch_evaluator", lambda r: launched.append(r) or "test")
+    during.DuringTraining(job, rank=1).mark_start(0)  # only rank 0 writes marks
+    assert history.pending_marks(run) == [] and launched == []
+    during.DuringTraining(job, rank=0, params=5).mark_start(448)  # a resumed stage: its start is no curve point
+    assert history.pending_marks(run) == []
+    first = during.DuringTraining(job, rank=0, params=5)
+    first.mark_start(0)
+    first.mark_start(0)
+    [mark] = history.pending_marks(run)
+    assert (mark["tokens"], mark["step"], mark["keep"], mark["params"]) == (0, 0, True, 5) and len(launched) == 1
+    assert mark["checkpoint"] == str((run / "merged").resolve())
+    during.DuringTraining(job, rank=0).mark_start(0)  # a restart before step 1: the pending mark stands for it
+    assert len(history.pending_marks(run)) == 1 and len(launched) == 1
+    (run / "merged").mkdir(parents=True)
+    (run / "merged" / "config.json").write_text("{}")
+    monkeypatch.setattr("harness.eval.job.run_eval_spec", lambda spec, progress=True: {"label": "x", "mixer": "m"})
+    during.evaluate_mark(run, mark, progress=False)
+    assert (run / "merged" / "config.json").is_file() and history.pending_marks(run) == []
+    assert [e["tokens"] for e in history.read_history(history.eval_dir(run))] == [0]
+    off = tiny_job(tmp_path / "setting", tmp_path / "run-off", "eval.enabled=true", "eval.every_tokens=256")
+    during.DuringTraining(off, rank=0).mark_start(0)
+    assert history.pending_marks(Path(off.output_dir)) == []
+
+
 def test_every_tokens_below_one_step_is_refused(tmp_path):
     with pytest.raises(ConfigError, match="at least one stage-3 step"):
         tiny_job(tmp_path / "setting", tmp_path / "run", "eval.every_tokens=32")

@@ -42,7 +42,8 @@ def test_a_run_stopped_in_stage_1_resumes_evaluates_along_stage_3_and_a_rerun_sk
 
     out = tmp_path / "run"
     job = tiny_job(tmp_path / "setting", out, "budget.split=[0.1,0.1,0.8]", "run.layer_groups=2",
-                   "run.parallel_groups=2", "data.validation_tokens=128", *TINY_EVAL, *TINY_DURING, total=1280)
+                   "run.parallel_groups=2", "data.validation_tokens=128", *TINY_EVAL, *TINY_DURING,
+                   "eval.during.at_start=true", total=1280)
     job_path = tmp_path / "job.yaml"
     job_path.write_text(OmegaConf.to_yaml(OmegaConf.structured(job)))
 
@@ -77,9 +78,12 @@ def test_a_run_stopped_in_stage_1_resumes_evaluates_along_stage_3_and_a_rerun_sk
     assert torch.isfinite(student(ids).logits).all()
 
     entries = history.read_history(out / "eval")
-    # stage 3 trains 1024 tokens at 64 per step: snapshots at 256, 512, 768, and the end (1024)
-    assert [e["tokens"] for e in entries] == [256, 512, 768, 1024], (out / "logs" / "eval-during.log").read_text()
-    assert [e["step"] for e in entries] == [4, 8, 12, 16]
+    # stage 3 trains 1024 tokens at 64 per step: the merged student at its start (eval.during.at_start), snapshots
+    # at 256, 512, 768, and the end (1024)
+    log = (out / "logs" / "eval-during.log").read_text()
+    assert [e["tokens"] for e in entries] == [0, 256, 512, 768, 1024], log
+    assert [e["step"] for e in entries] == [0, 4, 8, 12, 16]
+    assert entries[0]["checkpoint"] == str((out / "merged").resolve()) and (out / "merged" / "config.json").is_file()
     assert not history.pending_marks(out) and not list((out / "eval" / "snapshots").glob("tokens-*"))
     for e in entries:
         assert e["report"]["tasks"]["piqa"]["n"] == 2 and e["params"] > 0 and e["mixer"] == "gated_deltanet"
@@ -91,9 +95,9 @@ def test_a_run_stopped_in_stage_1_resumes_evaluates_along_stage_3_and_a_rerun_sk
     assert report.returncode == 0, report.stderr[-2000:]
     curves = json.loads((tmp_path / "curves" / "curves.json").read_text())
     run = next(iter(curves["runs"].values()))
-    assert run["metrics"]["perplexity"]["tokens"] == [256, 512, 768, 1024]
+    assert run["metrics"]["perplexity"]["tokens"] == [0, 256, 512, 768, 1024]
     assert (tmp_path / "curves" / "curve_perplexity.png").stat().st_size > 1000
-    assert "4 evaluations" in report.stdout
+    assert "5 evaluations" in report.stdout
 
     again = harness_cli("run", str(job_path))
     assert again.returncode == 0, again.stderr[-3000:]
@@ -101,7 +105,7 @@ def test_a_run_stopped_in_stage_1_resumes_evaluates_along_stage_3_and_a_rerun_sk
     assert "align_hidden: 2 layer groups, 2 already complete" in again.stdout
     for part in ("merge", "distill", "eval"):
         assert f"{part}: already complete" in again.stdout
-    assert [e["tokens"] for e in history.read_history(out / "eval")] == [256, 512, 768, 1024]
+    assert [e["tokens"] for e in history.read_history(out / "eval")] == [0, 256, 512, 768, 1024]
 
 
 def test_run_reports_a_failing_group_and_its_log(tmp_path):

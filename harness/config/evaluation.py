@@ -69,6 +69,9 @@ class DuringConfig:
     perplexity_tokens: Optional[int] = described(65536, "Held-out tokens for perplexity along stage 3; 0 skips.")
     keep_snapshots: bool = described(False, "Keep each evaluated snapshot (RUN_DIR/eval/snapshots/) instead of "
                                      "deleting it once its evaluation is in the history.")
+    at_start: bool = described(False, "Also evaluate the student as a fresh stage 3 starts (RUN_DIR/merged: stages 1-2 "
+                               "done, no stage-3 step yet), the curves' point at 0 stage-3 tokens: what stages 1-2 "
+                               "gave, against what stage 3 keeps of it. Needs eval.every_tokens > 0.")
 
 
 _KEYS_UNDER: ContextVar[str] = ContextVar("keys_under", default="")

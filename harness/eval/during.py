@@ -1,6 +1,8 @@
 """Evaluations along stage 3: snapshots every `eval.every_tokens`, evaluated beside training, into a history.
 
-Stage 3 (rank 0), when its token count crosses a multiple N of eval.every_tokens (and at its end):
+With eval.during.at_start, a fresh stage 3 (rank 0) first marks RUN_DIR/merged, the student before any stage-3
+step, at 0 tokens (the mark says keep: the evaluator never deletes it). Then, when its token count crosses a multiple
+N of eval.every_tokens (and at its end):
     1. exports the checkpoint it just wrote into a Hugging Face snapshot, RUN_DIR/eval/snapshots/tokens-N
        (a copy, so that checkpoint pruning cannot take it away);
     2. marks it: RUN_DIR/eval/pending/tokens-N.json (harness.eval.history.mark_for_evaluation);
@@ -128,7 +130,7 @@ def evaluate_mark(run_dir: Path, mark: dict, *, progress: bool = True) -> dict:
     entry = history.make_entry(tokens, int(mark["step"]), mark["checkpoint"], report, params=mark.get("params"))
     history.append_entry(history.eval_dir(run_dir), entry)
     history.clear_mark(run_dir, tokens)
-    if not spec_keeps_snapshots(run_dir):
+    if not mark.get("keep") and not spec_keeps_snapshots(run_dir):
         shutil.rmtree(mark["checkpoint"], ignore_errors=True)
     return entry
 
@@ -147,6 +149,7 @@ class DuringTraining:
         from harness.stages.common import run_dir
 
         self.every = job.eval.every_tokens if job.eval.enabled else 0
+        self.at_start = bool(self.every and job.eval.during.at_start)
         self.run = run_dir(job)
         self.rank, self.params = rank, params
         self.done = history.handled_tokens(self.run) if self.every else set()
@@ -157,6 +160,19 @@ class DuringTraining:
         if not self.every:
             return []
         return history.due_evaluations(tokens_before, tokens_after, self.every, self.done)
+
+    def mark_start(self, tokens: int) -> None:
+        """With eval.during.at_start, before a fresh stage 3's first step (tokens 0, not handled yet): mark the merged
+        student, RUN_DIR/merged, for evaluation at 0 tokens (kept after it: stage 3 and the final evaluation read it)
+        and start the evaluator."""
+        if not self.at_start or tokens != 0 or 0 in self.done:
+            return
+        self.done.add(0)
+        if self.rank != 0:
+            return
+        history.mark_for_evaluation(self.run, 0, 0, self.run / "merged", params=self.params, keep=True)
+        where = launch_evaluator(self.run)
+        print(f"[harness] evaluation of the merged student (0 stage-3 tokens) started ({where})", flush=True)
 
     def mark(self, counts: list[int], step: int, checkpoint: Path) -> None:
         """Snapshot the checkpoint for each count (normally one) and start the evaluator, without waiting."""

@@ -8,6 +8,7 @@ list a training stage runs (`stage_hooks`), in this order after each step:
                     "loss" and every term by name, lr, grad_norm, skipped_steps, and what the hooks before added
     Checkpointing   every run.checkpoint_every_tokens and at the end
     EvalSnapshots   stage 3's evaluations along training (eval.every_tokens): a checkpoint, then a snapshot mark
+                    (and, before the first step of a fresh stage 3, a mark of the merged student: eval.during.at_start)
     Preemption      a preemption request (SIGTERM / SIGUSR1 / the preempt file, agreed by all ranks): checkpoint,
                     then exit for requeue (Preempted)
     StopAfter       tests: stop after N steps as if the process died there
@@ -28,7 +29,7 @@ from harness.checkpoint import CheckpointManager
 from harness.config import RunConfig
 from harness.observe import RunLogger, SkippedStepWatch, check_finite
 from harness.stages.common import grad_norm, save_checkpoint, skipped_steps
-from harness.train.trainer import Hook, StepContext, StopTraining, Trainer
+from harness.train.trainer import Hook, StepContext, StopTraining, Trainer, TrainState
 
 
 class Checkpointer:
@@ -112,11 +113,15 @@ class Checkpointing(Hook):
 
 
 class EvalSnapshots(Hook):
-    """Stage 3's evaluations along training (harness.eval.during.DuringTraining): at each due token count a
-    checkpoint and a snapshot mark; at the end the last point of the curve, whatever the multiple."""
+    """Stage 3's evaluations along training (harness.eval.during.DuringTraining): at the start of a fresh stage the
+    merged student (eval.during.at_start), at each due token count a checkpoint and a snapshot mark, at the end the
+    last point of the curve, whatever the multiple."""
 
     def __init__(self, during: Any, checkpointer: Checkpointer, tokens: int) -> None:
         self.during, self.checkpointer, self.before = during, checkpointer, tokens
+
+    def at_start(self, trainer: Trainer, state: TrainState) -> None:
+        self.during.mark_start(state.tokens)
 
     def after_step(self, trainer: Trainer, ctx: StepContext) -> None:
         due, self.before = self.during.due(self.before, ctx.tokens), ctx.tokens

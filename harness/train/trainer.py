@@ -44,8 +44,12 @@ class NoClock:
 
 
 class Hook:
-    """Something the loop does after each optimizer step (`after_step`) and once when the data is spent (`at_end`,
-    not after a `StopTraining`). Hooks run in their list's order and share the step's `StepContext`."""
+    """Something the loop does once before its first step (`at_start`, with the state it resumes from), after each
+    optimizer step (`after_step`) and once when the data is spent (`at_end`, not after a `StopTraining`). Hooks run
+    in their list's order and share the step's `StepContext`."""
+
+    def at_start(self, trainer: "Trainer", state: "TrainState") -> None:
+        pass
 
     def after_step(self, trainer: "Trainer", ctx: "StepContext") -> None:
         pass
@@ -152,8 +156,11 @@ class Trainer:
         return losses
 
     def train(self, loader: Iterable[dict], state: TrainState, steps: int) -> TrainState:
-        """Optimizer steps until `loader` is spent (`steps`: the stage's plan), each followed by the hooks; then the
-        end hooks, unless a hook raised `StopTraining`. `state` is where the stage resumed; returns where it is."""
+        """The start hooks, then optimizer steps until `loader` is spent (`steps`: the stage's plan), each followed by
+        the hooks; then the end hooks, unless a hook raised `StopTraining`. `state` is where the stage resumed;
+        returns where it is."""
+        for hook in self.hooks:
+            hook.at_start(self, state)
         batches = iter(loader)
         while (losses := self.train_step(batches)) is not None:
             state.step, state.tokens = state.step + 1, loader.tokens_consumed
