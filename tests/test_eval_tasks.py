@@ -194,9 +194,21 @@ def test_the_copy_and_state_probes_run_in_the_evaluation_job_and_are_reported_an
     assert report["state"]["teacher"]["scores"]["likelihood, 32 tokens apart"]["n"] == 2
     md = (out / "report.md").read_text()
     assert "## In-context copy" in md and "## State along the context" in md
+    # each layer's largest-head induction and previous-token scores of copy.json, for student and teacher
+    for side in ("student", "teacher"):
+        probe = json.loads((out / side / "copy.json").read_text())["induction"]["16"]
+        layers = report["copy"][side]["layers"]["16"]
+        assert layers["induction"]["max"] == [e["max"] for e in probe["layers"]]
+        assert layers["previous_token"]["max"] == [e["max"] for e in probe["previous_token"]["layers"]]
+        assert layers["induction"]["chance"] == probe["chance"] and len(layers["induction"]["max"]) >= 2
+    row = "| student | " + " | ".join(f"{v:.2f}" for v in report["copy"]["student"]["layers"]["16"]["induction"]["max"])
+    assert "### Induction score per layer (16-token copies; the largest head" in md and row + " |" in md
+    assert "### Previous-token score per layer (16-token copies" in md and "| teacher | " in md.split("per layer")[1]
     assert harness_main(["report", *map(str, runs), "--out", str(tmp_path / "cmp"), "--baseline", "run-a"]) == 0
     text = (tmp_path / "cmp" / "comparison.md").read_text()
     assert "In-context copy (random tokens shown twice): after first | 6 |" in text
+    table = text.split("### Induction score per layer")[1].split("###")[0]
+    assert all(f"| {name} " in table for name in ("run-a", "run-b", "teacher")), table
     assert curves.METRICS["copy_after_first"][0](report) == copy_scores["after first"]["value"]
 
 

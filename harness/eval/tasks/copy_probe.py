@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from harness.config import CopyConfig, default_copy_settings
+from harness.eval.formatting import run_name, teachers
 from harness.eval.tasks.base import Score, ScoredTask, TaskResults
 
 ALL = "after first"  # the score over every length's sequences
@@ -60,6 +61,27 @@ class CopyTask(ScoredTask):
         settings = dataclasses.replace(settings, lengths=lengths)
         return evaluate_copy(model, tokenizer, settings, out_dir, device=device, label=label, progress=progress)
 
+    def report_fields(self, student_dir: Path, teacher_dir: Optional[Path]) -> dict:
+        """The scores (ScoredTask), and beside each side's the per-layer scores of its copy.json (`layers`)."""
+        fields = super().report_fields(student_dir, teacher_dir)
+        for side, folder in (("student", student_dir), ("teacher", teacher_dir)):
+            entry = fields.get(self.name, {}).get(side)
+            layers = layer_scores(folder) if folder is not None else None
+            if entry is not None and layers:
+                entry["layers"] = layers
+        return fields
+
+    def markdown(self, report: dict) -> list[str]:
+        section = self._section(report)
+        rows = [(side, section.get(side)) for side in ("student", "teacher")]
+        return super().markdown(report) + layer_tables([(name, s) for name, s in rows if s])
+
+    def comparison_sections(self, reports: list[dict]) -> list[str]:
+        rows = [(run_name(r), self._section(r).get("student")) for r in reports]
+        rows += [(name, self._section(r).get("teacher")) for name, r in teachers(reports)]
+        lines = super().comparison_sections(reports)
+        return lines + layer_tables([(name, s) for name, s in rows if s])
+
     def summarise(self, folder: Path) -> Optional[TaskResults]:
         """copy.json's accuracy after the first token, over all lengths and per length, with each sequence's value."""
         from harness.eval.copy import JSON_FILE, SEQUENCES_FILE
@@ -86,3 +108,47 @@ class CopyTask(ScoredTask):
         settings = result["settings"]
         return TaskResults(scores, examples, {k: settings.get(k) for k in ("seed", "gap", "token_low", "token_high",
                                                                           "prefix", "sequences")})
+
+
+SCORES_BY_LAYER = (("induction", "induction score"), ("previous_token", "previous-token score"))
+
+
+def layer_scores(folder: Path) -> Optional[dict]:
+    """Per length of copy.json's `induction` section, each score's largest head per layer and its chance:
+    {length: {"induction": {"chance": c, "max": [...]}, "previous_token": {...}}}; None without the section."""
+    from harness.eval.copy import JSON_FILE
+    from harness.eval.formatting import read_json
+
+    result = read_json(Path(folder) / JSON_FILE)
+    if not result or not result.get("induction"):
+        return None
+    out = {}
+    for length, entry in result["induction"].items():
+        out[length] = {"induction": {"chance": entry["chance"], "max": [x["max"] for x in entry["layers"]]}}
+        prev = entry.get("previous_token")
+        if prev:
+            out[length]["previous_token"] = {"chance": prev["chance"], "max": [x["max"] for x in prev["layers"]]}
+    return out
+
+
+def layer_tables(rows: list[tuple[str, dict]]) -> list[str]:
+    """Markdown: for the shortest length every row scored per layer, one table per score (a row per model, a column
+    per layer: the largest head's score); nothing when no row has per-layer scores."""
+    rows = [(name, side["layers"]) for name, side in rows if side.get("layers")]
+    if not rows:
+        return []
+    length = min({int(k) for _, layers in rows for k in layers})
+    rows = [(name, layers[str(length)]) for name, layers in rows if str(length) in layers]
+    lines = []
+    for key, title in SCORES_BY_LAYER:
+        scored = [(name, by[key]) for name, by in rows if key in by]
+        if not scored:
+            continue
+        width = max(len(by["max"]) for _, by in scored)
+        chance = scored[0][1]["chance"]  # the same sequences for every model
+        lines += [f"### {title.capitalize()} per layer ({length}-token copies; the largest head; chance {chance:.3f})",
+                  "",
+                  "| model | " + " | ".join(str(i) for i in range(width)) + " |", "|" + "---|" * (1 + width)]
+        lines += [f"| {name} | " + " | ".join(f"{v:.2f}" for v in by["max"]) + " |" for name, by in scored]
+        lines.append("")
+    return lines
