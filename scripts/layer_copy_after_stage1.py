@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from harness.config import load_job
+from harness.data.mix_schedule import parse_mix
 from harness.stages.common import group_name
 
 
@@ -92,7 +93,7 @@ def data_of(job: str) -> str:
     """Stage 1's data in one line: the job's source, or its mix's sources with their stage-1 weights."""
     data = load_job(job).data
     if data.mix:
-        weights = [(m.stage_weights.get("align_mixer", m.weight), m.source) for m in data.mix]
+        weights = [(e.weight_in("align_mixer"), e.label) for e in parse_mix(data)]
         return " + ".join(f"{w} {source}" for w, source in weights if w > 0)
     return data.source
 

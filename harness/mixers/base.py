@@ -93,6 +93,14 @@ OUTPUT_SCALES = ("fit", "rms", "none")
 PIECES = {"fla": ("fla", "fla"), "compiled": ("compiled", "compiled"), "compiled-norm": ("fla", "compiled")}
 
 
+def piece_route(fused: "bool | str", piece: int) -> str:
+    """What runs piece 0 (the convolution) or 1 (the norm) for a `fused` argument: a PIECES choice, True for fla,
+    False or '' for the PyTorch form ('')."""
+    if isinstance(fused, str) and fused:
+        return PIECES[fused][piece]
+    return "fla" if fused else ""
+
+
 @dataclass
 class MixerOptions:
     """Options every mixer takes; subclasses add their own fields (each with a description)."""
@@ -428,7 +436,7 @@ class HeadRMSNorm(nn.Module):
         when o is on a GPU, gated, and longer than one token (one-token decoding steps stay in PyTorch, as the
         mixers' recurrences do, so that the CUDA-graph step captures no autotuning); a `pieces` choice runs its norm
         (PIECES: 'compiled' and 'compiled-norm' the PyTorch form under torch.compile), on the same condition."""
-        how = PIECES[fused][1] if isinstance(fused, str) and fused else ("fla" if fused else "")
+        how = piece_route(fused, 1)
         if how and gate is not None and o.is_cuda and o.shape[1] > 1:
             if how == "compiled":
                 return compiled(gated_rms_norm)(o, gate, self.weight, self.eps, self.activation)
@@ -470,7 +478,7 @@ class ShortConv(nn.Module):
         fused (True or 'fla'): fla's Triton causal-conv1d (convolution and activation in one kernel, on `[B, T, C]`
         as it is) when x is on a GPU and no tail is carried in; a `pieces` choice runs its convolution (PIECES:
         'compiled' is `causal_conv_shifted` under torch.compile), on the same condition; else PyTorch's conv1d."""
-        how = PIECES[fused][0] if isinstance(fused, str) and fused else ("fla" if fused else "")
+        how = piece_route(fused, 0)
         if how and tail is None and x.is_cuda:
             weight = self.conv.weight.squeeze(1)
             if how == "compiled":
