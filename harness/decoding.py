@@ -39,7 +39,8 @@ with room for the new tokens (`RecurrentCache.fix_kv`; eagerly too, so that CPU 
 captures): each step writes its key and value in place and reads its rotary position from the device, so the step
 has fixed shapes and is captured like a pure student's. In a batch the rows' KV columns are left-padded to the
 longest prompt and `valid` hides the padding. Kept layers under a sliding window (Mistral's) keep growing states
-and decode eagerly (`graph_blocker` says why).
+and decode eagerly (`graph_blocker` says why), as does a mixer whose state grows (`Mixer.growing_state`: fox's KV
+cache, whose rows are stacked left-padded too, its `valid` slots hiding the padding).
 
 Any causal LM (`greedy_ids_batch`): a harness student decodes through `greedy_decode_batch`; any other model (a
 transformers teacher) through `generate()` with its KV cache, the prompts left-padded with an attention mask. Each
@@ -59,6 +60,7 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 
 from harness.attention import KVState
+from harness.mixers import MixerState, mixer_class
 from harness.student import HarnessForCausalLM, RecurrentCache
 
 
@@ -69,6 +71,9 @@ def graph_blocker(model: Any) -> Optional[str]:
     if model.config.kept_layers() and not fixable_kv(model):
         return (f"a hybrid student whose kept softmax-attention layers {sorted(model.config.kept_layers())} have a "
                 "sliding window: their KV caches drop columns, so the step's shapes change")
+    if mixer_class(model.config.mixer).growing_state:
+        return (f"its mixer {model.config.mixer} keeps a KV cache that grows by a column per token, so the step's "
+                "shapes change")
     if not next(model.parameters()).is_cuda:
         return "it is not on a CUDA device"
     return None
@@ -249,9 +254,14 @@ def _prefill_rows(model: HarnessForCausalLM, rows: list[torch.Tensor]) -> tuple[
 
 def _stack(states: list[Any]) -> Any:
     """One layer's per-row states (batch 1 each) as one state of the rows in order (a copy even for one row); KV
-    states of unequal lengths are left-padded to the longest (the prompts' mask hides the padding)."""
+    states of unequal lengths are left-padded to the longest (the prompts' mask hides the padding), and so is a
+    mixer's growing cache (`Mixer.growing_state`: its own `stack_left_padded` marks the padding)."""
     if isinstance(states[0], KVState):
         return KVState.stack_left_padded(states)
+    if hasattr(states[0].recurrent, "stack_left_padded"):
+        rest = _stack([MixerState(None, s.conv, s.window) for s in states])
+        return MixerState(type(states[0].recurrent).stack_left_padded([s.recurrent for s in states]), rest.conv,
+                          rest.window)
     columns = [torch.cat(ts) for ts in zip(*(s.tensors() for s in states), strict=True)]
     it = iter(columns)
     return states[0].map(lambda _: next(it))

@@ -198,6 +198,10 @@ class Mixer(nn.Module):
     # the modules whose outputs are the values the state stores: with all of them zero the mixer outputs 0 (the
     # contract's zeroed_values_give_the_teacher zeroes those beyond v_proj, which transfer copies from the teacher)
     value_projections: ClassVar[tuple[str, ...]] = ("v_proj",)
+    # whether its decoding state grows with the context (a KV cache, fox's) rather than keeping a fixed size: its
+    # recurrent state then stacks rows of different lengths itself (`stack_left_padded`), and decoding steps change
+    # shape, so no CUDA graph captures them (harness.decoding)
+    growing_state: ClassVar[bool] = False
 
     def __init__(self, shape: MixerShape, options: MixerOptions, layer_idx: int = 0):
         super().__init__()

@@ -13,7 +13,7 @@ compared. A property that raises fails with the error. A few seconds per mixer o
 - cached_generate_equals_full_forwards: greedy `generate` with the recurrent cache gives the tokens of repeated
   full forwards, and each cached step's logits are the full forward's;
 - padding_left_and_right: in a batch padded on the left or on the right, each row's logits at its real tokens are
-  those of the row alone, and after left padding its states too;
+  those of the row alone, and after left padding its states too (a cache's real slots: `row_state`);
 - save_load: `save_pretrained` then `AutoModelForCausalLM.from_pretrained` gives the same logits, bit for bit.
 
 New parameters (everything but the copied projections and q/k norms) get random offsets first, so that gates far
@@ -35,7 +35,7 @@ from transformers import AutoModelForCausalLM, GenerationConfig, LlamaConfig, Ll
 from transformers.utils import logging as hf_logging
 
 from harness.layouts import LayerRope
-from harness.mixers import Mixer, mixer_options
+from harness.mixers import Mixer, MixerState, mixer_options
 from harness.mixers.kernels import kernel_unavailable_reason
 from harness.student import HarnessForCausalLM, build_student, rope_for
 
@@ -330,18 +330,30 @@ def real(row_logits: torch.Tensor, n: int, side: str) -> torch.Tensor:
 
 def state_gap(batch_cache: Any, caches: list[Any]) -> float:
     """How far (beyond 1e-5 + 1e-6 |own|, so 0 when within) any row's state tensors in the batch's cache are from
-    the row's own."""
+    the row's own (`row_state`)."""
     worst = 0.0
     for row, own in enumerate(caches):
         for mine, theirs in zip(batch_cache.states, own.states):
-            for a, b in zip(mine.tensors(), theirs.tensors(), strict=True):
-                a = a[row:row + 1]
+            for a, b in zip(row_state(mine, row), row_state(theirs, 0), strict=True):
                 if not b.is_floating_point():  # e.g. a window cache's mask of real tokens
                     excess = 0.0 if torch.equal(a, b) else float("inf")
                 else:
                     excess = ((a - b).abs() - 1e-5 - 1e-6 * b.abs()).max().item()
                 worst = max(worst, excess)
     return worst
+
+
+def row_state(state: MixerState, row: int) -> list[torch.Tensor]:
+    """One row's state tensors (batch 1, in `MixerState.tensors`' order); of a cache that marks its real slots (a
+    `valid` field `[B, S]`: a sliding window's, fox's growing KV cache) that row's real slots only, so that the slots
+    left padding adds to a growing cache, or leaves empty in a window's, are not compared."""
+    picked, out = state.map(lambda t: t[row:row + 1]), []
+    for part in (picked.recurrent, picked.conv, picked.window):
+        if "valid" in getattr(part, "_fields", ()):
+            out += [t[:, part.valid[0]] for t in part]
+        else:
+            out += MixerState(part).tensors()
+    return out
 
 
 def save_load(subject: Subject) -> Outcome:
