@@ -8,15 +8,18 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Mapping, Optional
 
-from harness.mixers.kernels import DPLR_ROUTES, GSA_KERNEL, MLSTM_KERNEL, PRODUCT_ROUTES, ROUTES
+from harness.mixers.kernels import DPLR_ROUTES, FOX_KERNEL, GSA_KERNEL, MLSTM_KERNEL, PRODUCT_ROUTES, ROUTES
 
 # gated_delta_product: the gated delta rule with several Householder steps per token (keys, values and beta with a
 # step axis, `harness.bench.recurrences.PRODUCT_STEPS` of them in the bench); dplr_delta: the delta rule with a
 # diagonal-plus-low-rank transition (RWKV-7's: its own a and b beside k, and a per-channel decay); gsa: gated slot
-# attention (its slots `harness.bench.recurrences.GSA_SLOTS` in the bench, gate slot)
-RECURRENCES = ("gated_delta", "gated_delta_product", "dplr_delta", "mlstm", "gsa")
+# attention (its slots `harness.bench.recurrences.GSA_SLOTS` in the bench, gate slot); forgetting_attn: softmax
+# attention with a forget gate (the fox mixer, gate forget), which has no recurrent state: it decodes from a KV cache
+RECURRENCES = ("gated_delta", "gated_delta_product", "dplr_delta", "mlstm", "gsa", "forgetting_attn")
 _ROUTES_OF = {"gated_delta": ROUTES, "gated_delta_product": PRODUCT_ROUTES, "dplr_delta": DPLR_ROUTES,
-              "mlstm": (MLSTM_KERNEL,), "gsa": (GSA_KERNEL,)}
+              "mlstm": (MLSTM_KERNEL,), "gsa": (GSA_KERNEL,), "forgetting_attn": (FOX_KERNEL,)}
+# the gates that belong to one recurrence each, and it to them
+PAIRED_GATES = {"gsa": "slot", "forgetting_attn": "forget"}
 # How q and k reach the recurrence: raw ~N(0, 1) with scale K^-0.5; elu1, elu + 1 with scale 1 (linear attention's
 # feature map and normaliser); l2, L2-normalised with scale K^-0.5 (the delta rules); softmax_pair, [softmax(x),
 # softmax(-x)] with scale 1 and twice the key dim (hedgehog's learned feature map)
@@ -25,8 +28,9 @@ FEATURES = ("raw", "elu1", "l2", "softmax_pair")
 # head (RetNet's log(1 - 2^(-5-h))); head, data-dependent per head (-exp(A) softplus(x + dt_bias), Mamba2-style);
 # channel, data-dependent per key channel (logsigmoid(x) / 16); ssd, Mamba2's -A dt per head with dt folded into k;
 # slot, gated slot attention's per-slot log decay logsigmoid(x) / 8 and write strength s = 1 - exp(g);
-# rwkv7, RWKV-7's per-channel -exp(-0.5) sigmoid(x), so every decay lies in [exp(-exp(-0.5)), 1)
-GATES = (None, "head_const", "head", "channel", "ssd", "slot", "rwkv7")
+# rwkv7, RWKV-7's per-channel -exp(-0.5) sigmoid(x), so every decay lies in [exp(-exp(-0.5)), 1); forget, FoX's
+# per-head log forget gate logsigmoid(x), its cumulative sum between key and query added to the softmax logits
+GATES = (None, "head_const", "head", "channel", "ssd", "slot", "rwkv7", "forget")
 TOLERANCE_KEYS = ("out", "state", "grad", "gate_grad")
 
 
@@ -37,13 +41,14 @@ class KernelCase:
     route: str = field(metadata={"help": "The kernel its recurrence takes by default: an fla route of "
                                  "harness.mixers.kernels.ROUTES (gated_delta), of kernels.PRODUCT_ROUTES "
                                  "(gated_delta_product), of kernels.DPLR_ROUTES (dplr_delta), kernels.MLSTM_KERNEL "
-                                 "(mlstm) or kernels.GSA_KERNEL (gsa)."})
+                                 "(mlstm), kernels.GSA_KERNEL (gsa) or kernels.FOX_KERNEL (forgetting_attn)."})
     recurrence: str = field(default="gated_delta", metadata={"help": "gated_delta (docs/RECURRENCES.md), "
-                                                             "gated_delta_product, dplr_delta, mlstm or gsa."})
+                                                             "gated_delta_product, dplr_delta, mlstm, gsa or "
+                                                             "forgetting_attn."})
     features: str = field(default="raw", metadata={"help": "How q and k reach the recurrence: raw, elu1, l2 or "
                                                    "softmax_pair."})
     gate: Optional[str] = field(default=None, metadata={"help": "The decay g: None, head_const, head, channel, ssd, "
-                                                        "slot (gsa's) or rwkv7."})
+                                                        "slot (gsa's), rwkv7 or forget (forgetting_attn's)."})
     beta: bool = field(default=False, metadata={"help": "Whether the recurrence takes the delta rule's beta."})
     alternative_routes: tuple[str, ...] = field(
         default=(), metadata={"help": "Other fla routes of the same recurrence, measured beside the default one "
@@ -61,9 +66,10 @@ class KernelCase:
         for name, value, allowed in checks:
             if value not in allowed:
                 raise ValueError(f"KernelCase {name}={value!r} is not one of {', '.join(map(repr, allowed))}")
-        if (self.recurrence == "gsa") != (self.gate == "slot"):
-            raise ValueError(f"KernelCase gate={self.gate!r} with recurrence={self.recurrence!r}: gate 'slot' goes "
-                             "with recurrence 'gsa' and only with it")
+        for recurrence, gate in PAIRED_GATES.items():
+            if (self.recurrence == recurrence) != (self.gate == gate):
+                raise ValueError(f"KernelCase gate={self.gate!r} with recurrence={self.recurrence!r}: gate '{gate}' "
+                                 f"goes with recurrence '{recurrence}' and only with it")
         bad = [r for r in self.alternative_routes if r not in routes or self.recurrence == "mlstm"]
         if bad:
             raise ValueError(f"KernelCase alternative_routes {bad}: each must be one of {', '.join(routes)} "
@@ -71,6 +77,11 @@ class KernelCase:
         unknown = sorted(set(self.tolerances) - set(TOLERANCE_KEYS))
         if unknown:
             raise ValueError(f"KernelCase tolerances {unknown}: keys must be among {', '.join(TOLERANCE_KEYS)}")
+
+    @property
+    def stateful(self) -> bool:
+        """Whether the kernel carries a recurrent state (initial and final): every recurrence but forgetting_attn."""
+        return self.recurrence != "forgetting_attn"
 
     @property
     def variants(self) -> tuple[str, ...]:

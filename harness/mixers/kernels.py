@@ -1,7 +1,8 @@
 """GPU kernel path of the recurrences in docs/RECURRENCES.md: fla.ops for the gated-delta family (gated
 DeltaProduct included), RWKV-7's DPLR delta rule and gated slot attention, mlstm_kernels for the mLSTM; and of
-the sliding window of `options.window` (fla's parallel_attn). CUDA only; the PyTorch references
-(harness.mixers.recurrence, harness.mixers.window) are the oracles.
+the softmax attentions: the sliding window of `options.window` (fla's parallel_attn) and the fox mixer's
+forgetting attention (fla's parallel_forgetting_attn). CUDA only; the PyTorch references
+(harness.mixers.recurrence, harness.mixers.window, harness.mixers.fox) are the oracles.
 
 Nothing here imports fla, triton or mlstm_kernels at module import time: this module is imported on CPU
 machines (CI) where triton does not exist. The kernel libraries are imported inside the functions.
@@ -451,6 +452,34 @@ def kernel_window_attention(q, k, v, window: int, *, scale: float) -> torch.Tens
 
 
 # ----------------------------------------------------------------------------------------------------------
+# forgetting attention (the fox mixer) -> fla.ops.forgetting_attn
+
+FOX_KERNEL = "parallel_forgetting_attn"  # its one route: fla's parallel_attn with a log forget gate
+
+
+def _fla_forgetting_attn():
+    """fla's parallel_forgetting_attn (imported on call: triton exists on GPU machines only)."""
+    from fla.ops.forgetting_attn import parallel_forgetting_attn
+
+    return parallel_forgetting_attn
+
+
+def kernel_forgetting_attention(q, k, v, g, *, scale: float) -> torch.Tensor:
+    """Causal softmax attention with a forget gate through fla's parallel_forgetting_attn (flash-style, no score
+    matrix kept): logits scale q_i.k_j + sum_{l=j+1..i} g_l. q `[B, T, HQ, D]`, k and v `[B, T, H, D]` (GQA: HQ
+    divisible by H), g `[B, T, HQ]` the log forget gates (<= 0; fla sums them in-kernel and returns their gradient in
+    float32). q, k, v run in v's 16-bit dtype (bf16 for a float32 v, as the recurrences': `_compute_dtype`), g in
+    float32; the output in v's dtype. Raises KernelUnavailable off CUDA or without fla/triton."""
+    _require("fla", q, k, v, g, fn="kernel_forgetting_attention")
+    if q.shape[-1] > WINDOW_KERNEL_MAX_HEAD_DIM:
+        raise ValueError(f"kernel_forgetting_attention: head_dim={q.shape[-1]} is over parallel_attn's "
+                         f"{WINDOW_KERNEL_MAX_HEAD_DIM}")
+    out_dtype, dt = v.dtype, _compute_dtype(v)
+    o = _fla_forgetting_attn()(q.to(dt), k.to(dt), v.to(dt), g.to(torch.float32), scale=float(scale))
+    return o.to(out_dtype)
+
+
+# ----------------------------------------------------------------------------------------------------------
 # gated DeltaProduct -> fla.ops.gated_delta_product
 
 def _check_gated_delta_product(q, k, v, g, beta, initial_state) -> None:
@@ -717,9 +746,9 @@ def _mlstm_padded(kernel, q, k, v, i, f, *, scale, state, eps, chunk_size, dtype
 
 
 __all__ = [
-    "BACKENDS", "DPLR_ROUTES", "GATED_DELTA_CASES", "GSA_KERNEL", "KernelUnavailable", "MLSTM_KERNEL", "PRODUCT_ROUTES",
-    "ROUTES", "gated_delta_case", "kernel_dplr_delta", "kernel_environment", "kernel_gated_delta",
-    "kernel_gated_delta_product", "kernel_gsa", "kernel_mlstm", "kernel_unavailable_reason", "kernels_available",
-    "resolve_backend", "run_gated_delta_route",
+    "BACKENDS", "DPLR_ROUTES", "FOX_KERNEL", "GATED_DELTA_CASES", "GSA_KERNEL", "KernelUnavailable", "MLSTM_KERNEL",
+    "PRODUCT_ROUTES", "ROUTES", "gated_delta_case", "kernel_dplr_delta", "kernel_environment",
+    "kernel_forgetting_attention", "kernel_gated_delta", "kernel_gated_delta_product", "kernel_gsa", "kernel_mlstm",
+    "kernel_unavailable_reason", "kernels_available", "resolve_backend", "run_gated_delta_route",
     "select_gated_delta_product_route", "select_gated_delta_route",
 ]
