@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from harness.mixers import MIXERS, MixerShape, kernels, mixer_class, mixer_options, recurrence
+from harness.mixers.fox import forgetting_attention
 
 SHAPE = MixerShape(hidden_size=32, num_heads=4, num_kv_heads=4, head_dim=8)
 
@@ -45,6 +46,12 @@ def _record_kernels(monkeypatch) -> list[str]:
         return recurrence.chunk_gsa(q, k, v, s, g, scale=scale, initial_state=initial_state)
 
     monkeypatch.setattr(kernels, "kernel_gsa", gsa)
+
+    def forgetting(q, k, v, g, *, scale):
+        taken.append(kernels.FOX_KERNEL)
+        return forgetting_attention(q, k, v, g, scale=scale)[0]
+
+    monkeypatch.setattr(kernels, "kernel_forgetting_attention", forgetting)
     monkeypatch.setattr(kernels, "_gated_bwd_blocked", lambda: False)
     monkeypatch.delenv("HARNESS_FLA_ROUTES", raising=False)
     return taken
@@ -58,7 +65,7 @@ def test_every_built_in_mixer_declares_its_route():
 def test_each_mixer_reaches_the_kernel_its_file_names(monkeypatch, name):
     taken = _record_kernels(monkeypatch)
     torch.manual_seed(0)
-    layer = mixer_class(name)(SHAPE, mixer_options(name, {}))
+    layer = mixer_class(name)(SHAPE, mixer_options(name, {"rope": False}))  # alone: no model's positions
     monkeypatch.setattr(layer, "backend_for", lambda x: "kernel")
     y, _ = layer(torch.randn(2, 16, SHAPE.hidden_size))
     assert taken == [FLA_ROUTE[name]] and y.shape == (2, 16, SHAPE.hidden_size)

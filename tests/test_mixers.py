@@ -12,8 +12,10 @@ SHAPE = MixerShape(hidden_size=48, num_heads=6, num_kv_heads=2, head_dim=8)
 
 
 def make_mixer(name: str, seed: int = 0, **options):
+    """A layer alone, without a model's position embeddings: RoPE off unless asked (fox's default is on)."""
     torch.manual_seed(seed)
-    mixer = mixer_class(name)(SHAPE, mixer_options(name, {"backend": "reference", "chunk_size": 16, **options}))
+    mixer = mixer_class(name)(SHAPE, mixer_options(name, {"backend": "reference", "chunk_size": 16, "rope": False,
+                                                          **options}))
     mixer.reset_new_parameters()
     # make every new parameter matter: gates far from their (often saturated) initial values
     with torch.no_grad():

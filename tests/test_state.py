@@ -170,6 +170,9 @@ def test_reading_positions_by_continuation_equals_one_prefill(setting, mixer):
         for layer, (got, want) in enumerate(zip(read[p], snapshot(cache))):
             assert len(got) == len(want)
             for g, w in zip(got, want):  # float32 sums in another order: errors relative to the state's scale
+                if not w.is_floating_point():  # a KV cache's real slots (fox)
+                    assert torch.equal(g, w), f"{mixer} p={p} layer {layer}"
+                    continue
                 scale = max(1.0, w.abs().max().item())
                 torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-5 * scale,
                                            msg=lambda m: f"{mixer} p={p} layer {layer}: {m}")

@@ -29,8 +29,10 @@ CONV = [name for name in MIXERS if "conv_init" in mixer_options(name).__dataclas
 
 
 def mixer(name: str, seed: int = 0, **options):
+    """A layer alone, without a model's position embeddings: RoPE off unless asked (fox's default is on)."""
     torch.manual_seed(seed)
-    m = mixer_class(name)(SHAPE, mixer_options(name, {"backend": "reference", "chunk_size": 8, **options}))
+    m = mixer_class(name)(SHAPE, mixer_options(name, {"backend": "reference", "chunk_size": 8, "rope": False,
+                                                      **options}))
     m.reset_new_parameters()
     return m
 

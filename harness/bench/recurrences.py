@@ -32,6 +32,7 @@ import torch.nn.functional as F
 
 from harness.bench.kernels import median_ms
 from harness.mixers import MIXERS, KernelCase, kernels, recurrence
+from harness.mixers.fox import forgetting_attention
 
 CUDA = torch.device("cuda")
 
@@ -92,7 +93,9 @@ def make_inputs(case: str, B: int, T: int, H: int, K: int, V: int, *, device="cu
     gate slot (gsa): g = logsigmoid(N(0, 1)) / 8 and s = 1 - exp(g) `[B, T, H, GSA_SLOTS]`, two leaves as the
     kernel takes them, and states (hk `[B, H, K, M]`, hv `[B, H, M, V]`);
     dplr_delta (RWKV-7): a = -kk, b = kk * sigmoid(N(0, 1)) per channel, kk L2-normalised N(0, 1), and gate rwkv7:
-    g = -exp(-0.5) sigmoid(N(0, 1)) per channel."""
+    g = -exp(-0.5) sigmoid(N(0, 1)) per channel; forgetting_attn (fox) with gate forget: g = logsigmoid(N(0, 1) +
+    b_h) per head, b_h from 0 to 8 over the heads (local heads and heads that hardly forget), and no state
+    (`with_state` is ignored: softmax attention decodes from a KV cache, not a state)."""
     spec = kernel_cases()[case]
     gen = torch.Generator(device="cpu").manual_seed(seed)
     if spec.features == "softmax_pair":
@@ -138,6 +141,8 @@ def make_inputs(case: str, B: int, T: int, H: int, K: int, V: int, *, device="cu
         x["g"], x["s"] = leaf(g, torch.float32), leaf(-torch.expm1(g), dtype)
     elif spec.gate == "rwkv7":
         x["g"] = leaf(DPLR_DECAY_FLOOR * torch.sigmoid(randn(B, T, H, K)), torch.float32)
+    elif spec.gate == "forget":
+        x["g"] = leaf(F.logsigmoid(randn(B, T, H) + torch.linspace(0, 8, H, device=device)), torch.float32)
     if spec.beta:
         x["beta"] = leaf(torch.sigmoid(randn(B, T, *steps, H)), torch.float32)
     if spec.recurrence == "dplr_delta":
@@ -147,7 +152,7 @@ def make_inputs(case: str, B: int, T: int, H: int, K: int, V: int, *, device="cu
         x["i"] = leaf(15 * torch.tanh((2 * randn(B, T, H) - 3) / 15), torch.float32)
         x["f"] = leaf(15 * torch.tanh((randn(B, T, H) + 4.5) / 15), torch.float32)
     x["h0"] = None
-    if with_state:
+    if with_state and spec.stateful:
         if spec.recurrence == "gsa":
             x["h0"] = (leaf(randn(B, H, K, GSA_SLOTS), torch.float32), leaf(randn(B, H, GSA_SLOTS, V), torch.float32))
         elif spec.recurrence == "mlstm":
@@ -157,7 +162,8 @@ def make_inputs(case: str, B: int, T: int, H: int, K: int, V: int, *, device="cu
             x["h0"] = leaf(randn(B, H, K, V), torch.float32)
     # cotangents for the backward pass: on the output and on the final state (C only for the mLSTM)
     x["do"] = randn(B, T, H, V)
-    x["dS"] = (randn(B, H, K, GSA_SLOTS), randn(B, H, GSA_SLOTS, V)) if spec.recurrence == "gsa" else randn(B, H, K, V)
+    x["dS"] = ((randn(B, H, K, GSA_SLOTS), randn(B, H, GSA_SLOTS, V)) if spec.recurrence == "gsa"
+               else randn(B, H, K, V) if spec.stateful else None)
     return x
 
 
@@ -198,6 +204,8 @@ def run_kernel(x: dict, variant: str = "auto"):
         return h, (c, n, m)
     if x["recurrence"] == "gsa":
         return kernels.kernel_gsa(x["q"], x["k"], x["v"], x["s"], x["g"], scale=x["scale"], initial_state=x["h0"])
+    if x["recurrence"] == "forgetting_attn":
+        return kernels.kernel_forgetting_attention(x["q"], x["k"], x["v"], x["g"], scale=x["scale"]), ()
     if x["recurrence"] == "dplr_delta":
         floor = DPLR_DECAY_FLOOR if kernel_cases()[x["case"]].gate == "rwkv7" else None
         o, s = kernels.kernel_dplr_delta(x["q"], x["k"], x["v"], x["a"], x["b"], x["g"], scale=x["scale"],
@@ -222,6 +230,8 @@ def run_reference(x: dict):
         return h, (c, n, m)
     if x["recurrence"] == "gsa":
         return recurrence.chunk_gsa(x["q"], x["k"], x["v"], x["s"], x["g"], scale=x["scale"], initial_state=x["h0"])
+    if x["recurrence"] == "forgetting_attn":
+        return forgetting_attention(x["q"], x["k"], x["v"], x["g"], scale=x["scale"], chunk_size=512)[0], ()
     if x["recurrence"] == "dplr_delta":
         o, s = recurrence.chunk_dplr_delta(x["q"], x["k"], x["v"], x["a"], x["b"], x["g"], scale=x["scale"],
                                            initial_state=x["h0"])
@@ -236,11 +246,14 @@ def loss_of(x: dict, out, states) -> torch.Tensor:
     """Gated delta: <o, do> + <S_final, dS> (exercises the final-state gradient too).
     mLSTM: <LayerNorm_head(h), do>, as the layer uses h: mlstm_kernels' backward drops the normaliser's
     gradient, which is exact only behind such a scale-invariant norm, and it does not support gradients
-    into the final state (kernel_mlstm refuses them). gsa: <o, do> + <hk, dS_k> + <hv, dS_v>."""
+    into the final state (kernel_mlstm refuses them). gsa: <o, do> + <hk, dS_k> + <hv, dS_v>. forgetting_attn: <o, do>
+    (no state)."""
     if x["recurrence"] == "mlstm":
         return (F.layer_norm(out.float(), (out.shape[-1],), eps=1e-6) * x["do"]).sum()
     if x["recurrence"] == "gsa":
         return (out.float() * x["do"]).sum() + sum((a.float() * b).sum() for a, b in zip(states, x["dS"]))
+    if not states:
+        return (out.float() * x["do"]).sum()
     return (out.float() * x["do"]).sum() + (states[0].float() * x["dS"]).sum()
 
 
@@ -324,6 +337,8 @@ def selected_route(x: dict, variant: str) -> str:
         return kernels.MLSTM_KERNEL
     if x["recurrence"] == "gsa":
         return kernels.GSA_KERNEL
+    if x["recurrence"] == "forgetting_attn":
+        return kernels.FOX_KERNEL
     if variant != "auto":
         return variant
     if x["recurrence"] == "dplr_delta":

@@ -30,8 +30,10 @@ attention and Hedgehog S = sum phi(k_t) v_t^T (the value its normaliser divides 
 `normaliser_norm`); for the mLSTM the de-stabilised C_t (the stored C times exp(m_t): the true sum of gated writes,
 comparable across positions), beside the stored one's norm (`stored_norm`), the de-stabilised normaliser n_t and the
 stabiliser m_t; for gated slot attention its value slots hv (`[M, V]` per head), beside its key slots' norm
-(`key_slots_norm`). A hybrid's kept softmax-attention layers are listed as such, without measures; a mixer's sliding window cache
-(`options.window`) is not part of the recurrent state and is not measured.
+(`key_slots_norm`). A hybrid's kept softmax-attention layers are listed as such, without measures, and so are the
+layers of a mixer whose state is no fixed-size matrix but a KV cache that grows with the context (fox's:
+`Mixer.growing_state`); a mixer's sliding window cache (`options.window`) is not part of the recurrent state and is
+not measured.
 
 Retrieval against distance (students and teachers). For each needle kind, distance d and sample i, a prompt of
 exactly `length` tokens: the NIAH frame (`harness.eval.niah.prompt_frame`: instruction, then the question and
@@ -78,6 +80,7 @@ from harness.eval.niah import (NiahGrid, NiahSample, generate_answers, haystack_
 from harness.eval.records import append_record, changed_settings, resume_lines
 from harness.eval.recovery import Z_95, paired_bootstrap, percentile_interval
 from harness.files import atomic_write_text
+from harness.mixers import mixer_class
 
 FORMAT_VERSION = 1  # bump when prompts, needles or measures change, so that old records are not mixed in
 JSON_FILE, RECORDS_FILE, MARKDOWN_FILE, PLOT_FILE = ("state.json", "state_retrieval.jsonl", "state.md",
@@ -111,6 +114,8 @@ STATE_OF = {
     "rwkv7": "S_p = Diag(exp g_p) S_{p-1} + b_p a_p^T S_{p-1} + k_p v_p^T (RWKV-7's DPLR delta rule): a_p = -kk_p and "
              "b_p = kk_p * iclr_p (kk the L2-normalised removal key, iclr the in-context learning rate), k the written "
              "key, a data-dependent decay per key channel",
+    "fox": "none of a fixed size: softmax attention with a forget gate keeps every token's key, value and cumulative "
+           "log forget gate (a KV cache that grows with the context), so its layers are listed without measures",
     "mlstm": "C_p de-stabilised: the stored C_p times exp(m_p), i.e. sum_t exp(i_t + sum_{t<s<=p} logsigmoid(f_s)) "
              "k_t v_t^T; stored_norm: ||C_p|| as the recurrence carries it (scaled by exp(-m_p)); normaliser_norm: "
              "||n_p|| de-stabilised; stabiliser: m_p",
@@ -215,23 +220,27 @@ def states_at(model: Any, ids: torch.Tensor, positions: list[int]) -> Iterator[t
         yield p, cache
 
 
+GROWS = "its state grows with the context (Mixer.growing_state): not measured"
+
+
 def mixer_layers(model: Any) -> dict[int, bool]:
-    """layer index -> whether it is a mixer layer (False: a hybrid's kept softmax attention)."""
-    kept = model.config.kept_layers()
-    return {i: i not in kept for i in range(model.config.num_hidden_layers)}
+    """layer index -> whether it is a mixer layer with a state to measure (False: a hybrid's kept softmax attention,
+    and every layer of a mixer whose state grows with the context, `Mixer.growing_state`)."""
+    kept, grows = model.config.kept_layers(), mixer_class(model.config.mixer).growing_state
+    return {i: i not in kept and not grows for i in range(model.config.num_hidden_layers)}
 
 
 def measure_states(model: Any, tokenizer: Any, cfg: StateConfig, device: Any, progress: bool = True) -> dict:
     """state.json's "state" block: every mixer layer's measures at every read position (`layer_entry`)."""
     positions = cfg.read_positions()
     ids = state_text(tokenizer, cfg).to(device)
-    layers = mixer_layers(model)
+    layers, kept = mixer_layers(model), model.config.kept_layers()
     mixer = model.config.mixer
     found: dict[int, dict[str, list[torch.Tensor]]] = {i: {} for i, is_mixer in layers.items() if is_mixer}
     bar = tqdm(total=len(positions), desc=f"state {mixer}", unit="position", disable=not progress,
                dynamic_ncols=True)
     with bar:
-        for _, cache in states_at(model, ids, positions):
+        for _, cache in states_at(model, ids, positions) if found else ():  # nothing to read: no pass
             for i, measures in found.items():
                 for name, value in state_measures(mixer, cache.states[i].recurrent).items():
                     measures.setdefault(name, []).append(value)
@@ -243,17 +252,20 @@ def measure_states(model: Any, tokenizer: Any, cfg: StateConfig, device: Any, pr
             "value_dim": shape.head_dim if shape else None,
             "definitions": {"norm": NORM_DEFINITION, "rank": RANK_DEFINITION, "growth": GROWTH_DEFINITION,
                             "aggregation": AGGREGATION},
-            "layers": [layer_entry(i, positions, found.get(i)) for i in layers],
+            "layers": [layer_entry(i, positions, found.get(i), None if i in kept else f"{mixer}: {STATE_OF.get(mixer, GROWS)}")
+                       for i in layers],
             "over_layers": over_layers(found, positions)}
 
 
-def layer_entry(layer: int, positions: list[int], measures: Optional[dict[str, list[torch.Tensor]]]) -> dict:
+def layer_entry(layer: int, positions: list[int], measures: Optional[dict[str, list[torch.Tensor]]],
+                note: Optional[str] = None) -> dict:
     """One layer of the "state" block: for each measure (norm, rank, and the mixer's extras) its mean and max over
     heads per position and its per-head values (heads x positions), each averaged over the sequences; the norm's
-    growth exponent; or, for a kept softmax-attention layer, only what it is."""
+    growth exponent; or, for a layer without measures (a kept softmax-attention layer, or `note` says why), only what
+    it is."""
     if measures is None:
         return {"layer": layer, "kind": "attention",
-                "note": "kept softmax attention: no recurrent state (its KV cache grows with the context)"}
+                "note": note or "kept softmax attention: no recurrent state (its KV cache grows with the context)"}
     entry: dict[str, Any] = {"layer": layer, "kind": "mixer"}
     for name, values in measures.items():
         per_head = torch.stack(values, -1).mean(0)  # [H, positions], averaged over the sequences

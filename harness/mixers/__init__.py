@@ -1,6 +1,6 @@
-"""The linear-time token mixers, by name. `MIXERS[name]` is the layer class: the built-in mixers below, in this
-order, then plug-ins (`register_mixer`, or an installed package's entry point in the group `harness.mixers`;
-harness.mixers.registry, docs/MIXERS.md)."""
+"""The token mixers, by name (linear-time, but for fox: softmax attention with a forget gate). `MIXERS[name]` is the
+layer class: the built-in mixers below, in this order, then plug-ins (`register_mixer`, or an installed package's
+entry point in the group `harness.mixers`; harness.mixers.registry, docs/MIXERS.md)."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ from typing import Any, Mapping
 from harness.mixers.base import Mixer, MixerOptions, MixerShape, MixerState, no_weight_decay
 from harness.mixers.deltanet import DeltaNet
 from harness.mixers.deltaproduct import DeltaProduct
+from harness.mixers.fox import Fox
 from harness.mixers.gated_deltanet import GatedDeltaNet
 from harness.mixers.gla import GLA
 from harness.mixers.gsa import GSA
@@ -25,7 +26,7 @@ from harness.mixers.rwkv7 import RWKV7
 
 MIXERS: MixerRegistry = MixerRegistry(
     cls for cls in (LinearAttention, RetNet, GLA, DeltaNet, GatedDeltaNet, KDA, MLSTM, DeltaProduct, Mamba2,
-                    Hedgehog, GSA, RWKV7)
+                    Hedgehog, GSA, RWKV7, Fox)
 )
 
 
