@@ -121,6 +121,7 @@ STATE_OF = {
              "||n_p|| de-stabilised; stabiliser: m_p",
 }
 
+GROWS = "its state grows with the context (Mixer.growing_state): not measured"  # a plug-in's, without an entry
 
 # ---------------------------------------------------------------------------------------------- settings
 
@@ -220,9 +221,6 @@ def states_at(model: Any, ids: torch.Tensor, positions: list[int]) -> Iterator[t
         yield p, cache
 
 
-GROWS = "its state grows with the context (Mixer.growing_state): not measured"
-
-
 def mixer_layers(model: Any) -> dict[int, bool]:
     """layer index -> whether it is a mixer layer with a state to measure (False: a hybrid's kept softmax attention,
     and every layer of a mixer whose state grows with the context, `Mixer.growing_state`)."""
@@ -236,6 +234,7 @@ def measure_states(model: Any, tokenizer: Any, cfg: StateConfig, device: Any, pr
     ids = state_text(tokenizer, cfg).to(device)
     layers, kept = mixer_layers(model), model.config.kept_layers()
     mixer = model.config.mixer
+    notes = {i: f"{mixer}: {STATE_OF.get(mixer, GROWS)}" for i in layers if i not in kept}  # unmeasured mixer layers
     found: dict[int, dict[str, list[torch.Tensor]]] = {i: {} for i, is_mixer in layers.items() if is_mixer}
     bar = tqdm(total=len(positions), desc=f"state {mixer}", unit="position", disable=not progress,
                dynamic_ncols=True)
@@ -252,8 +251,7 @@ def measure_states(model: Any, tokenizer: Any, cfg: StateConfig, device: Any, pr
             "value_dim": shape.head_dim if shape else None,
             "definitions": {"norm": NORM_DEFINITION, "rank": RANK_DEFINITION, "growth": GROWTH_DEFINITION,
                             "aggregation": AGGREGATION},
-            "layers": [layer_entry(i, positions, found.get(i), None if i in kept else f"{mixer}: {STATE_OF.get(mixer, GROWS)}")
-                       for i in layers],
+            "layers": [layer_entry(i, positions, found.get(i), notes.get(i)) for i in layers],
             "over_layers": over_layers(found, positions)}
 
 
