@@ -7,8 +7,6 @@ suites (test_mixers, test_padding, test_decoding, test_state, test_mixer_contrac
 
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
 import torch.nn.functional as F
@@ -245,9 +243,9 @@ def test_the_bench_case_compares_the_kernel_with_the_reference(fla_calls):
 
 
 def test_its_growing_cache_decodes_eagerly_and_has_no_state_measures():
+    from harness.config import StateConfig
     from harness.decoding import graph_blocker
     from harness.eval.state import measure_states
-    from harness.config import StateConfig
     from tests.pipeline import tiny_tokenizer
 
     tok = tiny_tokenizer()
@@ -257,4 +255,3 @@ def test_its_growing_cache_decodes_eagerly_and_has_no_state_measures():
     layers = measure_states(student, tok, cfg, "cpu", progress=False)["layers"]
     assert [layer["kind"] for layer in layers] == ["attention", "attention"]
     assert all("fox" in layer["note"] and "norm_mean" not in layer for layer in layers)
-    assert math.isfinite(student(torch.tensor([[5, 6, 7]])).logits.sum().item())
