@@ -35,6 +35,7 @@ GLOBAL_SECTIONS = ("seed", "teacher", "student", "data", "budget")
 # Keys (or key prefixes ending in '.') that may differ between the run that did the work and a rerun.
 FREE_KEYS = (
     "name", "output_dir", "run.", "eval.", "data.num_proc", "data.cache_dir", "student.options.backend",
+    "student.options.fused_qkv",
     "stages.sft.enabled", "deepspeed.teacher_placement", "deepspeed.teacher_config", "stages.distill.gradient_checkpointing",
     "stages.distill.gradient_checkpointing_fraction", "stages.distill.compile_teacher",
     "stages.distill.compile_student",

@@ -179,7 +179,7 @@ def test_fused_qkv_layer_equals_the_three_projection_layer(monkeypatch):
 
     torch.manual_seed(0)
     fused = mixer_class("gated_deltanet")(SHAPE, mixer_options("gated_deltanet", {"fused_qkv": True}))
-    plain = mixer_class("gated_deltanet")(SHAPE, mixer_options("gated_deltanet", {}))
+    plain = mixer_class("gated_deltanet")(SHAPE, mixer_options("gated_deltanet", {"fused_qkv": False}))
     plain.load_state_dict(fused.state_dict())
     x = torch.randn(2, 7, SHAPE.hidden_size)
     calls = []

@@ -92,10 +92,11 @@ def test_each_stage_depends_only_on_its_own_and_the_shared_keys():
     assert "instructions.seq_len" not in stage_settings(job, "distill")
     assert "instructions.seq_len" in stage_settings(load_job(None, ["stages.distill.data=instructions"]), "distill")
     assert "data.seq_len" not in stage_settings(job, "sft") and "stages.sft.lr" in stage_settings(job, "sft")
-    assert all(is_free(k) for k in ("run.keep_last", "eval.niah.lengths", "output_dir", "student.options.backend"))
-    options = stage_settings(load_job(None, ["student.options.rope=true", "student.options.backend=reference"]),
-                             "align_mixer")["student.options"]
-    assert options == {"rope": True}  # one value: an added option differs; the backend may change
+    assert all(is_free(k) for k in ("run.keep_last", "eval.niah.lengths", "output_dir", "student.options.backend",
+                                    "student.options.fused_qkv"))
+    options = stage_settings(load_job(None, ["student.options.rope=true", "student.options.backend=reference",
+                                             "student.options.fused_qkv=false"]), "align_mixer")["student.options"]
+    assert options == {"rope": True}  # one value: an added option differs; the backend and fused_qkv may change
     assert not any(is_free(k) for k in ("stages.distill.lr", "student.options.rope", "data.seq_len", "seed"))
 
 

@@ -43,6 +43,7 @@ def test_the_default_order_repeats_the_hybrid_bit_for_bit_on_the_cpu_and_the_str
     assert not pure["student_compiled"] and compiled["losses_each"] == pure["losses_each"]
     # the pieces kind passes the mixer option (the CPU's reference backend runs the PyTorch forms either way)
     assert pieces["options"]["pieces"] == "compiled" and "pieces" not in pure["options"]
+    assert pure["options"]["fused_qkv"] is False  # the step as measured before fused_qkv became the default
     assert pieces["losses_each"] == pure["losses_each"]
     assert norm["options"]["pieces"] == "compiled-norm" and norm["losses_each"] == pure["losses_each"]
     # each kind against the first of its model's: the CPU runs the same forms, so no difference
@@ -53,5 +54,5 @@ def test_the_default_order_repeats_the_hybrid_bit_for_bit_on_the_cpu_and_the_str
 
 def test_an_unknown_kind_is_refused_by_name_before_anything_runs(tmp_path):
     done = _run(tmp_path, "pure window", timeout=60)
-    allowed = "allowed are pure, hybrid, strict, compiled, pieces, norm, qkv, fast"
+    allowed = "allowed are pure, default, hybrid, strict, compiled, pieces, norm, qkv, fast"
     assert done.returncode == 2 and f"ORDER has window: {allowed}" in done.stdout, done.stdout

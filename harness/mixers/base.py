@@ -591,10 +591,12 @@ class ConvOptions(MixerOptions):
                                       "copied q, k, v linear, as the teacher's are (q and k are L2-normalised either "
                                       "way); silu, as fla's delta-rule layers (docs/TRANSFER.md)."})
     fused_qkv: bool = field(
-        default=False, metadata={"help": "On the kernel backend, project q, k and v with one matmul over their "
-                                 "weights stacked (and write the convolution's input directly) instead of three "
-                                 "matmuls and a concatenation; teachers with per-head q/k norms keep three. The "
-                                 "parameters stay q_proj, k_proj, v_proj. Speed: docs/BENCHMARKS.md."})
+        default=True, metadata={"help": "On the kernel backend, project q, k and v with one matmul over their "
+                                "weights stacked (and write the convolution's input directly) instead of three "
+                                "matmuls and a concatenation; teachers with per-head q/k norms keep three. The "
+                                "same parameters (q_proj, k_proj, v_proj) and the same sums up to bf16 rounding; "
+                                "the 135M stage-3 step ~3.5% faster on an H100 (docs/BENCHMARKS.md, 'The speed "
+                                "options stepped'). false: three matmuls, as runs before 2026-12-07."})
 
     def __post_init__(self) -> None:
         super().__post_init__()

@@ -21,7 +21,8 @@
 # ORDER="pieces pure pieces pure": the pure student with `--option pieces=compiled` (the short convolution and the
 # gated norm as compiled PyTorch forms instead of fla's kernels; benchmarks/mixer_pieces.py times them alone); norm:
 # `--option pieces=compiled-norm` (only the norm compiled, the pair the pieces' H100 micro-bench found fastest); qkv:
-# `--option fused_qkv=true` (one q/k/v matmul); fast: norm and qkv.
+# `--option fused_qkv=true` (one q/k/v matmul); fast: norm and qkv. pure pins `fused_qkv=false` (the step as measured
+# before fused_qkv became the default); default: whatever the options' defaults are.
 set -u
 source "$(dirname "${BASH_SOURCE[0]}")/bench_env.sh"  # DEVBUNDLE, OUT, TRITON_CACHE_DIR, PY
 ORDER=${ORDER:-pure hybrid hybrid}
@@ -29,7 +30,7 @@ LAYERS=${LAYERS:-18,23}
 SHAPE=${SHAPE:---shape 135M --seq 2048}
 ARGS="bench --what step $SHAPE --mixer gated_deltanet --engine plain --teacher-placement replicated --micro-batch ${MICRO:-32} --steps ${STEPS:-10} --warmup ${WARMUP:-3} --profile-steps 0"
 for kind in $ORDER; do
-  case $kind in pure|hybrid|strict|compiled|pieces|norm|qkv|fast) ;; *) echo "ORDER has $kind: allowed are pure, hybrid, strict, compiled, pieces, norm, qkv, fast"; exit 2 ;; esac
+  case $kind in pure|default|hybrid|strict|compiled|pieces|norm|qkv|fast) ;; *) echo "ORDER has $kind: allowed are pure, default, hybrid, strict, compiled, pieces, norm, qkv, fast"; exit 2 ;; esac
 done
 { command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,driver_version --format=csv,noheader || uname -m; } >"$OUT/summary.txt"
 echo "args: $ARGS | hybrid: --attention-layers $LAYERS | order: $ORDER | code: $CODE" >>"$OUT/summary.txt"
@@ -38,7 +39,8 @@ for kind in $ORDER; do
   i=$((i + 1)); tag=$(printf '%02d-%s' "$i" "$kind")
   if [ "$i" = 1 ]; then t=${T0:-240}; else t=${T:-150}; fi
   case $kind in
-    pure) extra="" ;;
+    pure) extra="--option fused_qkv=false" ;;  # three q/k/v matmuls, fla's pieces: the student as measured before 2026-12-07
+    default) extra="" ;;  # the pure student under the options' defaults (fused_qkv on since 2026-12-07)
     compiled) extra="--compile-student" ;;  # the pure student, its blocks compiled (stages.distill.compile_student)
     pieces) extra="--option pieces=compiled" ;;  # the pure student, its conv and gated norm compiled
     norm) extra="--option pieces=compiled-norm" ;;  # the pure student, its gated norm compiled, fla's conv
