@@ -8,16 +8,21 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Mapping, Optional
 
-from harness.mixers.kernels import DPLR_ROUTES, FOX_KERNEL, GSA_KERNEL, MLSTM_KERNEL, PRODUCT_ROUTES, ROUTES
+from harness.mixers.kernels import (DPLR_ROUTES, FOX_KERNEL, GSA_KERNEL, MLSTM_KERNEL, PATH_KERNEL, PRODUCT_ROUTES,
+                                    ROUTES)
 
 # gated_delta_product: the gated delta rule with several Householder steps per token (keys, values and beta with a
 # step axis, `harness.bench.recurrences.PRODUCT_STEPS` of them in the bench); dplr_delta: the delta rule with a
 # diagonal-plus-low-rank transition (RWKV-7's: its own a and b beside k, and a per-channel decay); gsa: gated slot
 # attention (its slots `harness.bench.recurrences.GSA_SLOTS` in the bench, gate slot); forgetting_attn: softmax
-# attention with a forget gate (the fox mixer, gate forget), which has no recurrent state: it decodes from a KV cache
-RECURRENCES = ("gated_delta", "gated_delta_product", "dplr_delta", "mlstm", "gsa", "forgetting_attn")
+# attention with a forget gate (the fox mixer, gate forget), which has no recurrent state: it decodes from a KV cache;
+# path_attn: softmax attention whose keys pass through Householder-like transforms (the path mixer: beta and its w
+# directions, no gate in the bench), which decodes from a KV cache too
+RECURRENCES = ("gated_delta", "gated_delta_product", "dplr_delta", "mlstm", "gsa", "forgetting_attn", "path_attn")
+KV_CACHE_RECURRENCES = ("forgetting_attn", "path_attn")  # no recurrent state: they decode from a KV cache
 _ROUTES_OF = {"gated_delta": ROUTES, "gated_delta_product": PRODUCT_ROUTES, "dplr_delta": DPLR_ROUTES,
-              "mlstm": (MLSTM_KERNEL,), "gsa": (GSA_KERNEL,), "forgetting_attn": (FOX_KERNEL,)}
+              "mlstm": (MLSTM_KERNEL,), "gsa": (GSA_KERNEL,), "forgetting_attn": (FOX_KERNEL,),
+              "path_attn": (PATH_KERNEL,)}
 # the gates that belong to one recurrence each, and it to them
 PAIRED_GATES = {"gsa": "slot", "forgetting_attn": "forget"}
 # How q and k reach the recurrence: raw ~N(0, 1) with scale K^-0.5; elu1, elu + 1 with scale 1 (linear attention's
@@ -41,10 +46,11 @@ class KernelCase:
     route: str = field(metadata={"help": "The kernel its recurrence takes by default: an fla route of "
                                  "harness.mixers.kernels.ROUTES (gated_delta), of kernels.PRODUCT_ROUTES "
                                  "(gated_delta_product), of kernels.DPLR_ROUTES (dplr_delta), kernels.MLSTM_KERNEL "
-                                 "(mlstm), kernels.GSA_KERNEL (gsa) or kernels.FOX_KERNEL (forgetting_attn)."})
+                                 "(mlstm), kernels.GSA_KERNEL (gsa), kernels.FOX_KERNEL (forgetting_attn) or "
+                                 "kernels.PATH_KERNEL (path_attn)."})
     recurrence: str = field(default="gated_delta", metadata={"help": "gated_delta (docs/RECURRENCES.md), "
-                                                             "gated_delta_product, dplr_delta, mlstm, gsa or "
-                                                             "forgetting_attn."})
+                                                             "gated_delta_product, dplr_delta, mlstm, gsa, "
+                                                             "forgetting_attn or path_attn."})
     features: str = field(default="raw", metadata={"help": "How q and k reach the recurrence: raw, elu1, l2 or "
                                                    "softmax_pair."})
     gate: Optional[str] = field(default=None, metadata={"help": "The decay g: None, head_const, head, channel, ssd, "
@@ -80,8 +86,9 @@ class KernelCase:
 
     @property
     def stateful(self) -> bool:
-        """Whether the kernel carries a recurrent state (initial and final): every recurrence but forgetting_attn."""
-        return self.recurrence != "forgetting_attn"
+        """Whether the kernel carries a recurrent state (initial and final): every recurrence but the softmax
+        attentions that decode from a KV cache (forgetting_attn, path_attn)."""
+        return self.recurrence not in KV_CACHE_RECURRENCES
 
     @property
     def variants(self) -> tuple[str, ...]:

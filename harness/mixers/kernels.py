@@ -1,8 +1,9 @@
 """GPU kernel path of the recurrences in docs/RECURRENCES.md: fla.ops for the gated-delta family (gated
 DeltaProduct included), RWKV-7's DPLR delta rule and gated slot attention, mlstm_kernels for the mLSTM; and of
-the softmax attentions: the sliding window of `options.window` (fla's parallel_attn) and the fox mixer's
-forgetting attention (fla's parallel_forgetting_attn). CUDA only; the PyTorch references
-(harness.mixers.recurrence, harness.mixers.window, harness.mixers.fox) are the oracles.
+the softmax attentions: the sliding window of `options.window` (fla's parallel_attn), the fox mixer's
+forgetting attention (fla's parallel_forgetting_attn) and the path mixer's PaTH attention (fla's parallel_path_attn).
+CUDA only; the PyTorch references (harness.mixers.recurrence, harness.mixers.window, harness.mixers.fox,
+harness.mixers.path) are the oracles.
 
 Nothing here imports fla, triton or mlstm_kernels at module import time: this module is imported on CPU
 machines (CI) where triton does not exist. The kernel libraries are imported inside the functions.
@@ -480,6 +481,37 @@ def kernel_forgetting_attention(q, k, v, g, *, scale: float) -> torch.Tensor:
 
 
 # ----------------------------------------------------------------------------------------------------------
+# PaTH attention (the path mixer) -> fla.ops.path_attn
+
+PATH_KERNEL = "parallel_path_attn"  # its one route: softmax attention with accumulated Householder transforms
+PATH_KERNEL_HEAD_DIMS = (16, 32, 64, 128)  # the head dims of q and of v that parallel_path_attn takes
+
+
+def _fla_path_attn():
+    """fla's parallel_path_attn (imported on call: triton exists on GPU machines only)."""
+    from fla.ops.path_attn import parallel_path_attn
+
+    return parallel_path_attn
+
+
+def kernel_path_attention(q, k, v, w, beta, g=None, *, scale: float, want_cache: bool = False):
+    """PaTH attention through fla's parallel_path_attn: logits scale (q_i . H_i ... H_{j+1} k_j + sum_{l=j+1..i}
+    g_l), H_t = I - beta_t w_t w_t^T. q `[B, T, HQ, D]`, k, v, w `[B, T, H, D]` (GQA: HQ divisible by H), beta
+    `[B, T, H]`, g `[B, T, HQ]` (log forget gates, or None). q, k, v run in v's 16-bit dtype (bf16 for a float32 v,
+    as the recurrences'), w, beta and g in float32 (fla asserts it). -> (o in v's dtype, and with `want_cache` the
+    keys transformed up to the last token `[B, T, H, D]` in the compute dtype, else None). Raises KernelUnavailable
+    off CUDA or without fla/triton."""
+    _require("fla", q, k, v, w, beta, fn="kernel_path_attention")
+    if q.shape[-1] not in PATH_KERNEL_HEAD_DIMS or v.shape[-1] not in PATH_KERNEL_HEAD_DIMS:
+        raise ValueError(f"kernel_path_attention: head dims {q.shape[-1]}, {v.shape[-1]} are not among "
+                         f"parallel_path_attn's {PATH_KERNEL_HEAD_DIMS}")
+    out_dtype, dt = v.dtype, _compute_dtype(v)
+    o, keys = _fla_path_attn()(q.to(dt), k.to(dt), v.to(dt), w.float(), beta.float(),
+                               None if g is None else g.float(), scale=float(scale), use_cache=want_cache)
+    return o.to(out_dtype), keys
+
+
+# ----------------------------------------------------------------------------------------------------------
 # gated DeltaProduct -> fla.ops.gated_delta_product
 
 def _check_gated_delta_product(q, k, v, g, beta, initial_state) -> None:
@@ -747,8 +779,8 @@ def _mlstm_padded(kernel, q, k, v, i, f, *, scale, state, eps, chunk_size, dtype
 
 __all__ = [
     "BACKENDS", "DPLR_ROUTES", "FOX_KERNEL", "GATED_DELTA_CASES", "GSA_KERNEL", "KernelUnavailable", "MLSTM_KERNEL",
-    "PRODUCT_ROUTES", "ROUTES", "gated_delta_case", "kernel_dplr_delta", "kernel_environment",
-    "kernel_forgetting_attention", "kernel_gated_delta", "kernel_gated_delta_product", "kernel_gsa", "kernel_mlstm",
-    "kernel_unavailable_reason", "kernels_available", "resolve_backend", "run_gated_delta_route",
-    "select_gated_delta_product_route", "select_gated_delta_route",
+    "PATH_KERNEL", "PATH_KERNEL_HEAD_DIMS", "PRODUCT_ROUTES", "ROUTES", "gated_delta_case", "kernel_dplr_delta",
+    "kernel_environment", "kernel_forgetting_attention", "kernel_gated_delta", "kernel_gated_delta_product",
+    "kernel_gsa", "kernel_mlstm", "kernel_path_attention", "kernel_unavailable_reason", "kernels_available",
+    "resolve_backend", "run_gated_delta_route", "select_gated_delta_product_route", "select_gated_delta_route",
 ]
