@@ -10,8 +10,11 @@ import torch
 
 from harness.mixers import MIXERS, MixerShape, kernels, mixer_class, mixer_options, recurrence
 from harness.mixers.fox import forgetting_attention
+from harness.mixers.path import path_attention
 
 SHAPE = MixerShape(hidden_size=32, num_heads=4, num_kv_heads=4, head_dim=8)
+# path's kernel takes head dims 16, 32, 64, 128 only (kernels.PATH_KERNEL_HEAD_DIMS)
+SHAPE_OF = {"path": MixerShape(hidden_size=32, num_heads=2, num_kv_heads=2, head_dim=16)}
 
 # the kernel each mixer declares, on a machine where fla's gated backward is not blocked
 FLA_ROUTE = {name: cls.kernel_case.route for name, cls in MIXERS.items() if cls.kernel_case is not None}
@@ -52,6 +55,13 @@ def _record_kernels(monkeypatch) -> list[str]:
         return forgetting_attention(q, k, v, g, scale=scale)[0]
 
     monkeypatch.setattr(kernels, "kernel_forgetting_attention", forgetting)
+
+    def path(q, k, v, w, beta, g=None, *, scale, want_cache=False):
+        taken.append(kernels.PATH_KERNEL)
+        o, cache = path_attention(q, k, v, w, beta, g, scale=scale)
+        return o, cache.k if want_cache else None
+
+    monkeypatch.setattr(kernels, "kernel_path_attention", path)
     monkeypatch.setattr(kernels, "_gated_bwd_blocked", lambda: False)
     monkeypatch.delenv("HARNESS_FLA_ROUTES", raising=False)
     return taken
@@ -65,10 +75,11 @@ def test_every_built_in_mixer_declares_its_route():
 def test_each_mixer_reaches_the_kernel_its_file_names(monkeypatch, name):
     taken = _record_kernels(monkeypatch)
     torch.manual_seed(0)
-    layer = mixer_class(name)(SHAPE, mixer_options(name, {"rope": False}))  # alone: no model's positions
+    shape = SHAPE_OF.get(name, SHAPE)
+    layer = mixer_class(name)(shape, mixer_options(name, {"rope": False}))  # alone: no model's positions
     monkeypatch.setattr(layer, "backend_for", lambda x: "kernel")
-    y, _ = layer(torch.randn(2, 16, SHAPE.hidden_size))
-    assert taken == [FLA_ROUTE[name]] and y.shape == (2, 16, SHAPE.hidden_size)
+    y, _ = layer(torch.randn(2, 16, shape.hidden_size))
+    assert taken == [FLA_ROUTE[name]] and y.shape == (2, 16, shape.hidden_size)
 
 
 # the decay gate's granularity (harness.mixers.decay): one gate per head takes Gated DeltaNet's kernel, finer KDA's

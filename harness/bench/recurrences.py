@@ -33,6 +33,7 @@ import torch.nn.functional as F
 from harness.bench.kernels import median_ms
 from harness.mixers import MIXERS, KernelCase, kernels, recurrence
 from harness.mixers.fox import forgetting_attention
+from harness.mixers.path import path_attention
 
 CUDA = torch.device("cuda")
 
@@ -95,7 +96,8 @@ def make_inputs(case: str, B: int, T: int, H: int, K: int, V: int, *, device="cu
     dplr_delta (RWKV-7): a = -kk, b = kk * sigmoid(N(0, 1)) per channel, kk L2-normalised N(0, 1), and gate rwkv7:
     g = -exp(-0.5) sigmoid(N(0, 1)) per channel; forgetting_attn (fox) with gate forget: g = logsigmoid(N(0, 1) +
     b_h) per head, b_h from 0 to 8 over the heads (local heads and heads that hardly forget), and no state
-    (`with_state` is ignored: softmax attention decodes from a KV cache, not a state)."""
+    (`with_state` is ignored: softmax attention decodes from a KV cache, not a state); path_attn (path): w
+    L2-normalised N(0, 1) and beta = 2 sigmoid(N(0, 1)) in (0, 2), float32 as fla asks, no gate and no state."""
     spec = kernel_cases()[case]
     gen = torch.Generator(device="cpu").manual_seed(seed)
     if spec.features == "softmax_pair":
@@ -145,6 +147,9 @@ def make_inputs(case: str, B: int, T: int, H: int, K: int, V: int, *, device="cu
         x["g"] = leaf(F.logsigmoid(randn(B, T, H) + torch.linspace(0, 8, H, device=device)), torch.float32)
     if spec.beta:
         x["beta"] = leaf(torch.sigmoid(randn(B, T, *steps, H)), torch.float32)
+    if spec.recurrence == "path_attn":
+        x["w"] = leaf(F.normalize(randn(B, T, H, K), dim=-1), torch.float32)
+        x["beta"] = leaf(2 * torch.sigmoid(randn(B, T, H)), torch.float32)
     if spec.recurrence == "dplr_delta":
         removal = F.normalize(randn(B, T, H, K), dim=-1)
         x["a"], x["b"] = leaf(-removal, dtype), leaf(removal * torch.sigmoid(randn(B, T, H, K)), dtype)
@@ -169,8 +174,8 @@ def make_inputs(case: str, B: int, T: int, H: int, K: int, V: int, *, device="cu
 
 def grad_inputs(x: dict) -> dict:
     """name -> tensor for every input that takes a gradient."""
-    out = {n: x[n] for n in ("q", "k", "v", "a", "b", "g", "beta", "i", "f", "s") if isinstance(x.get(n), torch.Tensor)
-           and x[n].requires_grad}
+    out = {n: x[n] for n in ("q", "k", "v", "w", "a", "b", "g", "beta", "i", "f", "s")
+           if isinstance(x.get(n), torch.Tensor) and x[n].requires_grad}
     h0 = x.get("h0")
     if isinstance(h0, torch.Tensor):
         out["h0"] = h0
@@ -206,6 +211,8 @@ def run_kernel(x: dict, variant: str = "auto"):
         return kernels.kernel_gsa(x["q"], x["k"], x["v"], x["s"], x["g"], scale=x["scale"], initial_state=x["h0"])
     if x["recurrence"] == "forgetting_attn":
         return kernels.kernel_forgetting_attention(x["q"], x["k"], x["v"], x["g"], scale=x["scale"]), ()
+    if x["recurrence"] == "path_attn":
+        return kernels.kernel_path_attention(x["q"], x["k"], x["v"], x["w"], x["beta"], scale=x["scale"])[0], ()
     if x["recurrence"] == "dplr_delta":
         floor = DPLR_DECAY_FLOOR if kernel_cases()[x["case"]].gate == "rwkv7" else None
         o, s = kernels.kernel_dplr_delta(x["q"], x["k"], x["v"], x["a"], x["b"], x["g"], scale=x["scale"],
@@ -232,6 +239,8 @@ def run_reference(x: dict):
         return recurrence.chunk_gsa(x["q"], x["k"], x["v"], x["s"], x["g"], scale=x["scale"], initial_state=x["h0"])
     if x["recurrence"] == "forgetting_attn":
         return forgetting_attention(x["q"], x["k"], x["v"], x["g"], scale=x["scale"], chunk_size=512)[0], ()
+    if x["recurrence"] == "path_attn":
+        return path_attention(x["q"], x["k"], x["v"], x["w"], x["beta"], scale=x["scale"], chunk_size=64)[0], ()
     if x["recurrence"] == "dplr_delta":
         o, s = recurrence.chunk_dplr_delta(x["q"], x["k"], x["v"], x["a"], x["b"], x["g"], scale=x["scale"],
                                            initial_state=x["h0"])
@@ -246,8 +255,8 @@ def loss_of(x: dict, out, states) -> torch.Tensor:
     """Gated delta: <o, do> + <S_final, dS> (exercises the final-state gradient too).
     mLSTM: <LayerNorm_head(h), do>, as the layer uses h: mlstm_kernels' backward drops the normaliser's
     gradient, which is exact only behind such a scale-invariant norm, and it does not support gradients
-    into the final state (kernel_mlstm refuses them). gsa: <o, do> + <hk, dS_k> + <hv, dS_v>. forgetting_attn: <o, do>
-    (no state)."""
+    into the final state (kernel_mlstm refuses them). gsa: <o, do> + <hk, dS_k> + <hv, dS_v>. forgetting_attn and
+    path_attn: <o, do> (no state)."""
     if x["recurrence"] == "mlstm":
         return (F.layer_norm(out.float(), (out.shape[-1],), eps=1e-6) * x["do"]).sum()
     if x["recurrence"] == "gsa":
@@ -339,6 +348,8 @@ def selected_route(x: dict, variant: str) -> str:
         return kernels.GSA_KERNEL
     if x["recurrence"] == "forgetting_attn":
         return kernels.FOX_KERNEL
+    if x["recurrence"] == "path_attn":
+        return kernels.PATH_KERNEL
     if variant != "auto":
         return variant
     if x["recurrence"] == "dplr_delta":

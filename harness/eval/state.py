@@ -116,6 +116,9 @@ STATE_OF = {
              "key, a data-dependent decay per key channel",
     "fox": "none of a fixed size: softmax attention with a forget gate keeps every token's key, value and cumulative "
            "log forget gate (a KV cache that grows with the context), so its layers are listed without measures",
+    "path": "none of a fixed size: PaTH attention keeps every token's key (transformed by every later token's "
+            "Householder step), value and convolution input (a KV cache that grows with the context), so its layers "
+            "are listed without measures",
     "mlstm": "C_p de-stabilised: the stored C_p times exp(m_p), i.e. sum_t exp(i_t + sum_{t<s<=p} logsigmoid(f_s)) "
              "k_t v_t^T; stored_norm: ||C_p|| as the recurrence carries it (scaled by exp(-m_p)); normaliser_norm: "
              "||n_p|| de-stabilised; stabiliser: m_p",

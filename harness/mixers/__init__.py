@@ -1,6 +1,7 @@
-"""The token mixers, by name (linear-time, but for fox: softmax attention with a forget gate). `MIXERS[name]` is the
-layer class: the built-in mixers below, in this order, then plug-ins (`register_mixer`, or an installed package's
-entry point in the group `harness.mixers`; harness.mixers.registry, docs/MIXERS.md)."""
+"""The token mixers, by name (linear-time, but for fox and path: softmax attention with a forget gate, and with
+Householder transforms of its keys). `MIXERS[name]` is the layer class: the built-in mixers below, in this order, then
+plug-ins (`register_mixer`, or an installed package's entry point in the group `harness.mixers`;
+harness.mixers.registry, docs/MIXERS.md)."""
 
 from __future__ import annotations
 
@@ -20,13 +21,14 @@ from harness.mixers.kernel_case import KernelCase
 from harness.mixers.linear_attn import LinearAttention
 from harness.mixers.mamba2 import Mamba2
 from harness.mixers.mlstm import MLSTM
+from harness.mixers.path import Path
 from harness.mixers.registry import MixerRegistry
 from harness.mixers.retnet import RetNet
 from harness.mixers.rwkv7 import RWKV7
 
 MIXERS: MixerRegistry = MixerRegistry(
     cls for cls in (LinearAttention, RetNet, GLA, DeltaNet, GatedDeltaNet, KDA, MLSTM, DeltaProduct, Mamba2,
-                    Hedgehog, GSA, RWKV7, Fox)
+                    Hedgehog, GSA, RWKV7, Fox, Path)
 )
 
 
