@@ -237,21 +237,3 @@ def test_the_bench_case_compares_the_kernel_with_the_reference(fla_calls):
     assert set(errs) == {"o", "dq", "dk", "dv", "dg"}
     assert bench.failures(errs, "fox") == {}, errs
     assert bench.selected_route(x, "auto") == kernels.FOX_KERNEL
-
-
-# ------------------------------------------------------------------------------------------ decoding and state
-
-
-def test_its_growing_cache_decodes_eagerly_and_has_no_state_measures():
-    from harness.config import StateConfig
-    from harness.decoding import graph_blocker
-    from harness.eval.state import measure_states
-    from tests.pipeline import tiny_tokenizer
-
-    tok = tiny_tokenizer()
-    student = harness.build_student(tiny_llama(vocab=len(tok)), "fox").eval()
-    assert "grows" in graph_blocker(student)
-    cfg = StateConfig(length=32, positions=[4, 32], sequences=1, retrieval=False)
-    layers = measure_states(student, tok, cfg, "cpu", progress=False)["layers"]
-    assert [layer["kind"] for layer in layers] == ["attention", "attention"]
-    assert all("fox" in layer["note"] and "norm_mean" not in layer for layer in layers)

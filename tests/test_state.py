@@ -5,7 +5,6 @@ retrieval prompts' exact distances, and the command end to end on a tiny student
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -285,3 +284,27 @@ def test_command_refuses_a_distance_that_does_not_fit(setting, tmp_path, capsys)
     args = [a if a != "16,100" else "16,300" for a in ARGS]
     assert harness_main(["eval", "state", str(teacher_dir), *args, "--out", str(tmp_path / "x")]) == 2
     assert "the largest distance is" in capsys.readouterr().err
+
+
+GROWING = sorted(name for name, cls in MIXERS.items() if cls.growing_state)
+
+
+def test_the_mixers_whose_state_grows_are_the_kv_cache_ones():
+    assert GROWING == ["fox", "path"]
+
+
+@pytest.mark.parametrize("name", GROWING)
+def test_a_growing_cache_decodes_eagerly_and_has_no_state_measures(name):
+    """A mixer decoding from a KV cache (fox, path): no CUDA graph captures its steps (their shapes grow), and the
+    state probe lists its layers with a note instead of norms and ranks it cannot read."""
+    from harness.decoding import graph_blocker
+    from tests.pipeline import tiny_tokenizer
+    from tests.tiny import tiny_llama
+
+    tok = tiny_tokenizer()
+    student = build_student(tiny_llama(vocab=len(tok)), name).eval()
+    assert "grows" in graph_blocker(student)
+    cfg = StateConfig(length=32, positions=[4, 32], sequences=1, retrieval=False)
+    layers = measure_states(student, tok, cfg, "cpu", progress=False)["layers"]
+    assert [layer["kind"] for layer in layers] == ["attention", "attention"]
+    assert all(name in layer["note"] and "norm_mean" not in layer for layer in layers)
