@@ -40,6 +40,7 @@ from torch import nn
 from harness.mixers import kernels
 from harness.mixers.base import Mixer, MixerOptions, no_weight_decay
 from harness.mixers.kernel_case import KernelCase
+from harness.mixers.ops import stack_rows_left_padded
 
 
 @dataclass
@@ -68,13 +69,8 @@ class FoxCache(NamedTuple):
     @staticmethod
     def stack_left_padded(caches: list["FoxCache"]) -> "FoxCache":
         """Rows' caches (batch 1 each, any lengths) as one batch, each padded on the left to the longest with zeros
-        that are no real slots: the cache of those rows padded on the left in one batch."""
-        width = max(c.k.shape[1] for c in caches)
-
-        def pad(t: torch.Tensor) -> torch.Tensor:
-            return torch.cat([t.new_zeros(t.shape[0], width - t.shape[1], *t.shape[2:]), t], 1)
-
-        return FoxCache(*(torch.cat([pad(t) for t in parts]) for parts in zip(*caches)))
+        that are no real slots."""
+        return stack_rows_left_padded(caches)
 
 
 def forgetting_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_f: torch.Tensor, *, scale: float,

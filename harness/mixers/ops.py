@@ -37,3 +37,14 @@ def rotate_half_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> t
     cos, sin = cos.unsqueeze(2).to(x.dtype), sin.unsqueeze(2).to(x.dtype)
     x1, x2 = x.chunk(2, dim=-1)
     return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+
+
+def stack_rows_left_padded(caches: list):
+    """Rows' growing caches (NamedTuples of `[1, S, ...]` tensors, any S) as one batch of the same type, each padded
+    on the left to the longest with zeros, which a cache's `valid` field then marks as no real slots."""
+    width = max(c[0].shape[1] for c in caches)
+
+    def pad(t: torch.Tensor) -> torch.Tensor:
+        return torch.cat([t.new_zeros(t.shape[0], width - t.shape[1], *t.shape[2:]), t], 1)
+
+    return type(caches[0])(*(torch.cat([pad(t) for t in parts]) for parts in zip(*caches)))

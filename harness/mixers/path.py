@@ -43,7 +43,7 @@ from torch import nn
 from harness.mixers import kernels
 from harness.mixers.base import Mixer, MixerOptions, ShortConv, no_weight_decay
 from harness.mixers.kernel_case import KernelCase
-from harness.mixers.ops import l2norm
+from harness.mixers.ops import l2norm, stack_rows_left_padded
 
 W_RANK = 32  # fla's low-rank w_proj: hidden -> 32 -> KV heads x head_dim
 
@@ -90,13 +90,8 @@ class PathCache(NamedTuple):
     @staticmethod
     def stack_left_padded(caches: list["PathCache"]) -> "PathCache":
         """Rows' caches (batch 1 each, any lengths) as one batch, each padded on the left to the longest with zeros
-        that are no real slots (and a zero convolution input, as before a row's first token)."""
-        width = max(c.k.shape[1] for c in caches)
-
-        def pad(t: torch.Tensor) -> torch.Tensor:
-            return torch.cat([t.new_zeros(t.shape[0], width - t.shape[1], *t.shape[2:]), t], 1)
-
-        return PathCache(*(torch.cat([pad(t) for t in parts]) for parts in zip(*caches)))
+        that are no real slots."""
+        return stack_rows_left_padded(caches)
 
 
 def path_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, w: torch.Tensor, beta: torch.Tensor,
