@@ -135,10 +135,11 @@ class MixerOptions:
                                  "short convolution and the gated output norm): fla (its Triton kernels), compiled "
                                  "(their PyTorch forms under torch.compile, one fused kernel each way) or "
                                  "compiled-norm (fla's convolution, the compiled norm). The same numbers to bf16 "
-                                 "rounding; the speed of each: benchmarks/mixer_pieces.py (docs/BENCHMARKS.md: on an "
-                                 "H100 the compiled norm is 1.8x faster than fla's, fla's convolution 1.6x faster than "
-                                 "the compiled one). The reference backend always runs the PyTorch forms; a mixer "
-                                 "without these pieces ignores it."}
+                                 "rounding. On an H100 the compiled norm alone is 1.8x faster than fla's and fla's "
+                                 "convolution 1.6x faster than the compiled one (benchmarks/mixer_pieces.py), yet the "
+                                 "135M step with compiled-norm is no faster than with fla (docs/BENCHMARKS.md, 'The "
+                                 "speed options stepped'), so fla stays the default. The reference backend always "
+                                 "runs the PyTorch forms; a mixer without these pieces ignores it."}
     )
 
     def __post_init__(self) -> None:
