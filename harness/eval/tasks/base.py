@@ -323,10 +323,15 @@ class ScoredTask(EvalTask):
                          + " | ".join(cells) + " |")
         return lines + [""]
 
-    def comparison_sections(self, reports: list[dict]) -> list[str]:
+    def comparison_rows(self, reports: list[dict]) -> list[tuple[str, dict]]:
+        """(row name, this task's section of one side) for every run's student, then each distinct teacher, leaving
+        out those without results."""
         rows = [(run_name(r), self._section(r).get("student")) for r in reports]
         rows += [(name, self._section(r).get("teacher")) for name, r in teachers(reports)]
-        rows = [(name, side) for name, side in rows if side]
+        return [(name, side) for name, side in rows if side]
+
+    def comparison_sections(self, reports: list[dict]) -> list[str]:
+        rows = self.comparison_rows(reports)
         if not rows:
             return []
         names = list(dict.fromkeys(n for _, side in rows for n in side["scores"]))

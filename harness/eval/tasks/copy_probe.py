@@ -15,7 +15,6 @@ from pathlib import Path
 from typing import Any, Optional
 
 from harness.config import CopyConfig, default_copy_settings
-from harness.eval.formatting import run_name, teachers
 from harness.eval.tasks.base import Score, ScoredTask, TaskResults
 
 ALL = "after first"  # the score over every length's sequences
@@ -77,10 +76,7 @@ class CopyTask(ScoredTask):
         return super().markdown(report) + layer_tables([(name, s) for name, s in rows if s])
 
     def comparison_sections(self, reports: list[dict]) -> list[str]:
-        rows = [(run_name(r), self._section(r).get("student")) for r in reports]
-        rows += [(name, self._section(r).get("teacher")) for name, r in teachers(reports)]
-        lines = super().comparison_sections(reports)
-        return lines + layer_tables([(name, s) for name, s in rows if s])
+        return super().comparison_sections(reports) + layer_tables(self.comparison_rows(reports))
 
     def summarise(self, folder: Path) -> Optional[TaskResults]:
         """copy.json's accuracy after the first token, over all lengths and per length, with each sequence's value."""
