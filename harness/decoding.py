@@ -39,8 +39,8 @@ with room for the new tokens (`RecurrentCache.fix_kv`; eagerly too, so that CPU 
 captures): each step writes its key and value in place and reads its rotary position from the device, so the step
 has fixed shapes and is captured like a pure student's. In a batch the rows' KV columns are left-padded to the
 longest prompt and `valid` hides the padding. Kept layers under a sliding window (Mistral's) keep growing states
-and decode eagerly (`graph_blocker` says why), as does a mixer whose state grows (`Mixer.growing_state`: fox's KV
-cache, whose rows are stacked left-padded too, its `valid` slots hiding the padding).
+and decode eagerly (`graph_blocker` says why), as does a mixer whose state grows (`Mixer.growing_state`: fox's and
+path's KV caches, whose rows are stacked left-padded too, its `valid` slots hiding the padding).
 
 Any causal LM (`greedy_ids_batch`): a harness student decodes through `greedy_decode_batch`; any other model (a
 transformers teacher) through `generate()` with its KV cache, the prompts left-padded with an attention mask. Each

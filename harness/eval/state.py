@@ -31,9 +31,9 @@ attention and Hedgehog S = sum phi(k_t) v_t^T (the value its normaliser divides 
 comparable across positions), beside the stored one's norm (`stored_norm`), the de-stabilised normaliser n_t and the
 stabiliser m_t; for gated slot attention its value slots hv (`[M, V]` per head), beside its key slots' norm
 (`key_slots_norm`). A hybrid's kept softmax-attention layers are listed as such, without measures, and so are the
-layers of a mixer whose state is no fixed-size matrix but a KV cache that grows with the context (fox's:
-`Mixer.growing_state`); a mixer's sliding window cache (`options.window`) is not part of the recurrent state and is
-not measured.
+layers of a mixer whose state is no fixed-size matrix but a KV cache that grows with the context (fox's and
+path's: `Mixer.growing_state`); a mixer's sliding window cache (`options.window`) is not part of the recurrent state
+and is not measured.
 
 Retrieval against distance (students and teachers). For each needle kind, distance d and sample i, a prompt of
 exactly `length` tokens: the NIAH frame (`harness.eval.niah.prompt_frame`: instruction, then the question and

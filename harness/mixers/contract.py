@@ -345,8 +345,8 @@ def state_gap(batch_cache: Any, caches: list[Any]) -> float:
 
 def row_state(state: MixerState, row: int) -> list[torch.Tensor]:
     """One row's state tensors (batch 1, in `MixerState.tensors`' order); of a cache that marks its real slots (a
-    `valid` field `[B, S]`: a sliding window's, fox's growing KV cache) that row's real slots only, so that the slots
-    left padding adds to a growing cache, or leaves empty in a window's, are not compared."""
+    `valid` field `[B, S]`: a sliding window's, fox's or path's growing KV cache) that row's real slots only, so that
+    the slots left padding adds to a growing cache, or leaves empty in a window's, are not compared."""
     picked, out = state.map(lambda t: t[row:row + 1]), []
     for part in (picked.recurrent, picked.conv, picked.window):
         if "valid" in getattr(part, "_fields", ()):

@@ -66,11 +66,7 @@ class FoxCache(NamedTuple):
     g: torch.Tensor
     valid: torch.Tensor
 
-    @staticmethod
-    def stack_left_padded(caches: list["FoxCache"]) -> "FoxCache":
-        """Rows' caches (batch 1 each, any lengths) as one batch, each padded on the left to the longest with zeros
-        that are no real slots."""
-        return stack_rows_left_padded(caches)
+    stack_left_padded = staticmethod(stack_rows_left_padded)  # rows' caches as one batch, left-padded: no real slots
 
 
 def forgetting_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_f: torch.Tensor, *, scale: float,

@@ -87,11 +87,7 @@ class PathCache(NamedTuple):
     valid: torch.Tensor
     conv_in: torch.Tensor
 
-    @staticmethod
-    def stack_left_padded(caches: list["PathCache"]) -> "PathCache":
-        """Rows' caches (batch 1 each, any lengths) as one batch, each padded on the left to the longest with zeros
-        that are no real slots."""
-        return stack_rows_left_padded(caches)
+    stack_left_padded = staticmethod(stack_rows_left_padded)  # rows' caches as one batch, left-padded: no real slots
 
 
 def path_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, w: torch.Tensor, beta: torch.Tensor,
