@@ -326,8 +326,10 @@ class HarnessModel(HarnessPreTrainedModel):
         self.post_init()
 
     def forward(self, input_ids=None, inputs_embeds=None, cache: Optional[RecurrentCache] = None,
-                use_cache: bool = False, attention_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """Final hidden states `[B, T, hidden]`. attention_mask: None (no padding), or `[B, seen + T]` over the
+                use_cache: bool = False, attention_mask: Optional[torch.Tensor] = None,
+                layer_outputs: Optional[list] = None) -> torch.Tensor:
+        """Final hidden states `[B, T, hidden]`; each block's output (the residual stream after it, before the final
+        norm) is appended to `layer_outputs` where one is given (stage 3's hidden-state term). attention_mask: None (no padding), or `[B, seen + T]` over the
         cached and the new tokens (transformers' convention), 0 at padding: padded tokens leave every state
         untouched and the rotary positions count real tokens only, so that a padded row computes what it would
         alone (at its real positions)."""
@@ -355,6 +357,8 @@ class HarnessModel(HarnessPreTrainedModel):
                                                                   args[1])
             else:
                 hidden, state = block(hidden, args[0], prior, use_cache, args[1])
+            if layer_outputs is not None:
+                layer_outputs.append(hidden)
             if use_cache:
                 cache.states[i] = state
         if use_cache:

@@ -117,6 +117,17 @@ class DistillConfig(StageConfig):
         "copy token (2: a bigram, 21% of the targets of 2048-token rows of embedded:wikipedia; 3: 8.1%; 4: 3.8%).",
         rule=Rule(lambda n: n >= 2, "be >= 2"),
     )
+    hidden_weight: float = described(
+        0.0, "Weight of a per-layer hidden-state term added to the loss: the relative squared error of each student "
+        "block's output against the teacher decoder layer's (per token: the squared distance over the teacher "
+        "token's squared norm; averaged over tokens and layers; harness.losses.RelativeMSE), with the student on "
+        "its own inputs. Stages "
+        "1-2 align each layer on the teacher's inputs, and what they fit is lost when the layers compose "
+        "(docs/results/retrieval-135m/README.md); this term trains the composition layer by layer. Logged as "
+        "'hidden'. It records every teacher layer's output (about layers x micro_batch x seq_len x hidden bf16 "
+        "values) and runs the teacher's layers uncompiled (compile_teacher does not apply).",
+        rule=at_least_zero("off: the next-token terms alone"),
+    )
     gradient_checkpointing: bool = described(
         False, "Recompute each student block in the backward pass instead of keeping its activations: about one "
         "more student forward per step for a fraction of the activation memory (what lets the 1.7B student train "

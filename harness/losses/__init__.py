@@ -1,6 +1,7 @@
 """Training losses, one kind of term per module behind one base (base.py: `Loss`, `AlignmentLoss`, `TokenLoss`).
 
-- mse.py      stages 1 and 2: MSE and the per-token L2 norm between student and teacher tensors (`mse`, `l2`)
+- mse.py      stages 1 and 2: MSE and the per-token L2 norm between student and teacher tensors (`mse`, `l2`); the
+              relative squared error of stage 3's per-layer hidden-state term (`RelativeMSE`)
 - kl.py       KL(teacher || student) (`kl`) and KL(student || teacher) (`reverse_kl`) at a temperature, tau^2-scaled
 - ce.py       next-token cross-entropy (`ce`)
 - chunked.py  stage 3's and SFT's weighted sum of next-token terms from final hidden states, a chunk of tokens at a
@@ -17,9 +18,9 @@ from harness.losses.chunked import (TOKEN_LOSSES, ChunkedLoss, LossTerms, distil
                                     register_token_loss, token_losses)
 from harness.losses.head_matmuls import VOCAB_BLOCK, tf32_matmuls
 from harness.losses.kl import ForwardKL, ReverseKL
-from harness.losses.mse import ALIGNMENT_LOSSES, L2, MSE, alignment_l2, alignment_loss, alignment_mse
+from harness.losses.mse import ALIGNMENT_LOSSES, L2, MSE, RelativeMSE, alignment_l2, alignment_loss, alignment_mse
 
 __all__ = ["ALIGNMENT_LOSSES", "IGNORE_INDEX", "L2", "MSE", "TOKEN_LOSSES", "VOCAB_BLOCK", "AlignmentLoss",
-           "ChunkedLoss", "CrossEntropy", "ForwardKL", "Loss", "LossTerms", "ReverseKL", "TokenLoss",
+           "ChunkedLoss", "CrossEntropy", "ForwardKL", "Loss", "LossTerms", "RelativeMSE", "ReverseKL", "TokenLoss",
            "alignment_l2", "alignment_loss", "alignment_mse", "distill_loss", "kl_and_ce", "lm_loss",
            "register_token_loss", "tf32_matmuls", "token_losses"]

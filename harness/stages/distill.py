@@ -3,7 +3,8 @@ deepspeed.student_config says, or the plain engine: harness.plain_engine); the t
 it is small against a device (deepspeed.teacher_placement), a frozen copy per device.
 
 loss = ce_weight * CE(next token) + kl_weight * tau^2 * KL(teacher || student at temperature tau), each
-averaged per predicted token; or the weighted terms of stages.distill.losses (kl, reverse_kl, ce). The loss is a
+averaged per predicted token; or the weighted terms of stages.distill.losses (kl, reverse_kl, ce); plus, with
+stages.distill.hidden_weight, that weight times the per-layer hidden-state term (`hidden_term`). The loss is a
 harness.losses.ChunkedLoss: chunked, no whole-batch fp32 logits, ce and kl in one fused pass. The loop is
 harness.train's `Trainer` (the one of SFT and the step bench) with the stage's hooks: the loss of an optimizer step
 is the mean over all its predicted tokens, on all ranks and micro-batches together, so N processes at micro-batch
@@ -36,7 +37,7 @@ from harness.engine import gathered
 from harness.eval.spec import write_eval_spec
 from harness.export import export_checkpoint
 from harness.flops import model_flops_per_token
-from harness.losses import ChunkedLoss, LossTerms, TokenLoss, token_losses
+from harness.losses import ChunkedLoss, LossTerms, RelativeMSE, TokenLoss, token_losses
 from harness.losses.token_weights import copy_token_weights
 from harness.observe import RunLogger, setup_mfu
 from harness.stages.common import (StageData, apply_run_determinism, chat_data, load_job_teacher, resolve_device,
@@ -60,29 +61,77 @@ class LossHead(nn.Module):
 
 
 class DistillModel(nn.Module):
-    """The trained module: the student body plus the loss head over `terms` (the job's: `job_loss_terms`)."""
+    """The trained module: the student body plus the loss head over `terms` (the job's: `job_loss_terms`), and with
+    `hidden_weight` > 0 the per-layer hidden-state term (`hidden_term`) against the teacher's layer outputs."""
 
-    def __init__(self, student, terms: Sequence[TokenLoss]):
+    def __init__(self, student, terms: Sequence[TokenLoss], hidden_weight: float = 0.0):
         super().__init__()
         self.student = student
         self.loss_head = LossHead(student.lm_head.weight, terms)
+        self.hidden_weight = float(hidden_weight)
 
-    def forward(self, input_ids, teacher_hidden, teacher_weight, labels=None, token_weight=None) -> LossTerms:
-        hidden = self.student.model(input_ids)
-        return self.loss_head(hidden, teacher_hidden, teacher_weight, input_ids if labels is None else labels,
-                              token_weight)
+    def forward(self, input_ids, teacher_hidden, teacher_weight, labels=None, token_weight=None,
+                teacher_layers=None, position_mask=None) -> LossTerms:
+        """teacher_layers: the teacher's layer outputs (with hidden_weight > 0); position_mask: None, or `[B, T]`
+        nonzero at the positions the hidden-state term compares (a chat batch's attention_mask: not its padding)."""
+        layers = [] if teacher_layers is not None else None
+        hidden = self.student.model(input_ids, layer_outputs=layers)
+        losses = self.loss_head(hidden, teacher_hidden, teacher_weight, input_ids if labels is None else labels,
+                                token_weight)
+        if teacher_layers is None:
+            return losses
+        return with_hidden_term(losses, hidden_term(layers, teacher_layers, position_mask), self.hidden_weight)
+
+
+def hidden_term(student_layers: Sequence[torch.Tensor], teacher_layers: Sequence[torch.Tensor],
+                position_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """The mean over layers of each student layer output's relative squared error against the teacher's (fp32;
+    `harness.losses.RelativeMSE`), over the positions `position_mask` keeps (all where None)."""
+    if len(student_layers) != len(teacher_layers):
+        raise ValueError(f"hidden-state term: {len(student_layers)} student layer outputs against "
+                         f"{len(teacher_layers)} of the teacher")
+    keep = None if position_mask is None else position_mask.to(student_layers[0].device).bool()
+    errors = []
+    for s, t in zip(student_layers, teacher_layers):
+        if keep is not None:
+            s, t = s[keep], t[keep]
+        errors.append(_relative_mse(s, t))
+    return torch.stack(errors).mean()
+
+
+_relative_mse = RelativeMSE()
+
+
+def with_hidden_term(losses: LossTerms, value: torch.Tensor, weight: float) -> LossTerms:
+    """`losses` with weight x value added to the trained total and value logged as the term 'hidden'."""
+    return LossTerms(losses.total + weight * value, {**losses.terms, "hidden": value.detach().float()}, losses.tokens)
 
 
 class TeacherBody(nn.Module):
-    """The teacher without its head: input ids -> final (normed) hidden states."""
+    """The teacher without its head: input ids -> final (normed) hidden states; with `layer_outputs`, (those, the
+    list of each decoder layer's output), recorded by forward hooks on the layers (which is why the layers then stay
+    uncompiled: `harness.engine.compiles_teacher`)."""
 
-    def __init__(self, teacher_model):
+    def __init__(self, teacher_model, layer_outputs: bool = False):
         super().__init__()
         self.teacher = teacher_model
+        self.layer_outputs = layer_outputs
+        self._recorded: list[torch.Tensor] = []
+        if layer_outputs:
+            for layer in teacher_model.model.layers:
+                layer.register_forward_hook(self._record)
+
+    def _record(self, module, args, output) -> None:
+        self._recorded.append(output[0] if isinstance(output, (tuple, list)) else output)
 
     def forward(self, input_ids):
+        self._recorded = []
         # no KV cache: transformers builds one by default, and a compiled layer would recompile for each cache layer
-        return self.teacher.model(input_ids=input_ids, use_cache=False).last_hidden_state
+        last = self.teacher.model(input_ids=input_ids, use_cache=False).last_hidden_state
+        if not self.layer_outputs:
+            return last
+        layers, self._recorded = self._recorded, []
+        return last, layers
 
 
 def job_loss_terms(job: JobConfig) -> list[TokenLoss]:
@@ -127,6 +176,10 @@ class DistillForward:
         self.clock.mark("teacher_forward")
         weight = None if self.copy_weight == 1.0 else copy_token_weights(ids, self.copy_weight, self.copy_ngram)
         with gathered([self.teacher_head]):
+            if isinstance(t_hidden, tuple):  # stages.distill.hidden_weight: the teacher's layer outputs too
+                t_hidden, t_layers = t_hidden
+                return self.s_engine(ids, t_hidden, self.teacher_head, labels, weight, t_layers,
+                                     batch.get("attention_mask"))
             return self.s_engine(ids, t_hidden, self.teacher_head, labels, weight)
 
 
@@ -175,11 +228,11 @@ def distill(job: JobConfig, *, stop_after_steps: Optional[int] = None) -> Path:
     from harness.student import count_parameters
 
     params = count_parameters(student)
-    model = DistillModel(student, job_loss_terms(job))
+    model = DistillModel(student, job_loss_terms(job), hidden_weight=cfg.hidden_weight)
     s_engine = engine.student_engine(model, engine.student_ds_config(job, cfg, world, bf16),
                                      lambda opt: build_scheduler(opt, cfg, data.steps), job.deepspeed.student_engine,
                                      device)
-    t_body = TeacherBody(teacher.model)
+    t_body = TeacherBody(teacher.model, layer_outputs=cfg.hidden_weight > 0)
     t_engine, placement = engine.build_teacher(t_body, job, cfg, world, s_engine.device, bf16)
     forward = DistillForward(s_engine, t_engine, t_body.teacher.lm_head.weight,
                              copy_weight=job.stages.distill.copy_weight, copy_ngram=job.stages.distill.copy_ngram)
