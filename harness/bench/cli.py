@@ -127,6 +127,10 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
     step.add_argument("--eager-teacher", action="store_true",
                       help="Run the replicated teacher eagerly (stages.distill.compile_teacher=false); by default "
                       "its decoder layers are compiled on a GPU.")
+    step.add_argument("--hidden-weight", type=float, default=0.0, metavar="W",
+                      help="Add stage 3's per-layer hidden-state term at weight W (stages.distill.hidden_weight): the "
+                      "teacher records every layer's output and runs uncompiled. Default 0: the next-token terms "
+                      "alone.")
     step.add_argument("--compile-student", action="store_true",
                       help="With --engine plain on a GPU: compile each student block with torch.compile "
                       "(stages.distill.compile_student); the first steps pay the compilation, so give --warmup "
@@ -253,7 +257,7 @@ def run_cli(args: argparse.Namespace, argv: Optional[Sequence[str]] = None) -> i
                           gradient_checkpointing=args.grad_ckpt or args.grad_ckpt_fraction is not None,
                           recompute_fraction=1.0 if args.grad_ckpt_fraction is None else args.grad_ckpt_fraction,
                           teacher_placement=args.teacher_placement, compile_teacher=not args.eager_teacher,
-                          compile_student=args.compile_student,
+                          compile_student=args.compile_student, hidden_weight=args.hidden_weight,
                           seed=args.seed, attention_layers=_attention_layers(args.attention_layers))
                 if args.teacher:
                     kw["teacher_source"] = args.teacher

@@ -108,7 +108,7 @@ def _build_engines(model: nn.Module, teacher: nn.Module, cfg: Any, world: int, b
     job.deepspeed.teacher_placement = teacher_placement
     s_engine = engine.student_engine(model, engine.student_ds_config(job, cfg, world, bf16),
                                      lambda opt: build_scheduler(opt, cfg, steps), student_engine, device)
-    t_body = TeacherBody(teacher)
+    t_body = TeacherBody(teacher, layer_outputs=cfg.hidden_weight > 0)
     t_engine, placement = engine.build_teacher(t_body, job, cfg, world, s_engine.device, bf16)
     return _StepParts(s_engine, t_engine, model, t_body.teacher.lm_head.weight), placement
 
@@ -137,7 +137,7 @@ def bench_step(shape: str = "135M", mixer: str = "gated_deltanet", *, micro_batc
                peak_flops: Optional[float] = None, measure_peak: bool = False, profile_steps: int = 2,
                gradient_checkpointing: bool = False, recompute_fraction: float = 1.0,
                teacher_placement: str = "auto", compile_teacher: bool = True, compile_student: bool = False,
-               seed: int = 0, attention_layers: Sequence[int] = ()) -> dict[str, Any]:
+               seed: int = 0, attention_layers: Sequence[int] = (), hidden_weight: float = 0.0) -> dict[str, Any]:
     """Time `steps` optimizer steps of stage 3 (after `warmup`) for one teacher shape and mixer (a hybrid with the
     teacher's softmax attention kept in `attention_layers`); see the module
     docstring for what each field means. With zero3, joins (or creates) the process group as stage 3 does
@@ -159,7 +159,8 @@ def bench_step(shape: str = "135M", mixer: str = "gated_deltanet", *, micro_batc
     if device.type == "cuda":
         torch.cuda.set_device(device)
     cfg = DistillConfig(micro_batch_size=micro_batch, grad_accum=grad_accum, schedule="constant",
-                        warmup_fraction=0.0, compile_teacher=compile_teacher, compile_student=compile_student)
+                        warmup_fraction=0.0, compile_teacher=compile_teacher, compile_student=compile_student,
+                        hidden_weight=hidden_weight)
     optimizer_steps = warmup + steps + max(profile_steps, 0)
     shape_name = "custom" if teacher_source else canonical_shape(shape)
 
@@ -176,6 +177,7 @@ def bench_step(shape: str = "135M", mixer: str = "gated_deltanet", *, micro_batc
     row: dict[str, Any] = {
         "shape": shape_name, "teacher": teacher_source or f"SmolLM2-{shape_name} shape, random weights",
         "mixer": mixer, "options": dict(options or {}), "attention_layers": sorted(attention_layers),
+        "hidden_weight": hidden_weight,
         "engine": "zero3" if zero3 else "plain",
         "layers": teacher.config.num_hidden_layers, "micro_batch": micro_batch, "seq_len": seq_len,
         "grad_accum": grad_accum, "gradient_checkpointing": gradient_checkpointing,
@@ -184,7 +186,7 @@ def bench_step(shape: str = "135M", mixer: str = "gated_deltanet", *, micro_batc
         "n_student": n_student, "n_teacher": n_teacher, "flops_per_token": fpt,
         "flops_per_token_formula": f"6 x {n_student:,} + 2 x {n_teacher:,} = {fpt:,.0f}",
     }
-    model = DistillModel(student, token_losses(cfg.loss_terms()))
+    model = DistillModel(student, token_losses(cfg.loss_terms()), hidden_weight=cfg.hidden_weight)
     bf16 = dtype == torch.bfloat16
     parts, row["teacher_placement"] = _build_engines(
         model, teacher, cfg, world, bf16, optimizer_steps, student_ds_config, teacher_ds_config,

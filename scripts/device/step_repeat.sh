@@ -22,7 +22,8 @@
 # gated norm as compiled PyTorch forms instead of fla's kernels; benchmarks/mixer_pieces.py times them alone); norm:
 # `--option pieces=compiled-norm` (only the norm compiled, the pair the pieces' H100 micro-bench found fastest); qkv:
 # `--option fused_qkv=true` (one q/k/v matmul); fast: norm and qkv. pure pins `fused_qkv=false` (the step as measured
-# before fused_qkv became the default); default: whatever the options' defaults are.
+# before fused_qkv became the default); default: whatever the options' defaults are. hidden: default plus stage 3's
+# per-layer hidden-state term at weight HIDDEN (0.1; the teacher then runs uncompiled): what the term costs.
 set -u
 source "$(dirname "${BASH_SOURCE[0]}")/bench_env.sh"  # DEVBUNDLE, OUT, TRITON_CACHE_DIR, PY
 ORDER=${ORDER:-pure hybrid hybrid}
@@ -30,7 +31,7 @@ LAYERS=${LAYERS:-18,23}
 SHAPE=${SHAPE:---shape 135M --seq 2048}
 ARGS="bench --what step $SHAPE --mixer gated_deltanet --engine plain --teacher-placement replicated --micro-batch ${MICRO:-32} --steps ${STEPS:-10} --warmup ${WARMUP:-3} --profile-steps 0"
 for kind in $ORDER; do
-  case $kind in pure|default|hybrid|strict|compiled|pieces|norm|qkv|fast) ;; *) echo "ORDER has $kind: allowed are pure, default, hybrid, strict, compiled, pieces, norm, qkv, fast"; exit 2 ;; esac
+  case $kind in pure|default|hybrid|strict|compiled|pieces|norm|qkv|fast|hidden) ;; *) echo "ORDER has $kind: allowed are pure, default, hybrid, strict, compiled, pieces, norm, qkv, fast, hidden"; exit 2 ;; esac
 done
 { command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,driver_version --format=csv,noheader || uname -m; } >"$OUT/summary.txt"
 echo "args: $ARGS | hybrid: --attention-layers $LAYERS | order: $ORDER | code: $CODE" >>"$OUT/summary.txt"
@@ -46,6 +47,7 @@ for kind in $ORDER; do
     norm) extra="--option pieces=compiled-norm" ;;  # the pure student, its gated norm compiled, fla's conv
     qkv) extra="--option fused_qkv=true" ;;  # the pure student, q/k/v projected by one matmul
     fast) extra="--option pieces=compiled-norm --option fused_qkv=true" ;;  # the fastest pieces and one matmul
+    hidden) extra="--hidden-weight ${HIDDEN:-0.1}" ;;  # the defaults plus stage 3's per-layer hidden-state term
     *) extra="--attention-layers $LAYERS" ;;
   esac
   start=$SECONDS
@@ -70,7 +72,7 @@ for i, k in enumerate(order, 1):
         row = json.loads(path.read_text())["step"][0]
         if "losses_each" in row:
             firsts[k] = row
-family = {"hybrid": "hybrid", "strict": "hybrid"}  # the other kinds train the pure student
+family = {"hybrid": "hybrid", "strict": "hybrid", "hidden": "hidden"}  # the others: the pure student, its loss
 bases = {}
 for kind, row in firsts.items():  # each kind's losses against the first kind of its model's, step by step
     base_kind = bases.setdefault(family.get(kind, "pure"), kind)
