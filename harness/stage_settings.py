@@ -38,7 +38,7 @@ FREE_KEYS = (
     "student.options.fused_qkv",
     "stages.sft.enabled", "deepspeed.teacher_placement", "deepspeed.teacher_config", "stages.distill.gradient_checkpointing",
     "stages.distill.gradient_checkpointing_fraction", "stages.distill.compile_teacher",
-    "stages.distill.compile_student", "stages.align_mixer.streams", "stages.align_hidden.streams",
+    "stages.distill.compile_student",
 )
 # Files whose presence means a stage has work a rerun would reuse (globs under RUN_DIR).
 REUSABLE_WORK = {

@@ -443,32 +443,22 @@ def test_a_mixing_term_the_stage_cannot_apply_is_refused_by_name(make_job, tmp_p
         make_job(tmp_path, *overrides)
 
 
-def test_streams_are_a_gpu_speed_switch_refused_below_one_and_free_to_change_on_resume():
-    """stages.<stage>.streams: no streams on the CPU (every count runs the layers one after another), a count below
-    1 refused by name, and a key that may change between a run and its resume (it changes no number)."""
-    from harness.stage_settings import is_free
-
-    assert align_mod.layer_streams(4, torch.device("cpu")) == []
-    assert align_mod.layer_streams(1, torch.device("cuda")) == []  # one stream: the current one, none made
-    with pytest.raises(ConfigError, match="stages.align_mixer.streams"):
-        load_job(None, ["stages.align_mixer.streams=0"])
-    assert is_free("stages.align_mixer.streams") and is_free("stages.align_hidden.streams")
-
-
-def test_the_stream_benchmark_rehearses_on_the_cpu(tmp_path):
-    """benchmarks/align_streams.py (the GPU measurement of stages.align_mixer.streams) on a 2-layer group: each count's
-    step from the same weights gives the first count's losses and gradients, and every row is timed."""
+def test_the_stage_1_step_benchmark_rehearses_on_the_cpu(tmp_path):
+    """benchmarks/align_step.py (stage 1's step phase by phase, for the GPU) on a 2-layer group: every phase timed and
+    the step's tokens per second written."""
     import os
     import subprocess
     import sys
 
     root, out = Path(__file__).resolve().parents[1], tmp_path / "a.json"
-    done = subprocess.run([sys.executable, "benchmarks/align_streams.py", "--device", "cpu", "--layers", "2",
-                           "--batch", "1", "--seq", "64", "--counts", "1,2", "--steps", "1", "--warmup", "0",
+    done = subprocess.run([sys.executable, "benchmarks/align_step.py", "--device", "cpu", "--layers", "2",
+                           "--batch", "1", "--seq", "64", "--steps", "1", "--warmup", "0",
                            "--option", "chunk_size=16", "--option", "backend=reference", "--out", str(out)],
                           cwd=root, capture_output=True, text=True, timeout=600,
-                          env={**os.environ, "PYTHONPATH": str(root)})
+                          env={**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")]))})
     assert done.returncode == 0, done.stdout + done.stderr
-    rows = json.loads(out.read_text())["rows"]
-    assert [r["streams"] for r in rows] == [1, 2] and all(r["identical_to_first"] for r in rows)
-    assert all(r["tokens_per_s"] > 0 and r["streams_used"] == 1 for r in rows)  # the CPU makes no streams
+    result = json.loads(out.read_text())
+    assert set(result["median_ms"]) == {"capture", "layers", "clip", "optimizer", "step"}
+    assert all(v > 0 for v in result["median_ms"].values()) and result["tokens_per_s"] > 0
+    parts = sum(v for k, v in result["median_ms"].items() if k != "step")
+    assert parts == pytest.approx(result["median_ms"]["step"], rel=1e-6)  # one step, so the medians add up

@@ -1,5 +1,5 @@
-"""scripts/device/short_checks.sh rehearsed on the CPU (SMALL=1, no bundle): the `streams` part runs the stage-1
-stream benchmark and the `hidden` part the stage-3 step bench with and without the hidden-state term, each writing
+"""scripts/device/short_checks.sh rehearsed on the CPU (SMALL=1, no bundle): the `align` part runs the stage-1
+step benchmark and the `hidden` part the stage-3 step bench with and without the hidden-state term, each writing
 what a device call brings back; an unknown part is refused by name."""
 
 import json
@@ -17,18 +17,17 @@ def _run(tmp_path, *parts: str) -> subprocess.CompletedProcess:
                           text=True, timeout=600)
 
 
-def test_the_streams_and_hidden_parts_write_their_results(tmp_path):
-    done = _run(tmp_path, "streams", "hidden")
+def test_the_align_and_hidden_parts_write_their_results(tmp_path):
+    done = _run(tmp_path, "align", "hidden")
     assert done.returncode == 0, done.stdout + done.stderr
     out = tmp_path / "out"
-    rows = json.loads((out / "align_streams.json").read_text())["rows"]
-    assert [r["streams"] for r in rows] == [1, 2] and all(r["identical_to_first"] for r in rows)
+    assert json.loads((out / "align_step.json").read_text())["tokens_per_s"] > 0
     default, hidden = (json.loads((out / f"step_{k}.json").read_text())["step"][0] for k in ("default", "hidden"))
     assert default["hidden_weight"] == 0.0 and hidden["hidden_weight"] == 0.1
     summary = (out / "short_checks.txt").read_text()
-    assert "streams: " in summary and "hidden: " in summary and "code: harness/ sha256" in summary, summary
+    assert "align: " in summary and "hidden: " in summary and "code: harness/ sha256" in summary, summary
 
 
 def test_an_unknown_part_is_refused_by_name(tmp_path):
     done = _run(tmp_path, "window")
-    assert done.returncode == 2 and "unknown part window: allowed are streams, hidden, quadratic" in done.stdout
+    assert done.returncode == 2 and "unknown part window: allowed are align, hidden, quadratic" in done.stdout

@@ -66,14 +66,6 @@ class AlignConfig(StageConfig):
         256, "Leading tokens of each row the matrix-orientation term reads (its [T, T] matrices per head grow with the "
         "square of T).", rule=POSITIVE,
     )
-    streams: int = described(
-        1, "On a GPU: CUDA streams the group's layers run on side by side (layer i on stream i mod streams), each "
-        "layer's forward and backward on its own stream, the optimizer after all. The layers are independent (each "
-        "reads the teacher's activations and has its own loss and parameters), so every layer computes what it "
-        "computes alone; at micro-batch 8 one layer's recurrence kernels fill a fraction of the GPU, and the streams "
-        "let several run at once. 1: one after another. A speed-only switch (free to change on resume); the CPU "
-        "always runs one after another.", rule=POSITIVE,
-    )
 
 
 DISTILL_LOSSES = DistillLoss.values()  # harness.losses.TOKEN_LOSSES

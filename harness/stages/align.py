@@ -26,10 +26,6 @@ Group independence: a group's results depend only on its layers, not on how the 
   group reads alike. `harness transfer` measures the mixers at exactly this start (docs/TRANSFER.md).
 So groups [0, 1] and [2, 3] give bit-for-bit the weights of group [0..3] (on CPU).
 
-On a GPU the group's layers may run side by side on CUDA streams (`stages.<stage>.streams`, `backward_layers`): each
-layer's forward and backward on one stream, the clip and optimizer step after all of them; independence makes this
-a speed switch (benchmarks/align_streams.py compares and times it).
-
 Run-directory files of a group (`group_dir(job, stage, layers)`): checkpoints/step-*/state.pt, metrics.jsonl,
 tb/, weights.safetensors (the group's parameters under their student names, float32) and COMPLETE.json.
 """
@@ -40,7 +36,6 @@ import contextlib
 import json
 import re
 import warnings
-from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Optional
@@ -282,49 +277,26 @@ def mixing_loss(mixer: nn.Module, teacher_attention: Any, x: torch.Tensor, token
 
 def backward_layers(group: nn.ModuleDict, stage: str, acts: Any, rope: Any, scale: float,
                     autocast: Any = contextlib.nullcontext(), loss: str = "mse",
-                    mixing: Optional[tuple[float, int, dict[int, Any]]] = None,
-                    streams: Sequence[Any] = ()) -> tuple[dict[int, torch.Tensor], dict[int, torch.Tensor]]:
+                    mixing: Optional[tuple[float, int, dict[int, Any]]] = None
+                    ) -> tuple[dict[int, torch.Tensor], dict[int, torch.Tensor]]:
     """Backward of scale x each layer's loss, one layer at a time (its graph is freed before the next, and
     layer l's gradient is that of its own loss); the forward runs under `autocast`. `mixing` (weight, tokens,
     {layer: the teacher's AttentionProbe}) adds weight x stage 1's matrix-orientation term to each layer's objective.
-    `streams` (CUDA streams; stages.<stage>.streams): layer i's forward and backward go to streams[i mod n], each
-    after the work queued so far on the current stream, which waits for all of them before returning.
     Returns the unscaled, detached alignment losses and matrix-orientation terms per layer (no terms without
     `mixing`)."""
     losses, terms = {}, {}
-    for i, (key, module) in enumerate(group.items()):
-        with on_stream(streams[i % len(streams)] if streams else None):
-            with autocast:
-                value = layer_loss(module, stage, acts, int(key), rope, loss)
-            objective = value
-            if mixing is not None:
-                weight, tokens, probes = mixing
-                term = mixing_loss(module, probes[int(key)], getattr(acts, KINDS[stage][0])[int(key)], tokens)
-                objective = value + weight * term
-                terms[int(key)] = term.detach()
-            (objective * scale).backward()
-            losses[int(key)] = value.detach()
-    for stream in streams:
-        torch.cuda.current_stream(stream.device).wait_stream(stream)
+    for key, module in group.items():
+        with autocast:
+            value = layer_loss(module, stage, acts, int(key), rope, loss)
+        objective = value
+        if mixing is not None:
+            weight, tokens, probes = mixing
+            term = mixing_loss(module, probes[int(key)], getattr(acts, KINDS[stage][0])[int(key)], tokens)
+            objective = value + weight * term
+            terms[int(key)] = term.detach()
+        (objective * scale).backward()
+        losses[int(key)] = value.detach()
     return losses, terms
-
-
-def on_stream(stream: Any):
-    """A context running its work on `stream` after everything queued so far on the current stream (None: the
-    current stream, no context). Safe for the caching allocator: tensors made on the current stream and read there
-    are freed after it waits for the streams (`backward_layers`), and each stream's own allocations are ordered on
-    it after that wait at the next step."""
-    if stream is None:
-        return contextlib.nullcontext()
-    stream.wait_stream(torch.cuda.current_stream(stream.device))
-    return torch.cuda.stream(stream)
-
-
-def layer_streams(count: int, device: torch.device) -> list[Any]:
-    """`count` CUDA streams on `device` for `backward_layers` (stages.<stage>.streams); none on a CPU or for 1."""
-    if device.type != "cuda" or count <= 1:
-        return []
-    return [torch.cuda.Stream(device) for _ in range(count)]
 
 
 def clip_per_layer(group: nn.ModuleDict, max_norm: float) -> dict[int, float]:
@@ -464,7 +436,6 @@ def _train(run: _Run, resumed: Optional[CheckpointInfo], stop_after_steps: Optio
     total_steps = run.identity["total_steps"]
     rope = rope_for(student_config(run.teacher.model.config, job.student.mixer, dict(job.student.options)), device)
     autocast = stage_autocast(job, device)
-    streams = layer_streams(cfg.streams, device)
     every, done_here, saved_at = job.run.checkpoint_every_tokens, 0, run.step if resumed else -1
     mixing = None
     if run.stage == "align_mixer" and cfg.mixing_weight:
@@ -484,7 +455,7 @@ def _train(run: _Run, resumed: Optional[CheckpointInfo], stop_after_steps: Optio
                 ids = next(run.loader)["input_ids"].to(device)
                 acts = capture_activations(run.teacher.model, ids, layers=run.layers, kinds=KINDS[run.stage])
                 losses, terms = backward_layers(run.group, run.stage, acts, rope(ids), 1 / cfg.grad_accum, autocast,
-                                                cfg.loss, mixing, streams)
+                                                cfg.loss, mixing)
                 for l in run.layers:
                     sums[l] += float(losses[l])
                     term_sums[l] += float(terms[l]) if terms else 0.0
