@@ -214,10 +214,8 @@ def compile_decoder_layers(body: nn.Module) -> int:
 
 
 def compiles_teacher(stage: StageConfig, placement: str, device: torch.device) -> bool:
-    """Whether stage 3 compiles the teacher's layers: a replicated teacher on a GPU, with compile_teacher on and no
-    hidden-state term (whose forward hooks on the layers a compiled layer would trace)."""
-    return (placement == "replicated" and device.type == "cuda" and getattr(stage, "compile_teacher", False)
-            and not getattr(stage, "hidden_weight", 0.0))
+    """Whether stage 3 compiles the teacher's layers: a replicated teacher on a GPU, with compile_teacher on."""
+    return placement == "replicated" and device.type == "cuda" and getattr(stage, "compile_teacher", False)
 
 
 def compile_student_blocks(student: nn.Module) -> int:

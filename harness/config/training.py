@@ -125,7 +125,8 @@ class DistillConfig(StageConfig):
         "1-2 align each layer on the teacher's inputs, and what they fit is lost when the layers compose "
         "(docs/results/retrieval-135m/README.md); this term trains the composition layer by layer. Logged as "
         "'hidden'. It records every teacher layer's output (about layers x micro_batch x seq_len x hidden bf16 "
-        "values) and runs the teacher's layers uncompiled (compile_teacher does not apply).",
+        "values); with the teacher uncompiled it cost 22% of the 135M step on an H100 (docs/BENCHMARKS.md, 'The "
+        "evening's short lease').",
         rule=at_least_zero("off: the next-token terms alone"),
     )
     gradient_checkpointing: bool = described(

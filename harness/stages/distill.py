@@ -109,8 +109,8 @@ def with_hidden_term(losses: LossTerms, value: torch.Tensor, weight: float) -> L
 
 class TeacherBody(nn.Module):
     """The teacher without its head: input ids -> final (normed) hidden states; with `layer_outputs`, (those, the
-    list of each decoder layer's output), recorded by forward hooks on the layers (which is why the layers then stay
-    uncompiled: `harness.engine.compiles_teacher`)."""
+    list of each decoder layer's output), recorded by forward hooks on the layers (a compiled layer traces its hook:
+    the layers still share one graph, tests/test_hidden_term.py)."""
 
     def __init__(self, teacher_model, layer_outputs: bool = False):
         super().__init__()
