@@ -329,10 +329,10 @@ class HarnessModel(HarnessPreTrainedModel):
                 use_cache: bool = False, attention_mask: Optional[torch.Tensor] = None,
                 layer_outputs: Optional[list] = None) -> torch.Tensor:
         """Final hidden states `[B, T, hidden]`; each block's output (the residual stream after it, before the final
-        norm) is appended to `layer_outputs` where one is given (stage 3's hidden-state term). attention_mask: None (no padding), or `[B, seen + T]` over the
-        cached and the new tokens (transformers' convention), 0 at padding: padded tokens leave every state
-        untouched and the rotary positions count real tokens only, so that a padded row computes what it would
-        alone (at its real positions)."""
+        norm) is appended to `layer_outputs` where one is given (stage 3's hidden-state term). attention_mask: None
+        (no padding), or `[B, seen + T]` over the cached and the new tokens (transformers' convention), 0 at padding:
+        padded tokens leave every state untouched and the rotary positions count real tokens only, so that a padded
+        row computes what it would alone (at its real positions)."""
         hidden = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
         rope = attention_rope = None
         if self.rotary_emb is not None or self.attention_rotary is not None:

@@ -129,8 +129,7 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
                       "its decoder layers are compiled on a GPU.")
     step.add_argument("--hidden-weight", type=float, default=0.0, metavar="W",
                       help="Add stage 3's per-layer hidden-state term at weight W (stages.distill.hidden_weight): the "
-                      "teacher records every layer's output and runs uncompiled. Default 0: the next-token terms "
-                      "alone.")
+                      "teacher records every layer's output. Default 0: the next-token terms alone.")
     step.add_argument("--compile-student", action="store_true",
                       help="With --engine plain on a GPU: compile each student block with torch.compile "
                       "(stages.distill.compile_student); the first steps pay the compilation, so give --warmup "

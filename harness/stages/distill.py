@@ -109,8 +109,9 @@ def with_hidden_term(losses: LossTerms, value: torch.Tensor, weight: float) -> L
 
 class TeacherBody(nn.Module):
     """The teacher without its head: input ids -> final (normed) hidden states; with `layer_outputs`, (those, the
-    list of each decoder layer's output), recorded by forward hooks on the layers (a compiled layer traces its hook:
-    the layers still share one graph, tests/test_hidden_term.py)."""
+    list of each decoder layer's output), recorded by one bound method hooked on every layer: a compiled layer
+    traces it and the layers still share one graph (tests/test_hidden_term.py), which a closure per layer index (as
+    `harness.teacher.capture_activations` hooks) would not."""
 
     def __init__(self, teacher_model, layer_outputs: bool = False):
         super().__init__()
