@@ -302,7 +302,13 @@ def backward_layers(group: nn.ModuleDict, stage: str, acts: Any, rope: Any, scal
 def clip_per_layer(group: nn.ModuleDict, max_norm: float) -> dict[int, float]:
     """Clip each layer's gradients separately (max_norm 0: no clipping); returns the pre-clip norms."""
     limit = max_norm if max_norm > 0 else float("inf")
-    return {int(k): float(torch.nn.utils.clip_grad_norm_(m.parameters(), limit)) for k, m in group.items()}
+    return read_per_layer({int(k): torch.nn.utils.clip_grad_norm_(m.parameters(), limit) for k, m in group.items()})
+
+
+def read_per_layer(values: dict[int, torch.Tensor]) -> dict[int, float]:
+    """Per-layer scalars on the device as floats, read in one transfer (each separate read waits for the device,
+    which then idles while the host queues the next layer's work)."""
+    return dict(zip(values, torch.stack(list(values.values())).tolist())) if values else {}
 
 
 def stage_autocast(job: JobConfig, device: torch.device) -> Any:
@@ -456,9 +462,10 @@ def _train(run: _Run, resumed: Optional[CheckpointInfo], stop_after_steps: Optio
                 acts = capture_activations(run.teacher.model, ids, layers=run.layers, kinds=KINDS[run.stage])
                 losses, terms = backward_layers(run.group, run.stage, acts, rope(ids), 1 / cfg.grad_accum, autocast,
                                                 cfg.loss, mixing)
+                read, read_terms = read_per_layer(losses), read_per_layer(terms)
                 for l in run.layers:
-                    sums[l] += float(losses[l])
-                    term_sums[l] += float(terms[l]) if terms else 0.0
+                    sums[l] += read[l]
+                    term_sums[l] += read_terms.get(l, 0.0)
             run.losses = {l: v / cfg.grad_accum for l, v in sums.items()}
             logged_terms = {f"loss/mixing_{l:02d}": v / cfg.grad_accum for l, v in term_sums.items()} if mixing else {}
             mean = check_finite(sum(run.losses.values()) / len(run.losses), run.step + 1,
