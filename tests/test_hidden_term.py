@@ -189,3 +189,19 @@ def test_a_job_with_hidden_weight_trains_and_logs_the_term_in_stage_3(tmp_path, 
     assert rows[-1]["hidden"] < rows[0]["hidden"]
     assert any("val_hidden" in r for r in _rows(out))
     assert (out / "student" / "config.json").is_file()
+
+
+def test_recomputed_blocks_train_the_term_as_kept_activations_do(tmp_path):
+    """With gradient_checkpointing the recorded block outputs come out of the recomputed blocks: the same logged
+    losses and hidden terms step by step as with every activation kept (the term's gradient flows through them)."""
+    from tests.test_distill import _rows, launch, write_job
+
+    common = ["deepspeed.student_engine=plain", "deepspeed.teacher_placement=replicated",
+              "stages.distill.hidden_weight=2.0"]
+    kept, recomputed = tmp_path / "kept", tmp_path / "recomputed"
+    launch(write_job(tmp_path, kept, *common))
+    launch(write_job(tmp_path, recomputed, *common, "stages.distill.gradient_checkpointing=true"))
+    a, b = ([r for r in _rows(out) if "loss" in r] for out in (kept, recomputed))
+    assert len(a) == len(b) >= 5
+    for x, y in zip(a, b):
+        assert y["loss"] == pytest.approx(x["loss"], rel=1e-5) and y["hidden"] == pytest.approx(x["hidden"], rel=1e-5)
