@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -21,11 +23,16 @@ def test_the_align_and_hidden_parts_write_their_results(tmp_path):
     done = _run(tmp_path, "align", "hidden")
     assert done.returncode == 0, done.stdout + done.stderr
     out = tmp_path / "out"
-    assert json.loads((out / "align_step.json").read_text())["tokens_per_s"] > 0
+    align = json.loads((out / "align_step.json").read_text())  # stage 1's step, phase by phase (one step)
+    assert set(align["median_ms"]) == {"capture", "layers", "clip", "optimizer", "step"} and align["tokens_per_s"] > 0
+    assert sum(v for k, v in align["median_ms"].items() if k != "step") == pytest.approx(align["median_ms"]["step"])
+    # the hidden kind: the default student plus 0.1 x the term, on the same first batch; compared with no other kind
     default, hidden = (json.loads((out / f"step_{k}.json").read_text())["step"][0] for k in ("default", "hidden"))
     assert default["hidden_weight"] == 0.0 and hidden["hidden_weight"] == 0.1
+    assert hidden["losses_each"][0] > default["losses_each"][0]
     summary = (out / "short_checks.txt").read_text()
     assert "align: " in summary and "hidden: " in summary and "code: harness/ sha256" in summary, summary
+    assert "hidden against" not in (out / "step_hidden_summary.txt").read_text()
 
 
 def test_an_unknown_part_is_refused_by_name(tmp_path):

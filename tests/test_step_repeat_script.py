@@ -57,15 +57,3 @@ def test_an_unknown_kind_is_refused_by_name_before_anything_runs(tmp_path):
     allowed = "allowed are pure, default, hybrid, strict, compiled, pieces, norm, qkv, fast, hidden"
     assert done.returncode == 2 and f"ORDER has window: {allowed}" in done.stdout, done.stdout
 
-
-def test_the_hidden_kind_benches_the_step_with_the_hidden_state_term(tmp_path):
-    """`hidden`: the default student with --hidden-weight (HIDDEN, 0.1 unless set); another objective, so its losses
-    are compared with no other kind's."""
-    done = _run(tmp_path, "default hidden")
-    assert done.returncode == 0, done.stdout + done.stderr
-    summary = (tmp_path / "out/summary.txt").read_text()
-    default, hidden = (json.loads((tmp_path / f"out/{tag}.json").read_text())["step"][0]
-                       for tag in ("01-default", "02-hidden"))
-    assert default["hidden_weight"] == 0.0 and hidden["hidden_weight"] == 0.1
-    assert hidden["losses_each"][0] > default["losses_each"][0]  # the same first batch, plus 0.1 x the term
-    assert "hidden against" not in summary and "02-hidden exit 0" in summary, summary
