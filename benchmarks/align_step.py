@@ -41,12 +41,13 @@ def build(shape: str, mixer: str, options: dict, layers: int, device: torch.devi
 
 
 def measure(args) -> dict:
+    from harness.bench.cli import _parse_options
     from harness.stages.align import KINDS, backward_layers, clip_per_layer, param_groups
     from harness.student import rope_for
     from harness.teacher import capture_activations
 
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    options = {k: _value(v) for k, v in (kv.split("=", 1) for kv in args.option)}
+    options = _parse_options(args.option)  # `harness bench`'s own KEY=VALUE parsing
     teacher, group, config = build(args.shape, args.mixer, options, args.layers, device)
     g = torch.Generator(device="cpu").manual_seed(1)
     ids = torch.randint(0, teacher.config.vocab_size, (args.batch, args.seq), generator=g).to(device)
@@ -83,15 +84,6 @@ def measure(args) -> dict:
             "batch": args.batch, "seq": args.seq, "steps": args.steps, "warmup": args.warmup,
             "median_ms": median, "tokens_per_s": tokens_per_s,
             "peak_mem_gib": torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None}
-
-
-def _value(text: str):
-    for cast in (int, float):
-        try:
-            return cast(text)
-        except ValueError:
-            pass
-    return {"true": True, "false": False}.get(text.lower(), text)
 
 
 def main(argv=None) -> int:
