@@ -27,7 +27,8 @@ test: setup
 	@bash slurm/local/cluster.sh install >/dev/null 2>&1 || echo "note: Slurm not installable here; tests/slurm will skip"
 	@# passwordless ssh to 127.0.0.1:2222 and pdsh, for the deepspeed launcher's pdsh mode (needs root): skipped without
 	@bash scripts/loopback_ssh.sh start >/dev/null 2>&1 || echo "note: no loopback ssh here; the pdsh-mode test will skip"
-	$(PY) -m pytest -q
+	@# two workers (pytest-xdist), a file's tests on one of them; tests/conftest.py groups the files that must not overlap
+	$(PY) -m pytest -q -n 2 --dist loadgroup
 
 test-gpu: setup
 	$(PY) -m pytest -q tests/gpu

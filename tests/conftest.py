@@ -20,6 +20,23 @@ import torch
 from tests.tiny import tiny_llama
 
 
+ROOT = Path(__file__).resolve().parents[1]
+# Files whose tests must not overlap one another under pytest-xdist: the local Slurm cluster's tests (one cluster at a
+# time; its stage-3 jobs rendezvous on the fixed port 29500), the launchers' (loopback ssh and pdsh, nodes killed and
+# hung against collective timeouts) and test_checkpoint.py (a fixed port).
+ONE_AT_A_TIME = ("tests/slurm/", "tests/test_launchers.py", "tests/test_checkpoint.py")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Groups for `make test`'s `-n 2 --dist loadgroup`: a file's tests run on one worker (its module fixtures built
+    once), and the files of ONE_AT_A_TIME share one group, so that no two of them run at once."""
+    for item in items:
+        path = Path(str(item.fspath)).resolve()
+        name = path.relative_to(ROOT).as_posix() if path.is_relative_to(ROOT) else path.as_posix()
+        group = "one-at-a-time" if name.startswith(ONE_AT_A_TIME) else name
+        item.add_marker(pytest.mark.xdist_group(group))
+
+
 @pytest.fixture(scope="session")
 def tiny_llama_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A random 4-layer Llama (hidden 64, 4 heads over 2 KV heads, vocab 128) saved with save_pretrained."""
