@@ -22,8 +22,8 @@ from tests.tiny import tiny_llama
 
 ROOT = Path(__file__).resolve().parents[1]
 # Files whose tests must not overlap one another under pytest-xdist: the local Slurm cluster's tests (one cluster at a
-# time; its stage-3 jobs rendezvous on the fixed port 29500), the launchers' (loopback ssh and pdsh, nodes killed and
-# hung against collective timeouts) and test_checkpoint.py (a fixed port).
+# time: two clusters both number their jobs from 1, and stage 3 rendezvous on 29500 + the job id), the launchers'
+# (loopback ssh and pdsh, nodes killed and hung against collective timeouts) and test_checkpoint.py (a fixed port).
 ONE_AT_A_TIME = ("tests/slurm/", "tests/test_launchers.py", "tests/test_checkpoint.py")
 
 

@@ -59,7 +59,7 @@ def test_multi_node_rendering_and_graph(job_and_path):
     assert "#SBATCH --account=proj" in merge and "stage merge" in merge
     assert "#SBATCH --nodes=2" in distill and "#SBATCH --gpus-per-node=4" in distill
     assert "--nnodes=2 --nproc_per_node=4" in distill and "scontrol show hostnames" in distill
-    assert "srun" in distill and 'rdzv_endpoint="$MASTER_ADDR:29500"' in distill
+    assert "srun" in distill and 'rdzv_endpoint="$MASTER_ADDR:$MASTER_PORT"' in distill
     spec = (Path(job.output_dir) / "eval.yaml").resolve()
     assert f"-m harness.cli eval job {spec}" in evaluation and "#SBATCH --gpus-per-node=1" in evaluation
     assert "#SBATCH --nodes=1" in evaluation and "--signal=B:USR1@" in evaluation and "--requeue" in evaluation
@@ -79,7 +79,7 @@ def test_deepspeed_multi_node_rendering(job_and_path):
     hostfile = f'{(Path(job.output_dir) / "slurm").resolve()}/hostfile-"$SLURM_JOB_ID"'
     assert f"export HOSTFILE={hostfile}" in distill and "sed 's/$/ slots=4/' > \"$HOSTFILE\"" in distill
     assert ("srun --kill-on-bad-exit=1 bash -c 'exec python3 -m deepspeed.launcher.runner --hostfile \"$HOSTFILE\" "
-            "--master_addr=\"$MASTER_ADDR\" --master_port=29500 --no_ssh --node_rank=\"$SLURM_NODEID\" --module "
+            "--master_addr=\"$MASTER_ADDR\" --master_port=\"$MASTER_PORT\" --no_ssh --node_rank=\"$SLURM_NODEID\" --module "
             "harness.cli stage distill") in distill
     assert "torch.distributed.run" not in distill and "one deepspeed launcher per node" in distill
     ssh = next(p.script for p in plan_jobs(job, str(path), [], SlurmOptions(nodes=8, node_launch="ssh"),
@@ -106,11 +106,31 @@ def test_the_rendered_deepspeed_srun_command_gives_each_node_its_rank(job_and_pa
     distill = next(p.script for p in plan_jobs(job, str(path), [], SlurmOptions(nodes=2, gpus_per_node=4),
                                                  python="python3") if p.stage == "distill")
     line = next(x for x in distill.splitlines() if x.startswith("srun "))[:-2]  # without the trailing " &"
-    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "HOSTFILE": "/h", "MASTER_ADDR": "n0"}
+    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "HOSTFILE": "/h", "MASTER_ADDR": "n0",
+           "MASTER_PORT": "29507"}
     ran = subprocess.run(["bash", "-c", line], capture_output=True, text=True, env=env, timeout=30)
     assert ran.returncode == 0, ran.stderr
     assert [x.split(" --module")[0].split()[-1] for x in ran.stdout.splitlines()] == ["--node_rank=0", "--node_rank=1"]
-    assert "--hostfile /h --master_addr=n0" in ran.stdout
+    assert "--hostfile /h --master_addr=n0 --master_port=29507" in ran.stdout
+
+
+@pytest.mark.parametrize("launcher", ["torchrun", "deepspeed"])
+def test_stage_3_jobs_sharing_a_node_rendezvous_on_ports_of_their_own(job_and_path, launcher):
+    """The rendered script's MASTER_PORT line, run by bash for several job ids: one port per job id, the same on
+    every node of a job, between 29500 and the ephemeral ports (a fixed port made two jobs on one node collide)."""
+    job, path = job_and_path
+    job.run.launcher = launcher
+    distill = next(p.script for p in plan_jobs(job, str(path), [], SlurmOptions(nodes=2, gpus_per_node=4),
+                                                 python="python3") if p.stage == "distill")
+    line = next(x for x in distill.splitlines() if x.startswith("export MASTER_ADDR="))
+    ports = []
+    for job_id in ("1", "2", "1999", "2001", "48213"):
+        ran = subprocess.run(["bash", "-c", f'{line}; echo "$MASTER_PORT"'], capture_output=True, text=True,
+                             env={**os.environ, "SLURM_JOB_ID": job_id, "FIRST_NODE": "n0"}, timeout=30)
+        assert ran.returncode == 0, ran.stderr
+        ports.append(int(ran.stdout))
+    assert ports == [29501, 29502, 31499, 29501, 29713]  # 29500 + id % 2000
+    assert all(29500 <= p < 32768 for p in ports)
 
 
 def test_world_size_must_match_the_allocation(job_and_path):

@@ -224,7 +224,7 @@ def plan_jobs(job: JobConfig, job_path: str, overrides: list[str], opts: SlurmOp
     def training(stage: str, title: str) -> PlannedJob:  # stage 3 or SFT on --nodes nodes
         how, prepare, command = distill_launch(opts, launcher, py, f"-m harness.cli stage {stage} {job_args}", folder)
         script = _render("distill.sbatch", stage=stage, title=title, nodes=opts.nodes,
-                         procs_per_node=max(1, opts.gpus_per_node), port=PORT, how=how, prepare=prepare,
+                         procs_per_node=max(1, opts.gpus_per_node), port=PORT, ports=PORTS, how=how, prepare=prepare,
                          resources=opts.resources(opts.gpus_per_node), launch=launch(command), **common)
         return PlannedJob(stage, script, previous)
 
@@ -301,7 +301,8 @@ def plan_ranking(job: JobConfig, job_path: str, overrides: list[str], opts: Slur
     return [PlannedJob("rank", rank, None, len(groups)), PlannedJob("rank_merge", merge, "rank")]
 
 
-PORT = 29500  # stage 3's rendezvous port on the allocation's first node
+PORT = 29500  # stage 3's rendezvous port on the first node is PORT + SLURM_JOB_ID % PORTS (distill.sbatch), so that
+PORTS = 2000  # jobs sharing a node (one GPU each on a shared node) do not collide; below the ephemeral ports (32768)
 NODE_LAUNCHES = ("srun", "ssh")
 
 
@@ -350,12 +351,13 @@ def distill_launch(opts: SlurmOptions, launcher: str, py: str, target: str, fold
     srun = "srun --kill-on-bad-exit=1"
     if launcher == "torchrun":
         command = (f"{srun} {py} -m torch.distributed.run --nnodes={opts.nodes} --nproc_per_node={procs} "
-                   f"--rdzv_backend=c10d --rdzv_endpoint=\"$MASTER_ADDR:{PORT}\" --rdzv_id=\"$SLURM_JOB_ID\" {target}")
+                   "--rdzv_backend=c10d --rdzv_endpoint=\"$MASTER_ADDR:$MASTER_PORT\" --rdzv_id=\"$SLURM_JOB_ID\" "
+                   f"{target}")
         return "srun starts one torchrun per node", "", command
     folder = shlex.quote(str(folder.resolve()))
     hostfile = HOSTFILE.format(folder=folder, slots=procs)
     runner = (f"{py} -m deepspeed.launcher.runner --hostfile \"$HOSTFILE\" --master_addr=\"$MASTER_ADDR\" "
-              f"--master_port={PORT}")
+              "--master_port=\"$MASTER_PORT\"")
     module = target.replace("-m ", "--module ", 1)
     if opts.node_launch == "srun":
         # $SLURM_NODEID differs per node: expanded by each task's own shell, not by the batch shell
