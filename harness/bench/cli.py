@@ -10,7 +10,7 @@ import os
 import sys
 import traceback
 from pathlib import Path
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 
@@ -245,76 +245,13 @@ def run_cli(args: argparse.Namespace, argv: Optional[Sequence[str]] = None) -> i
         raise ConfigError(f"--what {','.join(needs_cuda)} needs CUDA: the fla / mlstm_kernels kernels are Triton "
                           "(GPU only)")
     if "step" in what:
-        results["step"] = []
-        for shape in shapes:
-            for mixer in mixers:
-                kw = dict(micro_batch=args.micro_batch, seq_len=args.seq, steps=args.steps, warmup=args.warmup,
-                          grad_accum=args.grad_accum, dtype=args.dtype, device=device, zero3=args.engine == "zero3",
-                          layers=args.layers, options=options, student_ds_config=args.student_ds_config,
-                          teacher_ds_config=args.teacher_ds_config, peak_flops=args.peak_flops,
-                          measure_peak=args.measure_peak, profile_steps=args.profile_steps,
-                          gradient_checkpointing=args.grad_ckpt or args.grad_ckpt_fraction is not None,
-                          recompute_fraction=1.0 if args.grad_ckpt_fraction is None else args.grad_ckpt_fraction,
-                          teacher_placement=args.teacher_placement, compile_teacher=not args.eager_teacher,
-                          compile_student=args.compile_student, hidden_weight=args.hidden_weight,
-                          seed=args.seed, attention_layers=_attention_layers(args.attention_layers))
-                if args.teacher:
-                    kw["teacher_source"] = args.teacher
-                try:
-                    row = bench_step(shape if not args.teacher else "custom", mixer, **kw)
-                except Exception as err:  # noqa: BLE001 - record and go on with the next combination
-                    if world > 1:
-                        raise  # a rank failing alone would leave the others in a collective
-                    row = {"shape": shape, "mixer": mixer, "error": f"{type(err).__name__}: {err}",
-                           "trace": traceback.format_exc(limit=8)}
-                free_memory()  # the engines of this combination (one combination per process is leaner still)
-                results["step"].append(row)
-                if rank == 0:
-                    print(json.dumps({k: v for k, v in row.items() if k not in ("trace", "step_ms_each")},
-                                     default=str), flush=True)
-                    _say_why_no_mfu(row)
-                save()
+        _bench_steps(args, results, save, shapes, mixers, options, device, rank, world)
     if rank == 0 and "kernels" in what:
-        layouts = [s for s in shapes if s in SHAPES and s != "tiny"] or ["1.7B"]
-        results["kernels"] = []
-
-        def on_row(row: dict) -> None:  # saved as rows arrive: a time-limited call keeps what finished
-            results["kernels"].append(row)
-            print(json.dumps({k: v for k, v in row.items() if k != "trace"}), flush=True)
-            save()
-
-        bench_kernels(layouts, mixers, batch=args.kernel_batch or args.micro_batch, seq=args.seq,
-                      variants=_split(args.variants), max_seconds=args.max_seconds, on_row=on_row)
+        _bench_kernels(args, results, save, shapes, mixers)
     if rank == 0 and "recurrences" in what:
-        layouts = [LAYOUT_OF_SHAPE[s] for s in shapes if s in LAYOUT_OF_SHAPE] or ["smollm2-135m", "smollm2-1.7b"]
-        done: list[dict] = []
-
-        def on_recurrence(row: dict) -> None:  # saved as rows arrive, as the kernel rows are
-            done.append(row)
-            results["recurrences"] = {**recurrence_header(batch), "results": done}
-            save()
-
-        batch = args.kernel_batch or args.micro_batch
-        cases = [m for m in mixers if m in kernel_cases()]  # a mixer without a kernel case has no kernel to check
-        results["recurrences"] = measure_errors(None, shapes=layouts, cases=cases, B=batch, Ts=(args.seq,),
-                                                max_seconds=args.max_seconds, seed=args.seed, on_row=on_recurrence)
+        _bench_recurrences(args, results, save, shapes, mixers)
     if rank == 0 and "decode" in what:
-        results["decode"] = []
-        contexts = [int(c) for c in _split(args.contexts)]
-        kept = _attention_layers(args.attention_layers)
-        for shape, mixer, batch in itertools.product(shapes, mixers, _decode_batches(args.decode_batches)):
-            try:
-                res = bench_decode(shape if not args.teacher else "custom", mixer, contexts=contexts,
-                                   new_tokens=args.new_tokens, batch=batch, dtype=args.dtype, device=device,
-                                   teacher_source=args.teacher, layers=args.layers, options=options,
-                                   teacher=not args.no_teacher_decode, seed=args.seed,
-                                   attention_layers=kept)
-            except Exception as err:  # noqa: BLE001
-                res = {"shape": shape, "mixer": mixer, "batch": batch, "error": f"{type(err).__name__}: {err}",
-                       "trace": traceback.format_exc(limit=8)}
-            results["decode"].append(res)
-            print(json.dumps(res, default=str), flush=True)
-            save()
+        _bench_decodes(args, results, save, shapes, mixers, options, device)
     if rank == 0:
         results["targets"] = collect_targets(results)
         print(markdown(results))
@@ -323,6 +260,100 @@ def run_cli(args: argparse.Namespace, argv: Optional[Sequence[str]] = None) -> i
             print(f"[harness bench] wrote {args.out} and {Path(args.out).with_suffix('.md')}")
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         torch.distributed.barrier()
+    return _exit_code(results, rank)
+
+
+def _bench_steps(args: argparse.Namespace, results: dict, save: Callable[[], None], shapes: list[str],
+                 mixers: list[str], options: dict, device: torch.device, rank: int, world: int) -> None:
+    """--what step: one stage-3 step measurement per (shape, mixer), each saved as it finishes; a failure is kept
+    in its row and the next combination runs (on one rank: with several, it is raised)."""
+    results["step"] = []
+    for shape in shapes:
+        for mixer in mixers:
+            kw = dict(micro_batch=args.micro_batch, seq_len=args.seq, steps=args.steps, warmup=args.warmup,
+                      grad_accum=args.grad_accum, dtype=args.dtype, device=device, zero3=args.engine == "zero3",
+                      layers=args.layers, options=options, student_ds_config=args.student_ds_config,
+                      teacher_ds_config=args.teacher_ds_config, peak_flops=args.peak_flops,
+                      measure_peak=args.measure_peak, profile_steps=args.profile_steps,
+                      gradient_checkpointing=args.grad_ckpt or args.grad_ckpt_fraction is not None,
+                      recompute_fraction=1.0 if args.grad_ckpt_fraction is None else args.grad_ckpt_fraction,
+                      teacher_placement=args.teacher_placement, compile_teacher=not args.eager_teacher,
+                      compile_student=args.compile_student, hidden_weight=args.hidden_weight,
+                      seed=args.seed, attention_layers=_attention_layers(args.attention_layers))
+            if args.teacher:
+                kw["teacher_source"] = args.teacher
+            try:
+                row = bench_step(shape if not args.teacher else "custom", mixer, **kw)
+            except Exception as err:  # noqa: BLE001 - record and go on with the next combination
+                if world > 1:
+                    raise  # a rank failing alone would leave the others in a collective
+                row = {"shape": shape, "mixer": mixer, "error": f"{type(err).__name__}: {err}",
+                       "trace": traceback.format_exc(limit=8)}
+            free_memory()  # the engines of this combination (one combination per process is leaner still)
+            results["step"].append(row)
+            if rank == 0:
+                print(json.dumps({k: v for k, v in row.items() if k not in ("trace", "step_ms_each")},
+                                 default=str), flush=True)
+                _say_why_no_mfu(row)
+            save()
+
+
+def _bench_kernels(args: argparse.Namespace, results: dict, save: Callable[[], None], shapes: list[str],
+                   mixers: list[str]) -> None:
+    """--what kernels: each mixer's layer on its kernels against its reference, rows saved as they arrive (a
+    time-limited call keeps what finished)."""
+    layouts = [s for s in shapes if s in SHAPES and s != "tiny"] or ["1.7B"]
+    results["kernels"] = []
+
+    def on_row(row: dict) -> None:
+        results["kernels"].append(row)
+        print(json.dumps({k: v for k, v in row.items() if k != "trace"}), flush=True)
+        save()
+
+    bench_kernels(layouts, mixers, batch=args.kernel_batch or args.micro_batch, seq=args.seq,
+                  variants=_split(args.variants), max_seconds=args.max_seconds, on_row=on_row)
+
+
+def _bench_recurrences(args: argparse.Namespace, results: dict, save: Callable[[], None], shapes: list[str],
+                       mixers: list[str]) -> None:
+    """--what recurrences: each mixer's recurrence kernel against its reference, rows saved as they arrive."""
+    layouts = [LAYOUT_OF_SHAPE[s] for s in shapes if s in LAYOUT_OF_SHAPE] or ["smollm2-135m", "smollm2-1.7b"]
+    batch = args.kernel_batch or args.micro_batch
+    done: list[dict] = []
+
+    def on_recurrence(row: dict) -> None:
+        done.append(row)
+        results["recurrences"] = {**recurrence_header(batch), "results": done}
+        save()
+
+    cases = [m for m in mixers if m in kernel_cases()]  # a mixer without a kernel case has no kernel to check
+    results["recurrences"] = measure_errors(None, shapes=layouts, cases=cases, B=batch, Ts=(args.seq,),
+                                            max_seconds=args.max_seconds, seed=args.seed, on_row=on_recurrence)
+
+
+def _bench_decodes(args: argparse.Namespace, results: dict, save: Callable[[], None], shapes: list[str],
+                   mixers: list[str], options: dict, device: torch.device) -> None:
+    """--what decode: per-token decoding of student and teacher for each (shape, mixer, batch); a failure is kept
+    in its row."""
+    results["decode"] = []
+    contexts = [int(c) for c in _split(args.contexts)]
+    kept = _attention_layers(args.attention_layers)
+    for shape, mixer, batch in itertools.product(shapes, mixers, _decode_batches(args.decode_batches)):
+        try:
+            res = bench_decode(shape if not args.teacher else "custom", mixer, contexts=contexts,
+                               new_tokens=args.new_tokens, batch=batch, dtype=args.dtype, device=device,
+                               teacher_source=args.teacher, layers=args.layers, options=options,
+                               teacher=not args.no_teacher_decode, seed=args.seed, attention_layers=kept)
+        except Exception as err:  # noqa: BLE001
+            res = {"shape": shape, "mixer": mixer, "batch": batch, "error": f"{type(err).__name__}: {err}",
+                   "trace": traceback.format_exc(limit=8)}
+        results["decode"].append(res)
+        print(json.dumps(res, default=str), flush=True)
+        save()
+
+
+def _exit_code(results: dict, rank: int) -> int:
+    """1 when a measurement failed or a step measurement did not train (each said on stderr by rank 0), else 0."""
     failed = [r for part in ("step", "kernels", "decode") for r in results.get(part) or [] if "error" in r]
     failed += [r for r in (results.get("recurrences") or {}).get("results", []) if r.get("error") or r.get("failed")]
     if failed and rank == 0:

@@ -236,21 +236,7 @@ def bench_step(shape: str = "135M", mixer: str = "gated_deltanet", *, micro_batc
         row["losses_last"] = {"total": losses.pop("loss"), **losses}  # the last step's total and every term
         row.update(training_health(totals, getattr(parts.s_engine, "skipped_steps", None)))
         row["grad_norms_each"] = norms  # a norm that grows step by step before a NaN is divergence, not a kernel
-        if dev.type == "cuda":
-            row["peak_mem_bytes"] = int(torch.cuda.max_memory_allocated(dev))
-            row["peak_mem_reserved_bytes"] = int(torch.cuda.max_memory_reserved(dev))
-            row["peak_mem_kind"] = "torch.cuda.max_memory_allocated over warmup + measured steps"
-        else:
-            from harness.observe import peak_memory_bytes
-
-            row["peak_mem_bytes"] = peak_memory_bytes()
-            row["peak_mem_kind"] = "peak RSS of the process (ru_maxrss), models and set-up included"
-        if world > 1:  # the largest rank's peak (the one that has to fit)
-            t = torch.tensor([float(row["peak_mem_bytes"])], dtype=torch.float64, device=dev)
-            torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
-            row["peak_mem_bytes"] = int(t.item())
-            row["peak_mem_kind"] += ", max over ranks"
-        row["peak_mem_gib"] = row["peak_mem_bytes"] / GIB
+        row.update(_peak_memory(dev, world))
         if profile_steps > 0:  # the plain engine too: its top operators
             row["comm"] = _profile_comm(trainer, batches, dev, profile_steps)
             row["top_ops"] = row["comm"].pop("top_ops", None)
@@ -259,29 +245,59 @@ def bench_step(shape: str = "135M", mixer: str = "gated_deltanet", *, micro_batc
     finally:
         for h in handles:
             h.remove()
-    tokens_per_step = micro_batch * seq_len * grad_accum * world
+    row.update(_rate_fields(per_step, wall, steps, micro_batch * seq_len * grad_accum * world, world,
+                            row.get("comm", {})))
+    row.update(mfu_fields(dev, dtype, row["tokens_per_s"], fpt, world, peak_flops, measure_peak))
+    row["notes"] = list(NOTES)
+    return row
+
+
+def _peak_memory(dev: torch.device, world: int) -> dict[str, Any]:
+    """Peak memory of the steps so far: CUDA's max allocated (and reserved) on a GPU, the process's peak RSS on a
+    CPU; over several ranks the largest (the one that has to fit)."""
+    if dev.type == "cuda":
+        out = {"peak_mem_bytes": int(torch.cuda.max_memory_allocated(dev)),
+               "peak_mem_reserved_bytes": int(torch.cuda.max_memory_reserved(dev)),
+               "peak_mem_kind": "torch.cuda.max_memory_allocated over warmup + measured steps"}
+    else:
+        from harness.observe import peak_memory_bytes
+
+        out = {"peak_mem_bytes": peak_memory_bytes(),
+               "peak_mem_kind": "peak RSS of the process (ru_maxrss), models and set-up included"}
+    if world > 1:
+        t = torch.tensor([float(out["peak_mem_bytes"])], dtype=torch.float64, device=dev)
+        torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
+        out["peak_mem_bytes"] = int(t.item())
+        out["peak_mem_kind"] += ", max over ranks"
+    out["peak_mem_gib"] = out["peak_mem_bytes"] / GIB
+    return out
+
+
+def _rate_fields(per_step: list[dict[str, float]], wall: float, steps: int, tokens_per_step: int, world: int,
+                 comm: dict[str, Any]) -> dict[str, Any]:
+    """Tokens per step and per second, the step's time (mean and each) and its breakdown by phase, and the GPU's
+    busy share (the profiled pass's kernel time over the measured step)."""
     step_ms = wall * 1e3 / max(steps, 1)
     tps = tokens_per_step * steps / wall if wall > 0 else 0.0
     breakdown = summarise_phases(per_step)
-    row.update({
+    return {
         "tokens_per_step": tokens_per_step, "step_ms": step_ms, "step_ms_each": [sum(s.values()) for s in per_step],
         "tokens_per_s": tps, "tokens_per_s_per_device": tps / world,
-        **mfu_fields(dev, dtype, tps, fpt, world, peak_flops, measure_peak),
         "breakdown_ms": breakdown["ms"], "breakdown_pct": breakdown["pct"], "breakdown_sum_ms": breakdown["sum_ms"],
-        # kernel time (profiled pass) over the measured step: well below 1 = the host cannot feed the GPU
-        "gpu_busy": (row["comm"]["compute_kernel_ms"] / step_ms
-                     if step_ms > 0 and "compute_kernel_ms" in row.get("comm", {}) else None),
-        "notes": [
-            "tokens = input tokens (micro_batch x seq_len x grad_accum x world per step)",
-            "mfu = tokens/s x flops_per_token / (world x datasheet dense bf16 peak); mfu_measured_peak: the same "
-            "over the measured matmul peak (harness.flops)",
-            "flops_per_token counts dense FLOPs only: 6 x student params + 2 x teacher params (embeddings "
-            "included, a tied head once; no attention scores, no recurrences)",
-            "loss includes the logits' gradient (computed in the loss forward); backward is the body's",
-            "communication is inside teacher_forward / student_forward / loss / backward; see comm",
-        ],
-    })
-    return row
+        # well below 1 = the host cannot feed the GPU
+        "gpu_busy": comm["compute_kernel_ms"] / step_ms if step_ms > 0 and "compute_kernel_ms" in comm else None,
+    }
+
+
+NOTES = [  # what every row's fields mean, written into each row
+    "tokens = input tokens (micro_batch x seq_len x grad_accum x world per step)",
+    "mfu = tokens/s x flops_per_token / (world x datasheet dense bf16 peak); mfu_measured_peak: the same "
+    "over the measured matmul peak (harness.flops)",
+    "flops_per_token counts dense FLOPs only: 6 x student params + 2 x teacher params (embeddings "
+    "included, a tied head once; no attention scores, no recurrences)",
+    "loss includes the logits' gradient (computed in the loss forward); backward is the body's",
+    "communication is inside teacher_forward / student_forward / loss / backward; see comm",
+]
 
 
 def resolve_peak(device: torch.device, override: Optional[float] = None) -> tuple[Optional[float], str]:
