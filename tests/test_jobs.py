@@ -14,8 +14,13 @@ JOBS = sorted((Path(__file__).resolve().parents[1] / "jobs").rglob("*.yaml"))
 
 
 @pytest.mark.parametrize("path", JOBS, ids=[p.name for p in JOBS])
-def test_job_file_is_valid(path):
-    job = load_job(path)
+def test_job_file_is_valid(path, tiny_llama_dir):
+    """Valid as written; a job whose teacher a script makes under runs/ (jobs/retrieval-toy/: scripts/toy_teacher.py)
+    is validated with a stand-in teacher folder there."""
+    from omegaconf import OmegaConf
+
+    made = str(OmegaConf.load(path).get("teacher", {}).get("source", "")).startswith("runs/")
+    job = load_job(path, [f"teacher.source={tiny_llama_dir}"] if made else [])
     assert all(p.steps >= 1 for p in plan_stages(job))
 
 
