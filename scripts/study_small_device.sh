@@ -127,6 +127,7 @@ tag_overrides() {  # the job overrides of a lane tag
     authors-delta) echo "student.options.conv_init=random student.options.gate_init=random" \
                         "student.options.output_scale=none student.options.qkv_activation=silu" ;;
     seed2) echo "seed=2" ;;  # seed noise: another init draw and data order
+    lr3e-4) echo "stages.distill.lr=3.0e-4" ;;  # stage 3 at 3x the 12M jobs' 1e-4 (the toy's lr lever, issue 50)
     *) echo "unknown lane tag '$1'" >&2; return 1 ;;
   esac
 }
