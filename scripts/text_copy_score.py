@@ -11,6 +11,9 @@ bootstrap interval, beside the same score on the first showing (what the model g
 
     .venv/bin/python scripts/text_copy_score.py runs/toy/teacher runs/toy/gdn-prose-s0/student --out OUT.json
 
+The scoring is the evaluation task's (harness.eval.tasks.text_copy, `text_copy:` of an evaluation spec, on by
+default); this script scores any model folders, e.g. the snapshots kept along stage 3.
+
 Each MODEL is what `harness eval copy` takes (a student folder or a teacher source); a run folder is expanded to its
 merged student (RUN/merged), its kept stage-3 snapshots (RUN/eval/snapshots/tokens-N) and its student (RUN/student).
 """
@@ -25,41 +28,7 @@ from pathlib import Path
 
 import torch
 
-
-def documents(n: int, seed: int, length: tuple[int, int]) -> list[str]:
-    """n generator:copy documents: a string, a cue, the string again."""
-    from harness.data.generators import make_generator
-
-    gen = make_generator("copy", {"seed": seed, "length": list(length), "copies": [1, 1]})
-    return [gen.document(i) for i in range(n)]
-
-
-def score_document(model, tokenizer, doc: str, skip: int, device) -> tuple[float, float] | None:
-    """(accuracy on the second showing's last tokens, on the first showing's same tokens), greedy, teacher-forced;
-    None when the string is too short to score past `skip` tokens."""
-    ids = tokenizer(doc, add_special_tokens=False)["input_ids"]
-    half = _string_tokens(tokenizer, doc)
-    n = half - skip
-    if n < 2 or 2 * half > len(ids) + 2:
-        return None
-    x = torch.tensor([ids], device=device)
-    with torch.no_grad():
-        guess = model(input_ids=x).logits[0, :-1].argmax(-1).cpu()
-    right = (guess == torch.tensor(ids[1:])).float()
-    second = right[len(ids) - 1 - n:]  # predictions of the last n tokens
-    first = right[half - 1 - n: half - 1]  # the first showing's last n tokens (before the cue)
-    return second.mean().item(), first.mean().item()
-
-
-def _string_tokens(tokenizer, doc: str) -> int:
-    """Tokens of the string alone (the document is string + cue + string; the cue has no letters or digits)."""
-    from harness.data.generators import CopyOptions
-
-    for cue in sorted(CopyOptions().cues, key=len, reverse=True):
-        a, sep, b = doc.partition(cue)
-        if sep and a == b:
-            return len(tokenizer(a, add_special_tokens=False)["input_ids"])
-    raise ValueError(f"not a string + cue + string document: {doc[:60]!r}")
+from harness.eval.tasks.text_copy import documents, score_document
 
 
 def bootstrap(values: list[float], seed: int = 0, draws: int = 2000) -> tuple[float, float]:

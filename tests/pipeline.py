@@ -82,7 +82,7 @@ def tiny_job(root: Path, out: Path, *overrides: str, total: int = 40_960) -> Job
 
 
 NO_BUILT_IN_TASKS = ("eval.enabled=true", "eval.tasks=[]", "eval.niah.lengths=[]", "eval.perplexity_tokens=0",
-                     "eval.copy=null")  # the copy probe runs by default
+                     "eval.copy=null", "eval.text_copy=null")  # the copy probe and the copy on text run by default
 
 
 def student_run(root: Path, out: Path, *overrides: str, seed: int = 0) -> Path:

@@ -137,7 +137,7 @@ def test_the_evaluation_job_passes_generation_batch_size_everywhere(tmp_path, mo
     monkeypatch.setattr(lm_eval_tasks, "run_benchmarks",
                         lambda *a, **k: seen.setdefault("bench", k["generate_batch_size"]))
     spec.job = None  # no perplexity
-    spec.copy = None  # nor the copy probe, which needs a model (it generates nothing)
+    spec.copy = spec.text_copy = None  # nor the copy probe and the copy on text, which need a model (no generation)
     job.evaluate_model(None, None, spec, tmp_path / "out", label="m", device=torch.device("cpu"), progress=False)
     assert seen == {"niah": 4, "chat": 4, "bench": 4}
     path = tmp_path / "eval.yaml"

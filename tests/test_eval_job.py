@@ -108,9 +108,9 @@ def test_a_rerun_reuses_every_result(run, monkeypatch):
     """After a finished evaluation nothing is recomputed (the same path resumes an interrupted one)."""
     spec = _spec(run)
     eval_job.run_eval_spec(spec, progress=False)
-    kept = ("niah_cells.jsonl", "bench.json", "perplexity.json", "chat_samples.json")  # niah.json, the report:
-    before = {p: p.stat().st_mtime_ns for p in (run / "eval").rglob("*") if p.name in kept}  # re-summarised
-    assert len(before) == 8
+    kept = ("niah_cells.jsonl", "bench.json", "perplexity.json", "chat_samples.json", "text_copy.jsonl")  # niah.json,
+    before = {p: p.stat().st_mtime_ns for p in (run / "eval").rglob("*") if p.name in kept}  # the report: re-summarised
+    assert len(before) == 10
 
     def fail(*args, **kwargs):
         raise AssertionError("recomputed")
@@ -118,6 +118,7 @@ def test_a_rerun_reuses_every_result(run, monkeypatch):
     monkeypatch.setattr("harness.eval.niah.generate_answers", fail)
     monkeypatch.setattr("harness.eval.lm_eval_tasks.evaluate_task", fail)
     monkeypatch.setattr("harness.eval.perplexity.perplexity", fail)
+    monkeypatch.setattr("harness.eval.tasks.text_copy.document_hits", fail)
     eval_job.run_eval_spec(spec, progress=False)
     assert {p: p.stat().st_mtime_ns for p in before} == before
 

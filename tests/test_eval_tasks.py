@@ -76,9 +76,10 @@ def toy():
 
 
 def test_the_registry_lists_the_built_in_tasks():
-    assert tasks.task_names()[:7] == ("benchmarks", "niah", "perplexity", "chat_samples", "copy", "state", "ifeval")
-    assert [t.name for t in tasks.tasks_in_run_order()][:7] == ["perplexity", "niah", "copy", "chat_samples", "ifeval",
-                                                                "state", "benchmarks"]
+    assert tasks.task_names()[:8] == ("benchmarks", "niah", "perplexity", "chat_samples", "copy", "text_copy", "state",
+                                      "ifeval")
+    assert [t.name for t in tasks.tasks_in_run_order()][:8] == ["perplexity", "niah", "copy", "text_copy",
+                                                                "chat_samples", "ifeval", "state", "benchmarks"]
     with pytest.raises(ConfigError, match="Unknown evaluation task 'nope'. The registered tasks: benchmarks "
                                           r"\(tasks, limit, batch_size\), niah \(niah\)"):
         tasks.get_task("nope")

@@ -1,12 +1,14 @@
 """scripts/text_copy_score.py (copy accuracy on copy documents): a model that copies by construction scores 100% on
 the second showing, one that ignores the context scores its first-showing rate there too, the string's tokens are
-found behind each cue, and a run folder expands to its merged student, snapshots and student."""
+found behind each cue (harness.eval.tasks.text_copy holds the scoring the script imports), and a run folder
+expands to its merged student, snapshots and student."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
+from harness.eval.tasks.text_copy import _string_tokens
 from tests.pipeline import load_script, tiny_tokenizer
 
 
@@ -33,7 +35,7 @@ def test_a_copier_scores_every_scored_token_and_a_blind_model_none():
     docs = m.documents(12, seed=3, length=(6, 12))
     for doc in docs:
         ids = tok(doc, add_special_tokens=False)["input_ids"]
-        half = m._string_tokens(tok, doc)
+        half = _string_tokens(tok, doc)
         copier = Copier(len(ids) - half, len(tok))  # the second showing's tokens sit len - half after the first's
         second, _ = m.score_document(copier, tok, doc, skip=2, device="cpu")
         assert second == 1.0, doc
@@ -42,12 +44,12 @@ def test_a_copier_scores_every_scored_token_and_a_blind_model_none():
 
 
 def test_the_string_is_found_behind_any_cue():
-    m, tok = script(), tiny_tokenizer()
+    tok = tiny_tokenizer()
     for cue in ("\n\n", " | ", " || ", " // ", "\n--\n"):
         doc = "river city music" + cue + "river city music"
-        assert m._string_tokens(tok, doc) == len(tok("river city music", add_special_tokens=False)["input_ids"])
+        assert _string_tokens(tok, doc) == len(tok("river city music", add_special_tokens=False)["input_ids"])
     with pytest.raises(ValueError, match="not a string"):
-        m._string_tokens(tok, "river city music")
+        _string_tokens(tok, "river city music")
 
 
 def test_a_run_folder_expands_to_merged_snapshots_and_student(tmp_path):

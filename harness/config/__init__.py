@@ -14,7 +14,7 @@ loads a model.
                 POST_TRAINING)
     runtime     deepspeed: and run: (DeepSpeedConfig, RunConfig)
     evaluation  eval: (EvalConfig, NiahConfig, DuringConfig, the copy and state probes' CopyConfig, StateConfig,
-                the instruction-following evaluation's IfevalConfig)
+                the instruction-following evaluation's IfevalConfig, the copy score on text's TextCopyConfig)
     job         JobConfig, the sections together
     planning    the token-to-step plan (plan_stages, plan_sft, requested_tokens, reads_instructions) and the stages
                 a job's pipeline runs (pipeline_stages)
@@ -26,8 +26,8 @@ Every name is importable from `harness.config` itself.
 
 from harness.config.data import DataConfig, InstructionsConfig, MixSourceConfig
 from harness.config.evaluation import (DISTRACTORS, CopyConfig, CopyError, DuringConfig, EvalConfig, IfevalConfig,
-                                       NiahConfig, StateConfig, check_eval, default_copy_settings, default_positions,
-                                       keys_under)
+                                       NiahConfig, StateConfig, TextCopyConfig, check_eval, default_copy_settings,
+                                       default_positions, keys_under)
 from harness.config.fields import (FRACTION, POSITIVE, ConfigError, Rule, at_least_zero, bad_choice, check_fields,
                                    choice_of_field, described, each, unwrap_optional, without_index)
 from harness.config.job import JobConfig
@@ -48,6 +48,7 @@ __all__ = [
     "CopyError", "DataConfig", "DeepSpeedConfig", "DistillConfig", "DuringConfig", "EvalConfig", "IfevalConfig",
     "InstructionsConfig", "JobConfig", "LossTermConfig", "MixSourceConfig", "NiahConfig", "Rule", "RunConfig",
     "SftConfig", "StageConfig", "StagePlan", "StagesConfig", "StateConfig", "StudentConfig", "TeacherConfig",
+    "TextCopyConfig",
     "at_least_zero", "auto_layer_count", "auto_layer_measure", "bad_choice", "check_eval", "check_fields",
     "choice_of_field", "default_copy_settings", "default_positions", "described", "each", "field_help",
     "keys_under", "load_job", "pipeline_stages", "plan_sft", "plan_stages", "reads_instructions",

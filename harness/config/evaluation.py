@@ -1,5 +1,6 @@
 """The job's `eval:` section: what the evaluation job runs on the final student (benchmarks, the NIAH grid,
-perplexity, chat samples, the copy and state probes, instruction following) and the small evaluation along stage 3.
+perplexity, chat samples, the copy and state probes, the copy score on text, instruction following) and the small
+evaluation along stage 3.
 
 The copy and state probes' settings (`CopyConfig`, `StateConfig`) check themselves when they are built, as the
 evaluation spec's sections `copy:` and `state:` and as a job's eval.copy and eval.state; `keys_under` says which
@@ -248,6 +249,34 @@ class IfevalConfig:
         "smaller).", rule=POSITIVE)
 
 
+TEXT_COPY_LENGTH = Rule(lambda v: len(v) == 2 and 1 <= v[0] <= v[1],
+                        "be two numbers of units [lo, hi] with 1 <= lo <= hi (generator:copy's `length`)")
+
+
+@dataclass
+class TextCopyConfig:
+    """The copy score on text (harness.eval.tasks.text_copy): documents of the harness's `generator:copy` (a random
+    string of words, pseudo-words, letter or digit groups, a cue, the string again), teacher-forced greedy accuracy
+    on the second showing beside the first. The section `text_copy:` of an evaluation spec, and a job's
+    eval.text_copy."""
+
+    documents: int = described(64, "Copy documents scored per model (one forward pass each); the interval is "
+                               "bootstrapped over them.", rule=POSITIVE)
+    seed: int = described(
+        7, "Seed of the documents (generator:copy's `seed`). Jobs that train on generator:copy use other seeds "
+        "(e.g. 0 for the toy teacher, 1 for its students' stage 3), so these documents are none a model saw.")
+    length: list[int] = described(
+        help="Units per string, [lo, hi] (generator:copy's `length`): words, pseudo-words, letter or digit groups.",
+        factory=lambda: [8, 32], rule=TEXT_COPY_LENGTH)
+    skip: int = described(
+        2, "Tokens at the start of each showing left unscored (the cue can change how the second showing's first "
+        "tokens are split); a document whose string has fewer than skip + 2 tokens is left out.",
+        rule=Rule(lambda n: n >= 1, "be at least 1 (a showing's first token has no token before it to read)"))
+    during_documents: int = described(
+        32, "Along stage 3 (eval.every_tokens), only the first N documents are scored (fewer when `documents` is "
+        "smaller).", rule=POSITIVE)
+
+
 def default_copy_settings() -> CopyConfig:
     """The copy probe that the evaluation job runs unless told otherwise: its own defaults with the induction scores
     on (eval.copy's default, and that of a spec without a `copy:` section)."""
@@ -324,6 +353,13 @@ class EvalConfig:
         "prompt- and instruction-level accuracy, strict and loose): prompts, max_new_tokens, prompt, "
         "during_prompts. null (the default): off; a mapping turns it on with the defaults for the keys it leaves "
         "out ({} all of them); along stage 3 the first during_prompts prompts."
+    )
+    text_copy: Optional[TextCopyConfig] = described(
+        help="The copy score on text (`text_copy:` of RUN/eval.yaml): generator:copy documents (a random string, a "
+        "cue, the string again), teacher-forced greedy accuracy on the second showing beside the first, for student "
+        "and teacher: documents, seed, length, skip, during_documents. Default: on with those defaults (64 short "
+        "forward passes per model); along stage 3 the first during_documents documents. null: off.",
+        factory=TextCopyConfig,
     )
 
 def check_eval(ev: EvalConfig) -> None:

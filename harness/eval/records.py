@@ -1,6 +1,7 @@
-"""Resumable JSON-lines record files of the evaluations (NIAH, copy, state, ifeval): a header line holding the
-settings every record depends on, then one record a line, each appended and synced as it is finished, so that a run
-that stops resumes after its last whole record. Each evaluation keys its records and words its errors itself."""
+"""Resumable JSON-lines record files of the evaluations (NIAH, copy, copy on text, state, ifeval): a header line
+holding the settings every record depends on, then one record a line, each appended and synced as it is finished, so
+that a run that stops resumes after its last whole record. Each evaluation keys its records and words its errors
+itself."""
 
 from __future__ import annotations
 

@@ -11,11 +11,13 @@ evaluations along stage 3 (harness.eval.during).
     chat_samples.py  greedy answers to fixed chat prompts (harness.eval.chat_samples)
     copy_probe.py    copy accuracy on random tokens shown twice, induction and previous-token scores per layer
                      (harness.eval.copy)
+    text_copy.py     copy accuracy on text: generator:copy documents (string, cue, string), the second showing
+                     beside the first (a task in one module; scripts/text_copy_score.py uses its scoring)
     state_probe.py   recurrent state along the context, retrieval against distance (harness.eval.state)
     ifeval.py        instruction following: IFEval-style prompts scored by if-verifiable (off unless asked)
 
-Importing the package registers those seven, in that order (the order of the reports; the job runs them cheap
-first: perplexity, NIAH, copy, chat samples, instruction following, state, benchmarks).
+Importing the package registers those eight, in that order (the order of the reports; the job runs them cheap
+first: perplexity, NIAH, copy, copy on text, chat samples, instruction following, state, benchmarks).
 """
 
 from harness.eval.tasks.base import (Curve, EvalTask, Score, ScoredTask, TaskResults, describe_tasks, get_task,
@@ -27,9 +29,10 @@ from harness.eval.tasks.ifeval import IfevalTask
 from harness.eval.tasks.niah import NiahTask
 from harness.eval.tasks.perplexity import PerplexityTask
 from harness.eval.tasks.state_probe import StateTask
+from harness.eval.tasks.text_copy import TextCopyTask
 
-for _task in (BenchmarksTask(), NiahTask(), PerplexityTask(), ChatSamplesTask(), CopyTask(), StateTask(),
-              IfevalTask()):
+for _task in (BenchmarksTask(), NiahTask(), PerplexityTask(), ChatSamplesTask(), CopyTask(), TextCopyTask(),
+              StateTask(), IfevalTask()):
     register_task(_task, replace=True)
 
 __all__ = ["Curve", "EvalTask", "Score", "ScoredTask", "TaskResults", "describe_tasks", "get_task", "register_task",
