@@ -66,3 +66,17 @@ def test_a_run_folder_expands_to_merged_snapshots_and_student(tmp_path):
 def test_the_interval_holds_the_mean():
     lo, hi = script().bootstrap([0.0, 0.5, 1.0, 1.0, 0.25])
     assert lo <= 0.55 <= hi and 0.0 <= lo < hi <= 1.0
+
+
+def test_pairs_give_b_minus_a_over_the_documents_both_scored():
+    m = script()
+    rows = [{"model": "a", "per_document": {"0": 0.2, "1": 0.4, "2": 0.3, "5": 1.0}},
+            {"model": "b", "per_document": {"0": 0.5, "1": 0.6, "2": 0.7}}]
+    (d,) = m.paired(rows, ["a:b"])
+    assert d["model_a"] == "a" and d["model_b"] == "b" and d["n"] == 3  # document 5 is a's alone
+    assert d["diff"] == pytest.approx((0.3 + 0.2 + 0.4) / 3)
+    lo, hi = d["ci"]
+    assert 0.2 - 1e-9 <= lo <= d["diff"] <= hi <= 0.4 + 1e-9 and d["excludes_zero"]  # the smallest and largest differences
+    assert "+30.0 pts" in m.markdown([], [d])
+    with pytest.raises(SystemExit, match="scored models"):
+        m.paired(rows, ["a:c"])
