@@ -87,6 +87,17 @@ def test_the_registry_lists_the_built_in_tasks():
         tasks.register_task(tasks.get_task("niah").__class__())
 
 
+def test_eval_job_help_lists_every_registered_task_in_run_order(toy, capsys):
+    with pytest.raises(SystemExit):
+        harness_main(["eval", "job", "--help"])
+    out = capsys.readouterr().out
+    lines = out.split("in the order they run:\n")[1].split("\n\n")[0].splitlines()
+    assert [line.split()[0] for line in lines] == [t.name for t in tasks.tasks_in_run_order()]
+    by_name = {line.split()[0]: line for line in lines}
+    assert "toy" in by_name  # a task registered from outside is listed too
+    assert by_name["ifeval"].endswith("(off unless asked)") and not by_name["copy"].endswith("(off unless asked)")
+
+
 def test_a_toy_task_runs_is_reported_and_paired(toy, tmp_path, capsys):
     a, b = eval_run(tmp_path, "run-a", 0), eval_run(tmp_path, "run-b", 1)
     assert "toy:\n  examples: 6\n  offset: 3\n" in (a / "eval.yaml").read_text()  # its section of the spec

@@ -40,14 +40,24 @@ def rewrite_argv(argv: list[str]) -> list[str]:
     return argv
 
 
+def registered_tasks() -> str:
+    """One line per registered evaluation task, in run order: its name (the spec's and a job's eval.<name> key, where
+    it has settings), its title, and whether a spec that names no settings for it runs it."""
+    from harness.eval.tasks import tasks_in_run_order
+
+    return "\n".join(f"  {t.name:<13} {t.title}{'' if t.runs_by_default else ' (off unless asked)'}"
+                     for t in tasks_in_run_order())
+
+
 def add_parsers(sub: Any) -> None:
     """The `eval` command (with job/niah/bench/ppl) and the `report` command."""
     ev = sub.add_parser("eval", help="Evaluate: the evaluation job (eval.yaml), or NIAH / benchmarks / perplexity.",
                         description=EVAL_DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
     ev_sub = ev.add_subparsers(title="evaluations", metavar="EVAL")
     job = ev_sub.add_parser("job", help="Run an evaluation spec (RUN_DIR/eval.yaml, written by stage 3).",
-                            description="Evaluate the spec's student and its teacher (perplexity, NIAH, "
-                            "benchmarks, as the spec asks), then write OUTPUT_DIR/report.md and report.json.",
+                            description="Evaluate the spec's student and its teacher on the tasks it asks for, then "
+                            "write OUTPUT_DIR/report.md and report.json.\n\nThe registered tasks, in the order they "
+                            f"run:\n{registered_tasks()}",
                             epilog="example:\n  harness eval runs/quickstart/eval.yaml tasks=[piqa] limit=20",
                             formatter_class=argparse.RawDescriptionHelpFormatter)
     job.add_argument("spec", help="The evaluation spec, e.g. runs/quickstart/eval.yaml.")
