@@ -249,7 +249,7 @@ class IfevalConfig:
         "smaller).", rule=POSITIVE)
 
 
-TEXT_COPY_LENGTH = Rule(lambda v: len(v) == 2 and 1 <= v[0] <= v[1],
+_TEXT_COPY_LENGTH = Rule(lambda v: len(v) == 2 and 1 <= v[0] <= v[1],
                         "be two numbers of units [lo, hi] with 1 <= lo <= hi (generator:copy's `length`)")
 
 
@@ -267,7 +267,7 @@ class TextCopyConfig:
         "(e.g. 0 for the toy teacher, 1 for its students' stage 3), so these documents are none a model saw.")
     length: list[int] = described(
         help="Units per string, [lo, hi] (generator:copy's `length`): words, pseudo-words, letter or digit groups.",
-        factory=lambda: [8, 32], rule=TEXT_COPY_LENGTH)
+        factory=lambda: [8, 32], rule=_TEXT_COPY_LENGTH)
     skip: int = described(
         2, "Tokens at the start of each showing left unscored (the cue can change how the second showing's first "
         "tokens are split); a document whose string has fewer than skip + 2 tokens is left out.",
