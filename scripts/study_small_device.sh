@@ -128,6 +128,7 @@ tag_overrides() {  # the job overrides of a lane tag
                         "student.options.output_scale=none student.options.qkv_activation=silu" ;;
     seed2) echo "seed=2" ;;  # seed noise: another init draw and data order
     lr3e-4) echo "stages.distill.lr=3.0e-4" ;;  # stage 3 at 3x the 12M jobs' 1e-4 (the toy's lr lever, issue 50)
+    lr1e-3) echo "stages.distill.lr=1.0e-3" ;;  # 10x: the rate at which the toy's student copies again
     *) echo "unknown lane tag '$1'" >&2; return 1 ;;
   esac
 }
